@@ -1,0 +1,96 @@
+"""Argument validation shared by every op.
+
+Every check raises ``TypeError`` (wrong kind or dtype) or ``ValueError`` (wrong
+shape, layout, device or aliasing) with a message that names the argument, what
+was expected and what was given. Checks are plain ``if``/``raise``, never
+``assert``, so they survive ``python -O``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+
+
+def check_tensor(name: str, value: object) -> torch.Tensor:
+    """Return ``value`` if it is a tensor, else raise ``TypeError`` naming ``name``."""
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(value).__name__}")
+    return value
+
+
+def check_dtype(name: str, t: torch.Tensor, allowed: Iterable[torch.dtype]) -> None:
+    allowed = tuple(allowed)
+    if t.dtype not in allowed:
+        names = ", ".join(str(d).removeprefix("torch.") for d in allowed)
+        raise TypeError(f"{name}: expected dtype in ({names}), got {str(t.dtype).removeprefix('torch.')}")
+
+
+def check_shape(name: str, t: torch.Tensor, expected: Sequence[int | None], what: str = "") -> None:
+    """Check ``t.shape`` against ``expected``; ``None`` entries match any size."""
+    shape = tuple(t.shape)
+    ok = len(shape) == len(expected) and all(e is None or e == s for e, s in zip(expected, shape))
+    if not ok:
+        want = "[" + ", ".join("*" if e is None else str(e) for e in expected) + "]"
+        extra = f" ({what})" if what else ""
+        raise ValueError(f"{name}: expected shape {want}{extra}, got {list(shape)}")
+
+
+def check_same_device(**tensors: torch.Tensor | None) -> torch.device:
+    """All given tensors must live on one device; return it."""
+    items = [(n, t) for n, t in tensors.items() if t is not None]
+    first_name, first = items[0]
+    for name, t in items[1:]:
+        if t.device != first.device:
+            raise ValueError(f"{name}: expected device {first.device} (the device of {first_name}), got {t.device}")
+    return first.device
+
+
+def memory_span(t: torch.Tensor) -> tuple[int, int]:
+    """Half-open byte range ``[start, end)`` that ``t`` can touch in its storage."""
+    if t.numel() == 0:
+        return (t.data_ptr(), t.data_ptr())
+    lo = hi = 0
+    for size, stride in zip(t.shape, t.stride()):
+        extent = (size - 1) * stride
+        if extent < 0:
+            lo += extent
+        else:
+            hi += extent
+    item = t.element_size()
+    return (t.data_ptr() + lo * item, t.data_ptr() + (hi + 1) * item)
+
+
+def check_no_overlap(outputs: dict[str, torch.Tensor | None], inputs: dict[str, torch.Tensor | None]) -> None:
+    """No output may share memory with an input or with another output.
+
+    The test is conservative: two tensors whose byte ranges intersect are
+    rejected even if their strides would interleave without touching.
+    """
+    outs = [(n, t) for n, t in outputs.items() if t is not None]
+    others = [(n, t) for n, t in inputs.items() if t is not None]
+    for i, (oname, out) in enumerate(outs):
+        o_lo, o_hi = memory_span(out)
+        for name, t in others + outs[i + 1 :]:
+            if t.device != out.device or t.numel() == 0 or out.numel() == 0:
+                continue
+            lo, hi = memory_span(t)
+            if lo < o_hi and o_lo < hi:
+                raise ValueError(
+                    f"{oname}: must not overlap {name} in memory "
+                    f"({oname} bytes [{o_lo:#x}, {o_hi:#x}), {name} bytes [{lo:#x}, {hi:#x}))"
+                )
+
+
+def check_no_internal_overlap(name: str, t: torch.Tensor) -> None:
+    """Reject tensors in which two indices address the same element (e.g. expanded views)."""
+    dims = sorted((abs(st), sz) for sz, st in zip(t.shape, t.stride()) if sz > 1)
+    reach = 1
+    for stride, size in dims:
+        if stride < reach:
+            raise ValueError(
+                f"{name}: expected a tensor whose elements do not alias each other, "
+                f"got shape {list(t.shape)} with strides {list(t.stride())}"
+            )
+        reach = stride * size

@@ -1,0 +1,373 @@
+"""Paired-block benchmark harness with correctness checks, shared by every op.
+
+A run takes an op's experiment module (cases, inputs, reference, providers) and
+a config, and writes ``<raw_root>/<run-id>/``:
+
+* ``samples.csv``: one row per timing sample (case, provider, regime, clock,
+  block, sample, microseconds). The copy bandwidth of the same run is the
+  pseudo-case ``copy``.
+* ``validation.csv``: every provider's check against the reference, before and
+  after timing (status, mismatching elements, max |diff|, error text). A
+  provider that fails is recorded and excluded from timing, never dropped.
+* ``cases.csv``: each case's shape parameters, byte floor and FLOPs.
+* ``config.yaml`` (the config as run) and ``env.json``.
+
+Method: providers are interleaved inside each block (rotated per block, so no
+provider always runs first), several samples each, several blocks. Clocks:
+``graph`` (CUDA Graph replay, launch overhead removed) and ``eager`` (plain
+calls; CUDA events around them, so CPU launch gaps count). Cache regimes:
+``hot`` (the same buffers back to back, a sample is the mean of enough calls to
+last ~200 us) and ``evicted`` (an L2-sized buffer is overwritten before each
+single timed call, so inputs come from HBM). On CPU (smoke runs) the only clock
+is ``wall`` (``time.perf_counter``) and the only regime ``hot``.
+"""
+
+from __future__ import annotations
+
+import csv
+import datetime as dt
+import json
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+from tqdm.auto import tqdm
+
+from dsfuse.bench import env as env_mod
+
+Outputs = tuple[torch.Tensor, ...]
+
+
+@dataclass
+class Case:
+    """One measured configuration: a named shape and mode with its floors."""
+
+    name: str
+    mode: str  # "fwd" or "fwd+bwd"
+    params: dict[str, Any]
+    bytes: int  # fewest bytes the op must move through device memory
+    flops: int = 0
+
+
+@dataclass
+class Provider:
+    """An implementation to check and time.
+
+    ``build(case, inputs)`` returns a zero-argument callable that runs the op on
+    those inputs and returns its outputs (for ``fwd+bwd``: the gradients too).
+    A callable may carry ``reset()`` to restore state it mutates (in-place ops).
+    ``check``: ``"bitwise"`` (bit patterns equal to the reference) or
+    ``"allclose"`` (``rtol``/``atol``). ``role``: ``"candidate"`` (dsfuse),
+    ``"control"`` (same contract; the fastest valid one is the ratio baseline),
+    ``"anchor"`` (a related public kernel with a different contract: reported,
+    never a ratio baseline).
+    """
+
+    name: str
+    build: Callable[[Case, dict], Callable[[], Outputs]]
+    role: str = "control"
+    check: str = "bitwise"
+    rtol: float = 0.0
+    atol: float = 0.0
+    applies: Callable[[Case], str | None] = lambda case: None  # reason it does not apply
+    expect: Callable[[Case, Outputs], Outputs] | None = None  # reference outputs -> this provider's outputs
+    form: str = ""  # candidates are compared with controls of the same form (e.g. "in-place")
+
+
+@dataclass
+class CheckResult:
+    ok: bool
+    mismatches: int = 0
+    max_abs_diff: float = 0.0
+    detail: str = ""
+
+
+def compare(outputs: Outputs, expected: Outputs, provider: Provider, case: Case) -> CheckResult:
+    """Compare a provider's outputs with the reference outputs."""
+    if provider.expect is not None:
+        expected = provider.expect(case, expected)
+    if len(outputs) != len(expected):
+        return CheckResult(False, detail=f"{len(outputs)} outputs, expected {len(expected)}")
+    total, worst = 0, 0.0
+    for i, (got, want) in enumerate(zip(outputs, expected)):
+        if got.shape != want.shape or got.dtype != want.dtype:
+            return CheckResult(False, detail=f"output {i}: {got.dtype}{list(got.shape)}, expected {want.dtype}{list(want.shape)}")
+        got, want = got.detach(), want.detach()
+        if provider.check == "bitwise":
+            bad = bits(got) != bits(want)
+        else:
+            bad = ~torch.isclose(got.float(), want.float(), rtol=provider.rtol, atol=provider.atol, equal_nan=True)
+        n_bad = int(bad.sum())
+        total += n_bad
+        if n_bad:
+            diff = (got.float() - want.float()).abs()[bad]
+            finite = diff[torch.isfinite(diff)]
+            worst = max(worst, float(finite.max()) if finite.numel() else float("inf"))
+    return CheckResult(total == 0, total, worst)
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """The raw bit patterns of ``t`` as integers (so -0.0 != +0.0 and NaN == same NaN)."""
+    view = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
+    return t.contiguous().view(view)
+
+
+# -- timing ----------------------------------------------------------------------------------
+
+
+class Timer:
+    """Times a callable in one (clock, regime); GPU via CUDA events, CPU via perf_counter."""
+
+    def __init__(self, device: torch.device, flush_bytes: int, hot_target_us: float = 200.0):
+        self.device = device
+        self.hot_target_us = hot_target_us
+        self.flush = torch.empty(flush_bytes // 4, dtype=torch.float32, device=device) if device.type == "cuda" else None
+
+    def reps_for(self, fn: Callable[[], Any]) -> int:
+        """Calls per hot sample so that one sample lasts about ``hot_target_us``."""
+        us = self.once(fn)
+        return int(min(1000, max(1, self.hot_target_us // max(us, 1e-3))))
+
+    def once(self, fn: Callable[[], Any]) -> float:
+        if self.device.type != "cuda":
+            t0 = time.perf_counter()
+            fn()
+            return (time.perf_counter() - t0) * 1e6
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) * 1e3
+
+    def samples(self, fn: Callable[[], Any], regime: str, n: int, reps: int) -> list[float]:
+        """``n`` samples in microseconds per call."""
+        if self.device.type != "cuda":
+            out = []
+            for _ in range(n):
+                t0 = time.perf_counter()
+                for _ in range(reps):
+                    fn()
+                out.append((time.perf_counter() - t0) * 1e6 / reps)
+            return out
+        events = []
+        for _ in range(n):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            if regime == "evicted":
+                self.flush.add_(1.0)  # overwrite an L2-sized buffer: the next call reads from HBM
+                start.record()
+                fn()
+                end.record()
+            else:
+                start.record()
+                for _ in range(reps):
+                    fn()
+                end.record()
+            events.append((start, end))
+        torch.cuda.synchronize(self.device)
+        per_call = 1 if regime == "evicted" else reps
+        return [s.elapsed_time(e) * 1e3 / per_call for s, e in events]
+
+
+def capture_graph(fn: Callable[[], Outputs], device: torch.device) -> tuple[torch.cuda.CUDAGraph, Outputs]:
+    """Capture ``fn`` (warmed up on a side stream first); return the graph and its static outputs."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = fn()
+    torch.cuda.synchronize(device)
+    return graph, outputs
+
+
+def copy_bandwidth_samples(timer: Timer, device: torch.device, nbytes: int, blocks: int, n: int) -> tuple[list[dict], int]:
+    """Device-to-device copy of ``nbytes``: the run's bandwidth ceiling (bytes read + written)."""
+    src = torch.randn(nbytes // 4, device=device)
+    dst = torch.empty_like(src)
+    fn = lambda: dst.copy_(src)  # noqa: E731
+    rows = []
+    clocks = {"eager" if device.type == "cuda" else "wall": fn}
+    if device.type == "cuda":
+        graph, _ = capture_graph(lambda: (dst.copy_(src),), device)
+        clocks["graph"] = graph.replay
+    for block in range(blocks):
+        for clock, call in clocks.items():
+            call()
+            for i, us in enumerate(timer.samples(call, "evicted" if device.type == "cuda" else "hot", n, 1)):
+                rows.append(dict(case="copy", mode="copy", provider="copy", regime="evicted", clock=clock,
+                                 block=block, sample=i, us=us))
+    return rows, 2 * src.numel() * src.element_size()
+
+
+# -- a run -----------------------------------------------------------------------------------
+
+
+@dataclass
+class RunSettings:
+    blocks: int = 5
+    samples: int = 10
+    clocks: list[str] = field(default_factory=lambda: ["graph", "eager"])
+    regimes: list[str] = field(default_factory=lambda: ["hot", "evicted"])
+    copy_bytes: int = 1 << 30
+    flush_bytes: int = 256 << 20
+
+    @classmethod
+    def from_config(cls, cfg: dict, device: torch.device) -> RunSettings:
+        s = cls(**cfg.get("timing", {}))
+        if device.type != "cuda":  # smoke: no graphs, no eviction control on CPU
+            s.clocks, s.regimes = ["wall"], ["hot"]
+            s.copy_bytes = min(s.copy_bytes, 16 << 20)
+        return s
+
+
+def _try(fn: Callable[[], Any]) -> tuple[Any, str]:
+    try:
+        return fn(), ""
+    except Exception as exc:  # a failing provider is recorded, not fatal
+        return None, f"{type(exc).__name__}: {exc}".strip()[:500] + "\n" + traceback.format_exc(limit=3)[-800:]
+
+
+def run_experiment(experiment, config: dict, raw_root: Path, device: torch.device, run_id: str | None = None) -> Path:
+    """Check and time every provider of ``experiment`` on every case; write the raw data.
+
+    ``experiment`` is an op's bench module: ``cases(config)``, ``make_inputs(case,
+    device, seed)``, ``reference(case, inputs)`` and ``providers(config)``.
+    Returns the run directory.
+    """
+    settings = RunSettings.from_config(config, device)
+    env = env_mod.collect(device)
+    if run_id is None:
+        stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%d-%H%M%S")
+        tag = (env.get("gpu_name") or "cpu").split()[-1].lower()
+        run_id = f"{stamp}-{tag}" + ("" if device.type == "cuda" else "-smoke")
+    run_dir = Path(raw_root) / run_id
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+    (run_dir / "env.json").write_text(json.dumps(env, indent=2) + "\n")
+
+    timer = Timer(device, settings.flush_bytes)
+    samples, validation, case_rows = [], [], []
+    copy_rows, copy_bytes = copy_bandwidth_samples(timer, device, settings.copy_bytes, settings.blocks, settings.samples)
+    samples += copy_rows
+    case_rows.append(dict(case="copy", mode="copy", bytes=copy_bytes, flops=0, params="{}"))
+
+    cases = experiment.cases(config)
+    providers = experiment.providers(config)
+    for case in tqdm(cases, desc=f"{experiment.OP} cases", unit="case"):
+        case_rows.append(dict(case=case.name, mode=case.mode, bytes=case.bytes, flops=case.flops,
+                              params=json.dumps(case.params, sort_keys=True)))
+        samples += _run_case(experiment, case, providers, settings, timer, device, validation)
+        torch.cuda.empty_cache() if device.type == "cuda" else None
+
+    _write_csv(run_dir / "samples.csv", samples)
+    _write_csv(run_dir / "validation.csv", validation)
+    _write_csv(run_dir / "cases.csv", case_rows)
+    return run_dir
+
+
+def _run_case(experiment, case: Case, providers: list[Provider], settings: RunSettings, timer: Timer,
+              device: torch.device, validation: list[dict]) -> list[dict]:
+    def record(provider: Provider, stage: str, result: CheckResult | None, error: str = "", status: str = "") -> None:
+        validation.append(dict(
+            case=case.name, mode=case.mode, provider=provider.name, role=provider.role, form=provider.form,
+            check=provider.check, stage=stage,
+            status=status or ("pass" if result is not None and result.ok else "fail"),
+            mismatches=result.mismatches if result else "", max_abs_diff=result.max_abs_diff if result else "",
+            error=(result.detail if result else "") or error,
+        ))
+
+    # Before timing: each provider on fresh random inputs.
+    check_inputs = experiment.make_inputs(case, device, seed=1)
+    expected = experiment.reference(case, check_inputs)
+    runnable: list[Provider] = []
+    for provider in providers:
+        reason = provider.applies(case)
+        if reason:
+            record(provider, "applies", None, reason, status="n/a")
+            continue
+        outputs, error = _try(lambda: provider.build(case, check_inputs)())
+        result = compare(outputs, expected, provider, case) if outputs is not None else None
+        record(provider, "before", result, error)
+        if result is not None and result.ok:
+            runnable.append(provider)
+    del check_inputs, expected
+
+    # Timing on a second input set; graphs captured once per provider.
+    inputs = experiment.make_inputs(case, device, seed=2)
+    expected = experiment.reference(case, inputs)
+    calls: dict[tuple[str, str], Callable[[], Any]] = {}
+    statics: dict[str, tuple] = {}
+    runners = {}
+    for provider in runnable:
+        runner, error = _try(lambda: provider.build(case, inputs))
+        if runner is None:
+            record(provider, "build", None, error)
+            continue
+        runners[provider.name] = runner
+        for clock in settings.clocks:
+            if clock == "graph":
+                captured, error = _try(lambda: capture_graph(runner, device))
+                if captured is None:
+                    record(provider, "graph-capture", None, error)
+                    continue
+                calls[(provider.name, clock)] = captured[0].replay
+                statics[provider.name] = captured
+            else:
+                calls[(provider.name, clock)] = runner
+
+    rows = []
+    names = [p.name for p in runnable if p.name in runners]
+    reps = {key: timer.reps_for(call) for key, call in calls.items()}  # also a warm-up call
+    for block in range(settings.blocks):
+        order = names[block % max(len(names), 1):] + names[: block % max(len(names), 1)]
+        for clock in settings.clocks:
+            for regime in settings.regimes:
+                for name in order:
+                    key = (name, clock)
+                    if key not in calls:
+                        continue
+                    for i, us in enumerate(timer.samples(calls[key], regime, settings.samples, reps[key])):
+                        rows.append(dict(case=case.name, mode=case.mode, provider=name, regime=regime,
+                                         clock=clock, block=block, sample=i, us=us))
+
+    # After timing: re-check what was timed (the eager runner, and the graph's static outputs).
+    for provider in runnable:
+        runner = runners.get(provider.name)
+        if runner is None:
+            continue
+        for stage, produce in (("after-eager", runner), ("after-graph", statics.get(provider.name))):
+            if produce is None:
+                continue
+            if hasattr(runner, "reset"):
+                runner.reset()
+            if stage == "after-graph":
+                graph, outs = produce
+                outputs, error = _try(lambda: (graph.replay(), outs)[1])
+            else:
+                outputs, error = _try(produce)
+            record(provider, stage, compare(outputs, expected, provider, case) if outputs is not None else None, error)
+    return rows
+
+
+def _write_csv(path: Path, rows: list[dict]) -> None:
+    if not rows:
+        path.write_text("")
+        return
+    fields = list(dict.fromkeys(k for row in rows for k in row))
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields)
+        writer.writeheader()
+        writer.writerows({k: (f"{v:.4f}" if isinstance(v, float) else v) for k, v in row.items()} for row in rows)
+
+
+def load_config(path: str | Path) -> dict:
+    return yaml.safe_load(Path(path).read_text())

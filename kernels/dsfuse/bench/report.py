@@ -1,0 +1,193 @@
+"""Result tables and plots generated from raw run data (never typed by hand).
+
+``render(op, raw_root, results_dir, plots_dir)`` reads the newest run under
+``raw_root`` and writes ``results/<op>.md`` (included by the docs) and
+``<plots_dir>/<op>_<mode>.png``. Definitions:
+
+* latency: median of all samples of a (case, provider, clock, regime);
+* achieved bandwidth: the case's byte floor over the median, and its fraction
+  of the median device-to-device copy bandwidth of the same run and clock;
+* ratio: per block, median of the fastest valid control over the median of the
+  candidate (> 1: dsfuse is faster); the table quotes the median over blocks and
+  the range. The fastest valid control is the same-contract provider with the
+  lowest overall median that passed every check before and after timing;
+  anchors (other contracts) are shown but never used as the baseline.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import pandas as pd  # noqa: E402
+from tabulate import tabulate  # noqa: E402
+
+CLOCK_REGIMES = [("graph", "hot"), ("graph", "evicted"), ("eager", "hot"), ("eager", "evicted"), ("wall", "hot")]
+
+
+def latest_run(raw_root: Path) -> Path:
+    runs = sorted(p for p in Path(raw_root).iterdir() if (p / "samples.csv").exists()) if Path(raw_root).exists() else []
+    if not runs:
+        raise FileNotFoundError(f"no run with samples.csv under {raw_root}")
+    return runs[-1]
+
+
+def load_run(run_dir: Path) -> dict:
+    return dict(
+        run_id=run_dir.name,
+        samples=pd.read_csv(run_dir / "samples.csv"),
+        validation=pd.read_csv(run_dir / "validation.csv", keep_default_na=False),
+        cases=pd.read_csv(run_dir / "cases.csv", keep_default_na=False),
+        env=json.loads((run_dir / "env.json").read_text()),
+    )
+
+
+def valid_providers(validation: pd.DataFrame) -> dict[str, set[str]]:
+    """Per case: providers whose every check (before and after timing) passed."""
+    checks = validation[validation["stage"].str.startswith(("before", "after"))]
+    ok: dict[str, set[str]] = {}
+    for (case, provider), rows in checks.groupby(["case", "provider"]):
+        if (rows["status"] == "pass").all():
+            ok.setdefault(case, set()).add(provider)
+    return ok
+
+
+def summarize(run: dict) -> tuple[pd.DataFrame, pd.DataFrame, dict]:
+    """Median latency table and the candidate-vs-control ratio table."""
+    samples, cases, validation = run["samples"], run["cases"], run["validation"]
+    copy = samples[samples["case"] == "copy"].groupby("clock")["us"].median()
+    copy_bytes = int(cases.loc[cases["case"] == "copy", "bytes"].iloc[0])
+    copy_bw = {clock: copy_bytes / us / 1e6 for clock, us in copy.items()}  # TB/s
+    params = {row.case: json.loads(row.params) for row in cases.itertuples()}
+    floor_bytes = {row.case: int(row.bytes) for row in cases.itertuples()}
+    roles = dict(zip(validation["provider"], validation["role"]))
+    forms = dict(zip(validation["provider"], validation["form"]))
+    valid = valid_providers(validation)
+
+    timed = samples[samples["case"] != "copy"]
+    med = timed.groupby(["case", "mode", "provider", "clock", "regime"])["us"].median().reset_index()
+
+    def nbytes(case: str, provider: str) -> int:
+        return int(params[case].get("bytes_by_provider", {}).get(provider, floor_bytes[case]))
+
+    med["tbps"] = [nbytes(c, p) / us / 1e6 for c, p, us in zip(med["case"], med["provider"], med["us"])]
+    med["of_copy"] = [bw / copy_bw.get(clock, float("nan")) for bw, clock in zip(med["tbps"], med["clock"])]
+
+    ratio_rows = []
+    block_med = timed.groupby(["case", "provider", "clock", "regime", "block"])["us"].median()
+    for (case, mode, clock, regime), grp in med.groupby(["case", "mode", "clock", "regime"]):
+        for cand in grp[[roles.get(p) == "candidate" for p in grp["provider"]]].itertuples():
+            controls = grp[[roles.get(p) == "control" and forms.get(p) == forms.get(cand.provider)
+                            and p in valid.get(case, set()) for p in grp["provider"]]]
+            if controls.empty:
+                continue
+            best = controls.loc[controls["us"].idxmin()]
+            per_block = (block_med[(case, best.provider, clock, regime)] / block_med[(case, cand.provider, clock, regime)]).dropna()
+            ratio_rows.append(dict(
+                case=case, mode=mode, clock=clock, regime=regime, candidate=cand.provider,
+                candidate_us=cand.us, control=best.provider, control_us=best.us,
+                ratio=per_block.median(), ratio_min=per_block.min(), ratio_max=per_block.max(),
+                candidate_valid=cand.provider in valid.get(case, set()),
+                tbps=cand.tbps, of_copy=cand.of_copy,
+                floor_us=nbytes(case, cand.provider) / (copy_bw.get(clock, float("nan")) * 1e6),
+            ))
+    return med, pd.DataFrame(ratio_rows), copy_bw
+
+
+def _fmt(x: float, digits: int = 1) -> str:
+    return "n/a" if pd.isna(x) else f"{x:.{digits}f}"
+
+
+def render(op: str, raw_root: Path, results_dir: Path, plots_dir: Path, smoke: bool = False) -> list[Path]:
+    run_dir = latest_run(raw_root)
+    run = load_run(run_dir)
+    med, ratios, copy_bw = summarize(run)
+    env = run["env"]
+    results_dir, plots_dir = Path(results_dir), Path(plots_dir)
+    results_dir.mkdir(parents=True, exist_ok=True)
+    plots_dir.mkdir(parents=True, exist_ok=True)
+
+    lines = [f"<!-- generated by `python -m dsfuse.bench report {op}` from {run_dir.as_posix()}; do not edit -->", ""]
+    if smoke:
+        lines += ["**SMOKE RUN on CPU (Triton interpreter, tiny shapes): these numbers measure nothing.**", ""]
+    pk = env.get("packages", {})
+    lines += [
+        f"Run `{run['run_id']}`: {env.get('gpu_name') or 'CPU'}"
+        + (f" ({env.get('sm_count')} SMs, driver {env.get('driver')})" if env.get("gpu_name") else "")
+        + f", torch {pk.get('torch')}, triton {pk.get('triton')}, commit `{(env.get('git_commit') or '?')[:10]}`"
+        + (" (dirty tree)" if env.get("git_dirty") else "") + f", {env.get('date_utc')}.",
+        "Same-run copy bandwidth (bytes read + written): "
+        + ", ".join(f"{clock} {bw:.2f} TB/s" for clock, bw in sorted(copy_bw.items())) + ".",
+        "",
+    ]
+
+    if not ratios.empty:
+        lines += ["### dsfuse against the fastest valid control", ""]
+        table = [
+            [r.case, r.candidate, f"{r.clock}/{r.regime}", _fmt(r.candidate_us), f"{r.control} {_fmt(r.control_us)}",
+             f"{_fmt(r.ratio, 2)} [{_fmt(r.ratio_min, 2)}, {_fmt(r.ratio_max, 2)}]", _fmt(r.tbps, 2),
+             f"{_fmt(100 * r.of_copy, 0)}%", _fmt(r.floor_us), "yes" if r.candidate_valid else "NO"]
+            for r in ratios.sort_values(["mode", "case", "candidate", "clock", "regime"]).itertuples()
+        ]
+        lines.append(tabulate(table, headers=["case", "dsfuse", "clock/cache", "median us", "fastest control (us)",
+                                              "ratio [min, max]", "TB/s", "of copy", "floor us", "checks pass"],
+                              tablefmt="github"))
+        lines.append("")
+
+    lines += ["### Median latency of every provider (us)", ""]
+    present = [cr for cr in CLOCK_REGIMES if ((med["clock"] == cr[0]) & (med["regime"] == cr[1])).any()]
+    wide = med.pivot_table(index=["case", "provider"], columns=["clock", "regime"], values="us")
+    table = [[case, provider] + [_fmt(wide.loc[(case, provider)].get(cr, float("nan"))) for cr in present]
+             for case, provider in wide.index]
+    lines.append(tabulate(table, headers=["case", "provider"] + [f"{c}/{r}" for c, r in present], tablefmt="github"))
+    lines.append("")
+
+    lines += ["### Correctness checks (before and after timing)", ""]
+    val = run["validation"]
+    table = []
+    for (case, provider), rows in val.groupby(["case", "provider"], sort=False):
+        failed = rows[rows["status"] == "fail"]
+        skipped = rows[~rows["status"].isin(["pass", "fail", "n/a"])]
+        if (rows["status"] == "n/a").all():
+            continue
+        status = "fail" if not failed.empty else ("pass" if (rows["status"] == "pass").any() else "not run")
+        note = "; ".join(sorted(set(str(e).splitlines()[0] for e in pd.concat([failed, skipped])["error"] if e)))
+        table.append([case, provider, rows["check"].iloc[0], status,
+                      ", ".join(sorted(set(rows.loc[rows["status"] == "pass", "stage"]))), note[:160]])
+    lines.append(tabulate(table, headers=["case", "provider", "check", "status", "stages passed", "note"],
+                          tablefmt="github"))
+    lines.append("")
+    table_path = results_dir / f"{op}.md"
+    table_path.write_text("\n".join(lines))
+
+    written = [table_path]
+    clock, regime = ("graph", "evicted") if "graph" in set(med["clock"]) else ("wall", "hot")
+    for mode, grp in med[(med["clock"] == clock) & (med["regime"] == regime)].groupby("mode"):
+        written.append(_plot(op, mode, grp, clock, regime, plots_dir, smoke))
+    return written
+
+
+def _plot(op: str, mode: str, grp: pd.DataFrame, clock: str, regime: str, plots_dir: Path, smoke: bool) -> Path:
+    cases = list(dict.fromkeys(grp["case"]))
+    providers = list(dict.fromkeys(grp["provider"]))
+    fig, ax = plt.subplots(figsize=(7.5, 3.2), dpi=100)
+    width = 0.8 / max(len(providers), 1)
+    for i, provider in enumerate(providers):
+        rows = grp[grp["provider"] == provider].set_index("case").reindex(cases)
+        ax.bar([c + i * width for c in range(len(cases))], rows["us"], width, label=provider)
+    ax.set_xticks([c + 0.4 - width / 2 for c in range(len(cases))])
+    ax.set_xticklabels([c.rsplit("_", 1)[0] for c in cases], fontsize=8)
+    ax.set_yscale("log")
+    ax.set_ylabel("median us (log)")
+    title = f"{op} {mode}: {clock} clock, {regime} cache"
+    ax.set_title(("SMOKE (CPU interpreter): " if smoke else "") + title, fontsize=9)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    path = plots_dir / f"{op}_{mode.replace('+', '_')}.png"
+    fig.savefig(path)
+    plt.close(fig)
+    return path

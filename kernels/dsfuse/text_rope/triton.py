@@ -1,0 +1,176 @@
+"""Triton kernel of the text RoPE: one pass over the tensor, forward or backward.
+
+Logical layout: ``values`` ``[B, S, H, C]`` (3D inputs are viewed with ``H = 1``)
+with any strides, channel stride included; ``freqs`` fp32 ``[B|1, S, P, 2]``
+holding ``(cos, sin)`` of each pair (``torch.view_as_real`` of the model's
+``torch.polar`` frequencies, so the trig bits are the eager ones). Channels
+``[C - 2P, C)`` are rotated as adjacent pairs, channels ``[0, C - 2P)`` copied.
+
+Rounding: each rotated component is one FMA with the first product fused, the
+way nvcc compiles ``c10::complex<float>`` multiplication in the eager CUDA path:
+``r0 = fma(x0, c, -(x1 * s))``, ``r1 = fma(x0, s, x1 * c)``; FP contraction is
+switched off at launch so no other product is fused. The conjugate negates
+``s`` (exact). One round-to-nearest-even to the output dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from dsfuse._common import check_no_overlap
+from dsfuse._common.aot import AotSpec
+
+FUSED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# Elements one program moves: large enough to hide latency, small enough that
+# 4096-token inputs still give thousands of programs for 132+ SMs.
+ELEMENTS_PER_PROGRAM = 8192
+NUM_WARPS = 4
+
+
+@triton.jit
+def _rope_kernel(
+    x_ptr,  # values [B, S, H, C], any strides
+    f_ptr,  # freqs fp32 [B|1, S, P, 2], (cos, sin) last and contiguous
+    y_ptr,  # output [B, S, H, C], any strides (may be x_ptr when COPY is False)
+    n_rows,  # B * S * H
+    seq,
+    heads,
+    pair_start,  # C - 2P: first rotated channel
+    n_pairs,  # P
+    sx_b, sx_s, sx_h, sx_c,
+    sy_b, sy_s, sy_h, sy_c,
+    sf_b, sf_s, sf_p,
+    CONJ: tl.constexpr,  # rotate by the conjugate (inverse RoPE and every backward)
+    COPY: tl.constexpr,  # write the leading channels (False: in place, rotary channels only)
+    GRAD_SUM: tl.constexpr,  # add +0.0 like eager autograd's sum of the two gradient paths
+    BLOCK_R: tl.constexpr,  # rows per program
+    BLOCK_C: tl.constexpr,  # >= pair_start (copied channels)
+    BLOCK_P: tl.constexpr,  # >= n_pairs
+):
+    i_r = tl.program_id(0)
+    o_r = i_r.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)
+    m_r = o_r < n_rows
+    i_b = o_r // (seq * heads)
+    i_s = (o_r // heads) % seq
+    i_h = o_r % heads
+    o_x = i_b * sx_b + i_s * sx_s + i_h * sx_h  # [BLOCK_R] int64 row offsets
+    o_y = i_b * sy_b + i_s * sy_s + i_h * sy_h
+    o_f = i_b * sf_b + i_s * sf_s
+
+    if COPY:
+        o_c = tl.arange(0, BLOCK_C)
+        m_c = m_r[:, None] & (o_c < pair_start)[None, :]
+        # [BLOCK_R, BLOCK_C]
+        b_x = tl.load(x_ptr + o_x[:, None] + o_c[None, :] * sx_c, mask=m_c)
+        if GRAD_SUM:
+            b_x = (b_x.to(tl.float32) + 0.0).to(y_ptr.dtype.element_ty)
+        tl.store(y_ptr + o_y[:, None] + o_c[None, :] * sy_c, b_x, mask=m_c)
+
+    o_p = tl.arange(0, BLOCK_P)
+    o_j = tl.arange(0, 2)
+    m_p = m_r[:, None, None] & (o_p < n_pairs)[None, :, None]
+    o_pc = pair_start + 2 * o_p[None, :, None] + o_j[None, None, :]  # [1, BLOCK_P, 2] channel index
+    # [BLOCK_R, BLOCK_P, 2] adjacent pairs -> x0, x1: [BLOCK_R, BLOCK_P]
+    b_x = tl.load(x_ptr + o_x[:, None, None] + o_pc * sx_c, mask=m_p).to(tl.float32)
+    b_x0, b_x1 = tl.split(b_x)
+    b_f = tl.load(f_ptr + o_f[:, None, None] + o_p[None, :, None] * sf_p + o_j[None, None, :], mask=m_p)
+    b_cos, b_sin = tl.split(b_f)
+    if CONJ:
+        b_sin = -b_sin
+    b_r0 = tl.fma(b_x0, b_cos, -(b_x1 * b_sin))
+    b_r1 = tl.fma(b_x0, b_sin, b_x1 * b_cos)
+    b_y = tl.join(b_r0, b_r1).to(y_ptr.dtype.element_ty)  # [BLOCK_R, BLOCK_P, 2]
+    if GRAD_SUM:
+        b_y = (b_y.to(tl.float32) + 0.0).to(y_ptr.dtype.element_ty)
+    tl.store(y_ptr + o_y[:, None, None] + o_pc * sy_c, b_y, mask=m_p)
+
+
+def _as_4d(t: torch.Tensor) -> torch.Tensor:
+    return t.unsqueeze(2) if t.ndim == 3 else t
+
+
+def block_sizes(channels: int, pairs: int, copy: bool) -> tuple[int, int, int]:
+    """(BLOCK_R, BLOCK_C, BLOCK_P) for a row of ``channels`` with ``pairs`` rotary pairs."""
+    block_c = triton.next_power_of_2(max(channels - 2 * pairs, 1)) if copy else 1
+    block_p = triton.next_power_of_2(pairs)
+    per_row = (block_c if copy else 0) + 2 * block_p
+    block_r = max(1, min(64, triton.next_power_of_2(max(ELEMENTS_PER_PROGRAM // per_row, 1))))
+    return block_r, block_c, block_p
+
+
+def launch_rope(
+    values: torch.Tensor,
+    freqs: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    conj: bool,
+    copy: bool = True,
+    grad_sum: bool = False,
+) -> torch.Tensor:
+    """Rotate ``values`` into ``out`` (``out is values`` with ``copy=False``: in place).
+
+    ``freqs`` is fp32 ``[B|1, S, P, 2]``. Shapes and dtypes are validated by the
+    public API; this launcher checks memory aliasing, which needs real tensors.
+    """
+    if copy:
+        check_no_overlap({"out": out}, {"values": values, "angles": freqs})
+    elif out is not values:
+        raise ValueError("out: the in-place kernel writes into values; out must be values itself")
+    else:
+        check_no_overlap({"values": values}, {"angles": freqs})
+    x, y = _as_4d(values), _as_4d(out)
+    batch, seq, heads, channels = x.shape
+    pairs = freqs.shape[-2]
+    n_rows = batch * seq * heads
+    if n_rows == 0:
+        return out
+    block_r, block_c, block_p = block_sizes(channels, pairs, copy)
+    sf_b = 0 if freqs.shape[0] == 1 else freqs.stride(0)
+    grid = (triton.cdiv(n_rows, block_r),)
+    _rope_kernel[grid](
+        x, freqs, y,
+        n_rows, seq, heads, channels - 2 * pairs, pairs,
+        *x.stride(), *y.stride(),
+        sf_b, freqs.stride(1), freqs.stride(2),
+        CONJ=conj, COPY=copy, GRAD_SUM=grad_sum,
+        BLOCK_R=block_r, BLOCK_C=block_c, BLOCK_P=block_p,
+        num_warps=NUM_WARPS,
+        enable_fp_fusion=False,
+    )
+    return out
+
+
+def _aot_specs() -> list[AotSpec]:
+    """The specialisations the DeepSeek-V4.1 shapes launch (C=512, P=32; bf16/fp16/fp32)."""
+    specs = []
+    ints = ["n_rows", "seq", "heads", "pair_start", "n_pairs"] + [
+        f"s{t}_{d}" for t in "xy" for d in "bshc"
+    ] + ["sf_b", "sf_s", "sf_p"]
+    for dtype, ty in ((torch.bfloat16, "bf16"), (torch.float16, "fp16"), (torch.float32, "fp32")):
+        for conj, copy, grad_sum, tag in (
+            (False, True, False, "fwd"),
+            (True, True, True, "bwd"),
+            (True, True, False, "inverse"),
+            (False, False, False, "inplace"),
+        ):
+            block_r, block_c, block_p = block_sizes(512, 32, copy)
+            signature = {"x_ptr": f"*{ty}", "f_ptr": "*fp32", "y_ptr": f"*{ty}"}
+            signature.update({n: "i64" if n.startswith("s") and n[1] in "xyf" else "i32" for n in ints})
+            specs.append(
+                AotSpec(
+                    name=f"text_rope_{tag}_{ty}",
+                    kernel=_rope_kernel,
+                    signature=signature,
+                    constexprs=dict(
+                        CONJ=conj, COPY=copy, GRAD_SUM=grad_sum,
+                        BLOCK_R=block_r, BLOCK_C=block_c, BLOCK_P=block_p,
+                    ),
+                    options={"num_warps": 4, "enable_fp_fusion": False},
+                )
+            )
+    return specs
+
+
+AOT_SPECS = _aot_specs()

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# The GPU job: on a CUDA machine, run the GPU-marked tests and the op experiments in one go.
+#   bash scripts/gpu_job.sh [OUT_DIR] [OPS...]
+# Writes to OUT_DIR (default $OUT, else build/gpu-job): pytest log + junit XML, the bench log,
+# and raw.tar.gz with the new experiments/*/raw/<run-id>/ folders (unpack at the repo root).
+# Wheels under .carry/wheels (flash-linear-attention, Liger: the anchors) are installed if present.
+set -uo pipefail
+out="${1:-${OUT:-build/gpu-job}}"; shift || true
+ops=("$@")
+mkdir -p "$out"
+export PYTHONPATH="$PWD/kernels:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
+if compgen -G ".carry/wheels/fla_core-*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --target /tmp/dsfuse-site .carry/wheels/fla_core-*.whl \
+    .carry/wheels/liger_kernel-*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/dsfuse-site"
+fi
+nvidia-smi > "$out/nvidia-smi.txt" 2>&1
+stamp=$(mktemp); sleep 1
+status=0
+if [ -z "${SKIP_TESTS:-}" ]; then
+  DSFUSE_REQUIRE_GPU=1 python3 -m pytest tests -m gpu -q -p no:cacheprovider -W ignore::UserWarning \
+    --junitxml "$out/junit-gpu.xml" 2>&1 | tee "$out/pytest-gpu.log" || status=1
+fi
+if [ -z "${SKIP_BENCH:-}" ]; then
+  python3 -m dsfuse.bench run "${ops[@]}" --gpu 2>&1 | tee "$out/bench.log" || status=1
+  new=$(find experiments -path '*/raw/*' -name samples.csv -newer "$stamp" -printf '%h\n')
+  [ -n "$new" ] && tar czf "$out/raw.tar.gz" $new
+fi
+exit $status
