@@ -172,6 +172,11 @@ def _tail(case: Case, expected: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor,
 
 
 def providers(config: dict) -> list[Provider]:
+    # One compiled function serves every case (shapes, ranks, requires_grad differ): allow the
+    # recompilations, and fail loudly rather than silently fall back to eager past the limit.
+    torch._dynamo.config.recompile_limit = 64
+    if hasattr(torch._dynamo.config, "fail_on_recompile_limit_hit"):
+        torch._dynamo.config.fail_on_recompile_limit_hit = True
     wanted = config["providers"]
     compiled = functools.partial(torch.compile, dynamic=False, fullgraph=True)
     table = {

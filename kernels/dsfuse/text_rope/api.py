@@ -2,13 +2,16 @@
 
 Layers, bottom up:
 
-1. ``torch.library`` custom ops (``dsfuse::text_rope_freqs``, ``dsfuse::text_rope``,
-   ``dsfuse::text_rope_out``, ``dsfuse::text_rope_``) that run the Triton kernel;
-   ``torch.compile(fullgraph=True)`` traces through them as opaque nodes, so the
-   frequencies and the rotation keep their eager bits under compilation.
-2. ``dsfuse::text_rope`` carries its own autograd formula; the in-place form
-   uses :class:`RopeInplaceFunction` (``mark_dirty``).
-3. :func:`apply_rope`: validation, backend choice, stream, ``out=``/``inplace``.
+1. :func:`~dsfuse.text_rope.triton.launch_rope`: one kernel launch into a given output.
+2. ``torch.library`` custom ops (``dsfuse::text_rope_freqs``, ``dsfuse::text_rope``,
+   ``dsfuse::text_rope_out``, ``dsfuse::text_rope_``) wrapping it, with the
+   autograd formula registered on ``dsfuse::text_rope``. ``torch.compile(fullgraph=True)``
+   traces them as opaque nodes, so the frequencies and the rotation keep their
+   eager bits under compilation.
+3. :class:`RopeFunction` / :class:`RopeInplaceFunction`: the same launches as
+   ``autograd.Function`` for eager calls, which skip the custom-op dispatch
+   (tens of microseconds of host time per call).
+4. :func:`apply_rope`: validation, backend choice, stream, ``out=``/``inplace``.
 """
 
 from __future__ import annotations
@@ -28,16 +31,20 @@ from dsfuse._common import (
 from dsfuse.text_rope.reference import rope_freqs, rope_reference, rope_reference_inplace
 from dsfuse.text_rope.triton import FUSED_DTYPES, launch_rope
 
-__all__ = ["apply_rope", "RopeInplaceFunction"]
+__all__ = ["apply_rope", "RopeFunction", "RopeInplaceFunction"]
 
 
 # -- custom ops ------------------------------------------------------------------------------
 
 
+def _freqs(angles: torch.Tensor) -> torch.Tensor:
+    """fp32 ``[B, S, P, 2]`` (cos, sin) from the eager ``torch.polar`` (same trig bits)."""
+    return torch.view_as_real(rope_freqs(angles))
+
+
 @torch.library.custom_op("dsfuse::text_rope_freqs", mutates_args=())
 def _freqs_op(angles: torch.Tensor) -> torch.Tensor:
-    """fp32 ``[B, S, P, 2]`` (cos, sin) from the eager ``torch.polar`` (same trig bits)."""
-    return torch.view_as_real(rope_freqs(angles)).contiguous()
+    return _freqs(angles).clone()  # a custom op may not return a view of its input's storage
 
 
 @_freqs_op.register_fake
@@ -45,10 +52,14 @@ def _(angles):
     return angles.new_empty((*angles.shape, 2))
 
 
+def _rope_new(values: torch.Tensor, freqs: torch.Tensor, conj: bool, grad_sum: bool) -> torch.Tensor:
+    out = torch.empty(values.shape, dtype=values.dtype, device=values.device)
+    return launch_rope(values, freqs, out, conj=conj, grad_sum=grad_sum)
+
+
 @torch.library.custom_op("dsfuse::text_rope", mutates_args=())
 def _rope_op(values: torch.Tensor, freqs: torch.Tensor, conj: bool, grad_sum: bool) -> torch.Tensor:
-    out = torch.empty_like(values, memory_format=torch.contiguous_format)
-    return launch_rope(values, freqs, out, conj=conj, grad_sum=grad_sum)
+    return _rope_new(values, freqs, conj, grad_sum)
 
 
 @_rope_op.register_fake
@@ -82,6 +93,21 @@ def _rope_inplace_op(values: torch.Tensor, freqs: torch.Tensor, conj: bool) -> N
     launch_rope(values, freqs, values, conj=conj, copy=False)
 
 
+class RopeFunction(torch.autograd.Function):
+    """Out-of-place rotary with its backward (the conjugate rotation), for eager calls."""
+
+    @staticmethod
+    def forward(ctx, values, freqs, conj):
+        ctx.save_for_backward(freqs)
+        ctx.conj = conj
+        return _rope_new(values, freqs, conj, False)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (freqs,) = ctx.saved_tensors
+        return _rope_new(grad, freqs, not ctx.conj, True), None, None
+
+
 class RopeInplaceFunction(torch.autograd.Function):
     """In-place rotary of the last ``2P`` channels with autograd (``mark_dirty``).
 
@@ -91,7 +117,7 @@ class RopeInplaceFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, values, freqs, conj):
-        torch.ops.dsfuse.text_rope_(values, freqs, conj)
+        launch_rope(values, freqs, values, conj=conj, copy=False)
         ctx.mark_dirty(values)
         ctx.save_for_backward(freqs)
         ctx.conj = conj
@@ -100,7 +126,7 @@ class RopeInplaceFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         (freqs,) = ctx.saved_tensors
-        return torch.ops.dsfuse.text_rope(grad, freqs, not ctx.conj, True), None, None
+        return _rope_new(grad, freqs, not ctx.conj, True), None, None
 
 
 # -- public function -------------------------------------------------------------------------
@@ -221,13 +247,23 @@ def apply_rope(
                 return result
             out.copy_(result)
             return out
-        freqs = torch.ops.dsfuse.text_rope_freqs(angles)
+        if torch.compiler.is_compiling():  # opaque custom ops: no graph break, eager bits
+            freqs = torch.ops.dsfuse.text_rope_freqs(angles)
+            if inplace:
+                torch.ops.dsfuse.text_rope_(values, freqs, inverse)
+                return values
+            if out is not None:
+                torch.ops.dsfuse.text_rope_out(values, freqs, inverse, out)
+                return out
+            return torch.ops.dsfuse.text_rope(values, freqs, inverse, False)
+        freqs = _freqs(angles)
         if inplace:
             if grad_needed:
                 return RopeInplaceFunction.apply(values, freqs, inverse)
-            torch.ops.dsfuse.text_rope_(values, freqs, inverse)
+            launch_rope(values, freqs, values, conj=inverse, copy=False)
             return values
         if out is not None:
-            torch.ops.dsfuse.text_rope_out(values, freqs, inverse, out)
-            return out
-        return torch.ops.dsfuse.text_rope(values, freqs, inverse, False)
+            return launch_rope(values, freqs, out, conj=inverse)
+        if grad_needed:
+            return RopeFunction.apply(values, freqs, inverse)
+        return _rope_new(values, freqs, inverse, False)

@@ -9,8 +9,9 @@ holding ``(cos, sin)`` of each pair (``torch.view_as_real`` of the model's
 Rounding: each rotated component is one FMA with the first product fused, the
 way nvcc compiles ``c10::complex<float>`` multiplication in the eager CUDA path:
 ``r0 = fma(x0, c, -(x1 * s))``, ``r1 = fma(x0, s, x1 * c)``; FP contraction is
-switched off at launch so no other product is fused. The conjugate negates
-``s`` (exact). One round-to-nearest-even to the output dtype.
+switched off at launch so no other product is fused. Negations flip the sign
+bit (as CUDA's unary minus does, so signed zeros match); the conjugate negates
+``s``. One round-to-nearest-even to the output dtype.
 """
 
 from __future__ import annotations
@@ -30,6 +31,13 @@ NUM_WARPS = 4
 
 
 @triton.jit
+def _flip_sign(x):
+    """Exact negation (sign bit flip) like C's unary minus; Triton's ``-x`` is ``0 - x``,
+    which turns -(+0.0) into +0.0 instead of -0.0."""
+    return (x.to(tl.int32, bitcast=True) ^ -2147483648).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _rope_kernel(
     x_ptr,  # values [B, S, H, C], any strides
     f_ptr,  # freqs fp32 [B|1, S, P, 2], (cos, sin) last and contiguous
@@ -38,16 +46,16 @@ def _rope_kernel(
     seq,
     heads,
     pair_start,  # C - 2P: first rotated channel
-    n_pairs,  # P
+    rot_width,  # 2P: rotated channels
     sx_b, sx_s, sx_h, sx_c,
     sy_b, sy_s, sy_h, sy_c,
-    sf_b, sf_s, sf_p,
+    sf_b, sf_s,
     CONJ: tl.constexpr,  # rotate by the conjugate (inverse RoPE and every backward)
     COPY: tl.constexpr,  # write the leading channels (False: in place, rotary channels only)
     GRAD_SUM: tl.constexpr,  # add +0.0 like eager autograd's sum of the two gradient paths
     BLOCK_R: tl.constexpr,  # rows per program
     BLOCK_C: tl.constexpr,  # >= pair_start (copied channels)
-    BLOCK_P: tl.constexpr,  # >= n_pairs
+    BLOCK_K: tl.constexpr,  # >= rot_width (rotated channels)
 ):
     i_r = tl.program_id(0)
     o_r = i_r.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)
@@ -68,23 +76,26 @@ def _rope_kernel(
             b_x = (b_x.to(tl.float32) + 0.0).to(y_ptr.dtype.element_ty)
         tl.store(y_ptr + o_y[:, None] + o_c[None, :] * sy_c, b_x, mask=m_c)
 
-    o_p = tl.arange(0, BLOCK_P)
-    o_j = tl.arange(0, 2)
-    m_p = m_r[:, None, None] & (o_p < n_pairs)[None, :, None]
-    o_pc = pair_start + 2 * o_p[None, :, None] + o_j[None, None, :]  # [1, BLOCK_P, 2] channel index
-    # [BLOCK_R, BLOCK_P, 2] adjacent pairs -> x0, x1: [BLOCK_R, BLOCK_P]
-    b_x = tl.load(x_ptr + o_x[:, None, None] + o_pc * sx_c, mask=m_p).to(tl.float32)
-    b_x0, b_x1 = tl.split(b_x)
-    b_f = tl.load(f_ptr + o_f[:, None, None] + o_p[None, :, None] * sf_p + o_j[None, None, :], mask=m_p)
-    b_cos, b_sin = tl.split(b_f)
+    # Rotated channels as a 2D tile: lane k holds channel pair_start + k; its pair
+    # partner is lane k ^ 1 (loaded again from L1), its pair index k // 2.
+    o_k = tl.arange(0, BLOCK_K)
+    m_k = m_r[:, None] & (o_k < rot_width)[None, :]
+    is_even = (o_k % 2 == 0)[None, :]
+    # [BLOCK_R, BLOCK_K]
+    b_x = tl.load(x_ptr + o_x[:, None] + (pair_start + o_k)[None, :] * sx_c, mask=m_k).to(tl.float32)
+    b_xp = tl.load(x_ptr + o_x[:, None] + (pair_start + (o_k ^ 1))[None, :] * sx_c, mask=m_k).to(tl.float32)
+    b_cos = tl.load(f_ptr + o_f[:, None] + (o_k // 2 * 2)[None, :], mask=m_k)
+    b_sin = tl.load(f_ptr + o_f[:, None] + (o_k // 2 * 2 + 1)[None, :], mask=m_k)
     if CONJ:
-        b_sin = -b_sin
-    b_r0 = tl.fma(b_x0, b_cos, -(b_x1 * b_sin))
-    b_r1 = tl.fma(b_x0, b_sin, b_x1 * b_cos)
-    b_y = tl.join(b_r0, b_r1).to(y_ptr.dtype.element_ty)  # [BLOCK_R, BLOCK_P, 2]
+        b_sin = _flip_sign(b_sin)
+    # even lane (x0 = b_x, x1 = b_xp): r0 = fma(x0, c, -(x1 * s))
+    # odd lane  (x1 = b_x, x0 = b_xp): r1 = fma(x0, s, x1 * c)
+    b_r0 = tl.fma(b_x, b_cos, _flip_sign(b_xp * b_sin))
+    b_r1 = tl.fma(b_xp, b_sin, b_x * b_cos)
+    b_y = tl.where(is_even, b_r0, b_r1).to(y_ptr.dtype.element_ty)
     if GRAD_SUM:
         b_y = (b_y.to(tl.float32) + 0.0).to(y_ptr.dtype.element_ty)
-    tl.store(y_ptr + o_y[:, None, None] + o_pc * sy_c, b_y, mask=m_p)
+    tl.store(y_ptr + o_y[:, None] + (pair_start + o_k)[None, :] * sy_c, b_y, mask=m_k)
 
 
 def _as_4d(t: torch.Tensor) -> torch.Tensor:
@@ -92,12 +103,12 @@ def _as_4d(t: torch.Tensor) -> torch.Tensor:
 
 
 def block_sizes(channels: int, pairs: int, copy: bool) -> tuple[int, int, int]:
-    """(BLOCK_R, BLOCK_C, BLOCK_P) for a row of ``channels`` with ``pairs`` rotary pairs."""
+    """(BLOCK_R, BLOCK_C, BLOCK_K) for a row of ``channels`` with ``pairs`` rotary pairs."""
     block_c = triton.next_power_of_2(max(channels - 2 * pairs, 1)) if copy else 1
-    block_p = triton.next_power_of_2(pairs)
-    per_row = (block_c if copy else 0) + 2 * block_p
+    block_k = triton.next_power_of_2(2 * pairs)
+    per_row = (block_c if copy else 0) + block_k
     block_r = max(1, min(64, triton.next_power_of_2(max(ELEMENTS_PER_PROGRAM // per_row, 1))))
-    return block_r, block_c, block_p
+    return block_r, block_c, block_k
 
 
 def launch_rope(
@@ -126,16 +137,18 @@ def launch_rope(
     n_rows = batch * seq * heads
     if n_rows == 0:
         return out
-    block_r, block_c, block_p = block_sizes(channels, pairs, copy)
+    if freqs.stride(-1) != 1 or freqs.stride(-2) != 2:
+        raise ValueError(f"freqs: expected (cos, sin) pairs packed densely in the last two dims, got strides {freqs.stride()}")
+    block_r, block_c, block_k = block_sizes(channels, pairs, copy)
     sf_b = 0 if freqs.shape[0] == 1 else freqs.stride(0)
     grid = (triton.cdiv(n_rows, block_r),)
     _rope_kernel[grid](
         x, freqs, y,
-        n_rows, seq, heads, channels - 2 * pairs, pairs,
+        n_rows, seq, heads, channels - 2 * pairs, 2 * pairs,
         *x.stride(), *y.stride(),
-        sf_b, freqs.stride(1), freqs.stride(2),
+        sf_b, freqs.stride(1),
         CONJ=conj, COPY=copy, GRAD_SUM=grad_sum,
-        BLOCK_R=block_r, BLOCK_C=block_c, BLOCK_P=block_p,
+        BLOCK_R=block_r, BLOCK_C=block_c, BLOCK_K=block_k,
         num_warps=NUM_WARPS,
         enable_fp_fusion=False,
     )
@@ -145,9 +158,9 @@ def launch_rope(
 def _aot_specs() -> list[AotSpec]:
     """The specialisations the DeepSeek-V4.1 shapes launch (C=512, P=32; bf16/fp16/fp32)."""
     specs = []
-    ints = ["n_rows", "seq", "heads", "pair_start", "n_pairs"] + [
+    ints = ["n_rows", "seq", "heads", "pair_start", "rot_width"] + [
         f"s{t}_{d}" for t in "xy" for d in "bshc"
-    ] + ["sf_b", "sf_s", "sf_p"]
+    ] + ["sf_b", "sf_s"]
     for dtype, ty in ((torch.bfloat16, "bf16"), (torch.float16, "fp16"), (torch.float32, "fp32")):
         for conj, copy, grad_sum, tag in (
             (False, True, False, "fwd"),
@@ -155,7 +168,7 @@ def _aot_specs() -> list[AotSpec]:
             (True, True, False, "inverse"),
             (False, False, False, "inplace"),
         ):
-            block_r, block_c, block_p = block_sizes(512, 32, copy)
+            block_r, block_c, block_k = block_sizes(512, 32, copy)
             signature = {"x_ptr": f"*{ty}", "f_ptr": "*fp32", "y_ptr": f"*{ty}"}
             signature.update({n: "i64" if n.startswith("s") and n[1] in "xyf" else "i32" for n in ints})
             specs.append(
@@ -165,9 +178,9 @@ def _aot_specs() -> list[AotSpec]:
                     signature=signature,
                     constexprs=dict(
                         CONJ=conj, COPY=copy, GRAD_SUM=grad_sum,
-                        BLOCK_R=block_r, BLOCK_C=block_c, BLOCK_P=block_p,
+                        BLOCK_R=block_r, BLOCK_C=block_c, BLOCK_K=block_k,
                     ),
-                    options={"num_warps": 4, "enable_fp_fusion": False},
+                    options={"num_warps": NUM_WARPS, "enable_fp_fusion": False},
                 )
             )
     return specs
