@@ -1,0 +1,47 @@
+"""Host (CPU) time per call of the text RoPE API and its parts, on a small input.
+
+    python experiments/text_rope/host_overhead.py OUT.csv
+
+A [1, 64, 8, 512] bf16 input keeps GPU time far below host time, so the
+time per call of a loop without synchronisation is the host cost of enqueueing.
+"""
+
+import csv
+import sys
+import time
+
+import torch
+
+from dsfuse.text_rope import api, apply_rope, rope_reference
+from dsfuse.text_rope.triton import launch_rope
+
+values = torch.randn(1, 64, 8, 512, device="cuda").bfloat16()
+angles = torch.rand(1, 64, 32, device="cuda")
+freqs = api._freqs(angles)
+out = torch.empty_like(values)
+parts = {
+    "validate": lambda: api._validate(values, angles, False, None),
+    "freqs (torch.polar)": lambda: api._freqs(angles),
+    "torch.empty": lambda: torch.empty(values.shape, dtype=values.dtype, device=values.device),
+    "launch_rope (Triton launch)": lambda: launch_rope(values, freqs, out, conj=False),
+    "apply_rope": lambda: apply_rope(values, angles),
+    "apply_rope out=": lambda: apply_rope(values, angles, out=out),
+    "eager reference": lambda: rope_reference(values, angles),
+}
+rows = []
+for name, fn in parts.items():
+    for _ in range(50):
+        fn()
+    torch.cuda.synchronize()
+    for rep in range(5):
+        t0 = time.perf_counter()
+        for _ in range(500):
+            fn()
+        us = (time.perf_counter() - t0) / 500 * 1e6
+        torch.cuda.synchronize()
+        rows.append(dict(part=name, rep=rep, host_us=round(us, 2)))
+    print(f"{name:32s} {sorted(r['host_us'] for r in rows if r['part'] == name)[2]:8.1f} us")
+with open(sys.argv[1], "w", newline="") as f:
+    writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+    writer.writeheader()
+    writer.writerows(rows)
