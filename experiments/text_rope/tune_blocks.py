@@ -28,7 +28,7 @@ modes = {
     "bwd": lambda: rope_triton.launch_rope(values, freqs, out, conj=True, grad_sum=True),
     "inplace": lambda: rope_triton.launch_rope(out, freqs, out, conj=False, copy=False),
 }
-for elements in (1024, 2048, 4096, 8192, 16384, 32768):
+for elements in (1024, 2048, 4096, 8192, 16384):
     for warps in (1, 2, 4, 8):
         rope_triton.ELEMENTS_PER_PROGRAM, rope_triton.NUM_WARPS = elements, warps
         for mode, launch in modes.items():

@@ -15,13 +15,16 @@ ARCHS = {"sm_90": 90, "sm_100": 100}
 
 @dataclass(frozen=True)
 class AotSpec:
-    """One specialisation of a kernel: argument types and constexpr values."""
+    """One specialisation of a kernel: argument types, constexpr values, and the
+    arguments the launcher sees as multiples of 16 (``divisible_by_16``: what
+    Triton's runtime specialisation would mark, so vectorisation matches a launch)."""
 
     name: str
     kernel: object
     signature: dict[str, str]
     constexprs: dict[str, object]
     options: dict[str, object] = field(default_factory=dict)
+    divisible_by_16: tuple[str, ...] = ()
 
 
 def compile_for(spec: AotSpec, arch: str):
@@ -34,5 +37,7 @@ def compile_for(spec: AotSpec, arch: str):
     signature = dict(spec.signature)
     for name in spec.constexprs:
         signature[name] = "constexpr"
-    src = triton.compiler.ASTSource(fn=spec.kernel, signature=signature, constexprs=dict(spec.constexprs))
+    arg_names = spec.kernel.arg_names
+    attrs = {(arg_names.index(name),): [["tt.divisibility", 16]] for name in spec.divisible_by_16}
+    src = triton.compiler.ASTSource(fn=spec.kernel, signature=signature, constexprs=dict(spec.constexprs), attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", ARCHS[arch], 32), options=dict(spec.options))

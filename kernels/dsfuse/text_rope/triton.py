@@ -42,74 +42,71 @@ def _rope_kernel(
     x_ptr,  # values [B, S, H, C], any strides
     f_ptr,  # freqs fp32 [B|1, S, P, 2], (cos, sin) last and contiguous
     y_ptr,  # output [B, S, H, C], any strides (may be x_ptr when COPY is False)
+    n_rows,  # B * S * H
     seq,
     heads,
     pair_start,  # C - 2P: first rotated channel
-    rot_width,  # 2P: rotated channels
+    n_pairs,  # P
     sx_b, sx_s, sx_h, sx_c,
     sy_b, sy_s, sy_h, sy_c,
-    sf_b, sf_s,
+    sf_b, sf_s,  # freqs strides of batch and sequence; pairs are dense (P, 2)
     CONJ: tl.constexpr,  # rotate by the conjugate (inverse RoPE and every backward)
     COPY: tl.constexpr,  # write the leading channels (False: in place, rotary channels only)
     GRAD_SUM: tl.constexpr,  # add +0.0 like eager autograd's sum of the two gradient paths
-    BLOCK_H: tl.constexpr,  # heads per program (rows of the tile)
+    BLOCK_R: tl.constexpr,  # rows per program
     BLOCK_C: tl.constexpr,  # >= pair_start (copied channels)
-    BLOCK_K: tl.constexpr,  # >= rot_width (rotated channels)
+    BLOCK_P: tl.constexpr,  # >= n_pairs
 ):
-    # One program: one token (b, s) and BLOCK_H of its heads, so the token's
-    # frequencies are loaded once and no per-row index division is needed.
-    i_t, i_hb = tl.program_id(0), tl.program_id(1)
+    i_r = tl.program_id(0)
+    o_r = i_r * BLOCK_R + tl.arange(0, BLOCK_R)  # int32 row index (the launcher bounds n_rows)
+    m_r = o_r < n_rows
+    i_t = o_r // heads  # token b * seq + s
     i_b = (i_t // seq).to(tl.int64)
     i_s = (i_t % seq).to(tl.int64)
-    o_h = i_hb * BLOCK_H + tl.arange(0, BLOCK_H)
-    m_h = o_h < heads
-    o_x = i_b * sx_b + i_s * sx_s + o_h.to(tl.int64) * sx_h  # [BLOCK_H] int64 row offsets
-    o_y = i_b * sy_b + i_s * sy_s + o_h.to(tl.int64) * sy_h
+    i_h = (o_r % heads).to(tl.int64)
+    o_x = i_b * sx_b + i_s * sx_s + i_h * sx_h  # [BLOCK_R] int64 row offsets
+    o_y = i_b * sy_b + i_s * sy_s + i_h * sy_h
     o_f = i_b * sf_b + i_s * sf_s
 
     if COPY:
         o_c = tl.arange(0, BLOCK_C)
-        m_c = m_h[:, None] & (o_c < pair_start)[None, :]
-        # [BLOCK_H, BLOCK_C]
+        m_c = m_r[:, None] & (o_c < pair_start)[None, :]
+        # [BLOCK_R, BLOCK_C]
         b_x = tl.load(x_ptr + o_x[:, None] + o_c[None, :] * sx_c, mask=m_c)
         if GRAD_SUM:
             b_x = (b_x.to(tl.float32) + 0.0).to(y_ptr.dtype.element_ty)
         tl.store(y_ptr + o_y[:, None] + o_c[None, :] * sy_c, b_x, mask=m_c)
 
-    # Rotated channels as a 2D tile: lane k holds channel pair_start + k; its pair
-    # partner is lane k ^ 1 (loaded again, from L1), its pair index k // 2.
-    o_k = tl.arange(0, BLOCK_K)
-    m_k = o_k < rot_width
-    m_hk = m_h[:, None] & m_k[None, :]
-    # [BLOCK_K] (cos, sin) of each lane's pair, shared by the heads of the token
-    b_cos = tl.load(f_ptr + o_f + o_k // 2 * 2, mask=m_k)
-    b_sin = tl.load(f_ptr + o_f + o_k // 2 * 2 + 1, mask=m_k)
+    # Rotated channels: contiguous [BLOCK_R, 2 * BLOCK_P] loads (vectorised), viewed as
+    # [BLOCK_R, BLOCK_P, 2] pairs; a thread holds both members of a pair, so split/join
+    # move no data between threads.
+    o_k = tl.arange(0, 2 * BLOCK_P)
+    m_k = m_r[:, None] & (o_k < 2 * n_pairs)[None, :]
+    b_x = tl.load(x_ptr + o_x[:, None] + (pair_start + o_k)[None, :] * sx_c, mask=m_k).to(tl.float32)
+    b_x0, b_x1 = tl.split(tl.reshape(b_x, (BLOCK_R, BLOCK_P, 2)))  # [BLOCK_R, BLOCK_P] each
+    b_f = tl.load(f_ptr + o_f[:, None] + o_k[None, :], mask=m_k)  # (cos, sin) interleaved like the pairs
+    b_cos, b_sin = tl.split(tl.reshape(b_f, (BLOCK_R, BLOCK_P, 2)))
     if CONJ:
         b_sin = _flip_sign(b_sin)
-    # [BLOCK_H, BLOCK_K]
-    b_x = tl.load(x_ptr + o_x[:, None] + (pair_start + o_k)[None, :] * sx_c, mask=m_hk).to(tl.float32)
-    b_xp = tl.load(x_ptr + o_x[:, None] + (pair_start + (o_k ^ 1))[None, :] * sx_c, mask=m_hk).to(tl.float32)
-    # even lane (x0 = b_x, x1 = b_xp): r0 = fma(x0, c, -(x1 * s))
-    # odd lane  (x1 = b_x, x0 = b_xp): r1 = fma(x0, s, x1 * c)
-    b_r0 = tl.fma(b_x, b_cos[None, :], _flip_sign(b_xp * b_sin[None, :]))
-    b_r1 = tl.fma(b_xp, b_sin[None, :], b_x * b_cos[None, :])
-    b_y = tl.where((o_k % 2 == 0)[None, :], b_r0, b_r1).to(y_ptr.dtype.element_ty)
+    b_r0 = tl.fma(b_x0, b_cos, _flip_sign(b_x1 * b_sin))
+    b_r1 = tl.fma(b_x0, b_sin, b_x1 * b_cos)
+    b_y = tl.reshape(tl.join(b_r0, b_r1), (BLOCK_R, 2 * BLOCK_P)).to(y_ptr.dtype.element_ty)
     if GRAD_SUM:
         b_y = (b_y.to(tl.float32) + 0.0).to(y_ptr.dtype.element_ty)
-    tl.store(y_ptr + o_y[:, None] + (pair_start + o_k)[None, :] * sy_c, b_y, mask=m_hk)
+    tl.store(y_ptr + o_y[:, None] + (pair_start + o_k)[None, :] * sy_c, b_y, mask=m_k)
 
 
 def _as_4d(t: torch.Tensor) -> torch.Tensor:
     return t.unsqueeze(2) if t.ndim == 3 else t
 
 
-def block_sizes(heads: int, channels: int, pairs: int, copy: bool) -> tuple[int, int, int]:
-    """(BLOCK_H, BLOCK_C, BLOCK_K) for rows of ``channels`` with ``pairs`` rotary pairs."""
+def block_sizes(channels: int, pairs: int, copy: bool) -> tuple[int, int, int]:
+    """(BLOCK_R, BLOCK_C, BLOCK_P) for a row of ``channels`` with ``pairs`` rotary pairs."""
     block_c = triton.next_power_of_2(max(channels - 2 * pairs, 1)) if copy else 1
-    block_k = triton.next_power_of_2(2 * pairs)
-    per_row = (block_c if copy else 0) + block_k
-    block_h = triton.next_power_of_2(max(ELEMENTS_PER_PROGRAM // per_row, 1))
-    return min(block_h, triton.next_power_of_2(heads)), block_c, block_k
+    block_p = triton.next_power_of_2(pairs)
+    per_row = (block_c if copy else 0) + 2 * block_p
+    block_r = max(1, min(64, triton.next_power_of_2(max(ELEMENTS_PER_PROGRAM // per_row, 1))))
+    return block_r, block_c, block_p
 
 
 def launch_rope(
@@ -135,22 +132,23 @@ def launch_rope(
     x, y = _as_4d(values), _as_4d(out)
     batch, seq, heads, channels = x.shape
     pairs = freqs.shape[-2]
-    if batch * seq * heads == 0:
+    n_rows = batch * seq * heads
+    if n_rows == 0:
         return out
-    if freqs.stride(-1) != 1 or freqs.stride(-2) != 2:
+    if freqs.stride(-1) != 1 or (freqs.stride(-2) != 2 and pairs > 1):
         raise ValueError(f"freqs: expected (cos, sin) pairs packed densely in the last two dims, got strides {freqs.stride()}")
-    if batch * seq >= 2**31:
-        raise ValueError(f"values: at most 2**31 - 1 tokens (batch x seq) per call, got {batch * seq}")
-    block_h, block_c, block_k = block_sizes(heads, channels, pairs, copy)
+    if n_rows >= 2**31:
+        raise ValueError(f"values: at most 2**31 - 1 rows (batch x seq x heads) per call, got {n_rows}")
+    block_r, block_c, block_p = block_sizes(channels, pairs, copy)
     sf_b = 0 if freqs.shape[0] == 1 else freqs.stride(0)
-    grid = (batch * seq, triton.cdiv(heads, block_h))
+    grid = (triton.cdiv(n_rows, block_r),)
     _rope_kernel[grid](
         x, freqs, y,
-        seq, heads, channels - 2 * pairs, 2 * pairs,
+        n_rows, seq, heads, channels - 2 * pairs, pairs,
         *x.stride(), *y.stride(),
         sf_b, freqs.stride(1),
         CONJ=conj, COPY=copy, GRAD_SUM=grad_sum,
-        BLOCK_H=block_h, BLOCK_C=block_c, BLOCK_K=block_k,
+        BLOCK_R=block_r, BLOCK_C=block_c, BLOCK_P=block_p,
         num_warps=NUM_WARPS,
         enable_fp_fusion=False,
     )
@@ -160,7 +158,7 @@ def launch_rope(
 def _aot_specs() -> list[AotSpec]:
     """The specialisations the DeepSeek-V4.1 shapes launch (C=512, P=32; bf16/fp16/fp32)."""
     specs = []
-    ints = ["seq", "heads", "pair_start", "rot_width"] + [
+    ints = ["n_rows", "seq", "heads", "pair_start", "n_pairs"] + [
         f"s{t}_{d}" for t in "xy" for d in "bshc"
     ] + ["sf_b", "sf_s"]
     for dtype, ty in ((torch.bfloat16, "bf16"), (torch.float16, "fp16"), (torch.float32, "fp32")):
@@ -170,19 +168,23 @@ def _aot_specs() -> list[AotSpec]:
             (True, True, False, "inverse"),
             (False, False, False, "inplace"),
         ):
-            block_h, block_c, block_k = block_sizes(64, 512, 32, copy)
+            block_r, block_c, block_p = block_sizes(512, 32, copy)
             signature = {"x_ptr": f"*{ty}", "f_ptr": "*fp32", "y_ptr": f"*{ty}"}
-            signature.update({n: "i64" if n.startswith("s") and n[1] in "xyf" else "i32" for n in ints})
+            signature.update({n: "i32" for n in ints if n not in ("sx_c", "sy_c")})
             specs.append(
                 AotSpec(
                     name=f"text_rope_{tag}_{ty}",
                     kernel=_rope_kernel,
                     signature=signature,
+                    # contiguous channels (stride 1 is specialised to a constant at launch)
                     constexprs=dict(
-                        CONJ=conj, COPY=copy, GRAD_SUM=grad_sum,
-                        BLOCK_H=block_h, BLOCK_C=block_c, BLOCK_K=block_k,
+                        sx_c=1, sy_c=1, CONJ=conj, COPY=copy, GRAD_SUM=grad_sum,
+                        BLOCK_R=block_r, BLOCK_C=block_c, BLOCK_P=block_p,
                     ),
                     options={"num_warps": NUM_WARPS, "enable_fp_fusion": False},
+                    # q [B, S, 64, 512]: pointers and every stride but the channel one are multiples of 16
+                    divisible_by_16=("x_ptr", "f_ptr", "y_ptr", "pair_start", "n_pairs", "sx_b", "sx_s", "sx_h",
+                                     "sy_b", "sy_s", "sy_h", "sf_b", "sf_s"),
                 )
             )
     return specs
