@@ -68,15 +68,11 @@ def check_no_overlap(outputs: dict[str, torch.Tensor | None], inputs: dict[str, 
     The test is conservative: two tensors whose byte ranges intersect are
     rejected even if their strides would interleave without touching.
     """
-    outs = [(n, t) for n, t in outputs.items() if t is not None]
-    others = [(n, t) for n, t in inputs.items() if t is not None]
-    for i, (oname, out) in enumerate(outs):
-        o_lo, o_hi = memory_span(out)
-        for name, t in others + outs[i + 1 :]:
-            if t.device != out.device or t.numel() == 0 or out.numel() == 0:
-                continue
-            lo, hi = memory_span(t)
-            if lo < o_hi and o_lo < hi:
+    outs = [(n, t, memory_span(t)) for n, t in outputs.items() if t is not None]
+    others = [(n, t, memory_span(t)) for n, t in inputs.items() if t is not None]
+    for i, (oname, out, (o_lo, o_hi)) in enumerate(outs):
+        for name, t, (lo, hi) in others + outs[i + 1 :]:
+            if lo < o_hi and o_lo < hi and t.device == out.device:
                 raise ValueError(
                     f"{oname}: must not overlap {name} in memory "
                     f"({oname} bytes [{o_lo:#x}, {o_hi:#x}), {name} bytes [{lo:#x}, {hi:#x}))"

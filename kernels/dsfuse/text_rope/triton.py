@@ -16,6 +16,8 @@ bit (as CUDA's unary minus does, so signed zeros match); the conjugate negates
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -24,9 +26,11 @@ from dsfuse._common import check_no_overlap
 from dsfuse._common.aot import AotSpec
 
 FUSED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-# Elements one program moves: large enough to hide latency, small enough that
-# 4096-token inputs still give thousands of programs for 132+ SMs.
-ELEMENTS_PER_PROGRAM = 8192
+# Work per program and warps, from the H200 sweep in experiments/text_rope/tune_blocks.py
+# (raw data: experiments/text_rope/raw/tuning/): 2048 elements (4 rows of 512 channels,
+# 32 rows in place) with 4 warps is within 1% of the best of 20 settings for forward,
+# backward and in-place launches; larger programs lose up to 30%, smaller ones 25%.
+ELEMENTS_PER_PROGRAM = 2048
 NUM_WARPS = 4
 
 
@@ -100,13 +104,22 @@ def _as_4d(t: torch.Tensor) -> torch.Tensor:
     return t.unsqueeze(2) if t.ndim == 3 else t
 
 
+def _pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+@functools.lru_cache(maxsize=256)
+def _block_sizes(channels: int, pairs: int, copy: bool, elements: int) -> tuple[int, int, int]:
+    block_c = _pow2(max(channels - 2 * pairs, 1)) if copy else 1
+    block_p = _pow2(pairs)
+    per_row = (block_c if copy else 0) + 2 * block_p
+    block_r = max(1, min(64, _pow2(max(elements // per_row, 1))))
+    return block_r, block_c, block_p
+
+
 def block_sizes(channels: int, pairs: int, copy: bool) -> tuple[int, int, int]:
     """(BLOCK_R, BLOCK_C, BLOCK_P) for a row of ``channels`` with ``pairs`` rotary pairs."""
-    block_c = triton.next_power_of_2(max(channels - 2 * pairs, 1)) if copy else 1
-    block_p = triton.next_power_of_2(pairs)
-    per_row = (block_c if copy else 0) + 2 * block_p
-    block_r = max(1, min(64, triton.next_power_of_2(max(ELEMENTS_PER_PROGRAM // per_row, 1))))
-    return block_r, block_c, block_p
+    return _block_sizes(channels, pairs, copy, ELEMENTS_PER_PROGRAM)
 
 
 def launch_rope(
