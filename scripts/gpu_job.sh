@@ -4,6 +4,7 @@
 # Writes to OUT_DIR (default $OUT, else build/gpu-job): pytest log + junit XML, the bench log,
 # and raw.tar.gz with the new experiments/*/raw/<run-id>/ folders (unpack at the repo root).
 # Wheels under .carry/wheels (flash-linear-attention, Liger: the anchors) are installed if present.
+# A tree copied without .git records its commit only if DSFUSE_GIT_COMMIT is set (env.json).
 set -uo pipefail
 out="${1:-${OUT:-build/gpu-job}}"; shift || true
 ops=("$@")
@@ -23,6 +24,9 @@ fi
 if [ -z "${SKIP_BENCH:-}" ]; then
   python3 -m dsfuse.bench run "${ops[@]}" --gpu 2>&1 | tee "$out/bench.log" || status=1
   new=$(find experiments -path '*/raw/*' -name samples.csv -newer "$stamp" -printf '%h\n')
+  for run in $new; do  # the GPU test evidence travels with the raw data it belongs to
+    [ -f "$out/junit-gpu.xml" ] && cp "$out/junit-gpu.xml" "$run/"
+  done
   [ -n "$new" ] && tar czf "$out/raw.tar.gz" $new
 fi
 exit $status

@@ -221,3 +221,15 @@ def test_torch_compile_fullgraph(device):
     ref_leaf = values.clone().requires_grad_()
     (want,) = torch.autograd.grad(f(ref_leaf, angles), ref_leaf, grad)
     assert_bitwise(got, want, "compiled backward")
+
+    def g(v, a, out):  # out= and in-place forms through their mutating custom ops
+        apply_rope(v, a, True, out=out, backend="triton")
+        apply_rope(v, a, inplace=True, backend="triton")
+        return v, out
+
+    out_c, out_e = torch.empty_like(values), torch.empty_like(values)
+    v_c, v_e = values.clone(), values.clone()
+    torch.compile(g, fullgraph=True, backend=backend)(v_c, angles, out_c)
+    g(v_e, angles, out_e)
+    assert_bitwise(out_c, out_e, "compiled out=")
+    assert_bitwise(v_c, v_e, "compiled in place")

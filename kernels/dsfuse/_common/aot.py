@@ -8,6 +8,7 @@ lists the specialisations it launches in ``AOT_SPECS``.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 ARCHS = {"sm_90": 90, "sm_100": 100}
@@ -41,3 +42,42 @@ def compile_for(spec: AotSpec, arch: str):
     attrs = {(arg_names.index(name),): [["tt.divisibility", 16]] for name in spec.divisible_by_16}
     src = triton.compiler.ASTSource(fn=spec.kernel, signature=signature, constexprs=dict(spec.constexprs), attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", ARCHS[arch], 32), options=dict(spec.options))
+
+
+SPEC_MODULES = ("dsfuse.text_rope.triton",)
+
+
+def main() -> int:
+    """``python -m dsfuse._common.aot``: compile every op's AOT_SPECS for sm_90 and sm_100.
+
+    Prints one JSON line per (spec, arch) with the PTX's global load/store kinds
+    and the shared memory size. Run with ``TRITON_INTERPRET`` unset: the
+    interpreter replaces kernels by Python functions that cannot be compiled.
+    """
+    import importlib
+    import json
+    import re
+    from collections import Counter
+
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        raise SystemExit("unset TRITON_INTERPRET: interpreted kernels cannot be compiled")
+    failures = 0
+    for module in SPEC_MODULES:
+        for spec in importlib.import_module(module).AOT_SPECS:
+            for arch in ARCHS:
+                row = dict(spec=spec.name, arch=arch)
+                try:
+                    compiled = compile_for(spec, arch)
+                    ptx = compiled.asm["ptx"]
+                    row.update(ok=True, cubin_bytes=len(compiled.asm["cubin"]), shared=compiled.metadata.shared,
+                               target=re.search(r"\.target (\w+)", ptx).group(1),
+                               memory_ops=dict(Counter(re.findall(r"\b((?:ld|st)\.global[\.\w]*)", ptx))))
+                except Exception as exc:  # report every failure, not just the first
+                    failures += 1
+                    row.update(ok=False, error=f"{type(exc).__name__}: {exc}"[:2000])
+                print(json.dumps(row), flush=True)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

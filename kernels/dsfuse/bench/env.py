@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 import importlib.metadata
+import os
 import platform
 import subprocess
 from pathlib import Path
@@ -46,7 +47,8 @@ def collect(device: torch.device) -> dict:
         "platform": platform.platform(),
         "packages": {name: _version(name) for name in PACKAGES},
         "torch_cuda": torch.version.cuda,
-        "git_commit": _git("rev-parse", "HEAD"),
+        # A copy of the tree without .git (the GPU machine) gets the commit from DSFUSE_GIT_COMMIT.
+        "git_commit": _git("rev-parse", "HEAD") or os.environ.get("DSFUSE_GIT_COMMIT"),
         "git_dirty": bool(_git("status", "--porcelain", "--untracked-files=no")),
         "device": str(device),
     }

@@ -24,6 +24,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
+import yaml  # noqa: E402
 from tabulate import tabulate  # noqa: E402
 
 CLOCK_REGIMES = [("graph", "hot"), ("graph", "evicted"), ("eager", "hot"), ("eager", "evicted"), ("wall", "hot")]
@@ -43,6 +44,8 @@ def load_run(run_dir: Path) -> dict:
         validation=pd.read_csv(run_dir / "validation.csv", keep_default_na=False),
         cases=pd.read_csv(run_dir / "cases.csv", keep_default_na=False),
         env=json.loads((run_dir / "env.json").read_text()),
+        config=yaml.safe_load((run_dir / "config.yaml").read_text()) or {},
+        junit=run_dir / "junit-gpu.xml",
     )
 
 
@@ -110,6 +113,13 @@ def render(op: str, raw_root: Path, results_dir: Path, plots_dir: Path, smoke: b
     run = load_run(run_dir)
     med, ratios, copy_bw = summarize(run)
     env = run["env"]
+    ceiling = max(copy_bw.values())
+    params = {row.case: json.loads(row.params) for row in run["cases"].itertuples()}
+    floors = {
+        (case, provider): int(params[case].get("bytes_by_provider", {}).get(provider, nbytes)) / (ceiling * 1e6)
+        for case, nbytes in zip(run["cases"]["case"], run["cases"]["bytes"])
+        for provider in set(med["provider"])
+    }
     results_dir, plots_dir = Path(results_dir), Path(plots_dir)
     results_dir.mkdir(parents=True, exist_ok=True)
     plots_dir.mkdir(parents=True, exist_ok=True)
@@ -142,6 +152,33 @@ def render(op: str, raw_root: Path, results_dir: Path, plots_dir: Path, smoke: b
                               tablefmt="github"))
         lines.append("")
 
+    targets = run["config"].get("targets", [])
+    if targets:
+        lines += ["### Targets", "",
+                  "Each target as set for this op, the measured median (graph clock unless stated), the bytes "
+                  "floor at the run's copy bandwidth, and whether it was met.", ""]
+        table = []
+        for t in targets:
+            sel = med[(med["case"] == t["case"]) & (med["provider"] == t["provider"])
+                      & (med["clock"] == t.get("clock", "graph")) & (med["regime"] == t.get("regime", "evicted"))]
+            us = float(sel["us"].iloc[0]) if not sel.empty else float("nan")
+            frac = float(sel["of_copy"].iloc[0]) if not sel.empty else float("nan")
+            floor = floors.get((t["case"], t["provider"]), float("nan"))
+            goal = []
+            ok = not sel.empty
+            if "max_us" in t:
+                goal.append(f"<= {t['max_us']} us")
+                ok = ok and us <= t["max_us"]
+            if "min_of_copy" in t:
+                goal.append(f">= {100 * t['min_of_copy']:.0f}% of copy")
+                ok = ok and frac >= t["min_of_copy"]
+            table.append([t["case"], t["provider"], f"{t.get('clock', 'graph')}/{t.get('regime', 'evicted')}",
+                          " and ".join(goal), _fmt(us), f"{_fmt(100 * frac, 0)}%", _fmt(floor),
+                          "met" if ok else "MISSED"])
+        lines.append(tabulate(table, headers=["case", "provider", "clock/cache", "target", "median us", "of copy",
+                                              "floor us", "verdict"], tablefmt="github"))
+        lines.append("")
+
     lines += ["### Median latency of every provider (us)", ""]
     present = [cr for cr in CLOCK_REGIMES if ((med["clock"] == cr[0]) & (med["regime"] == cr[1])).any()]
     wide = med.pivot_table(index=["case", "provider"], columns=["clock", "regime"], values="us")
@@ -150,7 +187,10 @@ def render(op: str, raw_root: Path, results_dir: Path, plots_dir: Path, smoke: b
     lines.append(tabulate(table, headers=["case", "provider"] + [f"{c}/{r}" for c, r in present], tablefmt="github"))
     lines.append("")
 
-    lines += ["### Correctness checks (before and after timing)", ""]
+    if run["junit"].exists():
+        lines += _junit_summary(run["junit"], op) + [""]
+
+    lines += ["### Correctness checks of the benchmark providers (before and after timing)", ""]
     val = run["validation"]
     table = []
     for (case, provider), rows in val.groupby(["case", "provider"], sort=False):
@@ -169,10 +209,45 @@ def render(op: str, raw_root: Path, results_dir: Path, plots_dir: Path, smoke: b
     table_path.write_text("\n".join(lines))
 
     written = [table_path]
+    tuning = write_tuning(op, raw_root, results_dir)
+    if tuning:
+        written.append(tuning)
     clock, regime = ("graph", "evicted") if "graph" in set(med["clock"]) else ("wall", "hot")
     for mode, grp in med[(med["clock"] == clock) & (med["regime"] == regime)].groupby("mode"):
         written.append(_plot(op, mode, grp, clock, regime, plots_dir, smoke))
     return written
+
+
+def _junit_summary(path: Path, op: str) -> list[str]:
+    """One line on the GPU test session that ran with this raw data (from its JUnit XML)."""
+    import xml.etree.ElementTree as ET
+
+    cases = [c for c in ET.parse(path).getroot().iter("testcase") if op in c.get("classname", "")]
+    failed = sum(1 for c in cases if c.find("failure") is not None or c.find("error") is not None)
+    skipped = sum(1 for c in cases if c.find("skipped") is not None)
+    files = sorted({c.get("classname").rsplit(".", 1)[-1] for c in cases})
+    return [f"GPU tests of this op in the same session (`{path.name}`): {len(cases) - failed - skipped} passed, "
+            f"{failed} failed, {skipped} skipped ({', '.join(files)})."]
+
+
+def write_tuning(op: str, raw_root: Path, results_dir: Path) -> Path | None:
+    """Medians of every launch-constant sweep under ``raw/tuning/`` (one table per file)."""
+    files = sorted((Path(raw_root) / "tuning").glob("blocks-*.csv"))
+    if not files:
+        return None
+    lines = [f"<!-- generated by `python -m dsfuse.bench report {op}` from {Path(raw_root).as_posix()}/tuning; "
+             "do not edit -->", ""]
+    for path in files:
+        df = pd.read_csv(path)
+        df = df[df["regime"] == "evicted"]
+        wide = df.groupby(["mode", "elements", "warps"])["us"].median().unstack("warps")
+        lines += [f"**{path.stem}** (median us, CUDA Graph replay, L2 evicted; rows: mode and elements per "
+                  "program, columns: warps)", ""]
+        table = [[mode, elements] + [_fmt(v) for v in row] for (mode, elements), row in wide.iterrows()]
+        lines += [tabulate(table, headers=["mode", "elements"] + [str(w) for w in wide.columns], tablefmt="github"), ""]
+    out = Path(results_dir) / f"{op}_tuning.md"
+    out.write_text("\n".join(lines))
+    return out
 
 
 def _plot(op: str, mode: str, grp: pd.DataFrame, clock: str, regime: str, plots_dir: Path, smoke: bool) -> Path:

@@ -1,0 +1,100 @@
+"""The shared bench harness: checks, exclusion of failing providers, raw data, report."""
+
+import json
+import types
+
+import pandas as pd
+import torch
+
+from dsfuse.bench import harness, report
+from dsfuse.bench.harness import Case, Provider, bits, compare
+
+
+def test_bits_distinguish_signed_zero_and_nan_payloads():
+    a = torch.tensor([0.0, float("nan")])
+    b = torch.tensor([-0.0, float("nan")])
+    assert not torch.equal(bits(a), bits(b))
+    assert torch.equal(bits(a)[1:], bits(b)[1:])
+
+
+def test_compare_bitwise_and_allclose():
+    case = Case("c", "fwd", {}, bytes=0)
+    want = (torch.tensor([1.0, 2.0, 0.0]),)
+    exact = Provider("p", build=None)
+    assert compare((want[0].clone(),), want, exact, case).ok
+    one_ulp = want[0].clone()
+    one_ulp[1] = torch.nextafter(one_ulp[1], torch.tensor(3.0))
+    result = compare((one_ulp,), want, exact, case)
+    assert not result.ok and result.mismatches == 1 and result.max_abs_diff > 0
+    assert not compare((torch.tensor([1.0, 2.0, -0.0]),), want, exact, case).ok
+    loose = Provider("p", build=None, check="allclose", rtol=1e-6, atol=0)
+    assert compare((one_ulp,), want, loose, case).ok
+    assert not compare((want[0][:2],), want, exact, case).ok  # shape
+
+
+def _fake_experiment():
+    """Two providers: a correct one and one that is off by one ulp (must be excluded)."""
+
+    def cases(config):
+        return [Case("tiny_fwd", "fwd", {"n": 64}, bytes=2 * 64 * 4)]
+
+    def make_inputs(case, device, seed):
+        return {"x": torch.randn(case.params["n"], generator=torch.Generator().manual_seed(seed))}
+
+    def reference(case, inputs):
+        return (inputs["x"] * 2,)
+
+    def providers(config):
+        good = Provider("good", lambda case, inp: (lambda: (inp["x"] * 2,)), role="candidate")
+        ctrl = Provider("control", lambda case, inp: (lambda: (inp["x"] + inp["x"],)))
+        bad = Provider("bad", lambda case, inp: (lambda: (torch.nextafter(inp["x"] * 2, torch.tensor(1e9)),)))
+        broken = Provider("broken", lambda case, inp: (lambda: 1 / 0))
+        return [good, ctrl, bad, broken]
+
+    return types.SimpleNamespace(OP="fake", cases=cases, make_inputs=make_inputs, reference=reference,
+                                 providers=providers)
+
+
+def test_run_records_failures_and_times_only_valid_providers(tmp_path):
+    config = {"timing": {"blocks": 2, "samples": 2}}
+    run_dir = harness.run_experiment(_fake_experiment(), config, tmp_path, torch.device("cpu"), run_id="r1")
+    samples = pd.read_csv(run_dir / "samples.csv")
+    validation = pd.read_csv(run_dir / "validation.csv", keep_default_na=False)
+    assert set(samples.loc[samples["case"] == "tiny_fwd", "provider"]) == {"good", "control"}
+    by_provider = validation.groupby("provider")["status"].agg(set)
+    assert by_provider["bad"] == {"fail"} and by_provider["broken"] == {"fail"}
+    assert "ZeroDivisionError" in validation.loc[validation["provider"] == "broken", "error"].iloc[0]
+    assert by_provider["good"] == {"pass"}
+    assert set(validation.loc[validation["provider"] == "good", "stage"]) == {"before", "after-eager"}
+    env = json.loads((run_dir / "env.json").read_text())
+    assert env["packages"]["torch"] and env["device"] == "cpu"
+    assert (run_dir / "config.yaml").read_text().strip()
+    assert len(samples[samples["case"] == "copy"]) == 4  # 2 blocks x 2 samples, wall clock
+
+    written = report.render("fake", tmp_path, tmp_path / "results", tmp_path / "plots", smoke=True)
+    table = (tmp_path / "results" / "fake.md").read_text()
+    assert "SMOKE RUN" in table and "| bad" in table and "fail" in table
+    assert any(p.suffix == ".png" for p in written)
+
+
+def test_ratio_uses_fastest_valid_control_per_block():
+    samples = pd.DataFrame(
+        [dict(case="c", mode="fwd", provider=p, regime="hot", clock="graph", block=b, sample=0, us=us)
+         for b, times in enumerate([{"cand": 10, "ctrl": 20, "slow": 40, "wrong": 1},
+                                    {"cand": 10, "ctrl": 30, "slow": 40, "wrong": 1}])
+         for p, us in times.items()]
+        + [dict(case="copy", mode="copy", provider="copy", regime="evicted", clock="eager", block=0, sample=0, us=1.0)]
+    )
+    validation = pd.DataFrame(
+        [dict(case="c", provider=p, role=r, form="", stage="before", status=s)
+         for p, r, s in [("cand", "candidate", "pass"), ("ctrl", "control", "pass"), ("slow", "control", "pass"),
+                         ("wrong", "control", "fail")]]
+    )
+    cases = pd.DataFrame([dict(case="copy", mode="copy", bytes=1_000_000, params="{}"),
+                          dict(case="c", mode="fwd", bytes=500_000, params="{}")])
+    med, ratios, copy_bw = report.summarize(dict(samples=samples, validation=validation, cases=cases, env={}))
+    row = ratios.iloc[0]
+    assert row["control"] == "ctrl"  # "wrong" is faster but failed its check
+    assert row["ratio"] == 2.5 and row["ratio_min"] == 2.0 and row["ratio_max"] == 3.0
+    assert abs(copy_bw["eager"] - 1.0) < 1e-9  # 1e6 bytes in 1 us = 1 TB/s
+    assert abs(row["of_copy"] - 0.05) < 1e-9  # 5e5 bytes in 10 us = 0.05 TB/s
