@@ -39,7 +39,7 @@ def rope_inputs(draw):
     return values, angles, pairs, draw(st.booleans())
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(rope_inputs())
 def test_forward_any_layout(case):
     values, angles, pairs, inverse = case
@@ -47,7 +47,7 @@ def test_forward_any_layout(case):
     assert_rope_equal(got, rope_reference(values, angles, inverse), values, pairs, "forward")
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(rope_inputs())
 def test_backward_any_layout(case):
     values, angles, pairs, inverse = case
@@ -58,7 +58,7 @@ def test_backward_any_layout(case):
     assert_rope_equal(got, want, grad, pairs, "backward")
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(rope_inputs())
 def test_inplace_any_layout(case):
     values, angles, pairs, inverse = case

@@ -30,7 +30,7 @@ BAD_CALLS = {
     "out is values": (lambda v, a: apply_rope(v, a, out=v), ValueError, "out: must not overlap values"),
     "out overlaps values": (lambda v, a: apply_rope(v[:, :4], a[:, :4], out=v[:, 1:]), ValueError,
                             "out: must not overlap values"),
-    "out overlaps angles": (lambda v, a: apply_rope(v, _sharing_out()[0], out=_SHARED["out"]), ValueError, "out: must not overlap angles"),
+    "out overlaps angles": (lambda v, a: apply_rope(v, **_sharing_out()), ValueError, "out: must not overlap angles"),
     "inplace over angles": (lambda v, a: apply_rope(*_sharing_values(), inplace=True), ValueError,
                             "values: must not overlap angles"),
     "inplace expanded": (lambda v, a: apply_rope(torch.randn(1, 5, 3, 12).expand(2, 5, 3, 12), a, inplace=True),
@@ -40,14 +40,10 @@ BAD_CALLS = {
 }
 
 
-_SHARED = {}
-
-
 def _sharing_out():
-    """angles [2,5,3] and an out [2,5,3,12] cut from one storage (out kept in _SHARED)."""
+    """angles [2,5,3] and an out [2,5,3,12] cut from one storage, as keyword arguments."""
     storage = torch.rand(2 * 5 * 3 * 12)
-    _SHARED["out"] = storage[:360].view(2, 5, 3, 12)
-    return storage[-30:].view(2, 5, 3), _SHARED["out"]
+    return {"angles": storage[-30:].view(2, 5, 3), "out": storage[:360].view(2, 5, 3, 12)}
 
 
 def _sharing_values():

@@ -36,6 +36,8 @@ def run(op: str, config_path: str | None, smoke: bool | None) -> Path:
 
     if smoke is None:
         smoke = not torch.cuda.is_available()
+    if not smoke and not torch.cuda.is_available():
+        raise SystemExit("--gpu: no CUDA GPU is available (torch.cuda.is_available() is False); use --smoke")
     if smoke:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first kernel launch
     from dsfuse.bench.harness import load_config, run_experiment

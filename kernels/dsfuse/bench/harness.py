@@ -266,7 +266,8 @@ def run_experiment(experiment, config: dict, raw_root: Path, device: torch.devic
         case_rows.append(dict(case=case.name, mode=case.mode, bytes=case.bytes, flops=case.flops,
                               params=json.dumps(case.params, sort_keys=True)))
         samples += _run_case(experiment, case, providers, settings, timer, device, validation)
-        torch.cuda.empty_cache() if device.type == "cuda" else None
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
 
     _write_csv(run_dir / "samples.csv", samples)
     _write_csv(run_dir / "validation.csv", validation)

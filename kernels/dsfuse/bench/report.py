@@ -213,8 +213,10 @@ def render(op: str, raw_root: Path, results_dir: Path, plots_dir: Path, smoke: b
     if tuning:
         written.append(tuning)
     clock, regime = ("graph", "evicted") if "graph" in set(med["clock"]) else ("wall", "hot")
+    colors = {p: plt.get_cmap("tab10")(i % 10) for i, p in enumerate(sorted(set(med["provider"])))}
     for mode, grp in med[(med["clock"] == clock) & (med["regime"] == regime)].groupby("mode"):
-        written.append(_plot(op, mode, grp, clock, regime, plots_dir, smoke))
+        floor = {case: floors[(case, "dsfuse")] for case in set(grp["case"]) if (case, "dsfuse") in floors}
+        written.append(_plot(op, mode, grp, clock, regime, plots_dir, smoke, floor, colors))
     return written
 
 
@@ -250,21 +252,26 @@ def write_tuning(op: str, raw_root: Path, results_dir: Path) -> Path | None:
     return out
 
 
-def _plot(op: str, mode: str, grp: pd.DataFrame, clock: str, regime: str, plots_dir: Path, smoke: bool) -> Path:
+def _plot(op: str, mode: str, grp: pd.DataFrame, clock: str, regime: str, plots_dir: Path, smoke: bool,
+          floor: dict[str, float], colors: dict) -> Path:
     cases = list(dict.fromkeys(grp["case"]))
-    providers = list(dict.fromkeys(grp["provider"]))
-    fig, ax = plt.subplots(figsize=(7.5, 3.2), dpi=100)
+    providers = sorted(set(grp["provider"]))
+    fig, ax = plt.subplots(figsize=(8.5, 3.2), dpi=100)
     width = 0.8 / max(len(providers), 1)
     for i, provider in enumerate(providers):
         rows = grp[grp["provider"] == provider].set_index("case").reindex(cases)
-        ax.bar([c + i * width for c in range(len(cases))], rows["us"], width, label=provider)
+        ax.bar([c + i * width for c in range(len(cases))], rows["us"], width, label=provider, color=colors[provider])
+    for c, case in enumerate(cases):  # the out-of-place bytes floor at the run's copy bandwidth
+        if case in floor:
+            ax.hlines(floor[case], c - width / 2, c + 0.8 - width / 2, colors="black", linestyles="dashed",
+                      label="bytes floor" if c == 0 else None)
     ax.set_xticks([c + 0.4 - width / 2 for c in range(len(cases))])
     ax.set_xticklabels([c.rsplit("_", 1)[0] for c in cases], fontsize=8)
     ax.set_yscale("log")
     ax.set_ylabel("median us (log)")
     title = f"{op} {mode}: {clock} clock, {regime} cache"
     ax.set_title(("SMOKE (CPU interpreter): " if smoke else "") + title, fontsize=9)
-    ax.legend(fontsize=7, ncol=2)
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
     fig.tight_layout()
     path = plots_dir / f"{op}_{mode.replace('+', '_')}.png"
     fig.savefig(path)

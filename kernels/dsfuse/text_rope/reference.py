@@ -9,8 +9,9 @@ leading channels are copied.
 :func:`rope_reference` is the out-of-place training form, operation for
 operation: ``float()`` upcast, ``torch.polar`` frequencies, complex multiply,
 ``to(dtype)`` (round to nearest even), ``clone`` + slice assignment. The one
-addition, ``.contiguous()`` before ``view_as_complex``, moves no value and lets
-odd widths and strided views through (``view_as_complex`` needs even strides). Its autograd
+addition, a dense copy before ``view_as_complex`` when the tail has odd strides or
+an odd storage offset (``view_as_complex`` needs even ones), moves no value and
+lets odd widths and strided views through; the model's tensors never need it. Its autograd
 graph is the eager backward that the fused backward reproduces bit for bit on
 CUDA. :func:`apply_rotary_emb_` is the model's in-place form on a channel slice.
 """
@@ -20,6 +21,17 @@ from __future__ import annotations
 import math
 
 import torch
+
+
+def _dense(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself when ``view_as_complex`` accepts it, else a dense copy (values unchanged).
+
+    ``view_as_complex`` needs even strides and an even storage offset; the model's own
+    tensors always have them, slices of odd-width rows do not.
+    """
+    if t.storage_offset() % 2 == 0 and all(s % 2 == 0 for s in t.stride()[:-1]) and t.stride(-1) == 1:
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
 
 
 def rope_freqs(angles: torch.Tensor) -> torch.Tensor:
@@ -33,7 +45,7 @@ def apply_rotary_emb_(x: torch.Tensor, freqs_cis: torch.Tensor, inverse: bool = 
     ``x`` is ``[B, S, 2P]`` or ``[B, S, H, 2P]`` (typically ``values[..., -2P:]``);
     ``freqs_cis`` complex64 ``[B, S, P]``.
     """
-    pairs = torch.view_as_complex(x.float().contiguous().unflatten(-1, (-1, 2)))
+    pairs = torch.view_as_complex(_dense(x.float()).unflatten(-1, (-1, 2)))
     if x.ndim == 4:
         freqs_cis = freqs_cis.unsqueeze(2)
     if inverse:
@@ -45,7 +57,7 @@ def apply_rotary_emb_(x: torch.Tensor, freqs_cis: torch.Tensor, inverse: bool = 
 def rope_reference(values: torch.Tensor, angles: torch.Tensor, inverse: bool = False) -> torch.Tensor:
     """Out-of-place RoPE on the last ``2 * angles.shape[-1]`` channels of ``values``."""
     rd = 2 * angles.shape[-1]
-    pairs = torch.view_as_complex(values[..., -rd:].float().contiguous().unflatten(-1, (-1, 2)))
+    pairs = torch.view_as_complex(_dense(values[..., -rd:].float()).unflatten(-1, (-1, 2)))
     freqs = rope_freqs(angles)
     if values.ndim == 4:
         freqs = freqs.unsqueeze(2)
