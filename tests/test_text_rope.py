@@ -233,3 +233,13 @@ def test_torch_compile_fullgraph(device):
     g(v_e, angles, out_e)
     assert_bitwise(out_c, out_e, "compiled out=")
     assert_bitwise(v_c, v_e, "compiled in place")
+
+
+def test_reference_compiles_fullgraph():
+    """The benchmark's torch.compile controls compile the reference itself: it must trace whole."""
+    values, angles = make((1, 6, 4, 16), 4, torch.bfloat16, "cpu", seed=8)
+    leaf = values.clone().requires_grad_()
+    compiled = torch.compile(rope_reference, fullgraph=True, dynamic=False, backend="aot_eager")
+    out = compiled(leaf, angles, True)
+    assert_bitwise(out, rope_reference(values, angles, True), "compiled reference")
+    torch.autograd.grad(out, leaf, torch.ones_like(out))

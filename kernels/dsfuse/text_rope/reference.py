@@ -29,6 +29,8 @@ def _dense(t: torch.Tensor) -> torch.Tensor:
     ``view_as_complex`` needs even strides and an even storage offset; the model's own
     tensors always have them, slices of odd-width rows do not.
     """
+    if torch.compiler.is_compiling():  # traced graphs keep the model's exact sequence
+        return t
     if t.storage_offset() % 2 == 0 and all(s % 2 == 0 for s in t.stride()[:-1]) and t.stride(-1) == 1:
         return t
     return t.clone(memory_format=torch.contiguous_format)
