@@ -21,6 +21,7 @@ BAD_CALLS = {
     "angles 2D": (lambda v, a: apply_rope(v, a[0]), ValueError, "angles: expected shape"),
     "too many pairs": (lambda v, a: apply_rope(v, torch.rand(2, 5, 7)), ValueError, r"P <= channels / 2 = 6"),
     "zero pairs": (lambda v, a: apply_rope(v, torch.rand(2, 5, 0)), ValueError, "rotary pairs, got P = 0"),
+    "out not a tensor": (lambda v, a: apply_rope(v, a, out=[0.0]), TypeError, "out: expected a torch.Tensor"),
     "out wrong shape": (lambda v, a: apply_rope(v, a, out=torch.empty(2, 5, 3, 10)), ValueError, "out: expected shape"),
     "out wrong dtype": (lambda v, a: apply_rope(v, a, out=v.half()), ValueError, "out: expected shape .* and dtype"),
     "out with inplace": (lambda v, a: apply_rope(v, a, inplace=True, out=torch.empty_like(v)), ValueError,

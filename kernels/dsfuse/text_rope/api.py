@@ -44,7 +44,7 @@ def _freqs(angles: torch.Tensor) -> torch.Tensor:
 
 @torch.library.custom_op("dsfuse::text_rope_freqs", mutates_args=())
 def _freqs_op(angles: torch.Tensor) -> torch.Tensor:
-    return _freqs(angles).clone()  # a custom op may not return a view of its input's storage
+    return _freqs(angles)
 
 
 @_freqs_op.register_fake
@@ -151,12 +151,13 @@ def _validate(values, angles, inplace, out) -> None:
         raise ValueError(
             f"angles: expected 1 <= P <= channels / 2 = {channels // 2} rotary pairs, got P = {pairs}"
         )
+    if out is not None:
+        check_tensor("out", out)
     check_same_device(values=values, angles=angles, out=out)
     aliasing_checkable = not torch.compiler.is_compiling()  # fake tensors have no addresses
     if out is not None:
         if inplace:
             raise ValueError("out: must be None when inplace=True (the result is written into values)")
-        check_tensor("out", out)
         if out.shape != values.shape or out.dtype != values.dtype:
             raise ValueError(
                 f"out: expected shape {list(values.shape)} and dtype {values.dtype} (those of values), "
