@@ -5,6 +5,7 @@
 # and raw.tar.gz with the new experiments/*/raw/<run-id>/ folders (unpack at the repo root).
 # Wheels under .carry/wheels (flash-linear-attention, Liger: the anchors) are installed if present.
 # A tree copied without .git records its commit only if DSFUSE_GIT_COMMIT is set (env.json).
+# TESTS=<paths> narrows the GPU tests; SKIP_TESTS, SKIP_BENCH, SKIP_TOWER skip those parts.
 set -uo pipefail
 out="${1:-${OUT:-build/gpu-job}}"; shift || true
 ops=("$@")
@@ -18,7 +19,7 @@ nvidia-smi > "$out/nvidia-smi.txt" 2>&1
 stamp=$(mktemp); sleep 1
 status=0
 if [ -z "${SKIP_TESTS:-}" ]; then
-  DSFUSE_REQUIRE_GPU=1 python3 -m pytest tests -m gpu -q -p no:cacheprovider -W ignore::UserWarning \
+  DSFUSE_REQUIRE_GPU=1 python3 -m pytest ${TESTS:-tests} -m gpu -q -p no:cacheprovider -W ignore::UserWarning \
     --junitxml "$out/junit-gpu.xml" 2>&1 | tee "$out/pytest-gpu.log" || status=1
 fi
 if [ -z "${SKIP_BENCH:-}" ]; then
@@ -26,6 +27,10 @@ if [ -z "${SKIP_BENCH:-}" ]; then
   new=$(find experiments -path '*/raw/*' -name samples.csv -newer "$stamp" -printf '%h\n')
   for run in $new; do  # the GPU test evidence travels with the raw data it belongs to
     [ -f "$out/junit-gpu.xml" ] && cp "$out/junit-gpu.xml" "$run/"
+    case "$run" in  # ops with a whole-model validation add it to their run
+      *vision_rope*) [ -z "${SKIP_TOWER:-}" ] && { python3 experiments/vision_rope/tower.py --run-dir "$run" 2>&1 \
+                       | tee "$out/tower.log" || status=1; } ;;
+    esac
   done
   [ -n "$new" ] && tar czf "$out/raw.tar.gz" $new
 fi

@@ -55,12 +55,13 @@ def _fake_experiment():
                                  providers=providers)
 
 
-def test_run_records_failures_and_times_only_valid_providers(tmp_path):
+def test_run_records_failures_and_never_baselines_them(tmp_path):
     config = {"timing": {"blocks": 2, "samples": 2}}
     run_dir = harness.run_experiment(_fake_experiment(), config, tmp_path, torch.device("cpu"), run_id="r1")
     samples = pd.read_csv(run_dir / "samples.csv")
     validation = pd.read_csv(run_dir / "validation.csv", keep_default_na=False)
-    assert set(samples.loc[samples["case"] == "tiny_fwd", "provider"]) == {"good", "control"}
+    # "bad" ran (timed, flagged); "broken" raised (not timed)
+    assert set(samples.loc[samples["case"] == "tiny_fwd", "provider"]) == {"good", "control", "bad"}
     by_provider = validation.groupby("provider")["status"].agg(set)
     assert by_provider["bad"] == {"fail"} and by_provider["broken"] == {"fail"}
     assert "ZeroDivisionError" in validation.loc[validation["provider"] == "broken", "error"].iloc[0]
@@ -74,6 +75,8 @@ def test_run_records_failures_and_times_only_valid_providers(tmp_path):
     written = report.render("fake", tmp_path, tmp_path / "results", tmp_path / "plots", smoke=True)
     table = (tmp_path / "results" / "fake.md").read_text()
     assert "SMOKE RUN" in table and "| bad" in table and "fail" in table
+    summary = report.summarize(report.load_run(run_dir))[1]
+    assert set(summary["control"]) == {"control"}  # the faster-looking "bad" is never the baseline
     assert any(p.suffix == ".png" for p in written)
 
 

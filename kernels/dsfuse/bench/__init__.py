@@ -9,4 +9,4 @@
   inputs, reference and providers; ``python -m dsfuse.bench`` runs them.
 """
 
-EXPERIMENTS = {"text_rope": "dsfuse.bench.text_rope"}
+EXPERIMENTS = {"text_rope": "dsfuse.bench.text_rope", "vision_rope": "dsfuse.bench.vision_rope"}

@@ -8,7 +8,9 @@ a config, and writes ``<raw_root>/<run-id>/``:
   pseudo-case ``copy``.
 * ``validation.csv``: every provider's check against the reference, before and
   after timing (status, mismatching elements, max |diff|, error text). A
-  provider that fails is recorded and excluded from timing, never dropped.
+  provider that raises is recorded and not timed; one whose results differ is
+  timed but flagged, and the report never uses it as a baseline. Nothing is
+  dropped silently.
 * ``cases.csv``: each case's shape parameters, byte floor and FLOPs.
 * ``config.yaml`` (the config as run) and ``env.json``.
 
@@ -115,6 +117,31 @@ def bits(t: torch.Tensor) -> torch.Tensor:
     """The raw bit patterns of ``t`` as integers (so -0.0 != +0.0 and NaN == same NaN)."""
     view = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
     return t.contiguous().view(view)
+
+
+def select_providers(table: dict[str, Callable[[], Provider]], config: dict) -> list[Provider]:
+    """The providers a config names (``providers:``), built from an op's table.
+
+    Also prepares ``torch.compile`` controls: one compiled function serves every
+    case (shapes and ``requires_grad`` differ), so recompilations are allowed, and
+    passing the limit fails loudly instead of silently falling back to eager. A
+    config ``tolerance: {rtol, atol}`` (smoke runs on CPU, where the interpreter
+    is not bitwise) turns bitwise checks into tolerance checks.
+    """
+    torch._dynamo.config.recompile_limit = 64
+    if hasattr(torch._dynamo.config, "fail_on_recompile_limit_hit"):
+        torch._dynamo.config.fail_on_recompile_limit_hit = True
+    wanted = config["providers"]
+    unknown = [name for name in wanted if name not in table]
+    if unknown:
+        raise ValueError(f"providers: unknown {unknown}; expected names from {sorted(table)}")
+    chosen = [table[name]() for name in wanted]
+    tolerance = config.get("tolerance")
+    if tolerance:
+        for p in chosen:
+            if p.check == "bitwise":
+                p.check, p.rtol, p.atol = "allclose", tolerance["rtol"], tolerance["atol"]
+    return chosen
 
 
 # -- timing ----------------------------------------------------------------------------------
@@ -298,7 +325,9 @@ def _run_case(experiment, case: Case, providers: list[Provider], settings: RunSe
         outputs, error = _try(lambda: provider.build(case, check_inputs)())
         result = compare(outputs, expected, provider, case) if outputs is not None else None
         record(provider, "before", result, error)
-        if result is not None and result.ok:
+        # A provider that ran but differs is still timed (reported as not matching, never a
+        # baseline); one that raised is not.
+        if result is not None:
             runnable.append(provider)
     del check_inputs, expected
 

@@ -171,6 +171,12 @@ def render(op: str, raw_root: Path, results_dir: Path, plots_dir: Path, smoke: b
             if "min_of_copy" in t:
                 goal.append(f">= {100 * t['min_of_copy']:.0f}% of copy")
                 verdict.append("bandwidth " + ("met" if frac >= t["min_of_copy"] else "MISSED"))
+            for other, factor in t.get("min_speedup", {}).items():
+                ref = med[(med["case"] == t["case"]) & (med["provider"] == other)
+                          & (med["clock"] == t.get("clock", "graph")) & (med["regime"] == t.get("regime", "evicted"))]
+                speedup = float(ref["us"].iloc[0]) / us if not ref.empty else float("nan")
+                goal.append(f">= {factor}x {other}")
+                verdict.append(f"{_fmt(speedup, 2)}x {other} " + ("met" if speedup >= factor else "MISSED"))
             table.append([t["case"], t["provider"], f"{t.get('clock', 'graph')}/{t.get('regime', 'evicted')}",
                           " and ".join(goal), _fmt(us), f"{_fmt(100 * frac, 0)}%", _fmt(floor),
                           ", ".join(verdict) if not sel.empty else "not measured"])
@@ -188,6 +194,14 @@ def render(op: str, raw_root: Path, results_dir: Path, plots_dir: Path, smoke: b
 
     if run["junit"].exists():
         lines += _junit_summary(run["junit"], op) + [""]
+
+    import importlib
+
+    from dsfuse.bench import EXPERIMENTS
+
+    extra = getattr(importlib.import_module(EXPERIMENTS[op]), "report_extra", None) if op in EXPERIMENTS else None
+    if extra is not None:
+        lines += extra(run_dir)
 
     lines += ["### Correctness checks of the benchmark providers (before and after timing)", ""]
     val = run["validation"]

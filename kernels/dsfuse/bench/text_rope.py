@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 import yaml
 
-from dsfuse.bench.harness import Case, Provider
+from dsfuse.bench.harness import Case, Provider, select_providers
 from dsfuse.text_rope import apply_rope, rope_angles, rope_reference, rope_reference_inplace, yarn_inv_freq
 
 OP = "text_rope"
@@ -172,12 +172,6 @@ def _tail(case: Case, expected: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor,
 
 
 def providers(config: dict) -> list[Provider]:
-    # One compiled function serves every case (shapes, ranks, requires_grad differ): allow the
-    # recompilations, and fail loudly rather than silently fall back to eager past the limit.
-    torch._dynamo.config.recompile_limit = 64
-    if hasattr(torch._dynamo.config, "fail_on_recompile_limit_hit"):
-        torch._dynamo.config.fail_on_recompile_limit_hit = True
-    wanted = config["providers"]
     compiled = functools.partial(torch.compile, dynamic=False, fullgraph=True)
     table = {
         "eager": lambda: Provider("eager", _eager(rope_reference)),
@@ -195,16 +189,7 @@ def providers(config: dict) -> list[Provider]:
             form="in-place",
         ),
     }
-    unknown = [name for name in wanted if name not in table]
-    if unknown:
-        raise ValueError(f"providers: unknown {unknown}; expected names from {sorted(table)}")
-    chosen = [table[name]() for name in wanted]
-    tolerance = config.get("tolerance")  # smoke runs on CPU: the interpreter is not bitwise
-    if tolerance:
-        for p in chosen:
-            if p.check == "bitwise":
-                p.check, p.rtol, p.atol = "allclose", tolerance["rtol"], tolerance["atol"]
-    return chosen
+    return select_providers(table, config)
 
 
 def _fla_applies(case: Case) -> str | None:

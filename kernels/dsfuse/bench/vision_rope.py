@@ -1,0 +1,195 @@
+"""Vision RoPE backward experiment: geometries from the image processor, inputs, reference, providers.
+
+Each case is one image geometry: ``T = n_h * n_w`` patch tokens from
+:func:`dsfuse.vision_rope.geometry.patch_grid` with the processor values of
+``experiments/vision_rope/model.yaml``. Inputs are what the model's 3D math SDPA
+hands back: ``dq_htd`` and ``dv_htd`` contiguous ``[H, T, D]``, ``dk_hdt``
+contiguous ``[H, D, T]``, plus the fp32 tables. The output is ``dqkv``
+``[T, 3 * H * D]``. Byte floor: read the three gradients and both tables, write dqkv.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import torch
+import yaml
+
+from dsfuse.bench.harness import Case, Provider, select_providers
+from dsfuse.vision_rope import (
+    attention_front,
+    vision_cos_sin,
+    vision_rope_backward,
+    vision_rope_backward_autograd,
+    vision_rope_backward_reference,
+)
+from dsfuse.vision_rope.geometry import ProcessorConfig, patch_grid
+from dsfuse.vision_rope.triton import launch_backward
+
+OP = "vision_rope"
+
+
+def model_config(config: dict) -> dict:
+    return yaml.safe_load(Path(config["model_config"]).read_text())
+
+
+def geometries(config: dict) -> list[tuple[str, int, int]]:
+    """(label, n_h, n_w) per configured image size (``[height, width]``) or explicit grid (``grid: [n_h, n_w]``)."""
+    model = model_config(config)
+    proc = ProcessorConfig(**model["processor"])
+    out = []
+    for g in config["geometries"]:
+        n_h, n_w = g["grid"] if "grid" in g else patch_grid(*g["image"], proc)
+        out.append((g.get("label", f"{n_h}x{n_w}"), n_h, n_w))
+    return out
+
+
+def cases(config: dict) -> list[Case]:
+    model = model_config(config)
+    heads, dim = model["heads"], model["hidden"] // model["heads"]
+    out = []
+    for label, n_h, n_w in geometries(config):
+        tokens = n_h * n_w
+        grads = 3 * heads * tokens * dim * 2  # bf16
+        tables = 2 * tokens * (dim // 2) * 4
+        out.append(Case(
+            name=f"T{tokens}_{n_h}x{n_w}", mode="bwd",
+            params=dict(n_h=n_h, n_w=n_w, tokens=tokens, heads=heads, dim=dim, label=label, theta=model["theta"]),
+            bytes=grads + tables + grads,
+            flops=2 * heads * tokens * dim * 3,
+        ))
+    return out
+
+
+def make_inputs(case: Case, device: torch.device, seed: int) -> dict:
+    p = case.params
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(shape, generator=gen).to(torch.bfloat16).to(device)
+
+    cos, sin = vision_cos_sin(p["n_h"], p["n_w"], p["dim"] // 2, p["theta"], device=device)
+    return dict(dq_htd=randn(p["heads"], p["tokens"], p["dim"]), dk_hdt=randn(p["heads"], p["dim"], p["tokens"]),
+                dv_htd=randn(p["heads"], p["tokens"], p["dim"]), cos=cos, sin=sin)
+
+
+def _args(inputs: dict) -> tuple:
+    return inputs["dq_htd"], inputs["dk_hdt"], inputs["dv_htd"], inputs["cos"], inputs["sin"]
+
+
+def reference(case: Case, inputs: dict) -> tuple[torch.Tensor, ...]:
+    """Eager autograd of the model's front end."""
+    return (vision_rope_backward_autograd(*_args(inputs)),)
+
+
+def _eager_autograd(case: Case, inputs: dict):
+    """The model's own backward: autograd through the front end's graph (built once, outside timing)."""
+    dq, dk_hdt, dv, cos, sin = _args(inputs)
+    heads, tokens, dim = dq.shape
+    qkv = torch.zeros(tokens, 3 * heads * dim, dtype=dq.dtype, device=dq.device, requires_grad=True)
+    outs = attention_front(qkv, cos, sin, heads)
+    grads = (dq, dk_hdt.transpose(1, 2), dv)
+    return lambda: torch.autograd.grad(outs, qkv, grads, retain_graph=True)
+
+
+def _formula(fn):
+    def build(case: Case, inputs: dict):
+        args = _args(inputs)
+        return lambda: (fn(*args),)
+
+    return build
+
+
+def _copy_dk_then_fused(case: Case, inputs: dict):
+    """The fused kernel fed a dK first copied to [H, T, D]: the kernel without its layout fusion."""
+    dq, dk_hdt, dv, cos, sin = _args(inputs)
+    heads, tokens, dim = dq.shape
+
+    def run():
+        out = torch.empty(tokens, 3 * heads * dim, dtype=dq.dtype, device=dq.device)
+        return (launch_backward(dq, dk_hdt.transpose(1, 2).contiguous(), dv, cos, sin, out),)
+
+    return run
+
+
+def _liger(case: Case, inputs: dict):
+    """Liger-Kernel's RoPE backward on dQ, dK (it copies both to [B, T, H, D]), then torch.cat packing."""
+    from liger_kernel.ops.rope import rope_backward
+
+    dq, dk_hdt, dv, cos, sin = _args(inputs)
+    heads, tokens, dim = dq.shape
+    cos2, sin2 = torch.cat([cos, cos], -1)[None], torch.cat([sin, sin], -1)[None]
+
+    def run():
+        rdq, rdk = rope_backward(dq[None], dk_hdt.transpose(1, 2)[None], cos2, sin2)
+        parts = [g[0].transpose(0, 1).reshape(tokens, heads * dim) for g in (rdq, rdk, dv[None])]
+        return (torch.cat(parts, -1),)
+
+    return run
+
+
+def _liger_applies(case: Case) -> str | None:
+    try:
+        import liger_kernel.ops.rope  # noqa: F401
+    except Exception as exc:
+        return f"Liger-Kernel unavailable: {type(exc).__name__}: {exc}"[:300]
+    return None
+
+
+def providers(config: dict) -> list[Provider]:
+    # automatic dynamic shapes: one recompilation covers every token count
+    compiled = functools.partial(torch.compile, fullgraph=True)
+    table = {
+        "eager-autograd": lambda: Provider("eager-autograd", _eager_autograd),
+        "manual-eager": lambda: Provider("manual-eager", _formula(vision_rope_backward_reference)),
+        "compile-default": lambda: Provider("compile-default", _formula(compiled(vision_rope_backward_reference))),
+        "compile-max-autotune": lambda: Provider(
+            "compile-max-autotune",
+            _formula(compiled(vision_rope_backward_reference, mode="max-autotune-no-cudagraphs")),
+        ),
+        "copy-dk-fused": lambda: Provider("copy-dk-fused", _copy_dk_then_fused),
+        "liger": lambda: Provider("liger", _liger, applies=_liger_applies),
+        "dsfuse": lambda: Provider(
+            "dsfuse", _formula(functools.partial(vision_rope_backward, backend="triton")), role="candidate"
+        ),
+    }
+    return select_providers(table, config)
+
+
+def report_extra(run_dir: Path) -> list[str]:
+    """Tables of the whole-tower run (experiments/vision_rope/tower.py), when the run has one."""
+    import pandas as pd
+    from tabulate import tabulate
+
+    run_dir = Path(run_dir)
+    if not (run_dir / "tower_validation.csv").exists():
+        return []
+    val = pd.read_csv(run_dir / "tower_validation.csv")
+    prof = pd.read_csv(run_dir / "tower_profile.csv")
+    samples = pd.read_csv(run_dir / "tower_samples.csv")
+    lines = ["### Whole tower: fused backward swapped in, every tensor compared", "",
+             "32-layer tower + aligner, synthetic weights of the real shapes read from safetensors, forward + "
+             "checkpointed backward with the model's rotary front end and with dsfuse's; output, 32 hidden "
+             "states, input gradient and 263 parameter gradients compared bit for bit.", ""]
+    table = []
+    for (geometry, bank), grp in val.groupby(["geometry", "bank"], sort=False):
+        calls = prof[(prof["geometry"] == geometry) & (prof["bank"] == bank) & (prof["rope"] == "dsfuse")]
+        table.append([geometry, bank, len(grp), int(grp["bitwise_equal"].sum()), f"{grp['max_abs_diff'].max():.3g}",
+                      int(calls["fused_bwd_calls"].iloc[0]) if not calls.empty else "n/a"])
+    lines += [tabulate(table, headers=["geometry", "bank", "tensors", "bitwise equal", "max abs diff",
+                                       "fused bwd kernels"], tablefmt="github"), ""]
+    lines += ["### Whole tower: forward + checkpointed backward time", "",
+              "Median over paired blocks (eager and dsfuse alternate); ratio = eager / dsfuse per block, median "
+              "[min, max]. CUDA events (GPU) and host wall time around one forward + backward.", ""]
+    table = []
+    for geometry, grp in samples.groupby("geometry", sort=False):
+        med = grp.groupby("provider")[["gpu_ms", "wall_ms"]].median()
+        blocks = grp.groupby(["block", "provider"])["gpu_ms"].median().unstack("provider")
+        ratio = blocks["eager"] / blocks["dsfuse"]
+        table.append([geometry, int(grp["tokens"].iloc[0]), f"{med.loc['eager', 'gpu_ms']:.2f}",
+                      f"{med.loc['dsfuse', 'gpu_ms']:.2f}", f"{ratio.median():.4f} [{ratio.min():.4f}, {ratio.max():.4f}]",
+                      f"{med.loc['eager', 'wall_ms'] / med.loc['dsfuse', 'wall_ms']:.4f}"])
+    lines += [tabulate(table, headers=["geometry", "tokens", "eager ms", "dsfuse ms", "GPU ratio [min, max]",
+                                       "wall ratio"], tablefmt="github"), ""]
+    return lines

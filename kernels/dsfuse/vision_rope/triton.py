@@ -1,0 +1,191 @@
+"""Triton kernels of the vision RoPE: fused backward (native layouts -> packed dQKV) and forward.
+
+Backward, logical layouts (any strides; the public API pins the model's storage):
+
+* ``dq`` ``[H, T, D]`` (model: contiguous, "HTD"), ``dk`` ``[H, T, D]`` (model: the
+  transpose of a contiguous ``[H, D, T]`` buffer, "HDT": stride 1 along T),
+  ``dv`` ``[H, T, D]`` (HTD);
+* ``cos``, ``sin`` fp32 ``[T, D/2]``;
+* output ``dqkv`` ``[T, 3 * H * D]``, column ``part * H * D + h * D + d`` (part 0 q, 1 k, 2 v),
+  channel stride 1.
+
+One program takes ``BLOCK_T`` tokens of one head. dK tiles are loaded along T
+(coalesced for HDT storage) and stored along D; Triton moves the tile between the
+two register layouts through shared memory, so no separate dK copy is made.
+
+Rounding: ``dx1 = g1 * cos + g2 * sin``, ``dx2 = g2 * cos - g1 * sin`` with every
+product and sum rounded in fp32 (FP contraction off at launch, no ``tl.fma``),
+then one round-to-nearest-even to the output dtype: bitwise equal to eager autograd.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from dsfuse._common import check_no_overlap
+from dsfuse._common.aot import AotSpec
+
+FUSED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+TOKENS_PER_PROGRAM = 64
+NUM_WARPS = 4
+
+
+@triton.jit
+def _unrotate_store(g_ptr, s_h, s_t, s_d, out_ptr, so_t, col, b_cos, b_sin, o_t, o_d, m_2d, HALF: tl.constexpr):
+    """Load one head's [BLOCK_T, D] gradient (two halves), rotate back, store into the packed row."""
+    b_g1 = tl.load(g_ptr + s_h + o_t[:, None] * s_t + o_d[None, :] * s_d, mask=m_2d).to(tl.float32)
+    b_g2 = tl.load(g_ptr + s_h + o_t[:, None] * s_t + (o_d + HALF)[None, :] * s_d, mask=m_2d).to(tl.float32)
+    b_dx1 = b_g1 * b_cos + b_g2 * b_sin
+    b_dx2 = b_g2 * b_cos - b_g1 * b_sin
+    p_out = out_ptr + o_t[:, None] * so_t + col + o_d[None, :]
+    tl.store(p_out, b_dx1.to(out_ptr.dtype.element_ty), mask=m_2d)
+    tl.store(p_out + HALF, b_dx2.to(out_ptr.dtype.element_ty), mask=m_2d)
+
+
+@triton.jit
+def _vision_rope_bwd_kernel(
+    dq_ptr, dk_ptr, dv_ptr,  # [H, T, D] logical each, any strides
+    cos_ptr, sin_ptr,  # fp32 [T, D/2]
+    out_ptr,  # dqkv [T, 3 * H * D], channel stride 1
+    tokens,
+    sq_h, sq_t, sq_d,
+    sk_h, sk_t, sk_d,
+    sv_h, sv_t, sv_d,
+    sc_t, ss_t,  # table row strides (channel stride 1)
+    so_t,
+    HEADS: tl.constexpr,
+    HALF: tl.constexpr,  # D / 2
+    HAS_V: tl.constexpr,  # False: write zeros into the v columns (gradient of q and k only)
+    BLOCK_T: tl.constexpr,
+):
+    i_t, i_h = tl.program_id(0), tl.program_id(1)
+    o_t = (i_t * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+    o_d = tl.arange(0, HALF)
+    m_2d = (o_t < tokens)[:, None]
+    # [BLOCK_T, HALF] fp32 tables
+    b_cos = tl.load(cos_ptr + o_t[:, None] * sc_t + o_d[None, :], mask=m_2d)
+    b_sin = tl.load(sin_ptr + o_t[:, None] * ss_t + o_d[None, :], mask=m_2d)
+    col = i_h * 2 * HALF
+    _unrotate_store(dq_ptr, i_h.to(tl.int64) * sq_h, sq_t, sq_d, out_ptr, so_t, col, b_cos, b_sin, o_t, o_d, m_2d, HALF)
+    _unrotate_store(dk_ptr, i_h.to(tl.int64) * sk_h, sk_t, sk_d, out_ptr, so_t, col + HEADS * 2 * HALF,
+                    b_cos, b_sin, o_t, o_d, m_2d, HALF)
+    o_dv = tl.arange(0, 2 * HALF)
+    m_v = (o_t < tokens)[:, None]
+    p_out = out_ptr + o_t[:, None] * so_t + col + 2 * HEADS * 2 * HALF + o_dv[None, :]
+    if HAS_V:
+        # [BLOCK_T, D] dV copied into its columns
+        b_v = tl.load(dv_ptr + i_h.to(tl.int64) * sv_h + o_t[:, None] * sv_t + o_dv[None, :] * sv_d, mask=m_v)
+        tl.store(p_out, b_v, mask=m_v)
+    else:
+        tl.store(p_out, tl.zeros((BLOCK_T, 2 * HALF), dtype=out_ptr.dtype.element_ty), mask=m_v)
+
+
+@triton.jit
+def _rotate_store(x_ptr, s_t, col, y_ptr, sy_t, sy_h, i_h, b_cos, b_sin, o_t, o_d, m_2d, HALF: tl.constexpr):
+    """Rotate one head's [BLOCK_T, D] slice of the qkv row into y [T, H, D]."""
+    p_x = x_ptr + o_t[:, None] * s_t + col + o_d[None, :]
+    b_x1 = tl.load(p_x, mask=m_2d).to(tl.float32)
+    b_x2 = tl.load(p_x + HALF, mask=m_2d).to(tl.float32)
+    p_y = y_ptr + o_t[:, None] * sy_t + i_h * sy_h + o_d[None, :]
+    tl.store(p_y, (b_x1 * b_cos - b_x2 * b_sin).to(y_ptr.dtype.element_ty), mask=m_2d)
+    tl.store(p_y + HALF, (b_x2 * b_cos + b_x1 * b_sin).to(y_ptr.dtype.element_ty), mask=m_2d)
+
+
+@triton.jit
+def _vision_rope_fwd_kernel(
+    qkv_ptr,  # [T, 3 * H * D], channel stride 1
+    cos_ptr, sin_ptr,  # fp32 [T, D/2]
+    q_ptr, k_ptr,  # rotated [T, H, D], contiguous
+    tokens,
+    s_t,  # qkv row stride
+    sc_t, ss_t,
+    HEADS: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+):
+    i_t, i_h = tl.program_id(0), tl.program_id(1)
+    o_t = (i_t * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+    o_d = tl.arange(0, HALF)
+    m_2d = (o_t < tokens)[:, None]
+    b_cos = tl.load(cos_ptr + o_t[:, None] * sc_t + o_d[None, :], mask=m_2d)
+    b_sin = tl.load(sin_ptr + o_t[:, None] * ss_t + o_d[None, :], mask=m_2d)
+    col = i_h * 2 * HALF
+    _rotate_store(qkv_ptr, s_t, col, q_ptr, HEADS * 2 * HALF, 2 * HALF, i_h, b_cos, b_sin, o_t, o_d, m_2d, HALF)
+    _rotate_store(qkv_ptr, s_t, col + HEADS * 2 * HALF, k_ptr, HEADS * 2 * HALF, 2 * HALF, i_h, b_cos, b_sin,
+                  o_t, o_d, m_2d, HALF)
+
+
+def _check_tables(cos: torch.Tensor, sin: torch.Tensor) -> None:
+    for name, t in (("cos", cos), ("sin", sin)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name}: expected unit stride along the frequency dim, got strides {t.stride()}")
+
+
+def launch_backward(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor | None, cos: torch.Tensor,
+                    sin: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """dQ, dK, dV (``[H, T, D]`` logical, any strides; ``dv=None``: zeros) -> ``out`` ``[T, 3HD]``."""
+    check_no_overlap({"out": out}, {"dq": dq, "dk": dk, "dv": dv, "cos": cos, "sin": sin})
+    _check_tables(cos, sin)
+    heads, tokens, dim = dq.shape
+    if tokens == 0:
+        return out
+    v = dv if dv is not None else dq  # unread when HAS_V is False
+    grid = (triton.cdiv(tokens, TOKENS_PER_PROGRAM), heads)
+    _vision_rope_bwd_kernel[grid](
+        dq, dk, v, cos, sin, out,
+        tokens,
+        *dq.stride(), *dk.stride(), *v.stride(),
+        cos.stride(0), sin.stride(0), out.stride(0),
+        HEADS=heads, HALF=dim // 2, HAS_V=dv is not None, BLOCK_T=TOKENS_PER_PROGRAM,
+        num_warps=NUM_WARPS, enable_fp_fusion=False,
+    )
+    return out
+
+
+def launch_forward(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int,
+                   q_out: torch.Tensor, k_out: torch.Tensor) -> None:
+    """``qkv`` ``[T, 3HD]`` -> rotated ``q_out``, ``k_out`` ``[T, H, D]`` (contiguous)."""
+    check_no_overlap({"q_out": q_out, "k_out": k_out}, {"qkv": qkv, "cos": cos, "sin": sin})
+    _check_tables(cos, sin)
+    tokens = qkv.shape[0]
+    if tokens == 0:
+        return
+    dim = qkv.shape[1] // (3 * heads)
+    grid = (triton.cdiv(tokens, TOKENS_PER_PROGRAM), heads)
+    _vision_rope_fwd_kernel[grid](
+        qkv, cos, sin, q_out, k_out, tokens, qkv.stride(0), cos.stride(0), sin.stride(0),
+        HEADS=heads, HALF=dim // 2, BLOCK_T=TOKENS_PER_PROGRAM, num_warps=NUM_WARPS, enable_fp_fusion=False,
+    )
+
+
+@functools.cache
+def _aot_specs() -> list[AotSpec]:
+    """The model's specialisations: 16 heads x 64, bf16, HTD/HDT/HTD strides at launch."""
+    bwd_ints = ["tokens", "sq_h", "sq_t", "sk_h", "sk_d", "sv_h", "sv_t", "sc_t", "ss_t", "so_t"]
+    bwd = AotSpec(
+        name="vision_rope_bwd_bf16",
+        kernel=_vision_rope_bwd_kernel,
+        signature={"dq_ptr": "*bf16", "dk_ptr": "*bf16", "dv_ptr": "*bf16", "cos_ptr": "*fp32",
+                   "sin_ptr": "*fp32", "out_ptr": "*bf16"} | {n: "i32" for n in bwd_ints},
+        constexprs=dict(sq_d=1, sk_t=1, sv_d=1, HEADS=16, HALF=32, HAS_V=True, BLOCK_T=TOKENS_PER_PROGRAM),
+        options={"num_warps": NUM_WARPS, "enable_fp_fusion": False},
+        divisible_by_16=("dq_ptr", "dk_ptr", "dv_ptr", "cos_ptr", "sin_ptr", "out_ptr", "sq_h", "sk_h", "sv_h",
+                         "sq_t", "sv_t", "sc_t", "ss_t", "so_t"),
+    )
+    fwd = AotSpec(
+        name="vision_rope_fwd_bf16",
+        kernel=_vision_rope_fwd_kernel,
+        signature={"qkv_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "q_ptr": "*bf16", "k_ptr": "*bf16",
+                   "tokens": "i32", "s_t": "i32", "sc_t": "i32", "ss_t": "i32"},
+        constexprs=dict(HEADS=16, HALF=32, BLOCK_T=TOKENS_PER_PROGRAM),
+        options={"num_warps": NUM_WARPS, "enable_fp_fusion": False},
+        divisible_by_16=("qkv_ptr", "cos_ptr", "sin_ptr", "q_ptr", "k_ptr", "s_t", "sc_t", "ss_t"),
+    )
+    return [bwd, fwd]
+
+
+AOT_SPECS = _aot_specs()

@@ -1,0 +1,230 @@
+"""Vision RoPE: fused backward (native layouts -> packed dQKV) and fused forward against the model.
+
+On CUDA every comparison is bitwise. On CPU (Triton interpreter) fp32 is bitwise
+too (the contract has no FMA: every product and sum rounds separately), while bf16
+stores truncate instead of rounding, so bf16 results are within one bf16 ulp.
+
+Sizes: T = 1, 7, 77 and 130 cover single-token, sub-block and multi-block tails
+of the 64-token program; (H, D) = (16, 64) is the model, (3, 8) and (5, 32) other
+head counts and widths.
+"""
+
+import pytest
+import torch
+from conftest import DEVICES
+from helpers import assert_bitwise, assert_within_ulp
+
+from dsfuse.vision_rope import (
+    attention,
+    attention_front,
+    vision_cos_sin,
+    vision_rope_attention_front,
+    vision_rope_backward,
+    vision_rope_backward_autograd,
+    vision_rope_backward_reference,
+    vision_rope_forward,
+)
+from dsfuse.vision_rope.geometry import largest_grid, llm_tokens, patch_grid
+
+SHAPES = [(16, 1, 64), (16, 7, 64), (16, 77, 64), (3, 130, 8), (5, 33, 32)]  # (H, T, D)
+
+
+def grads(heads, tokens, dim, dtype, device, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(shape, generator=gen).to(dtype).to(device)
+
+    cos, sin = vision_cos_sin(tokens, 1, dim // 2, device=device) if tokens < 50 else \
+        vision_cos_sin(tokens // 10, 10, dim // 2, device=device) if tokens % 10 == 0 else \
+        vision_cos_sin(tokens, 1, dim // 2, device=device)
+    return randn(heads, tokens, dim), randn(heads, dim, tokens), randn(heads, tokens, dim), cos, sin
+
+
+def assert_equal_contract(got, want, what):
+    if got.is_cuda or got.dtype == torch.float32:
+        assert_bitwise(got, want, what)
+    else:
+        assert_within_ulp(got, want, 1, what)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "H{}_T{}_D{}".format(*s))
+def test_backward_matches_eager_autograd(shape, dtype, device):
+    dq, dk_hdt, dv, cos, sin = grads(*shape, dtype, device)
+    want = vision_rope_backward_autograd(dq, dk_hdt, dv, cos, sin)
+    assert_bitwise(vision_rope_backward_reference(dq, dk_hdt, dv, cos, sin), want, "formula == autograd")
+    got = vision_rope_backward(dq, dk_hdt, dv, cos, sin, backend="triton")
+    assert got.shape == (shape[1], 3 * shape[0] * shape[2]) and got.is_contiguous()
+    assert_equal_contract(got, want, "fused backward")
+    out = torch.empty_like(want)
+    assert vision_rope_backward(dq, dk_hdt, dv, cos[:, None], sin[:, None], out=out, backend="triton") is out
+    assert_equal_contract(out, want, "fused backward out=")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "H{}_T{}_D{}".format(*s))
+def test_forward_and_autograd_front(shape, dtype, device):
+    heads, tokens, dim = shape
+    _, _, _, cos, sin = grads(*shape, dtype, device)
+    qkv = torch.randn(tokens, 3 * heads * dim, generator=torch.Generator().manual_seed(1)).to(dtype).to(device)
+    fused = vision_rope_forward(qkv, cos, sin, heads, backend="triton")
+    model = attention_front(qkv, cos, sin, heads)
+    for got, want, name in zip(fused, model, "qkv"):
+        assert got.stride() == want.stride(), (name, got.stride(), want.stride())  # what SDPA sees
+        assert_equal_contract(got, want, f"forward {name}")
+    assert fused[2].data_ptr() == model[2].data_ptr()  # v stays a view of qkv
+    leaf = qkv.clone().requires_grad_()
+    outs = vision_rope_attention_front(leaf, cos, sin, heads, backend="triton")
+    g = (torch.randn_like(model[0]), torch.randn(heads, dim, tokens, dtype=dtype, device=device).transpose(1, 2),
+         torch.randn_like(model[2]))
+    (got,) = torch.autograd.grad(outs, leaf, g)
+    ref_leaf = qkv.clone().requires_grad_()
+    (want,) = torch.autograd.grad(attention_front(ref_leaf, cos, sin, heads), ref_leaf, g)
+    assert_equal_contract(got, want, "autograd through the fused front end")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_attention_gradients_through_sdpa(device):
+    """The whole attention core (front end + 3D math SDPA): the fused front end changes no bit (fp32)."""
+    heads, tokens, dim = 4, 45, 16
+    cos, sin = vision_cos_sin(5, 9, dim // 2, device=device)
+    qkv = torch.randn(tokens, 3 * heads * dim, device=device)
+    grad_o = torch.randn(heads, tokens, dim, device=device)
+    a = qkv.clone().requires_grad_()
+    q, k, v = vision_rope_attention_front(a, cos, sin, heads, backend="triton")
+    o = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+    (got,) = torch.autograd.grad(o, a, grad_o)
+    b = qkv.clone().requires_grad_()
+    (want,) = torch.autograd.grad(attention(b, cos, sin, heads), b, grad_o)
+    assert_bitwise(got, want, "dqkv through SDPA")
+
+
+def test_geometries_from_the_image_processor():
+    """The six geometries of the model's image processor, and the budget limits."""
+    sizes = {(300, 300): (39, 39), (490, 644): (35, 46), (770, 1036): (55, 74), (1036, 1036): (74, 74),
+             (966, 1708): (69, 122), (1302, 1302): (93, 93), (4000, 4000): (93, 93)}
+    for image, grid in sizes.items():
+        assert patch_grid(*image) == grid, image
+        assert llm_tokens(*grid) <= 1024
+    assert llm_tokens(94, 94) > 1024  # 93 x 93 is the largest square
+    n_h, n_w = largest_grid()
+    assert llm_tokens(n_h, n_w) <= 1024 and n_h * n_w == 9189
+    with pytest.raises(ValueError, match="image: expected positive sides"):
+        patch_grid(0, 10)
+
+
+def _bad_calls():
+    h, t, d = 4, 9, 8
+
+    def base():
+        return [torch.randn(h, t, d).bfloat16(), torch.randn(h, d, t).bfloat16(), torch.randn(h, t, d).bfloat16(),
+                *vision_cos_sin(t, 1, d // 2)]
+
+    def call(mutate, **kw):
+        def run():
+            args = base()
+            mutate(args)
+            return vision_rope_backward(*args, **kw)
+        return run
+
+    def set_(i, value):
+        return lambda a: a.__setitem__(i, value(a) if callable(value) else value)
+
+    return {
+        "dq not a tensor": (call(set_(0, 1.0)), TypeError, "dq_htd: expected a torch.Tensor"),
+        "dq 2D": (call(set_(0, lambda a: a[0][0])), ValueError, "dq_htd: expected 3 dims"),
+        "odd head dim": (call(set_(0, lambda a: torch.randn(h, t, d - 1).bfloat16())), ValueError, "even head dim"),
+        "dk in HTD shape": (call(set_(1, lambda a: a[1].transpose(1, 2))), ValueError,
+                            r"dk_hdt: expected shape \[H, D, T\]"),
+        "dk transposed view": (call(set_(1, lambda a: torch.randn(h, t, d).bfloat16().transpose(1, 2))), ValueError,
+                               r"dk_hdt: expected contiguous \[H, D, T\] storage"),
+        "dq non-contiguous": (call(set_(0, lambda a: torch.randn(t, h, d).bfloat16().transpose(0, 1))), ValueError,
+                              r"dq_htd: expected contiguous \[H, T, D\] storage"),
+        "dv wrong shape": (call(set_(2, lambda a: torch.randn(h, t + 1, d).bfloat16())), ValueError,
+                           r"dv_htd: expected shape \[H, T, D\]"),
+        "dtype mismatch": (call(set_(2, lambda a: a[2].float())), TypeError, "dv_htd: expected dtype torch.bfloat16"),
+        "cos fp64": (call(set_(3, lambda a: a[3].double())), TypeError, r"cos: expected dtype in \(float32\)"),
+        "cos wrong tokens": (call(set_(3, lambda a: a[3][:-1])), ValueError, r"cos: expected shape \[9, 4\]"),
+        "misaligned dq": (call(set_(0, lambda a: torch.randn(h * t * d + 1).bfloat16()[1:].view(h, t, d))), ValueError,
+                          "dq_htd: expected a 16-byte aligned data pointer"),
+        "out wrong shape": (call(lambda a: None, out=torch.empty(t, 3 * h * d - 1).bfloat16()), ValueError,
+                            "out: expected a contiguous"),
+        "out overlaps dq": (None, ValueError, "out: must not overlap dq_htd"),
+        "bad backend": (call(lambda a: None, backend="cuda"), ValueError, "backend: expected one of"),
+    }
+
+
+BAD = _bad_calls()
+
+
+@pytest.mark.parametrize("name", sorted(BAD))
+def test_bad_arguments_raise(name):
+    call, exc, match = BAD[name]
+    if name == "out overlaps dq":
+        h, t, d = 4, 9, 8
+        storage = torch.randn(3 * h * t * d).bfloat16()
+        dq = storage[: h * t * d].view(h, t, d)
+        cos, sin = vision_cos_sin(t, 1, d // 2)
+        call = lambda: vision_rope_backward(dq, torch.randn(h, d, t).bfloat16(), torch.randn(h, t, d).bfloat16(),  # noqa: E731
+                                            cos, sin, out=storage.view(t, 3 * h * d))
+    with pytest.raises(exc, match=match):
+        call()
+
+
+def test_front_end_errors():
+    cos, sin = vision_cos_sin(3, 3, 4)
+    with pytest.raises(ValueError, match="qkv: expected \\[T, 3 \\* heads \\* D\\]"):
+        vision_rope_attention_front(torch.randn(9, 50), cos, sin, 2)
+    with pytest.raises(TypeError, match="heads: expected a positive int"):
+        vision_rope_attention_front(torch.randn(9, 48), cos, sin, 0)
+    with pytest.raises(ValueError, match="qkv: expected unit channel stride"):
+        vision_rope_attention_front(torch.randn(48, 9).t(), cos, sin, 2)
+    with pytest.raises(ValueError, match="cos/sin require grad"):
+        vision_rope_attention_front(torch.randn(9, 48), cos.requires_grad_(), sin, 2, backend="triton")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_torch_compile_fullgraph(device):
+    heads, tokens, dim = 2, 15, 8
+    cos, sin = vision_cos_sin(3, 5, dim // 2, device=device)
+    qkv = torch.randn(tokens, 3 * heads * dim, device=device)
+    backend = "inductor" if device == "cuda" else "aot_eager"
+
+    def f(x):
+        q, k, v = vision_rope_attention_front(x, cos, sin, heads, backend="triton")
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v)
+
+    a, b = qkv.clone().requires_grad_(), qkv.clone().requires_grad_()
+    out = torch.compile(f, fullgraph=True, backend=backend)(a)
+    ref = f(b)
+    assert_bitwise(out, ref, "compiled forward")
+    g = torch.randn_like(out)
+    assert_bitwise(torch.autograd.grad(out, a, g)[0], torch.autograd.grad(ref, b, g)[0], "compiled backward")
+    dq, dk_hdt, dv = torch.randn(heads, tokens, dim, device=device), torch.randn(heads, dim, tokens, device=device), \
+        torch.randn(heads, tokens, dim, device=device)
+    bwd = torch.compile(lambda *x: vision_rope_backward(*x, backend="triton"), fullgraph=True, backend=backend)
+    assert_bitwise(bwd(dq, dk_hdt, dv, cos, sin), vision_rope_backward(dq, dk_hdt, dv, cos, sin, backend="triton"),
+                   "compiled backward op")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_small_tower_rope_swap(device):
+    """A 2-block tower of small width: swapping in the fused front end changes no output or gradient."""
+    from dsfuse.vision_rope.tower import TowerConfig, VisionTower, synthetic_weights
+
+    cfg = TowerConfig(layers=2, hidden=64, heads=4, mlp=96, llm_hidden=80)
+    weights = {k: v.float().to(device) for k, v in synthetic_weights(cfg).items()}  # fp32: exact on CPU too
+    model = VisionTower(weights, cfg)
+    patches = torch.randn(5 * 7, 588, device=device)
+    results = {}
+    for rope in ("eager", "dsfuse"):
+        x = patches.clone().requires_grad_()
+        out, hidden = model(x, 5, 7, rope=rope)
+        grads = torch.autograd.grad(out, [x, *model.params], torch.ones_like(out))
+        results[rope] = [out, *hidden, *grads]
+    assert len(results["eager"]) == 1 + 2 + 1 + len(list(model.params))
+    for i, (a, b) in enumerate(zip(results["eager"], results["dsfuse"])):
+        assert_bitwise(b, a, f"tensor {i}")
