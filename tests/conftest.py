@@ -31,10 +31,11 @@ def pytest_collection_modifyitems(config, items):
 
 
 def _poison(t: torch.Tensor) -> torch.Tensor:
-    if t.is_floating_point() or t.is_complex():
-        t.fill_(float("nan"))
-    elif t.dtype != torch.bool and t.numel():
-        t.fill_(torch.iinfo(t.dtype).max)
+    with torch.no_grad():  # the allocation may be a leaf that requires grad
+        if t.is_floating_point() or t.is_complex():
+            t.fill_(float("nan"))
+        elif t.dtype != torch.bool and t.numel():
+            t.fill_(torch.iinfo(t.dtype).max)
     return t
 
 

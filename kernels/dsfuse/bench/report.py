@@ -45,7 +45,6 @@ def load_run(run_dir: Path) -> dict:
         cases=pd.read_csv(run_dir / "cases.csv", keep_default_na=False),
         env=json.loads((run_dir / "env.json").read_text()),
         config=yaml.safe_load((run_dir / "config.yaml").read_text()) or {},
-        junit=run_dir / "junit-gpu.xml",
     )
 
 
@@ -192,8 +191,8 @@ def render(op: str, raw_root: Path, results_dir: Path, plots_dir: Path, smoke: b
     lines.append(tabulate(table, headers=["case", "provider"] + [f"{c}/{r}" for c, r in present], tablefmt="github"))
     lines.append("")
 
-    if run["junit"].exists():
-        lines += _junit_summary(run["junit"], op) + [""]
+    for junit in sorted(run_dir.glob("junit-gpu*.xml")):
+        lines += _junit_summary(junit, op) + [""]
 
     import importlib
 
@@ -212,7 +211,10 @@ def render(op: str, raw_root: Path, results_dir: Path, plots_dir: Path, smoke: b
         if (rows["status"] == "n/a").all():
             continue
         status = "fail" if not failed.empty else ("pass" if (rows["status"] == "pass").any() else "not run")
-        note = "; ".join(sorted(set(str(e).splitlines()[0] for e in pd.concat([failed, skipped])["error"] if e)))
+        notes = {str(e).splitlines()[0] for e in pd.concat([failed, skipped])["error"] if e}
+        notes |= {f"{r.mismatches} elements differ (max abs diff {float(r.max_abs_diff):.3g})"
+                  for r in failed.itertuples() if not r.error and str(r.mismatches)}
+        note = "; ".join(sorted(notes))
         table.append([case, provider, rows["check"].iloc[0], status,
                       ", ".join(sorted(set(rows.loc[rows["status"] == "pass", "stage"]))), note[:160]])
     lines.append(tabulate(table, headers=["case", "provider", "check", "status", "stages passed", "note"],
