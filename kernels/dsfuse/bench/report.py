@@ -236,15 +236,18 @@ def render(op: str, raw_root: Path, results_dir: Path, plots_dir: Path, smoke: b
 
 
 def _junit_summary(path: Path, op: str) -> list[str]:
-    """One line on the GPU test session that ran with this raw data (from its JUnit XML)."""
+    """One line per GPU test session stored with this raw data (from its JUnit XML)."""
     import xml.etree.ElementTree as ET
 
-    cases = [c for c in ET.parse(path).getroot().iter("testcase") if op in c.get("classname", "")]
+    root = ET.parse(path).getroot()
+    suite = root if root.tag == "testsuite" else root.find("testsuite")
+    stamp = suite.get("timestamp", "?") if suite is not None else "?"
+    cases = [c for c in root.iter("testcase") if op in c.get("classname", "")]
     failed = sum(1 for c in cases if c.find("failure") is not None or c.find("error") is not None)
     skipped = sum(1 for c in cases if c.find("skipped") is not None)
     files = sorted({c.get("classname").rsplit(".", 1)[-1] for c in cases})
-    return [f"GPU tests of this op in the same session (`{path.name}`): {len(cases) - failed - skipped} passed, "
-            f"{failed} failed, {skipped} skipped ({', '.join(files)})."]
+    return [f"GPU tests of this op, session of {stamp} (`{path.name}` in the run folder): "
+            f"{len(cases) - failed - skipped} passed, {failed} failed, {skipped} skipped ({', '.join(files)})."]
 
 
 def write_tuning(op: str, raw_root: Path, results_dir: Path) -> Path | None:

@@ -1,0 +1,60 @@
+"""Write notebooks/<op>.ipynb from the one template every op's notebook follows.
+
+    python scripts/make_notebook.py text_rope "Text RoPE"
+
+The notebook reruns the op's experiment on the GPU it finds (a smoke run on CPU
+without one), regenerates the op's tables and plots, and displays them. Its
+first code cell holds the parameters (SMOKE, CONFIG); it is stored without outputs.
+"""
+
+import sys
+from pathlib import Path
+
+import nbformat
+from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def make(op: str, title: str) -> nbformat.NotebookNode:
+    cells = [
+        new_markdown_cell(f"""# {title}: rerun the experiment
+
+Reruns `experiments/{op}/` on the GPU this kernel finds, writes a new raw run under
+`experiments/{op}/raw/<run-id>/`, regenerates `results/{op}.md` and the plots, and shows them.
+Without a CUDA GPU it runs the **smoke** configuration instead: Triton in its interpreter on tiny
+shapes, every provider still checked, outputs under `build/smoke/`. Smoke numbers measure nothing.
+
+Run it from anywhere inside the repository after `bash scripts/setup.sh` (kernel: the `.venv` Python)."""),
+        new_code_cell(f"""# Parameters
+SMOKE = None   # None: smoke run exactly when no CUDA GPU is present; True/False to force
+CONFIG = None  # None: experiments/{op}/configs/h200.yaml (GPU) or configs/smoke.yaml""",
+                      metadata={"tags": ["parameters"]}),
+        new_code_cell("""import os
+from pathlib import Path
+
+import torch
+
+root = next(p for p in [Path.cwd(), *Path.cwd().parents] if (p / "mkdocs.yml").exists())
+os.chdir(root)
+smoke = (not torch.cuda.is_available()) if SMOKE is None else SMOKE
+if smoke:
+    os.environ["TRITON_INTERPRET"] = "1"  # before any kernel is launched
+print(f"repository: {root}; mode: {'SMOKE (CPU interpreter)' if smoke else torch.cuda.get_device_name()}")"""),
+        new_code_cell(f"""from dsfuse.bench.__main__ import report, run
+
+run_dir = run("{op}", CONFIG, smoke)
+written = report("{op}", smoke)"""),
+        new_code_cell("""from IPython.display import Image, Markdown, display
+
+display(Markdown(next(p for p in written if p.suffix == ".md").read_text()))
+for plot in (p for p in written if p.suffix == ".png"):
+    display(Image(filename=str(plot)))"""),
+    ]
+    return new_notebook(cells=cells, metadata={"kernelspec": {"name": "python3", "display_name": "Python 3",
+                                                             "language": "python"}})
+
+
+if __name__ == "__main__":
+    op, title = sys.argv[1], sys.argv[2]
+    nbformat.write(make(op, title), ROOT / "notebooks" / f"{op}.ipynb")
