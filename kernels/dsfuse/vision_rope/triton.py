@@ -35,6 +35,17 @@ NUM_WARPS = 4
 
 
 @triton.jit
+def _token_block(cos_ptr, sin_ptr, sc_t, ss_t, tokens, BLOCK_T: tl.constexpr, HALF: tl.constexpr):
+    """This program's token offsets, half-channel offsets, row mask and [BLOCK_T, HALF] fp32 tables."""
+    o_t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+    o_d = tl.arange(0, HALF)
+    m_2d = (o_t < tokens)[:, None]
+    b_cos = tl.load(cos_ptr + o_t[:, None] * sc_t + o_d[None, :], mask=m_2d)
+    b_sin = tl.load(sin_ptr + o_t[:, None] * ss_t + o_d[None, :], mask=m_2d)
+    return o_t, o_d, m_2d, b_cos, b_sin
+
+
+@triton.jit
 def _unrotate_store(g_ptr, s_h, s_t, s_d, out_ptr, so_t, col, b_cos, b_sin, o_t, o_d, m_2d, HALF: tl.constexpr):
     """Load one head's [BLOCK_T, D] gradient (two halves), rotate back, store into the packed row."""
     b_g1 = tl.load(g_ptr + s_h + o_t[:, None] * s_t + o_d[None, :] * s_d, mask=m_2d).to(tl.float32)
@@ -62,26 +73,20 @@ def _vision_rope_bwd_kernel(
     HAS_V: tl.constexpr,  # False: write zeros into the v columns (gradient of q and k only)
     BLOCK_T: tl.constexpr,
 ):
-    i_t, i_h = tl.program_id(0), tl.program_id(1)
-    o_t = (i_t * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
-    o_d = tl.arange(0, HALF)
-    m_2d = (o_t < tokens)[:, None]
-    # [BLOCK_T, HALF] fp32 tables
-    b_cos = tl.load(cos_ptr + o_t[:, None] * sc_t + o_d[None, :], mask=m_2d)
-    b_sin = tl.load(sin_ptr + o_t[:, None] * ss_t + o_d[None, :], mask=m_2d)
+    i_h = tl.program_id(1)
+    o_t, o_d, m_2d, b_cos, b_sin = _token_block(cos_ptr, sin_ptr, sc_t, ss_t, tokens, BLOCK_T, HALF)
     col = i_h * 2 * HALF
     _unrotate_store(dq_ptr, i_h.to(tl.int64) * sq_h, sq_t, sq_d, out_ptr, so_t, col, b_cos, b_sin, o_t, o_d, m_2d, HALF)
     _unrotate_store(dk_ptr, i_h.to(tl.int64) * sk_h, sk_t, sk_d, out_ptr, so_t, col + HEADS * 2 * HALF,
                     b_cos, b_sin, o_t, o_d, m_2d, HALF)
     o_dv = tl.arange(0, 2 * HALF)
-    m_v = (o_t < tokens)[:, None]
     p_out = out_ptr + o_t[:, None] * so_t + col + 2 * HEADS * 2 * HALF + o_dv[None, :]
     if HAS_V:
         # [BLOCK_T, D] dV copied into its columns
-        b_v = tl.load(dv_ptr + i_h.to(tl.int64) * sv_h + o_t[:, None] * sv_t + o_dv[None, :] * sv_d, mask=m_v)
-        tl.store(p_out, b_v, mask=m_v)
+        b_v = tl.load(dv_ptr + i_h.to(tl.int64) * sv_h + o_t[:, None] * sv_t + o_dv[None, :] * sv_d, mask=m_2d)
+        tl.store(p_out, b_v, mask=m_2d)
     else:
-        tl.store(p_out, tl.zeros((BLOCK_T, 2 * HALF), dtype=out_ptr.dtype.element_ty), mask=m_v)
+        tl.store(p_out, tl.zeros((BLOCK_T, 2 * HALF), dtype=out_ptr.dtype.element_ty), mask=m_2d)
 
 
 @triton.jit
@@ -107,12 +112,8 @@ def _vision_rope_fwd_kernel(
     HALF: tl.constexpr,
     BLOCK_T: tl.constexpr,
 ):
-    i_t, i_h = tl.program_id(0), tl.program_id(1)
-    o_t = (i_t * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
-    o_d = tl.arange(0, HALF)
-    m_2d = (o_t < tokens)[:, None]
-    b_cos = tl.load(cos_ptr + o_t[:, None] * sc_t + o_d[None, :], mask=m_2d)
-    b_sin = tl.load(sin_ptr + o_t[:, None] * ss_t + o_d[None, :], mask=m_2d)
+    i_h = tl.program_id(1)
+    o_t, o_d, m_2d, b_cos, b_sin = _token_block(cos_ptr, sin_ptr, sc_t, ss_t, tokens, BLOCK_T, HALF)
     col = i_h * 2 * HALF
     _rotate_store(qkv_ptr, s_t, col, q_ptr, HEADS * 2 * HALF, 2 * HALF, i_h, b_cos, b_sin, o_t, o_d, m_2d, HALF)
     _rotate_store(qkv_ptr, s_t, col + HEADS * 2 * HALF, k_ptr, HEADS * 2 * HALF, 2 * HALF, i_h, b_cos, b_sin,
