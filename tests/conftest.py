@@ -47,9 +47,3 @@ def poison_empty(monkeypatch):
             return _poison(_fn(*args, **kwargs))
         monkeypatch.setattr(torch, name, poisoned)
     yield
-
-
-@pytest.fixture
-def cuda_only():
-    if not HAS_CUDA:
-        pytest.skip("needs CUDA")

@@ -35,9 +35,8 @@ def grads(heads, tokens, dim, dtype, device, seed=0):
     def randn(*shape):
         return torch.randn(shape, generator=gen).to(dtype).to(device)
 
-    cos, sin = vision_cos_sin(tokens, 1, dim // 2, device=device) if tokens < 50 else \
-        vision_cos_sin(tokens // 10, 10, dim // 2, device=device) if tokens % 10 == 0 else \
-        vision_cos_sin(tokens, 1, dim // 2, device=device)
+    n_w = 10 if tokens % 10 == 0 else 1  # a 2D grid where T allows, so row and column angles both vary
+    cos, sin = vision_cos_sin(tokens // n_w, n_w, dim // 2, device=device)
     return randn(heads, tokens, dim), randn(heads, dim, tokens), randn(heads, tokens, dim), cos, sin
 
 

@@ -191,7 +191,7 @@ def render(op: str, raw_root: Path, results_dir: Path, plots_dir: Path, smoke: b
     lines.append(tabulate(table, headers=["case", "provider"] + [f"{c}/{r}" for c, r in present], tablefmt="github"))
     lines.append("")
 
-    for junit in sorted(run_dir.glob("junit-gpu*.xml")):
+    for junit in sorted(run_dir.glob("junit-gpu*.xml"), key=_junit_stamp):
         lines += _junit_summary(junit, op) + [""]
 
     import importlib
@@ -235,13 +235,20 @@ def render(op: str, raw_root: Path, results_dir: Path, plots_dir: Path, smoke: b
     return written
 
 
+def _junit_stamp(path: Path) -> str:
+    import xml.etree.ElementTree as ET
+
+    root = ET.parse(path).getroot()
+    suite = root if root.tag == "testsuite" else root.find("testsuite")
+    return suite.get("timestamp", "") if suite is not None else ""
+
+
 def _junit_summary(path: Path, op: str) -> list[str]:
     """One line per GPU test session stored with this raw data (from its JUnit XML)."""
     import xml.etree.ElementTree as ET
 
     root = ET.parse(path).getroot()
-    suite = root if root.tag == "testsuite" else root.find("testsuite")
-    stamp = suite.get("timestamp", "?") if suite is not None else "?"
+    stamp = _junit_stamp(path) or "?"
     cases = [c for c in root.iter("testcase") if op in c.get("classname", "")]
     failed = sum(1 for c in cases if c.find("failure") is not None or c.find("error") is not None)
     skipped = sum(1 for c in cases if c.find("skipped") is not None)
