@@ -5,7 +5,7 @@
 # and raw.tar.gz with the new experiments/*/raw/<run-id>/ folders (unpack at the repo root).
 # Wheels under .carry/wheels (flash-linear-attention, Liger: the anchors) are installed if present.
 # A tree copied without .git records its commit only if DSFUSE_GIT_COMMIT is set (env.json).
-# TESTS=<paths> narrows the GPU tests; SKIP_TESTS, SKIP_BENCH, SKIP_TOWER skip those parts.
+# TESTS=<paths> narrows the GPU tests; SKIP_TESTS, SKIP_BENCH skip those parts.
 set -uo pipefail
 out="${1:-${OUT:-build/gpu-job}}"; shift || true
 ops=("$@")
@@ -27,10 +27,6 @@ if [ -z "${SKIP_BENCH:-}" ]; then
   new=$(find experiments -path '*/raw/*' -name samples.csv -newer "$stamp" -printf '%h\n')
   for run in $new; do  # the GPU test evidence travels with the raw data it belongs to
     [ -f "$out/junit-gpu.xml" ] && cp "$out/junit-gpu.xml" "$run/"
-    case "$run" in  # ops with a whole-model validation add it to their run
-      *vision_rope*) [ -z "${SKIP_TOWER:-}" ] && { python3 experiments/vision_rope/tower.py --run-dir "$run" 2>&1 \
-                       | tee "$out/tower.log" || status=1; } ;;
-    esac
   done
   [ -n "$new" ] && tar czf "$out/raw.tar.gz" $new
 fi

@@ -47,6 +47,8 @@ def run(op: str, config_path: str | None, smoke: bool | None) -> Path:
     experiment = importlib.import_module(EXPERIMENTS[op])
     device = torch.device("cpu" if smoke else "cuda")
     run_dir = run_experiment(experiment, config, paths["raw"], device)
+    if hasattr(experiment, "after_run"):  # op-specific whole-model checks that belong to the run
+        experiment.after_run(config, run_dir, device)
     print(f"{'SMOKE RUN (CPU, interpreter; not a measurement): ' if smoke else ''}raw data in {run_dir}")
     return run_dir
 

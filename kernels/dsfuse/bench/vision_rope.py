@@ -157,8 +157,16 @@ def providers(config: dict) -> list[Provider]:
     return select_providers(table, config)
 
 
+def after_run(config: dict, run_dir: Path, device: torch.device) -> None:
+    """The whole-tower validation and timing, on a GPU, when the config asks for it."""
+    if device.type == "cuda" and "tower" in config:
+        from dsfuse.bench.vision_tower import run_tower
+
+        run_tower(config, run_dir)
+
+
 def report_extra(run_dir: Path) -> list[str]:
-    """Tables of the whole-tower run (experiments/vision_rope/tower.py), when the run has one."""
+    """Tables of the whole-tower run (:mod:`dsfuse.bench.vision_tower`), when the run has one."""
     import pandas as pd
     from tabulate import tabulate
 

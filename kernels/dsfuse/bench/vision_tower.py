@@ -1,6 +1,9 @@
 """Whole-tower validation and timing of the fused vision RoPE backward.
 
-    python experiments/vision_rope/tower.py --run-dir experiments/vision_rope/raw/<run-id>
+Runs after the operator experiment of ``python -m dsfuse.bench run vision_rope`` on a
+GPU (when the config has a ``tower`` section), or alone::
+
+    python -m dsfuse.bench.vision_tower --run-dir experiments/vision_rope/raw/<run-id>
 
 The 32-layer vision tower and aligner (dsfuse.vision_rope.tower) with synthetic
 weights of the real shapes, written to and read back from a safetensors file. For
@@ -35,12 +38,8 @@ def step(model, patches, n_h, n_w, rope, grad_out):
     return [out.detach(), *[h.detach() for h in hidden], *grads]
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", default="experiments/vision_rope/configs/h200.yaml")
-    parser.add_argument("--run-dir", required=True, type=Path)
-    args = parser.parse_args()
-    config = yaml.safe_load(Path(args.config).read_text())
+def run_tower(config: dict, run_dir: Path) -> None:
+    """Validate and time the tower for ``config["tower"]``; write the three CSVs into ``run_dir``."""
     model_cfg = yaml.safe_load(Path(config["model_config"]).read_text())
     tower = config["tower"]
     proc = ProcessorConfig(**model_cfg["processor"])
@@ -96,13 +95,21 @@ def main():
                                         gpu_ms=round(start.elapsed_time(end), 4),
                                         wall_ms=round((time.perf_counter() - t0) * 1e3, 4)))
     for name, rows in (("tower_validation", validation), ("tower_profile", profiles), ("tower_samples", samples)):
-        with (args.run_dir / f"{name}.csv").open("w", newline="") as f:
+        with (Path(run_dir) / f"{name}.csv").open("w", newline="") as f:
             writer = csv.DictWriter(f, fieldnames=list(rows[0]))
             writer.writeheader()
             writer.writerows(rows)
     bad = [r for r in validation if not r["bitwise_equal"]]
     print(f"tower: {len(validation)} tensor comparisons, {len(bad)} not bitwise equal; "
           f"fused backward calls per dsfuse run: {sorted({p['fused_bwd_calls'] for p in profiles if p['rope'] == 'dsfuse'})}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default="experiments/vision_rope/configs/h200.yaml")
+    parser.add_argument("--run-dir", required=True, type=Path)
+    args = parser.parse_args()
+    run_tower(yaml.safe_load(Path(args.config).read_text()), args.run_dir)
 
 
 if __name__ == "__main__":
