@@ -44,7 +44,7 @@ def compile_for(spec: AotSpec, arch: str):
     return triton.compile(src, target=GPUTarget("cuda", ARCHS[arch], 32), options=dict(spec.options))
 
 
-SPEC_MODULES = ("dsfuse.text_rope.triton", "dsfuse.vision_rope.triton")
+SPEC_MODULES = ("dsfuse.text_rope.triton", "dsfuse.vision_rope.triton", "dsfuse.engram_gate.triton")
 
 
 def main() -> int:

@@ -9,4 +9,8 @@
   inputs, reference and providers; ``python -m dsfuse.bench`` runs them.
 """
 
-EXPERIMENTS = {"text_rope": "dsfuse.bench.text_rope", "vision_rope": "dsfuse.bench.vision_rope"}
+EXPERIMENTS = {
+    "text_rope": "dsfuse.bench.text_rope",
+    "vision_rope": "dsfuse.bench.vision_rope",
+    "engram_gate": "dsfuse.bench.engram_gate",
+}

@@ -56,7 +56,14 @@ def run(op: str, config_path: str | None, smoke: bool | None) -> Path:
 def report(op: str, smoke: bool) -> list[Path]:
     from dsfuse.bench.report import render
 
+    from dsfuse.bench.report import latest_run
+
     paths = _op_paths(op, smoke)
+    try:
+        latest_run(paths["raw"])
+    except FileNotFoundError:
+        print(f"{op}: no raw run under {paths['raw']} yet; nothing to render (run the experiment first)")
+        return []
     written = render(op, paths["raw"], paths["results"], paths["plots"], smoke=smoke)
     for path in written:
         print(f"wrote {path}")

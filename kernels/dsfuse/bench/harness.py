@@ -63,8 +63,9 @@ class Provider:
     ``build(case, inputs)`` returns a zero-argument callable that runs the op on
     those inputs and returns its outputs (for ``fwd+bwd``: the gradients too).
     A callable may carry ``reset()`` to restore state it mutates (in-place ops).
-    ``check``: ``"bitwise"`` (bit patterns equal to the reference) or
-    ``"allclose"`` (``rtol``/``atol``). ``role``: ``"candidate"`` (dsfuse),
+    ``check``: ``"bitwise"`` (bit patterns equal to the reference), ``"allclose"``
+    (``rtol``/``atol`` per element) or ``"relrms"`` (each output's relative RMS
+    error against the reference at most ``rtol``). ``role``: ``"candidate"`` (dsfuse),
     ``"control"`` (same contract; the fastest valid one is the ratio baseline),
     ``"anchor"`` (a related public kernel with a different contract: reported,
     never a ratio baseline).
@@ -97,11 +98,17 @@ def compare(outputs: Outputs, expected: Outputs, provider: Provider, case: Case)
         return CheckResult(False, detail=f"{len(outputs)} outputs, expected {len(expected)}")
     total, worst = 0, 0.0
     for i, (got, want) in enumerate(zip(outputs, expected)):
-        if got.shape != want.shape or got.dtype != want.dtype:
+        if got.shape != want.shape or (got.dtype != want.dtype and provider.check != "relrms"):
             return CheckResult(False, detail=f"output {i}: {got.dtype}{list(got.shape)}, expected {want.dtype}{list(want.shape)}")
         got, want = got.detach(), want.detach()
         if provider.check == "bitwise":
             bad = bits(got) != bits(want)
+        elif provider.check == "relrms":  # relative RMS error of the whole output <= rtol
+            err = (got.double() - want.double()).norm() / want.double().norm().clamp_min(1e-30)
+            bad = torch.full((1,), bool(err > provider.rtol) or not bool(torch.isfinite(err)))
+            if bad.any():
+                return CheckResult(False, int(got.numel()), float(err), f"output {i}: relative RMS error {float(err):.3g}")
+            continue
         else:
             bad = ~torch.isclose(got.float(), want.float(), rtol=provider.rtol, atol=provider.atol, equal_nan=True)
         n_bad = int(bad.sum())

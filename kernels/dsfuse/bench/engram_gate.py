@@ -1,0 +1,137 @@
+"""Engram gate experiment: the gate alone, and the complete floating training consumer.
+
+Cases (``experiments/engram_gate/model.yaml`` gives D = 5120, S = 4, embedding width 6144):
+
+* ``gate`` (fwd, fwd+bwd): x ``[N, S, D]``, kv ``[N, (S + 1) D]``, weight, mask ->
+  out (and dx, dkv, dweight). Byte floor: forward reads x and kv and writes out and
+  the saved state; backward reads dout, x, kv, saved and writes dx and dkv.
+* ``consumer`` (fwd+bwd): embedding rows ``[N, E]`` -> ``kv = emb @ wkv^T`` -> gate ->
+  backward through the gate and both wkv GEMMs: out, dx, d(emb), d(wkv), dweight.
+
+The contract is a tolerance: every provider is checked against the float64
+reference by relative RMS error (2^-8, bf16's epsilon), the eager model included.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import torch
+import yaml
+
+from dsfuse.bench.harness import Case, Provider, select_providers
+from dsfuse.engram_gate import engram_gate, engram_gate_reference
+
+OP = "engram_gate"
+TOLERANCE = 2.0**-8
+
+
+def model_config(config: dict) -> dict:
+    return yaml.safe_load(Path(config["model_config"]).read_text())
+
+
+def cases(config: dict) -> list[Case]:
+    model = model_config(config)
+    dim = config.get("dim", model["hidden_size"])
+    streams = model["hc_mult"]
+    emb = config.get("emb_width", model["engram_emb_width"])
+    eps = model["rms_norm_eps"]
+    out = []
+    for n in config["tokens"]:
+        act = n * streams * dim * 2  # one [N, S, D] bf16 tensor
+        kv = n * (streams + 1) * dim * 2
+        saved = n * streams * 4 * 4
+        fwd = act + kv + act + saved
+        bwd = act + act + kv + saved + act + kv
+        params = dict(n=n, dim=dim, streams=streams, emb=emb, eps=eps)
+        for mode in config["modes"]:
+            if mode in ("fwd", "fwd+bwd"):
+                out.append(Case(f"gate_N{n}_{mode}", mode, params | {"kind": "gate"},
+                                bytes=fwd if mode == "fwd" else fwd + bwd, flops=8 * n * streams * dim))
+            elif mode == "consumer":
+                gemm = 2 * n * emb * (streams + 1) * dim
+                out.append(Case(f"consumer_N{n}_fwd+bwd", "fwd+bwd", params | {"kind": "consumer"},
+                                bytes=fwd + bwd + 2 * (n * emb * 2) + 2 * ((streams + 1) * dim * emb * 2),
+                                flops=3 * gemm))
+            else:
+                raise ValueError(f"modes: expected fwd, fwd+bwd or consumer, got {mode!r}")
+    return out
+
+
+def make_inputs(case: Case, device: torch.device, seed: int) -> dict:
+    p = case.params
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    n, s, d = p["n"], p["streams"], p["dim"]
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(shape, generator=gen) * scale).to(torch.bfloat16).to(device)
+
+    inputs = dict(x=randn(n, s, d), weight=(1 + 0.1 * torch.randn(s, d, generator=gen)).to(device),
+                  mask=(torch.rand(n, generator=gen) > 0.1).to(device), dout=randn(n, s, d), eps=p["eps"])
+    if p["kind"] == "consumer":
+        inputs["emb"] = randn(n, p["emb"])
+        inputs["wkv"] = randn((s + 1) * d, p["emb"], scale=p["emb"] ** -0.5)
+    else:
+        inputs["kv"] = randn(n, (s + 1) * d)
+    return inputs
+
+
+def _gate_fn(name: str):
+    if name == "reference":
+        return lambda x, kv, w, m, eps: engram_gate_reference(x, kv, w, m, eps=eps)[0]
+    return lambda x, kv, w, m, eps: engram_gate(x, kv, w, m, eps=eps, backend="triton")
+
+
+def _build(gate):
+    """A provider ``build`` for a gate function (fp32 eager, compiled, or dsfuse)."""
+
+    def build(case: Case, inputs: dict):
+        x, w, m, eps, dout = inputs["x"], inputs["weight"], inputs["mask"], inputs["eps"], inputs["dout"]
+        if case.params["kind"] == "consumer":
+            emb, wkv = inputs["emb"], inputs["wkv"]
+            leaves = [x.detach().requires_grad_(), emb.detach().requires_grad_(), wkv.detach().requires_grad_(),
+                      w.detach().requires_grad_()]
+
+            def run():
+                kv = torch.nn.functional.linear(leaves[1], leaves[2])
+                out = gate(leaves[0], kv, leaves[3], m, eps)
+                return (out.detach(), *torch.autograd.grad(out, leaves, dout))
+
+            return run
+        kv = inputs["kv"]
+        if case.mode == "fwd":
+            return lambda: (gate(x, kv, w, m, eps),)
+        leaves = [t.detach().requires_grad_() for t in (x, kv, w)]
+
+        def run():
+            out = gate(leaves[0], leaves[1], leaves[2], m, eps)
+            return (out.detach(), *torch.autograd.grad(out, leaves, dout))
+
+        return run
+
+    return build
+
+
+def reference(case: Case, inputs: dict) -> tuple[torch.Tensor, ...]:
+    """The float64 model (no intermediate rounding) on the same bf16 inputs."""
+
+    def fp64_gate(x, kv, w, m, eps):
+        return engram_gate_reference(x.double(), kv.double(), w.double(), m, eps=eps, compute_dtype=torch.float64)[0]
+
+    return _build(fp64_gate)(case, inputs)()
+
+
+def providers(config: dict) -> list[Provider]:
+    compiled = functools.partial(torch.compile, fullgraph=True)
+    reference_gate = _gate_fn("reference")
+    check = dict(check="relrms", rtol=config.get("relrms", TOLERANCE))
+    table = {
+        "eager": lambda: Provider("eager", _build(reference_gate), **check),
+        "compile-default": lambda: Provider("compile-default", _build(compiled(reference_gate)), **check),
+        "compile-max-autotune": lambda: Provider(
+            "compile-max-autotune", _build(compiled(reference_gate, mode="max-autotune-no-cudagraphs")), **check
+        ),
+        "dsfuse": lambda: Provider("dsfuse", _build(_gate_fn("dsfuse")), role="candidate", **check),
+    }
+    return select_providers(table, config)

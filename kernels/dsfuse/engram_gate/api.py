@@ -1,0 +1,385 @@
+"""Public API of the Engram gate.
+
+Layers: the launchers (:mod:`dsfuse.engram_gate.triton`); the functional entry points
+:func:`engram_gate_forward` / :func:`engram_gate_backward` (caller-owned outputs, saved
+state and workspace allowed); :class:`EngramGatePlan`, the prepared form that validates
+and compiles once, then executes with no allocation, no JIT and no host synchronisation
+(CUDA Graph capturable); :func:`engram_gate`, differentiable (``EngramGateFunction``
+eagerly, ``torch.library`` custom ops ``dsfuse::engram_gate_fwd`` / ``dsfuse::engram_gate_bwd``
+under ``torch.compile``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dsfuse._common import (
+    check_dtype,
+    check_no_overlap,
+    check_same_device,
+    check_shape,
+    check_tensor,
+    on_stream,
+    resolve_backend,
+    triton_can_run_on,
+)
+from dsfuse.engram_gate.reference import engram_gate_reference
+from dsfuse.engram_gate.triton import backward_programs, launch_backward, launch_forward
+
+__all__ = ["EngramGateFunction", "EngramGatePlan", "engram_gate", "engram_gate_backward", "engram_gate_forward"]
+
+FUSED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+# -- validation ------------------------------------------------------------------------------
+
+
+def _check_rows(name: str, t: torch.Tensor, dim: int) -> None:
+    """[N, S, D] with contiguous rows (any row stride)."""
+    if t.stride(2) != 1 or (t.shape[1] > 1 and t.stride(1) != dim):
+        raise ValueError(f"{name}: expected contiguous [S, D] rows (strides [*, {dim}, 1]), got strides "
+                         f"{list(t.stride())}")
+
+
+def _check_inputs(x, kv, weight, token_mask, eps, clamp) -> tuple[int, int, int]:
+    for name, t in (("x", x), ("kv", kv), ("weight", weight), ("token_mask", token_mask)):
+        check_tensor(name, t)
+    if x.ndim != 3:
+        raise ValueError(f"x: expected [N, S, D], got shape {list(x.shape)}")
+    n, streams, dim = x.shape
+    check_dtype("x", x, FUSED_DTYPES + (torch.float64,))
+    check_shape("kv", kv, (n, (streams + 1) * dim), "S keys then one value per token")
+    if kv.dtype != x.dtype:
+        raise TypeError(f"kv: expected dtype {x.dtype} (that of x), got {kv.dtype}")
+    if kv.stride(1) != 1:
+        raise ValueError(f"kv: expected unit channel stride, got strides {list(kv.stride())}")
+    check_dtype("weight", weight, (torch.float32,))
+    check_shape("weight", weight, (streams, dim), "q_weight * k_weight per stream")
+    if not weight.is_contiguous():
+        raise ValueError(f"weight: expected a contiguous [S, D] tensor, got strides {list(weight.stride())}")
+    check_dtype("token_mask", token_mask, (torch.bool,))
+    check_shape("token_mask", token_mask, (n,))
+    if token_mask.stride(0) != 1 and n > 1:
+        raise ValueError(f"token_mask: expected a contiguous tensor, got stride {token_mask.stride(0)}")
+    _check_rows("x", x, dim)
+    check_same_device(x=x, kv=kv, weight=weight, token_mask=token_mask)
+    if not isinstance(eps, (int, float)) or eps < 0:
+        raise ValueError(f"eps: expected a float >= 0 (the model's rms_norm_eps), got {eps!r}")
+    if not isinstance(clamp, (int, float)) or clamp <= 0:
+        raise ValueError(f"clamp: expected a float > 0, got {clamp!r}")
+    return n, streams, dim
+
+
+def _check_out(name: str, t: torch.Tensor | None, shape, dtype, device, rows_dim: int | None = None) -> None:
+    if t is None:
+        return
+    check_tensor(name, t)
+    if tuple(t.shape) != tuple(shape) or t.dtype != dtype or t.device != device:
+        raise ValueError(f"{name}: expected a {dtype} tensor of shape {list(shape)} on {device}, got {t.dtype} "
+                         f"{list(t.shape)} on {t.device}")
+    if rows_dim is not None:
+        _check_rows(name, t, rows_dim)
+    elif not t.is_contiguous():
+        raise ValueError(f"{name}: expected a contiguous tensor, got strides {list(t.stride())}")
+
+
+def _fused_reasons(x: torch.Tensor) -> list[str]:
+    reasons = []
+    if not triton_can_run_on(x):
+        reasons.append(f"tensors are on {x.device} (Triton needs CUDA, or TRITON_INTERPRET=1 for CPU)")
+    if x.dtype not in FUSED_DTYPES:
+        reasons.append(f"dtype {x.dtype} is not one of bf16, fp16, fp32")
+    return reasons
+
+
+# -- functional ------------------------------------------------------------------------------
+
+
+def engram_gate_forward(
+    x: torch.Tensor,
+    kv: torch.Tensor,
+    weight: torch.Tensor,
+    token_mask: torch.Tensor,
+    *,
+    eps: float,
+    clamp: float = 1e-6,
+    out: torch.Tensor | None = None,
+    saved: torch.Tensor | None = None,
+    stream: torch.cuda.Stream | None = None,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gate forward: residual output and the caller-owned saved state.
+
+    Args:
+        x: ``[N, S, D]`` residual streams (bf16 in the model), contiguous ``[S, D]`` rows.
+        kv: ``[N, (S + 1) * D]`` projection output: S keys then the shared value, unit channel stride.
+        weight: fp32 ``[S, D]``, the model's ``q_weight * k_weight``.
+        token_mask: bool ``[N]``: False for image tokens and padding (their gate is 0).
+        eps: the model's ``rms_norm_eps`` (1e-20 in the released config).
+        clamp: lower bound of ``|dot|`` under the signed square root.
+        out: caller-owned ``[N, S, D]`` output in ``x``'s dtype (contiguous rows).
+        saved: caller-owned fp32 ``[N, S, 4]`` (gate, dot, rx, rk), contiguous. The
+            backward reads it; the caller keeps it alive until then.
+        stream: CUDA stream to run on (default: the current stream).
+        backend: ``"auto"``, ``"triton"`` or ``"reference"``.
+
+    Returns:
+        The pair ``(out, saved)``, within the tolerances on the op's page of the fp64
+        reference; masked tokens' output equals ``x`` exactly.
+    """
+    n, streams, dim = _check_inputs(x, kv, weight, token_mask, eps, clamp)
+    _check_out("out", out, (n, streams, dim), x.dtype, x.device, rows_dim=dim)
+    _check_out("saved", saved, (n, streams, 4), torch.float32, x.device)
+    which = resolve_backend(backend, _fused_reasons(x), on_cuda=x.is_cuda)
+    with on_stream(stream, x.device):
+        if which == "reference":
+            ref_out, ref_saved = engram_gate_reference(x, kv, weight, token_mask, eps=eps, clamp=clamp)
+            return ((ref_out if out is None else out.copy_(ref_out)),
+                    (ref_saved if saved is None else saved.copy_(ref_saved)))
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device) if out is None else out
+        saved = torch.empty((n, streams, 4), dtype=torch.float32, device=x.device) if saved is None else saved
+        launch_forward(x, kv, weight, token_mask, out, saved, eps=eps, clamp=clamp)
+        return out, saved
+
+
+def engram_gate_backward(
+    dout: torch.Tensor,
+    x: torch.Tensor,
+    kv: torch.Tensor,
+    weight: torch.Tensor,
+    token_mask: torch.Tensor,
+    saved: torch.Tensor,
+    *,
+    eps: float,
+    clamp: float = 1e-6,
+    dx: torch.Tensor | None = None,
+    dkv: torch.Tensor | None = None,
+    dweight: torch.Tensor | None = None,
+    workspace: torch.Tensor | None = None,
+    stream: torch.cuda.Stream | None = None,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gate backward from the saved state: ``dx``, packed ``dkv`` and a deterministic ``dweight``.
+
+    Args:
+        dout: ``[N, S, D]`` gradient of the output, dtype of ``x``, contiguous rows.
+        x: the forward's ``x``.
+        kv: the forward's ``kv``.
+        weight: the forward's ``weight``.
+        token_mask: the forward's ``token_mask``.
+        saved: fp32 ``[N, S, 4]`` written by the forward on these inputs.
+        eps: the forward's ``eps`` (the reference backend recomputes with it).
+        clamp: the forward's clamp.
+        dx: caller-owned ``[N, S, D]`` in ``x``'s dtype.
+        dkv: caller-owned ``[N, (S + 1) * D]`` in ``kv``'s dtype: the S key gradients then
+            the value gradient, ready for the ``wkv`` weight- and input-gradient GEMMs.
+        dweight: caller-owned fp32 ``[S, D]``, summed over tokens in a fixed order.
+        workspace: fp32, at least :func:`~dsfuse.engram_gate.triton.backward_programs` ``(N) * S * D``
+            elements (allocated when omitted).
+        stream: CUDA stream to run on.
+        backend: ``"auto"``, ``"triton"`` or ``"reference"``.
+
+    Returns:
+        The triple ``(dx, dkv, dweight)``; repeated calls on the same inputs are bitwise equal.
+    """
+    n, streams, dim = _check_inputs(x, kv, weight, token_mask, eps, clamp)
+    check_tensor("dout", dout)
+    _check_out("dout", dout, (n, streams, dim), x.dtype, x.device, rows_dim=dim)
+    check_tensor("saved", saved)
+    _check_out("saved", saved, (n, streams, 4), torch.float32, x.device)
+    _check_out("dx", dx, (n, streams, dim), x.dtype, x.device, rows_dim=dim)
+    _check_out("dkv", dkv, tuple(kv.shape), kv.dtype, x.device)
+    _check_out("dweight", dweight, (streams, dim), torch.float32, x.device)
+    need = backward_programs(n) * streams * dim
+    if workspace is not None:
+        check_tensor("workspace", workspace)
+        if workspace.dtype != torch.float32 or workspace.numel() < need or not workspace.is_contiguous() \
+                or workspace.device != x.device:
+            raise ValueError(f"workspace: expected a contiguous fp32 tensor of at least {need} elements on "
+                             f"{x.device}, got {workspace.dtype} with {workspace.numel()} on {workspace.device}")
+    which = resolve_backend(backend, _fused_reasons(x), on_cuda=x.is_cuda)
+    with on_stream(stream, x.device):
+        if which == "reference":
+            grads = _reference_backward(dout, x, kv, weight, token_mask, eps, clamp)
+            return tuple(g if o is None else o.copy_(g) for g, o in zip(grads, (dx, dkv, dweight)))
+        dx = torch.empty(x.shape, dtype=x.dtype, device=x.device) if dx is None else dx
+        dkv = torch.empty(kv.shape, dtype=kv.dtype, device=x.device) if dkv is None else dkv
+        dweight = torch.empty((streams, dim), dtype=torch.float32, device=x.device) if dweight is None else dweight
+        workspace = torch.empty(need, dtype=torch.float32, device=x.device) if workspace is None else workspace
+        launch_backward(dout, x, kv, weight, saved, dx, dkv, dweight, workspace, clamp=clamp)
+        return dx, dkv, dweight
+
+
+def _reference_backward(dout, x, kv, weight, token_mask, eps, clamp):
+    """The model's own backward: autograd of the fp32 reference."""
+    with torch.enable_grad():
+        leaves = [t.detach().requires_grad_() for t in (x, kv, weight)]
+        out, _ = engram_gate_reference(*leaves, token_mask, eps=eps, clamp=clamp)
+        return torch.autograd.grad(out, leaves, dout)
+
+
+# -- prepared plan ---------------------------------------------------------------------------
+
+
+class EngramGatePlan:
+    """Validated, compiled Engram gate for a fixed geometry; executes without allocating.
+
+    ``EngramGatePlan(streams=4, dim=5120, max_tokens=8192, device="cuda", eps=1e-20)``
+    compiles both directions (one warm-up launch each), allocates the backward
+    workspace for ``max_tokens``, and binds to ``device``. ``forward`` and
+    ``backward`` then check only tensor metadata (shapes, dtypes, strides, devices,
+    aliasing: no host synchronisation), allocate nothing and compile nothing, so they
+    can be captured in a CUDA Graph. Outputs, saved state and the stream are the
+    caller's; pass a different ``saved`` buffer to any call (rebinding).
+    """
+
+    def __init__(self, *, streams: int = 4, dim: int = 5120, max_tokens: int, device, eps: float,
+                 clamp: float = 1e-6, dtype: torch.dtype = torch.bfloat16):
+        self.streams, self.dim, self.max_tokens = streams, dim, max_tokens
+        self.device, self.dtype, self.eps, self.clamp = torch.device(device), dtype, float(eps), float(clamp)
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens: expected >= 1, got {max_tokens}")
+        if not triton_can_run_on(torch.empty(0, device=self.device)):
+            raise ValueError(f"device: the plan needs CUDA (or TRITON_INTERPRET=1 for CPU), got {self.device}")
+        if dtype not in FUSED_DTYPES:
+            raise TypeError(f"dtype: expected one of bf16, fp16, fp32, got {dtype}")
+        self.workspace = torch.empty(backward_programs(max_tokens) * streams * dim, dtype=torch.float32,
+                                     device=self.device)
+        self._warm_up()
+
+    def _warm_up(self) -> None:
+        """One launch of each kernel on a 2-token problem: compiles what execution will run."""
+        s, d, dev = self.streams, self.dim, self.device
+        x = torch.zeros(2, s, d, dtype=self.dtype, device=dev)
+        kv = torch.zeros(2, (s + 1) * d, dtype=self.dtype, device=dev)
+        w = torch.zeros(s, d, dtype=torch.float32, device=dev)
+        mask = torch.ones(2, dtype=torch.bool, device=dev)
+        out, saved = torch.empty_like(x), torch.empty(2, s, 4, device=dev)
+        launch_forward(x, kv, w, mask, out, saved, eps=self.eps, clamp=self.clamp)
+        launch_backward(x, x, kv, w, saved, out, torch.empty_like(kv), torch.empty(s, d, device=dev),
+                        self.workspace, clamp=self.clamp)
+
+    def _check(self, n: int, **tensors) -> None:
+        if not 1 <= n <= self.max_tokens:
+            raise ValueError(f"x: expected 1 <= N <= max_tokens = {self.max_tokens}, got N = {n}")
+        for name, t in tensors.items():
+            check_tensor(name, t)
+            if t.device != self.device:
+                raise ValueError(f"{name}: expected device {self.device} (the plan's), got {t.device}")
+            if t.data_ptr() % 16:  # another alignment would be another compiled specialisation
+                raise ValueError(f"{name}: expected a 16-byte aligned data pointer, got {t.data_ptr():#x}")
+
+    def forward(self, x, kv, weight, token_mask, out, saved, stream: torch.cuda.Stream | None = None):
+        n = x.shape[0] if isinstance(x, torch.Tensor) else 0
+        self._check(n, x=x, kv=kv, weight=weight, token_mask=token_mask, out=out, saved=saved)
+        _check_inputs(x, kv, weight, token_mask, self.eps, self.clamp)
+        if x.dtype != self.dtype or tuple(x.shape[1:]) != (self.streams, self.dim):
+            raise ValueError(f"x: expected {self.dtype} [N, {self.streams}, {self.dim}] (the plan's), got "
+                             f"{x.dtype} {list(x.shape)}")
+        _check_out("out", out, x.shape, x.dtype, x.device, rows_dim=self.dim)
+        _check_out("saved", saved, (n, self.streams, 4), torch.float32, x.device)
+        with on_stream(stream, self.device):
+            launch_forward(x, kv, weight, token_mask, out, saved, eps=self.eps, clamp=self.clamp)
+        return out, saved
+
+    def backward(self, dout, x, kv, weight, token_mask, saved, dx, dkv, dweight,
+                 stream: torch.cuda.Stream | None = None):
+        n = x.shape[0] if isinstance(x, torch.Tensor) else 0
+        self._check(n, dout=dout, x=x, kv=kv, weight=weight, token_mask=token_mask, saved=saved, dx=dx, dkv=dkv,
+                    dweight=dweight)
+        _check_inputs(x, kv, weight, token_mask, self.eps, self.clamp)
+        if x.dtype != self.dtype or tuple(x.shape[1:]) != (self.streams, self.dim):
+            raise ValueError(f"x: expected {self.dtype} [N, {self.streams}, {self.dim}] (the plan's), got "
+                             f"{x.dtype} {list(x.shape)}")
+        for name, t, shape, dtype, rows in (("dout", dout, x.shape, x.dtype, self.dim),
+                                            ("saved", saved, (n, self.streams, 4), torch.float32, None),
+                                            ("dx", dx, x.shape, x.dtype, self.dim),
+                                            ("dkv", dkv, kv.shape, kv.dtype, None),
+                                            ("dweight", dweight, (self.streams, self.dim), torch.float32, None)):
+            check_tensor(name, t)
+            _check_out(name, t, shape, dtype, x.device, rows_dim=rows)
+        check_no_overlap({"workspace": self.workspace}, {"dout": dout, "x": x, "kv": kv, "saved": saved, "dx": dx,
+                                                         "dkv": dkv, "dweight": dweight})
+        with on_stream(stream, self.device):
+            launch_backward(dout, x, kv, weight, saved, dx, dkv, dweight, self.workspace, clamp=self.clamp)
+        return dx, dkv, dweight
+
+
+# -- differentiable --------------------------------------------------------------------------
+
+
+@torch.library.custom_op("dsfuse::engram_gate_fwd", mutates_args=())
+def _fwd_op(x: torch.Tensor, kv: torch.Tensor, weight: torch.Tensor, token_mask: torch.Tensor, eps: float,
+            clamp: float) -> tuple[torch.Tensor, torch.Tensor]:
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    saved = torch.empty((x.shape[0], x.shape[1], 4), dtype=torch.float32, device=x.device)
+    launch_forward(x, kv, weight, token_mask, out, saved, eps=eps, clamp=clamp)
+    return out, saved
+
+
+@_fwd_op.register_fake
+def _(x, kv, weight, token_mask, eps, clamp):
+    return torch.empty_like(x), x.new_empty((x.shape[0], x.shape[1], 4), dtype=torch.float32)
+
+
+@torch.library.custom_op("dsfuse::engram_gate_bwd", mutates_args=())
+def _bwd_op(dout: torch.Tensor, x: torch.Tensor, kv: torch.Tensor, weight: torch.Tensor, saved: torch.Tensor,
+            clamp: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    n, streams, dim = x.shape
+    dx, dkv = torch.empty(x.shape, dtype=x.dtype, device=x.device), torch.empty(kv.shape, dtype=kv.dtype,
+                                                                                device=x.device)
+    dweight = torch.empty((streams, dim), dtype=torch.float32, device=x.device)
+    workspace = torch.empty(backward_programs(n) * streams * dim, dtype=torch.float32, device=x.device)
+    launch_backward(dout, x, kv, weight, saved, dx, dkv, dweight, workspace, clamp=clamp)
+    return dx, dkv, dweight
+
+
+@_bwd_op.register_fake
+def _(dout, x, kv, weight, saved, clamp):
+    return torch.empty_like(x), torch.empty_like(kv), weight.new_empty(weight.shape)
+
+
+def _setup(ctx, inputs, output):
+    x, kv, weight, _, _, clamp = inputs
+    ctx.save_for_backward(x, kv, weight, output[1])
+    ctx.clamp = clamp
+
+
+def _backward(ctx, dout, dsaved):
+    x, kv, weight, saved = ctx.saved_tensors
+    dx, dkv, dweight = torch.ops.dsfuse.engram_gate_bwd(dout.contiguous(), x, kv, weight, saved, ctx.clamp)
+    return dx, dkv, dweight, None, None, None
+
+
+_fwd_op.register_autograd(_backward, setup_context=_setup)
+
+
+class EngramGateFunction(torch.autograd.Function):
+    """Differentiable gate for eager training: the fused forward saves (gate, dot, rx, rk), the
+    fused backward reads them. ``x``, ``kv`` and ``weight`` get gradients; the mask does not."""
+
+    @staticmethod
+    def forward(ctx, x, kv, weight, token_mask, eps, clamp):
+        out, saved = engram_gate_forward(x, kv, weight, token_mask, eps=eps, clamp=clamp, backend="triton")
+        ctx.save_for_backward(x, kv, weight, token_mask, saved)
+        ctx.eps, ctx.clamp = eps, clamp
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        x, kv, weight, token_mask, saved = ctx.saved_tensors
+        dx, dkv, dweight = engram_gate_backward(dout.contiguous(), x, kv, weight, token_mask, saved, eps=ctx.eps,
+                                                clamp=ctx.clamp, backend="triton")
+        return dx, dkv, dweight, None, None, None
+
+
+def engram_gate(x: torch.Tensor, kv: torch.Tensor, weight: torch.Tensor, token_mask: torch.Tensor, *, eps: float,
+                clamp: float = 1e-6, backend: str = "auto") -> torch.Tensor:
+    """Differentiable gate: ``out`` ``[N, S, D]`` (see :func:`engram_gate_forward` for the arguments)."""
+    _check_inputs(x, kv, weight, token_mask, eps, clamp)
+    which = resolve_backend(backend, _fused_reasons(x), on_cuda=x.is_cuda)
+    if which == "reference":
+        return engram_gate_reference(x, kv, weight, token_mask, eps=eps, clamp=clamp)[0]
+    if torch.compiler.is_compiling():
+        return torch.ops.dsfuse.engram_gate_fwd(x, kv, weight, token_mask, float(eps), float(clamp))[0]
+    return EngramGateFunction.apply(x, kv, weight, token_mask, eps, clamp)

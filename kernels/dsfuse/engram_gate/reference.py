@@ -1,0 +1,59 @@
+"""DeepSeek-V4.1 Engram gate (four hyper-connection streams): the math contract in plain PyTorch.
+
+Layouts: ``x`` ``[N, S, D]`` bf16 (``S = 4`` residual streams of width ``D = 5120``);
+``kv`` ``[N, (S + 1) * D]`` bf16 holding ``S`` keys (one per stream) and then one
+shared value; ``weight`` fp32 ``[S, D]`` (the model's ``q_weight * k_weight``);
+``token_mask`` bool ``[N]`` (False for image tokens and padding)::
+
+    h = x.float();  key = kv[:, :S*D].float().view(N, S, D);  value = kv[:, S*D:].float()
+    rx = rsqrt(mean(h * h, -1) + eps);  rk = rsqrt(mean(key * key, -1) + eps)          # [N, S]
+    dot = sum(h * weight * key, -1) * rx * rk * D ** -0.5                            # [N, S]
+    gate = sigmoid(copysign(sqrt(max(|dot|, clamp)), dot))                           # signed root
+    gate = where(token_mask[:, None], gate, 0)
+    out = (h + gate[..., None] * value[:, None, :]).to(x.dtype)
+
+``copysign`` at ``dot == 0`` gives ``sigmoid(+sqrt(clamp))``, not 0.5. The saved
+state ``[N, S, 4]`` fp32 holds ``(gate, dot, rx, rk)`` per token and stream.
+"""
+
+from __future__ import annotations
+
+import torch
+
+SAVED_FIELDS = ("gate", "dot", "rx", "rk")
+
+
+def engram_gate_reference(x, kv, weight, token_mask, *, eps: float, clamp: float = 1e-6,
+                          compute_dtype: torch.dtype = torch.float32):
+    """The gate as the model computes it (``compute_dtype`` fp32), or in fp64 for tolerance checks.
+
+    Returns ``(out, saved)``: ``out`` in ``x``'s dtype (fp64 when computing in fp64),
+    ``saved`` ``[N, S, 4]`` = (gate, dot, rx, rk) in ``compute_dtype``.
+    """
+    n, streams, dim = x.shape
+    h = x.to(compute_dtype)
+    key = kv[:, : streams * dim].to(compute_dtype).unflatten(-1, (streams, dim))
+    value = kv[:, streams * dim :].to(compute_dtype)
+    w = weight.to(compute_dtype)
+    rx = torch.rsqrt((h * h).mean(-1) + eps)
+    rk = torch.rsqrt((key * key).mean(-1) + eps)
+    dot = (h * w * key).sum(-1) * rx * rk * dim**-0.5
+    gate = torch.sigmoid(torch.copysign(torch.sqrt(dot.abs().clamp_min(clamp)), dot))
+    gate = torch.where(token_mask[:, None], gate, torch.zeros_like(gate))
+    out = h + gate[..., None] * value[:, None, :]
+    if compute_dtype == torch.float32:
+        out = out.to(x.dtype)
+    return out, torch.stack([gate, dot, rx, rk], -1)
+
+
+def engram_gate_backward_reference(dout, x, kv, weight, token_mask, *, eps: float, clamp: float = 1e-6,
+                                   compute_dtype: torch.dtype = torch.float64):
+    """``(dx, dkv, dweight)`` by autograd of :func:`engram_gate_reference` in ``compute_dtype``.
+
+    ``dkv`` is packed like ``kv``: the ``S`` key gradients, then the value gradient.
+    """
+    xs = x.to(compute_dtype).requires_grad_()
+    kvs = kv.to(compute_dtype).requires_grad_()
+    ws = weight.to(compute_dtype).requires_grad_()
+    out, _ = engram_gate_reference(xs, kvs, ws, token_mask, eps=eps, clamp=clamp, compute_dtype=compute_dtype)
+    return torch.autograd.grad(out, (xs, kvs, ws), dout.to(compute_dtype))

@@ -1,0 +1,208 @@
+"""Engram gate against the float64 reference: forward, saved state, all five gradients.
+
+Tolerances (derived, not tuned): bf16 outputs within a relative RMS error of
+2^-8 (bf16's epsilon; rounding alone gives about 2^-10) and no element off by more
+than 2% of the tensor's largest magnitude; fp32 saved state and dweight within
+1e-5 relative (fp32 sums over D and N). Masked tokens are exact: their output is
+x and their dx is dout, bit for bit.
+
+Sizes: N = 1, 3, 65 (odd, tails of every block), D = 96 and 160 (not powers of
+two: masked channel tails), and the DeepSeek-V4.1 D = 5120 on the GPU.
+"""
+
+import pytest
+import torch
+from conftest import DEVICES
+from helpers import assert_bitwise
+
+from dsfuse.engram_gate import (
+    EngramGatePlan,
+    engram_gate,
+    engram_gate_backward,
+    engram_gate_backward_reference,
+    engram_gate_forward,
+    engram_gate_reference,
+)
+from dsfuse.engram_gate.triton import backward_programs
+
+
+def make(n, dim, device, seed=0, streams=4, weight_scale=None, mask=None):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, streams, dim, generator=gen).bfloat16().to(device)
+    kv = torch.randn(n, (streams + 1) * dim, generator=gen).bfloat16().to(device)
+    weight = torch.randn(streams, dim, generator=gen)
+    if weight_scale is not None:
+        weight = weight * torch.tensor(weight_scale)[:, None]
+    if mask is None:
+        mask = torch.rand(n, generator=gen) > 0.3
+    dout = torch.randn(n, streams, dim, generator=gen).bfloat16().to(device)
+    return x, kv, weight.to(device), mask.to(device), dout
+
+
+def assert_close_bf16(got, want, what):
+    got, want = got.double(), want.double()
+    rms = (got - want).norm() / want.norm().clamp_min(1e-30)
+    assert rms <= 2**-8, f"{what}: relative RMS error {rms:.2e} > 2^-8"
+    worst = (got - want).abs().max() / want.abs().max().clamp_min(1e-30)
+    assert worst <= 0.02, f"{what}: an element is off by {worst:.2e} of the largest magnitude"
+
+
+def assert_close_fp32(got, want, what, rel=1e-5):
+    err = (got.double() - want).abs().max() / want.abs().max().clamp_min(1e-30)
+    assert err <= rel, f"{what}: max error {err:.2e} of the largest magnitude > {rel}"
+
+
+def check_all(x, kv, weight, mask, dout, eps, clamp=1e-6):
+    out, saved = engram_gate_forward(x, kv, weight, mask, eps=eps, clamp=clamp, backend="triton")
+    ref_out, ref_saved = engram_gate_reference(x, kv, weight, mask, eps=eps, clamp=clamp, compute_dtype=torch.float64)
+    assert_close_bf16(out, ref_out, "out")
+    for i, name in enumerate(("gate", "dot", "rx", "rk")):
+        assert_close_fp32(saved[..., i], ref_saved[..., i], f"saved {name}")
+    assert_bitwise(out[~mask], x[~mask], "masked tokens keep x")
+    assert (saved[~mask][..., 0] == 0).all(), "masked gate is 0"
+    dx, dkv, dweight = engram_gate_backward(dout, x, kv, weight, mask, saved, eps=eps, clamp=clamp, backend="triton")
+    gx, gkv, gw = engram_gate_backward_reference(dout, x, kv, weight, mask, eps=eps, clamp=clamp)
+    streams, dim = x.shape[1:]
+    assert_close_bf16(dx, gx, "dx")
+    assert_bitwise(dx[~mask], dout[~mask], "masked tokens: dx is dout")
+    assert_close_bf16(dkv[:, : streams * dim], gkv[:, : streams * dim], "dkey")
+    assert_close_bf16(dkv[:, streams * dim :], gkv[:, streams * dim :], "dvalue")
+    assert_close_fp32(dweight, gw, "dweight", rel=1e-4 if x.shape[0] > 8 else 1e-5)
+    return out, saved, (dx, dkv, dweight)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("n", [1, 3, 65])
+@pytest.mark.parametrize("dim", [96, 160])
+def test_against_fp64_reference(n, dim, device):
+    check_all(*make(n, dim, device, seed=n + dim), eps=1e-20)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("eps", [1e-20, 1e-6, 0.03])
+def test_eps(eps, device):
+    check_all(*make(9, 96, device, seed=1), eps=eps)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_scores_around_the_clamp(device):
+    """Zero scores (weight 0), scores below the clamp of both signs (weights ~1e-9) and above it."""
+    x, kv, weight, _, dout = make(17, 96, device, seed=2, weight_scale=[0.0, 1e-9, -1e-9, 1.0])
+    mask = torch.ones(17, dtype=torch.bool, device=device)
+    _, saved, _ = check_all(x, kv, weight, mask, dout, eps=1e-20)
+    dot, gate = saved[..., 1], saved[..., 0]
+    assert (dot[:, 0] == 0).all()
+    root = torch.tensor(1e-6).sqrt()
+    assert torch.allclose(gate[:, 0], torch.sigmoid(root).to(device)), "copysign(+0) gives sigmoid(+sqrt(clamp))"
+    below = dot[:, 1:3]
+    assert (below.abs() < 1e-6).all() and (below > 0).any() and (below < 0).any()
+    clamped = torch.sigmoid(torch.where(below > 0, root, -root))
+    assert torch.allclose(gate[:, 1:3], clamped), "below the clamp the gate is sigmoid(+-sqrt(clamp))"
+    above = dot[:, 3].abs() > 1e-6
+    assert above.all() and (dot[:, 3] > 0).any() and (dot[:, 3] < 0).any()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_all_masked_and_deterministic(device):
+    x, kv, weight, _, dout = make(11, 96, device, seed=3)
+    none = torch.zeros(11, dtype=torch.bool, device=device)
+    out, saved = engram_gate_forward(x, kv, weight, none, eps=1e-20, backend="triton")
+    assert_bitwise(out, x, "no token gated")
+    dx, dkv, dweight = engram_gate_backward(dout, x, kv, weight, none, saved, eps=1e-20, backend="triton")
+    assert_bitwise(dx, dout, "dx")
+    assert (dkv == 0).all() and (dweight == 0).all()
+    x, kv, weight, mask, dout = make(40, 96, device, seed=4)
+    first = engram_gate_backward(dout, x, kv, weight, mask,
+                                 engram_gate_forward(x, kv, weight, mask, eps=1e-20, backend="triton")[1],
+                                 eps=1e-20, backend="triton")
+    for _ in range(2):
+        saved = engram_gate_forward(x, kv, weight, mask, eps=1e-20, backend="triton")[1]
+        again = engram_gate_backward(dout, x, kv, weight, mask, saved, eps=1e-20, backend="triton")
+        for a, b, name in zip(again, first, ("dx", "dkv", "dweight")):
+            assert_bitwise(a, b, f"repeat {name}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_caller_owned_outputs_plan_and_autograd(device):
+    x, kv, weight, mask, dout = make(7, 96, device, seed=5)
+    out, saved = torch.empty_like(x), torch.empty(7, 4, 4, device=device)
+    dx, dkv, dweight = torch.empty_like(x), torch.empty_like(kv), torch.empty(4, 96, device=device)
+    workspace = torch.empty(backward_programs(7) * 4 * 96, device=device)
+    got = engram_gate_forward(x, kv, weight, mask, eps=1e-20, out=out, saved=saved, backend="triton")
+    assert got[0] is out and got[1] is saved
+    grads = engram_gate_backward(dout, x, kv, weight, mask, saved, eps=1e-20, dx=dx, dkv=dkv, dweight=dweight,
+                                 workspace=workspace, backend="triton")
+    assert grads[0] is dx and grads[1] is dkv and grads[2] is dweight
+    plan = EngramGatePlan(streams=4, dim=96, max_tokens=16, device=device, eps=1e-20)
+    out2, saved2 = torch.empty_like(x), torch.empty(7, 4, 4, device=device)  # rebinding: fresh saved state
+    plan.forward(x, kv, weight, mask, out2, saved2)
+    assert_bitwise(out2, out, "plan forward")
+    assert_bitwise(saved2, saved, "plan saved")
+    dx2, dkv2, dw2 = torch.empty_like(x), torch.empty_like(kv), torch.empty(4, 96, device=device)
+    plan.backward(dout, x, kv, weight, mask, saved2, dx2, dkv2, dw2)
+    for a, b, name in zip((dx2, dkv2, dw2), (dx, dkv, dweight), ("dx", "dkv", "dweight")):
+        assert_bitwise(a, b, f"plan {name}")
+    leaves = [t.clone().requires_grad_() for t in (x, kv, weight)]
+    y = engram_gate(*leaves, mask, eps=1e-20, backend="triton")
+    autograd_grads = torch.autograd.grad(y, leaves, dout)
+    for a, b, name in zip(autograd_grads, (dx, dkv, dweight), ("dx", "dkv", "dweight")):
+        assert_bitwise(a, b, f"autograd {name}")
+
+
+def test_validation_errors():
+    x, kv, weight, mask, dout = make(5, 32, "cpu", seed=6)
+    saved = torch.empty(5, 4, 4)
+    cases = [
+        (lambda: engram_gate_forward(x[0], kv, weight, mask, eps=1e-20), ValueError, r"x: expected \[N, S, D\]"),
+        (lambda: engram_gate_forward(x, kv[:, :-1], weight, mask, eps=1e-20), ValueError, "kv: expected shape"),
+        (lambda: engram_gate_forward(x, kv.half(), weight, mask, eps=1e-20), TypeError, "kv: expected dtype"),
+        (lambda: engram_gate_forward(x, kv, weight.double(), mask, eps=1e-20), TypeError, "weight: expected dtype"),
+        (lambda: engram_gate_forward(x, kv, weight.t().contiguous().t(), mask, eps=1e-20), ValueError,
+         "weight: expected a contiguous"),
+        (lambda: engram_gate_forward(x, kv, weight, mask.int(), eps=1e-20), TypeError, "token_mask: expected dtype"),
+        (lambda: engram_gate_forward(x, kv, weight, mask[:4], eps=1e-20), ValueError, "token_mask: expected shape"),
+        (lambda: engram_gate_forward(x.transpose(1, 2).contiguous().transpose(1, 2), kv, weight, mask, eps=1e-20),
+         ValueError, "x: expected contiguous"),
+        (lambda: engram_gate_forward(x, kv, weight, mask, eps=-1.0), ValueError, "eps: expected a float >= 0"),
+        (lambda: engram_gate_forward(x, kv, weight, mask, eps=1e-20, clamp=0.0), ValueError, "clamp: expected"),
+        (lambda: engram_gate_forward(x, kv, weight, mask, eps=1e-20, saved=torch.empty(5, 4, 3)), ValueError,
+         "saved: expected"),
+        (lambda: engram_gate_forward(x, kv, weight, mask, eps=1e-20, out=x, backend="triton"), ValueError,
+         "out: must not overlap x"),
+        (lambda: engram_gate_backward(dout, x, kv, weight, mask, saved, eps=1e-20, dkv=kv, backend="triton"),
+         ValueError, "dkv: must not overlap kv"),
+        (lambda: engram_gate_backward(dout, x, kv, weight, mask, saved, eps=1e-20, workspace=torch.empty(3),
+                                      backend="triton"), ValueError, "workspace: expected"),
+        (lambda: engram_gate_backward(dout.float(), x, kv, weight, mask, saved, eps=1e-20), ValueError,
+         "dout: expected"),
+        (lambda: EngramGatePlan(dim=32, max_tokens=0, device="cpu", eps=1e-20), ValueError, "max_tokens"),
+        (lambda: EngramGatePlan(dim=32, max_tokens=4, device="cpu", eps=1e-20).forward(
+            x, kv, weight, mask, torch.empty_like(x), saved), ValueError, "N <= max_tokens = 4"),
+    ]
+    for call, exc, match in cases:
+        with pytest.raises(exc, match=match):
+            call()
+
+
+def test_reference_backend_is_the_model():
+    x, kv, weight, mask, dout = make(6, 32, "cpu", seed=7)
+    out, saved = engram_gate_forward(x, kv, weight, mask, eps=1e-20, backend="reference")
+    ref_out, ref_saved = engram_gate_reference(x, kv, weight, mask, eps=1e-20)
+    assert_bitwise(out, ref_out, "reference out")
+    assert_bitwise(saved, ref_saved, "reference saved")
+    grads = engram_gate_backward(dout, x, kv, weight, mask, saved, eps=1e-20, backend="reference")
+    assert [g.dtype for g in grads] == [torch.bfloat16, torch.bfloat16, torch.float32]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_torch_compile_fullgraph(device):
+    x, kv, weight, mask, dout = make(5, 64, device, seed=8)
+    backend = "inductor" if device == "cuda" else "aot_eager"
+    f = torch.compile(lambda *a: engram_gate(*a, mask, eps=1e-20, backend="triton"), fullgraph=True, backend=backend)
+    leaves = [t.clone().requires_grad_() for t in (x, kv, weight)]
+    out = f(*leaves)
+    ref_leaves = [t.clone().requires_grad_() for t in (x, kv, weight)]
+    ref = engram_gate(*ref_leaves, mask, eps=1e-20, backend="triton")
+    assert_bitwise(out, ref, "compiled out")
+    for a, b in zip(torch.autograd.grad(out, leaves, dout), torch.autograd.grad(ref, ref_leaves, dout)):
+        assert_bitwise(a, b, "compiled gradients")
