@@ -206,3 +206,23 @@ def test_torch_compile_fullgraph(device):
     assert_bitwise(out, ref, "compiled out")
     for a, b in zip(torch.autograd.grad(out, leaves, dout), torch.autograd.grad(ref, ref_leaves, dout)):
         assert_bitwise(a, b, "compiled gradients")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fp32_gate_terms_tight(device):
+    """In fp32 the small gate terms are not hidden under bf16 rounding of the residual: check them alone.
+
+    dx - dout, out - x and every key/value/weight gradient against float64 within 1e-4 of the
+    largest magnitude (fp32 sums over D; a dropped or wrong term is off by percents).
+    """
+    x, kv, weight, mask, dout = make(33, 160, device, seed=9)
+    x, kv, dout = x.float(), kv.float(), dout.float()
+    out, saved = engram_gate_forward(x, kv, weight, mask, eps=1e-20, backend="triton")
+    ref_out, _ = engram_gate_reference(x, kv, weight, mask, eps=1e-20, compute_dtype=torch.float64)
+    assert_close_fp32(out - x, ref_out - x.double(), "out - x", rel=1e-4)
+    dx, dkv, dweight = engram_gate_backward(dout, x, kv, weight, mask, saved, eps=1e-20, backend="triton")
+    gx, gkv, gw = engram_gate_backward_reference(dout, x, kv, weight, mask, eps=1e-20)
+    assert_close_fp32(dx - dout, gx - dout.double(), "dx - dout", rel=1e-4)
+    assert_close_fp32(dkv[:, : 4 * 160], gkv[:, : 4 * 160], "dkey", rel=1e-4)
+    assert_close_fp32(dkv[:, 4 * 160 :], gkv[:, 4 * 160 :], "dvalue", rel=1e-4)
+    assert_close_fp32(dweight, gw, "dweight", rel=1e-4)
