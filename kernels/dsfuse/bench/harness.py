@@ -336,7 +336,6 @@ def _run_case(experiment, case: Case, providers: list[Provider], settings: RunSe
         # baseline); one that raised is not.
         if result is not None:
             runnable.append(provider)
-    del check_inputs, expected
 
     # Timing on a second input set; graphs captured once per provider.
     inputs = experiment.make_inputs(case, device, seed=2)

@@ -18,7 +18,6 @@ All math in fp32 (reductions in tree order within a D chunk, chunks in order).
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 

@@ -174,7 +174,7 @@ def _aot_specs() -> list[AotSpec]:
     ints = ["n_rows", "seq", "heads", "pair_start", "n_pairs"] + [
         f"s{t}_{d}" for t in "xy" for d in "bshc"
     ] + ["sf_b", "sf_s"]
-    for dtype, ty in ((torch.bfloat16, "bf16"), (torch.float16, "fp16"), (torch.float32, "fp32")):
+    for ty in ("bf16", "fp16", "fp32"):
         for conj, copy, grad_sum, tag in (
             (False, True, False, "fwd"),
             (True, True, True, "bwd"),
