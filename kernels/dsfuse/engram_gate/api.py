@@ -259,7 +259,10 @@ class EngramGatePlan:
         launch_backward(x, x, kv, w, saved, out, torch.empty_like(kv), torch.empty(s, d, device=dev),
                         self.workspace, clamp=self.clamp)
 
-    def _check(self, n: int, **tensors) -> None:
+    def _check(self, x, kv, weight, token_mask, **tensors) -> int:
+        """Metadata checks of one execution (no synchronisation); returns N."""
+        n = x.shape[0] if isinstance(x, torch.Tensor) else 0
+        tensors = dict(x=x, kv=kv, weight=weight, token_mask=token_mask) | tensors
         if not 1 <= n <= self.max_tokens:
             raise ValueError(f"x: expected 1 <= N <= max_tokens = {self.max_tokens}, got N = {n}")
         for name, t in tensors.items():
@@ -268,14 +271,14 @@ class EngramGatePlan:
                 raise ValueError(f"{name}: expected device {self.device} (the plan's), got {t.device}")
             if t.data_ptr() % 16:  # another alignment would be another compiled specialisation
                 raise ValueError(f"{name}: expected a 16-byte aligned data pointer, got {t.data_ptr():#x}")
-
-    def forward(self, x, kv, weight, token_mask, out, saved, stream: torch.cuda.Stream | None = None):
-        n = x.shape[0] if isinstance(x, torch.Tensor) else 0
-        self._check(n, x=x, kv=kv, weight=weight, token_mask=token_mask, out=out, saved=saved)
         _check_inputs(x, kv, weight, token_mask, self.eps, self.clamp)
         if x.dtype != self.dtype or tuple(x.shape[1:]) != (self.streams, self.dim):
             raise ValueError(f"x: expected {self.dtype} [N, {self.streams}, {self.dim}] (the plan's), got "
                              f"{x.dtype} {list(x.shape)}")
+        return n
+
+    def forward(self, x, kv, weight, token_mask, out, saved, stream: torch.cuda.Stream | None = None):
+        n = self._check(x, kv, weight, token_mask, out=out, saved=saved)
         _check_out("out", out, x.shape, x.dtype, x.device, rows_dim=self.dim)
         _check_out("saved", saved, (n, self.streams, 4), torch.float32, x.device)
         with on_stream(stream, self.device):
@@ -284,13 +287,7 @@ class EngramGatePlan:
 
     def backward(self, dout, x, kv, weight, token_mask, saved, dx, dkv, dweight,
                  stream: torch.cuda.Stream | None = None):
-        n = x.shape[0] if isinstance(x, torch.Tensor) else 0
-        self._check(n, dout=dout, x=x, kv=kv, weight=weight, token_mask=token_mask, saved=saved, dx=dx, dkv=dkv,
-                    dweight=dweight)
-        _check_inputs(x, kv, weight, token_mask, self.eps, self.clamp)
-        if x.dtype != self.dtype or tuple(x.shape[1:]) != (self.streams, self.dim):
-            raise ValueError(f"x: expected {self.dtype} [N, {self.streams}, {self.dim}] (the plan's), got "
-                             f"{x.dtype} {list(x.shape)}")
+        n = self._check(x, kv, weight, token_mask, dout=dout, saved=saved, dx=dx, dkv=dkv, dweight=dweight)
         for name, t, shape, dtype, rows in (("dout", dout, x.shape, x.dtype, self.dim),
                                             ("saved", saved, (n, self.streams, 4), torch.float32, None),
                                             ("dx", dx, x.shape, x.dtype, self.dim),
