@@ -63,6 +63,20 @@ def test_backward_matches_eager_autograd(shape, dtype, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("block_t, hpp", [(32, 2), (128, 4), (64, 16)])
+@pytest.mark.parametrize("shape", [(16, 77, 64), (3, 130, 8), (6, 33, 32)], ids=lambda s: "H{}_T{}_D{}".format(*s))
+def test_backward_launch_constants(shape, block_t, hpp, device, monkeypatch):
+    """Every tokens/heads-per-program setting gives the same bits (heads per program falls back to a divisor)."""
+    from dsfuse.vision_rope import triton as vr_triton
+
+    monkeypatch.setattr(vr_triton, "TOKENS_PER_PROGRAM", block_t)
+    monkeypatch.setattr(vr_triton, "HEADS_PER_PROGRAM", hpp)
+    dq, dk_hdt, dv, cos, sin = grads(*shape, torch.float32, device, seed=3)
+    got = vision_rope_backward(dq, dk_hdt, dv, cos, sin, backend="triton")
+    assert_bitwise(got, vision_rope_backward_autograd(dq, dk_hdt, dv, cos, sin), f"block_t={block_t} hpp={hpp}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "H{}_T{}_D{}".format(*s))
 def test_forward_and_autograd_front(shape, dtype, device):
