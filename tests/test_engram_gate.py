@@ -2,9 +2,12 @@
 
 Tolerances (derived, not tuned): bf16 outputs within a relative RMS error of
 2^-8 (bf16's epsilon; rounding alone gives about 2^-10) and no element off by more
-than 2% of the tensor's largest magnitude; fp32 saved state and dweight within
-1e-5 relative (fp32 sums over D and N). Masked tokens are exact: their output is
-x and their dx is dout, bit for bit.
+than 2% of the tensor's largest magnitude; fp32 saved state within 1e-5 relative
+(fp32 sums over D). dweight sums over N tokens terms scaled by 1/sqrt|dot|, which
+amplifies the fp32 error of small scores: the model's own fp32 computation is off by
+2.8e-4 of the largest magnitude at N = 4096, D = 5120. dweight must stay within
+twice the fp32 model's error (and never needs to beat 1e-5). Masked tokens are
+exact: their output is x and their dx is dout, bit for bit.
 
 Sizes: N = 1, 3, 65 (odd, tails of every block), D = 96 and 160 (not powers of
 two: masked channel tails), and the DeepSeek-V4.1 D = 5120 on the GPU.
@@ -23,7 +26,7 @@ from dsfuse.engram_gate import (
     engram_gate_forward,
     engram_gate_reference,
 )
-from dsfuse.engram_gate.triton import backward_programs
+from dsfuse.engram_gate.triton import workspace_elements
 
 
 def make(n, dim, device, seed=0, streams=4, weight_scale=None, mask=None):
@@ -67,7 +70,10 @@ def check_all(x, kv, weight, mask, dout, eps, clamp=1e-6):
     assert_bitwise(dx[~mask], dout[~mask], "masked tokens: dx is dout")
     assert_close_bf16(dkv[:, : streams * dim], gkv[:, : streams * dim], "dkey")
     assert_close_bf16(dkv[:, streams * dim :], gkv[:, streams * dim :], "dvalue")
-    assert_close_fp32(dweight, gw, "dweight", rel=1e-4 if x.shape[0] > 8 else 1e-5)
+    gw32 = engram_gate_backward_reference(dout, x, kv, weight, mask, eps=eps, clamp=clamp,
+                                          compute_dtype=torch.float32)[2]
+    model_err = ((gw32.double() - gw).abs().max() / gw.abs().max().clamp_min(1e-30)).item()
+    assert_close_fp32(dweight, gw, "dweight", rel=max(1e-5, 2 * model_err))
     return out, saved, (dx, dkv, dweight)
 
 
@@ -127,7 +133,7 @@ def test_caller_owned_outputs_plan_and_autograd(device):
     x, kv, weight, mask, dout = make(7, 96, device, seed=5)
     out, saved = torch.empty_like(x), torch.empty(7, 4, 4, device=device)
     dx, dkv, dweight = torch.empty_like(x), torch.empty_like(kv), torch.empty(4, 96, device=device)
-    workspace = torch.empty(backward_programs(7) * 4 * 96, device=device)
+    workspace = torch.empty(workspace_elements(7, 4, 96), device=device)
     got = engram_gate_forward(x, kv, weight, mask, eps=1e-20, out=out, saved=saved, backend="triton")
     assert got[0] is out and got[1] is saved
     grads = engram_gate_backward(dout, x, kv, weight, mask, saved, eps=1e-20, dx=dx, dkv=dkv, dweight=dweight,

@@ -6,7 +6,7 @@ from helpers import assert_bitwise
 from test_engram_gate import check_all, make
 
 from dsfuse.engram_gate import EngramGatePlan
-from dsfuse.engram_gate.triton import _engram_bwd_kernel, _engram_fwd_kernel
+from dsfuse.engram_gate import triton as eg_triton
 
 pytestmark = pytest.mark.gpu
 D = 5120  # DeepSeek-V4.1 hidden size
@@ -64,7 +64,9 @@ def test_plan_execute_allocates_nothing_compiles_nothing_and_never_syncs():
     n = 1000
     plan = EngramGatePlan(dim=D, max_tokens=4096, device="cuda", eps=1e-20)
     (x, kv, weight, mask, dout), b = _plan_buffers(n)
-    caches = [k.device_caches[torch.cuda.current_device()][0] for k in (_engram_fwd_kernel, _engram_bwd_kernel)]
+    kernels = (eg_triton._engram_fwd_kernel, eg_triton._engram_bwd_coef_kernel, eg_triton._engram_bwd_tile_kernel,
+               eg_triton._engram_dweight_kernel)
+    caches = [k.device_caches[torch.cuda.current_device()][0] for k in kernels]
     compiled = [len(c) for c in caches]
     torch.cuda.synchronize()
     before = torch.cuda.memory_stats()["allocation.all.allocated"]

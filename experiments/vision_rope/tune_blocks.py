@@ -35,11 +35,12 @@ def record(mode, elements, warps, samples):
 for tokens in tokens_list:
     gen = torch.Generator(device="cuda").manual_seed(tokens)
     dq, dv = (torch.randn(HEADS, tokens, DIM, device="cuda", generator=gen).bfloat16() for _ in range(2))
-    dk_hdt = torch.randn(HEADS, DIM, tokens, device="cuda", generator=gen).bfloat16().transpose(1, 2)
+    dk_store = torch.randn(HEADS, DIM, tokens, device="cuda", generator=gen).bfloat16()  # [H, D, T] storage
+    dk_hdt = dk_store.transpose(1, 2)  # [H, T, D] logical, as the kernel reads it
     dk_htd = dk_hdt.contiguous()
     angles = torch.rand(tokens, DIM // 2, device="cuda", generator=gen) * 6.3
     cos, sin = angles.cos(), angles.sin()
-    want = vision_rope_backward_reference(dq, dk_hdt, dv, cos, sin)
+    want = vision_rope_backward_reference(dq, dk_store, dv, cos, sin)
     out = torch.empty(tokens, 3 * HEADS * DIM, device="cuda", dtype=torch.bfloat16)
     nbytes = 2 * out.numel() * out.element_size() + 2 * cos.numel() * 4
     src = torch.zeros(nbytes // 8, dtype=torch.float32, device="cuda")

@@ -24,7 +24,7 @@ from dsfuse._common import (
     triton_can_run_on,
 )
 from dsfuse.engram_gate.reference import engram_gate_reference
-from dsfuse.engram_gate.triton import backward_programs, launch_backward, launch_forward
+from dsfuse.engram_gate.triton import launch_backward, launch_forward, workspace_elements
 
 __all__ = ["EngramGateFunction", "EngramGatePlan", "engram_gate", "engram_gate_backward", "engram_gate_forward"]
 
@@ -174,8 +174,9 @@ def engram_gate_backward(
         dkv: caller-owned ``[N, (S + 1) * D]`` in ``kv``'s dtype: the S key gradients then
             the value gradient, ready for the ``wkv`` weight- and input-gradient GEMMs.
         dweight: caller-owned fp32 ``[S, D]``, summed over tokens in a fixed order.
-        workspace: fp32, at least :func:`~dsfuse.engram_gate.triton.backward_programs` ``(N) * S * D``
-            elements (allocated when omitted).
+        workspace: fp32 contiguous, at least
+            :func:`~dsfuse.engram_gate.triton.workspace_elements` ``(N, S, D)`` elements
+            (allocated when omitted; overwritten).
         stream: CUDA stream to run on.
         backend: ``"auto"``, ``"triton"`` or ``"reference"``.
 
@@ -190,7 +191,7 @@ def engram_gate_backward(
     _check_out("dx", dx, (n, streams, dim), x.dtype, x.device, rows_dim=dim)
     _check_out("dkv", dkv, tuple(kv.shape), kv.dtype, x.device)
     _check_out("dweight", dweight, (streams, dim), torch.float32, x.device)
-    need = backward_programs(n) * streams * dim
+    need = workspace_elements(n, streams, dim)
     if workspace is not None:
         check_tensor("workspace", workspace)
         if workspace.dtype != torch.float32 or workspace.numel() < need or not workspace.is_contiguous() \
@@ -236,14 +237,16 @@ class EngramGatePlan:
     def __init__(self, *, streams: int = 4, dim: int = 5120, max_tokens: int, device, eps: float,
                  clamp: float = 1e-6, dtype: torch.dtype = torch.bfloat16):
         self.streams, self.dim, self.max_tokens = streams, dim, max_tokens
-        self.device, self.dtype, self.eps, self.clamp = torch.device(device), dtype, float(eps), float(clamp)
+        # a device with its index ("cuda" -> "cuda:0" for the current device): tensors report theirs so
+        self.device = torch.empty(0, device=device).device
+        self.dtype, self.eps, self.clamp = dtype, float(eps), float(clamp)
         if max_tokens < 1:
             raise ValueError(f"max_tokens: expected >= 1, got {max_tokens}")
         if not triton_can_run_on(torch.empty(0, device=self.device)):
             raise ValueError(f"device: the plan needs CUDA (or TRITON_INTERPRET=1 for CPU), got {self.device}")
         if dtype not in FUSED_DTYPES:
             raise TypeError(f"dtype: expected one of bf16, fp16, fp32, got {dtype}")
-        self.workspace = torch.empty(backward_programs(max_tokens) * streams * dim, dtype=torch.float32,
+        self.workspace = torch.empty(workspace_elements(max_tokens, streams, dim), dtype=torch.float32,
                                      device=self.device)
         self._warm_up()
 
@@ -326,7 +329,7 @@ def _bwd_op(dout: torch.Tensor, x: torch.Tensor, kv: torch.Tensor, weight: torch
     dx, dkv = torch.empty(x.shape, dtype=x.dtype, device=x.device), torch.empty(kv.shape, dtype=kv.dtype,
                                                                                 device=x.device)
     dweight = torch.empty((streams, dim), dtype=torch.float32, device=x.device)
-    workspace = torch.empty(backward_programs(n) * streams * dim, dtype=torch.float32, device=x.device)
+    workspace = torch.empty(workspace_elements(n, streams, dim), dtype=torch.float32, device=x.device)
     launch_backward(dout, x, kv, weight, saved, dx, dkv, dweight, workspace, clamp=clamp)
     return dx, dkv, dweight
 

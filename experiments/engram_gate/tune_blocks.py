@@ -1,0 +1,85 @@
+"""Sweep the Engram gate kernels' launch constants at the model's width.
+
+    python experiments/engram_gate/tune_blocks.py OUT.csv [N]
+
+Forward: warps per row program. Backward: token groups (dWeight partials),
+channels per program of the tile kernel, channels per step of the coefficient
+kernel, warps. Each setting is checked once against the fp32 model (relative RMS
+error <= 2^-8 on every output), then timed by CUDA Graph replay with the L2
+overwritten before each call (N = 4096 unless given, D = 5120, S = 4, bf16).
+One CSV row per sample; the constants in dsfuse/engram_gate/triton.py come from here.
+"""
+
+import csv
+import itertools
+import sys
+
+import torch
+
+from dsfuse.bench.harness import Timer, capture_graph
+from dsfuse.engram_gate import engram_gate_backward_reference, engram_gate_reference
+from dsfuse.engram_gate import triton as eg
+
+n, streams, dim = (int(sys.argv[2]) if len(sys.argv) > 2 else 4096), 4, 5120
+gen = torch.Generator(device="cuda").manual_seed(0)
+x = torch.randn(n, streams, dim, device="cuda", generator=gen).bfloat16()
+kv = torch.randn(n, (streams + 1) * dim, device="cuda", generator=gen).bfloat16()
+weight = 1 + 0.1 * torch.randn(streams, dim, device="cuda", generator=gen)
+mask = torch.rand(n, device="cuda", generator=gen) > 0.1
+dout = torch.randn(n, streams, dim, device="cuda", generator=gen).bfloat16()
+eps, clamp = 1e-20, 1e-6
+want_out, want_saved = engram_gate_reference(x, kv, weight, mask, eps=eps)
+want_grads = engram_gate_backward_reference(dout, x, kv, weight, mask, eps=eps, compute_dtype=torch.float32)
+out, saved = torch.empty_like(x), torch.empty(n, streams, 4, device="cuda")
+dx, dkv, dweight = torch.empty_like(x), torch.empty_like(kv), torch.empty(streams, dim, device="cuda")
+eg.GROUPS = 256  # the largest group count swept: the workspace fits every setting
+workspace = torch.empty(eg.workspace_elements(n, streams, dim), device="cuda")
+timer = Timer(torch.device("cuda"), 256 << 20)
+rows = []
+
+
+def check(got, want, what):
+    err = ((got.double() - want.double()).norm() / want.double().norm()).item()
+    if not err <= 2**-8:
+        raise AssertionError(f"{what}: relative RMS error {err:.2e}")
+
+
+def fwd():
+    eg.launch_forward(x, kv, weight, mask, out, saved, eps=eps, clamp=clamp)
+
+
+def bwd():
+    eg.launch_backward(dout, x, kv, weight, saved, dx, dkv, dweight, workspace, clamp=clamp)
+
+
+def measure(mode, elements, warps, fn, outputs, wants):
+    for t in outputs:
+        t.fill_(float("nan"))
+    fn()
+    for t, w, name in zip(outputs, wants, ("a", "b", "c")):
+        check(t, w, f"{mode} {elements} {warps} output {name}")
+    graph, _ = capture_graph(lambda: (fn(),), torch.device("cuda"))
+    for i, us in enumerate(timer.samples(graph.replay, "evicted", 20, 10)):
+        rows.append(dict(elements=elements, warps=warps, mode=mode, regime="evicted", sample=i, us=round(us, 3)))
+
+
+for warps in (4, 8, 16):
+    eg.FWD_WARPS = warps
+    measure("fwd-row", 8192, warps, fwd, [out, saved], [want_out, want_saved])
+eg.FWD_WARPS = 8
+fwd()
+grads = [dx, dkv, dweight]
+for groups, block_d, warps in itertools.product((64, 128, 256), (128, 256, 512), (4, 8)):
+    eg.GROUPS, eg.TILE_BLOCK_D, eg.NUM_WARPS = groups, block_d, warps
+    measure(f"bwd-groups{groups}-coef512", block_d, warps, bwd, grads, want_grads)
+for coef in (256, 1024):
+    eg.GROUPS, eg.TILE_BLOCK_D, eg.NUM_WARPS, eg.COEF_BLOCK_D = 128, 256, 4, coef
+    measure(f"bwd-groups128-coef{coef}", 256, 4, bwd, grads, want_grads)
+with open(sys.argv[1], "w", newline="") as f:
+    writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+    writer.writeheader()
+    writer.writerows(rows)
+import pandas as pd  # noqa: E402
+
+df = pd.DataFrame(rows).groupby(["mode", "elements", "warps"])["us"].median().unstack("warps")
+print(df.round(1).to_string())
