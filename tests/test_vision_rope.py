@@ -63,17 +63,23 @@ def test_backward_matches_eager_autograd(shape, dtype, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("block_t, hpp", [(32, 2), (128, 4), (64, 16)])
+@pytest.mark.parametrize("block_t, heads_fastest", [(16, True), (32, False), (128, True)])
 @pytest.mark.parametrize("shape", [(16, 77, 64), (3, 130, 8), (6, 33, 32)], ids=lambda s: "H{}_T{}_D{}".format(*s))
-def test_backward_launch_constants(shape, block_t, hpp, device, monkeypatch):
-    """Every tokens/heads-per-program setting gives the same bits (heads per program falls back to a divisor)."""
+def test_launch_constants(shape, block_t, heads_fastest, device, monkeypatch):
+    """Every tokens-per-program and grid-order setting gives the same bits, backward and forward."""
     from dsfuse.vision_rope import triton as vr_triton
 
     monkeypatch.setattr(vr_triton, "TOKENS_PER_PROGRAM", block_t)
-    monkeypatch.setattr(vr_triton, "HEADS_PER_PROGRAM", hpp)
+    monkeypatch.setattr(vr_triton, "HEADS_FASTEST", heads_fastest)
     dq, dk_hdt, dv, cos, sin = grads(*shape, torch.float32, device, seed=3)
     got = vision_rope_backward(dq, dk_hdt, dv, cos, sin, backend="triton")
-    assert_bitwise(got, vision_rope_backward_autograd(dq, dk_hdt, dv, cos, sin), f"block_t={block_t} hpp={hpp}")
+    assert_bitwise(got, vision_rope_backward_autograd(dq, dk_hdt, dv, cos, sin), f"block_t={block_t}")
+    qkv = torch.cat([g.transpose(0, 1).flatten(1) for g in (dq, dk_hdt.transpose(1, 2), dv)], 1)
+    heads = shape[0]
+    want = attention_front(qkv, cos, sin, heads)
+    got = vision_rope_forward(qkv, cos, sin, heads, backend="triton")
+    for g, w, name in zip(got, want, ("q", "k", "v")):
+        assert_bitwise(g, w, f"forward {name}, block_t={block_t}")
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -2,10 +2,10 @@
 
     python experiments/engram_gate/tune_blocks.py OUT.csv [N]
 
-Forward: warps per row program. Backward: token groups (dWeight partials),
-channels per program of the tile kernel, channels per step of the coefficient
-kernel, warps. Each setting is checked once against the fp32 model (relative RMS
-error <= 2^-8 on every output), then timed by CUDA Graph replay with the L2
+Forward: tokens and warps per program. Backward: channels per step and warps of
+the coefficient kernel; token groups (dWeight partials), channels per program and
+warps of the tile kernel (the whole backward is timed). Each setting is checked
+once against the fp32 model (relative RMS error <= 2^-8 on every output), then timed by CUDA Graph replay with the L2
 overwritten before each call (N = 4096 unless given, D = 5120, S = 4, bf16).
 One CSV row per sample; the constants in dsfuse/engram_gate/triton.py come from here.
 """
@@ -32,7 +32,7 @@ want_out, want_saved = engram_gate_reference(x, kv, weight, mask, eps=eps)
 want_grads = engram_gate_backward_reference(dout, x, kv, weight, mask, eps=eps, compute_dtype=torch.float32)
 out, saved = torch.empty_like(x), torch.empty(n, streams, 4, device="cuda")
 dx, dkv, dweight = torch.empty_like(x), torch.empty_like(kv), torch.empty(streams, dim, device="cuda")
-eg.GROUPS = 256  # the largest group count swept: the workspace fits every setting
+eg.GROUPS = 128  # the largest group count swept: the workspace fits every setting
 workspace = torch.empty(eg.workspace_elements(n, streams, dim), device="cuda")
 timer = Timer(torch.device("cuda"), 256 << 20)
 rows = []
@@ -63,18 +63,19 @@ def measure(mode, elements, warps, fn, outputs, wants):
         rows.append(dict(elements=elements, warps=warps, mode=mode, regime="evicted", sample=i, us=round(us, 3)))
 
 
-for warps in (4, 8, 16):
-    eg.FWD_WARPS = warps
-    measure("fwd-row", 8192, warps, fwd, [out, saved], [want_out, want_saved])
-eg.FWD_WARPS = 8
+for rows, warps in itertools.product((1, 2), (2, 4, 8)):
+    eg.FWD_ROWS, eg.FWD_WARPS = rows, warps
+    measure(f"fwd-rows{rows}", 8192, warps * rows, fwd, [out, saved], [want_out, want_saved])
+eg.FWD_ROWS, eg.FWD_WARPS = 1, 4
 fwd()
 grads = [dx, dkv, dweight]
-for groups, block_d, warps in itertools.product((64, 128, 256), (128, 256, 512), (4, 8)):
-    eg.GROUPS, eg.TILE_BLOCK_D, eg.NUM_WARPS = groups, block_d, warps
-    measure(f"bwd-groups{groups}-coef512", block_d, warps, bwd, grads, want_grads)
-for coef in (256, 1024):
-    eg.GROUPS, eg.TILE_BLOCK_D, eg.NUM_WARPS, eg.COEF_BLOCK_D = 128, 256, 4, coef
-    measure(f"bwd-groups128-coef{coef}", 256, 4, bwd, grads, want_grads)
+for coef, warps in itertools.product((1024, 2048), (4, 8, 16)):  # the tile kernel at its defaults
+    eg.COEF_BLOCK_D, eg.COEF_WARPS = coef, warps
+    measure(f"bwd-coef-tile{eg.TILE_BLOCK_D}x{eg.TILE_WARPS}-groups{eg.GROUPS}", coef, warps, bwd, grads, want_grads)
+eg.COEF_BLOCK_D, eg.COEF_WARPS = 1024, 4
+for groups, block_d, warps in itertools.product((32, 64, 128), (128, 256, 512), (2, 4, 8)):
+    eg.GROUPS, eg.TILE_BLOCK_D, eg.TILE_WARPS = groups, block_d, warps
+    measure(f"bwd-tile-groups{groups}-coef1024x4", block_d, warps, bwd, grads, want_grads)
 with open(sys.argv[1], "w", newline="") as f:
     writer = csv.DictWriter(f, fieldnames=list(rows[0]))
     writer.writeheader()

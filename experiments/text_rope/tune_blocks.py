@@ -35,7 +35,8 @@ for elements in (1024, 2048, 4096, 8192, 16384):
             graph, _ = capture_graph(lambda: (launch(),), torch.device("cuda"))
             for regime in ("evicted",):
                 for i, us in enumerate(timer.samples(graph.replay, regime, 20, 20)):
-                    rows.append(dict(elements=elements, warps=warps, mode=mode, regime=regime, sample=i, us=round(us, 3)))
+                    rows.append(dict(elements=elements, warps=warps, mode=mode, regime=regime, sample=i,
+                                     us=round(us, 3)))
 with open(sys.argv[1], "w", newline="") as f:
     writer = csv.DictWriter(f, fieldnames=list(rows[0]))
     writer.writeheader()

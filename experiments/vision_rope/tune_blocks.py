@@ -1,8 +1,8 @@
-"""Sweep the vision RoPE backward's tokens per program, heads per program and warps.
+"""Sweep the vision RoPE backward's tokens per program, grid order and warps.
 
     python experiments/vision_rope/tune_blocks.py OUT.csv [T ...]
 
-For each (TOKENS_PER_PROGRAM, HEADS_PER_PROGRAM, NUM_WARPS) the fused backward is
+For each (TOKENS_PER_PROGRAM, HEADS_FASTEST, NUM_WARPS) the fused backward is
 checked bitwise against the eager formula once, then timed by CUDA Graph replay
 with the L2 overwritten before each call, on the model's layouts (dk stored HDT)
 and, as the cost of the transpose, on a dK already in HTD storage. A plain copy of
@@ -48,16 +48,17 @@ for tokens in tokens_list:
     # an elementwise kernel, not a memcpy: a captured memcpy may run on a (slower) copy engine
     graph, _ = capture_graph(lambda: (torch.neg(src, out=dst),), torch.device("cuda"))
     record(f"copy-same-bytes-T{tokens}", 0, 0, timer.samples(graph.replay, "evicted", 20, 20))
-    for block_t, hpp, warps in itertools.product((32, 64, 128), (1, 2, 4), (2, 4, 8)):
-        vr_triton.TOKENS_PER_PROGRAM, vr_triton.HEADS_PER_PROGRAM, vr_triton.NUM_WARPS = block_t, hpp, warps
-        for layout, dk in (("hdt", dk_hdt), ("htd", dk_htd)):
+    for block_t, heads_fastest, warps in itertools.product((16, 32, 64), (False, True), (1, 2, 4)):
+        vr_triton.TOKENS_PER_PROGRAM, vr_triton.HEADS_FASTEST, vr_triton.NUM_WARPS = block_t, heads_fastest, warps
+        order = "heads-fastest" if heads_fastest else "tokens-fastest"
+        for layout, dk in (("hdt", dk_hdt), ("htd", dk_htd))[: 1 if heads_fastest else 2]:
             out.fill_(float("nan"))
             vr_triton.launch_backward(dq, dk, dv, cos, sin, out)
             if not torch.equal(out.view(torch.int16), want.view(torch.int16)):
-                raise AssertionError(f"T={tokens} block_t={block_t} hpp={hpp} warps={warps} {layout}: not bitwise")
+                raise AssertionError(f"T={tokens} block_t={block_t} {order} warps={warps} {layout}: not bitwise")
             graph, _ = capture_graph(lambda dk=dk: (vr_triton.launch_backward(dq, dk, dv, cos, sin, out),),
                                      torch.device("cuda"))
-            record(f"T{tokens}-dk_{layout}-hpp{hpp}", block_t, warps, timer.samples(graph.replay, "evicted", 20, 20))
+            record(f"T{tokens}-dk_{layout}-{order}", block_t, warps, timer.samples(graph.replay, "evicted", 20, 20))
 with open(sys.argv[1], "w", newline="") as f:
     writer = csv.DictWriter(f, fieldnames=list(rows[0]))
     writer.writeheader()

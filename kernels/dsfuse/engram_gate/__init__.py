@@ -7,7 +7,12 @@ from dsfuse.engram_gate.api import (
     engram_gate_backward,
     engram_gate_forward,
 )
-from dsfuse.engram_gate.reference import SAVED_FIELDS, engram_gate_backward_reference, engram_gate_reference
+from dsfuse.engram_gate.reference import (
+    SAVED_FIELDS,
+    engram_gate_backward_from_saved,
+    engram_gate_backward_reference,
+    engram_gate_reference,
+)
 
 __all__ = [
     "SAVED_FIELDS",
@@ -15,6 +20,7 @@ __all__ = [
     "EngramGatePlan",
     "engram_gate",
     "engram_gate_backward",
+    "engram_gate_backward_from_saved",
     "engram_gate_backward_reference",
     "engram_gate_forward",
     "engram_gate_reference",

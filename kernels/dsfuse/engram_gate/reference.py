@@ -57,3 +57,36 @@ def engram_gate_backward_reference(dout, x, kv, weight, token_mask, *, eps: floa
     ws = weight.to(compute_dtype).requires_grad_()
     out, _ = engram_gate_reference(xs, kvs, ws, token_mask, eps=eps, clamp=clamp, compute_dtype=compute_dtype)
     return torch.autograd.grad(out, (xs, kvs, ws), dout.to(compute_dtype))
+
+
+def engram_gate_backward_from_saved(dout, x, kv, weight, saved, *, clamp: float = 1e-6,
+                                    compute_dtype: torch.dtype = torch.float64):
+    """``(dx, dkv, dweight)`` by the explicit backward formula from a given saved state.
+
+    The forward's scores are ill-conditioned where ``|dot|`` is small (the signed root's
+    slope is ``1 / (2 sqrt|dot|)``), so two correct fp32 forwards can differ there far
+    more than their own rounding. Starting the backward from the same ``saved``
+    ``(gate, dot, rx, rk)`` isolates the backward's arithmetic::
+
+        G = sum_d dout * value;  ddot = G * gate * (1 - gate) / (2 sqrt|dot|)  (0 where |dot| < clamp)
+        a = ddot * rx * rk / sqrt(D);  bx = ddot * dot * rx^2 / D;  bk = ddot * dot * rk^2 / D
+        dx = dout + a * w * key - bx * h;  dkey = a * w * h - bk * key
+        dvalue = sum_s gate * dout;  dweight = sum_n a * h * key
+    """
+    n, streams, dim = x.shape
+    c = compute_dtype
+    h, do = x.to(c), dout.to(c)
+    key = kv[:, : streams * dim].to(c).unflatten(-1, (streams, dim))
+    value = kv[:, streams * dim :].to(c)
+    w = weight.to(c)
+    gate, dot, rx, rk = saved.to(c).unbind(-1)
+    big = dot.abs() >= clamp
+    ddot = torch.where(big, (do * value[:, None]).sum(-1) * gate * (1 - gate) / (2 * dot.abs().clamp_min(clamp).sqrt()),
+                       torch.zeros_like(dot))
+    a = (ddot * rx * rk * dim**-0.5)[..., None]
+    bx = (ddot * dot * rx * rx / dim)[..., None]
+    bk = (ddot * dot * rk * rk / dim)[..., None]
+    dx = do + a * w * key - bx * h
+    dkey = a * w * h - bk * key
+    dvalue = (gate[..., None] * do).sum(1)
+    return dx, torch.cat([dkey.flatten(1), dvalue], -1), (a * h * key).sum(0)

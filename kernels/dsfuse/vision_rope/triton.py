@@ -9,8 +9,9 @@ Backward, logical layouts (any strides; the public API pins the model's storage)
 * output ``dqkv`` ``[T, 3 * H * D]``, column ``part * H * D + h * D + d`` (part 0 q, 1 k, 2 v),
   channel stride 1.
 
-One program takes ``BLOCK_T`` tokens of ``HEADS_PER_PROGRAM`` heads (the fp32 tables
-are loaded once for all of them). dK tiles are loaded along T
+One program takes ``BLOCK_T`` tokens of one head; with ``HEADS_FASTEST`` the programs
+running side by side are the heads of one token block (the packed output rows are
+then written close together in time, and the tables are read while they sit in L2). dK tiles are loaded along T
 (coalesced for HDT storage) and stored along D; Triton moves the tile between the
 two register layouts through shared memory, so no separate dK copy is made.
 
@@ -32,14 +33,22 @@ from dsfuse._common.aot import AotSpec
 
 FUSED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 TOKENS_PER_PROGRAM = 64
-HEADS_PER_PROGRAM = 1  # backward only; the launcher uses the largest divisor of the head count not above it
+HEADS_FASTEST = False  # grid order: heads of one token block next to each other (True) or token blocks of a head
 NUM_WARPS = 4
 
 
 @triton.jit
-def _token_block(cos_ptr, sin_ptr, sc_t, ss_t, tokens, BLOCK_T: tl.constexpr, HALF: tl.constexpr):
-    """This program's token offsets, half-channel offsets, row mask and [BLOCK_T, HALF] fp32 tables."""
-    o_t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+def _program_ids(HEADS_FASTEST: tl.constexpr):
+    """(token block, head) of this program in either grid order."""
+    if HEADS_FASTEST:
+        return tl.program_id(1), tl.program_id(0)
+    return tl.program_id(0), tl.program_id(1)
+
+
+@triton.jit
+def _token_block(cos_ptr, sin_ptr, sc_t, ss_t, tokens, i_tb, BLOCK_T: tl.constexpr, HALF: tl.constexpr):
+    """Token block ``i_tb``'s token offsets, half-channel offsets, row mask and [BLOCK_T, HALF] fp32 tables."""
+    o_t = (i_tb * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
     o_d = tl.arange(0, HALF)
     m_2d = (o_t < tokens)[:, None]
     b_cos = tl.load(cos_ptr + o_t[:, None] * sc_t + o_d[None, :], mask=m_2d)
@@ -74,24 +83,22 @@ def _vision_rope_bwd_kernel(
     HALF: tl.constexpr,  # D / 2
     HAS_V: tl.constexpr,  # False: write zeros into the v columns (gradient of q and k only)
     BLOCK_T: tl.constexpr,
-    HPP: tl.constexpr,  # heads per program (divides HEADS)
+    HEADS_FASTEST: tl.constexpr,
 ):
-    o_t, o_d, m_2d, b_cos, b_sin = _token_block(cos_ptr, sin_ptr, sc_t, ss_t, tokens, BLOCK_T, HALF)
+    i_tb, i_h = _program_ids(HEADS_FASTEST)
+    o_t, o_d, m_2d, b_cos, b_sin = _token_block(cos_ptr, sin_ptr, sc_t, ss_t, tokens, i_tb, BLOCK_T, HALF)
+    col = i_h * 2 * HALF
+    _unrotate_store(dq_ptr, i_h.to(tl.int64) * sq_h, sq_t, sq_d, out_ptr, so_t, col, b_cos, b_sin, o_t, o_d, m_2d, HALF)
+    _unrotate_store(dk_ptr, i_h.to(tl.int64) * sk_h, sk_t, sk_d, out_ptr, so_t, col + HEADS * 2 * HALF,
+                    b_cos, b_sin, o_t, o_d, m_2d, HALF)
     o_dv = tl.arange(0, 2 * HALF)
-    for j in tl.static_range(HPP):
-        i_h = tl.program_id(1) * HPP + j
-        col = i_h * 2 * HALF
-        _unrotate_store(dq_ptr, i_h.to(tl.int64) * sq_h, sq_t, sq_d, out_ptr, so_t, col, b_cos, b_sin, o_t, o_d,
-                        m_2d, HALF)
-        _unrotate_store(dk_ptr, i_h.to(tl.int64) * sk_h, sk_t, sk_d, out_ptr, so_t, col + HEADS * 2 * HALF,
-                        b_cos, b_sin, o_t, o_d, m_2d, HALF)
-        p_out = out_ptr + o_t[:, None] * so_t + col + 2 * HEADS * 2 * HALF + o_dv[None, :]
-        if HAS_V:
-            # [BLOCK_T, D] dV copied into its columns
-            b_v = tl.load(dv_ptr + i_h.to(tl.int64) * sv_h + o_t[:, None] * sv_t + o_dv[None, :] * sv_d, mask=m_2d)
-            tl.store(p_out, b_v, mask=m_2d)
-        else:
-            tl.store(p_out, tl.zeros((BLOCK_T, 2 * HALF), dtype=out_ptr.dtype.element_ty), mask=m_2d)
+    p_out = out_ptr + o_t[:, None] * so_t + col + 2 * HEADS * 2 * HALF + o_dv[None, :]
+    if HAS_V:
+        # [BLOCK_T, D] dV copied into its columns
+        b_v = tl.load(dv_ptr + i_h.to(tl.int64) * sv_h + o_t[:, None] * sv_t + o_dv[None, :] * sv_d, mask=m_2d)
+        tl.store(p_out, b_v, mask=m_2d)
+    else:
+        tl.store(p_out, tl.zeros((BLOCK_T, 2 * HALF), dtype=out_ptr.dtype.element_ty), mask=m_2d)
 
 
 @triton.jit
@@ -116,9 +123,10 @@ def _vision_rope_fwd_kernel(
     HEADS: tl.constexpr,
     HALF: tl.constexpr,
     BLOCK_T: tl.constexpr,
+    HEADS_FASTEST: tl.constexpr,
 ):
-    i_h = tl.program_id(1)
-    o_t, o_d, m_2d, b_cos, b_sin = _token_block(cos_ptr, sin_ptr, sc_t, ss_t, tokens, BLOCK_T, HALF)
+    i_tb, i_h = _program_ids(HEADS_FASTEST)
+    o_t, o_d, m_2d, b_cos, b_sin = _token_block(cos_ptr, sin_ptr, sc_t, ss_t, tokens, i_tb, BLOCK_T, HALF)
     col = i_h * 2 * HALF
     _rotate_store(qkv_ptr, s_t, col, q_ptr, HEADS * 2 * HALF, 2 * HALF, i_h, b_cos, b_sin, o_t, o_d, m_2d, HALF)
     _rotate_store(qkv_ptr, s_t, col + HEADS * 2 * HALF, k_ptr, HEADS * 2 * HALF, 2 * HALF, i_h, b_cos, b_sin,
@@ -131,8 +139,11 @@ def _check_tables(cos: torch.Tensor, sin: torch.Tensor) -> None:
             raise ValueError(f"{name}: expected unit stride along the frequency dim, got strides {t.stride()}")
 
 
-def _heads_per_program(heads: int) -> int:
-    return max(h for h in range(1, min(HEADS_PER_PROGRAM, heads) + 1) if heads % h == 0)
+def _grid(tokens: int, heads: int) -> tuple[int, int]:
+    blocks = triton.cdiv(tokens, TOKENS_PER_PROGRAM)
+    if HEADS_FASTEST and blocks > 65535:  # CUDA's limit on the second grid dimension
+        raise ValueError(f"dq: T = {tokens} needs {blocks} token blocks, above 65535 in this grid order")
+    return (heads, blocks) if HEADS_FASTEST else (blocks, heads)
 
 
 def launch_backward(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor | None, cos: torch.Tensor,
@@ -144,15 +155,13 @@ def launch_backward(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor | None,
     if tokens == 0:
         return out
     v = dv if dv is not None else dq  # unread when HAS_V is False
-    hpp = _heads_per_program(heads)
-    grid = (triton.cdiv(tokens, TOKENS_PER_PROGRAM), heads // hpp)
-    _vision_rope_bwd_kernel[grid](
+    _vision_rope_bwd_kernel[_grid(tokens, heads)](
         dq, dk, v, cos, sin, out,
         tokens,
         *dq.stride(), *dk.stride(), *v.stride(),
         cos.stride(0), sin.stride(0), out.stride(0),
         HEADS=heads, HALF=dim // 2, HAS_V=dv is not None, BLOCK_T=TOKENS_PER_PROGRAM,
-        HPP=hpp, num_warps=NUM_WARPS, enable_fp_fusion=False,
+        HEADS_FASTEST=HEADS_FASTEST, num_warps=NUM_WARPS, enable_fp_fusion=False,
     )
     return out
 
@@ -166,10 +175,10 @@ def launch_forward(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head
     if tokens == 0:
         return
     dim = qkv.shape[1] // (3 * heads)
-    grid = (triton.cdiv(tokens, TOKENS_PER_PROGRAM), heads)
-    _vision_rope_fwd_kernel[grid](
+    _vision_rope_fwd_kernel[_grid(tokens, heads)](
         qkv, cos, sin, q_out, k_out, tokens, qkv.stride(0), cos.stride(0), sin.stride(0),
-        HEADS=heads, HALF=dim // 2, BLOCK_T=TOKENS_PER_PROGRAM, num_warps=NUM_WARPS, enable_fp_fusion=False,
+        HEADS=heads, HALF=dim // 2, BLOCK_T=TOKENS_PER_PROGRAM, HEADS_FASTEST=HEADS_FASTEST,
+        num_warps=NUM_WARPS, enable_fp_fusion=False,
     )
 
 
@@ -183,7 +192,7 @@ def _aot_specs() -> list[AotSpec]:
         signature={"dq_ptr": "*bf16", "dk_ptr": "*bf16", "dv_ptr": "*bf16", "cos_ptr": "*fp32",
                    "sin_ptr": "*fp32", "out_ptr": "*bf16"} | {n: "i32" for n in bwd_ints},
         constexprs=dict(sq_d=1, sk_t=1, sv_d=1, HEADS=16, HALF=32, HAS_V=True, BLOCK_T=TOKENS_PER_PROGRAM,
-                        HPP=_heads_per_program(16)),
+                        HEADS_FASTEST=HEADS_FASTEST),
         options={"num_warps": NUM_WARPS, "enable_fp_fusion": False},
         divisible_by_16=("dq_ptr", "dk_ptr", "dv_ptr", "cos_ptr", "sin_ptr", "out_ptr", "sq_h", "sk_h", "sv_h",
                          "sq_t", "sv_t", "sc_t", "ss_t", "so_t"),
@@ -193,7 +202,7 @@ def _aot_specs() -> list[AotSpec]:
         kernel=_vision_rope_fwd_kernel,
         signature={"qkv_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "q_ptr": "*bf16", "k_ptr": "*bf16",
                    "tokens": "i32", "s_t": "i32", "sc_t": "i32", "ss_t": "i32"},
-        constexprs=dict(HEADS=16, HALF=32, BLOCK_T=TOKENS_PER_PROGRAM),
+        constexprs=dict(HEADS=16, HALF=32, BLOCK_T=TOKENS_PER_PROGRAM, HEADS_FASTEST=HEADS_FASTEST),
         options={"num_warps": NUM_WARPS, "enable_fp_fusion": False},
         divisible_by_16=("qkv_ptr", "cos_ptr", "sin_ptr", "q_ptr", "k_ptr", "s_t", "sc_t", "ss_t"),
     )
