@@ -63,9 +63,9 @@ def measure(mode, elements, warps, fn, outputs, wants):
         rows.append(dict(elements=elements, warps=warps, mode=mode, regime="evicted", sample=i, us=round(us, 3)))
 
 
-for rows, warps in itertools.product((1, 2), (2, 4, 8)):
-    eg.FWD_ROWS, eg.FWD_WARPS = rows, warps
-    measure(f"fwd-rows{rows}", 8192, warps * rows, fwd, [out, saved], [want_out, want_saved])
+for fwd_rows, warps in itertools.product((1, 2), (2, 4, 8)):
+    eg.FWD_ROWS, eg.FWD_WARPS = fwd_rows, warps
+    measure(f"fwd-rows{fwd_rows}", 8192, warps * fwd_rows, fwd, [out, saved], [want_out, want_saved])
 eg.FWD_ROWS, eg.FWD_WARPS = 1, 4
 fwd()
 grads = [dx, dkv, dweight]
