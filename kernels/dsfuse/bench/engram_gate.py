@@ -10,6 +10,12 @@ Cases (``experiments/engram_gate/model.yaml`` gives D = 5120, S = 4, embedding w
 
 The contract is a tolerance: every provider is checked against the float64
 reference by relative RMS error (2^-8, bf16's epsilon), the eager model included.
+The gradients of a score near zero are ill-conditioned (the signed root's slope is
+1 / (2 sqrt|dot|)): one such token can put any fp32 implementation, the eager model
+included, 2-3% off in relative RMS. The inputs therefore mask the tokens whose
+float64 score has |dot| < 1e-2 in any stream (about 3% of tokens, on top of the 10%
+masked at random); the kernels do the same work for masked tokens, and the tests
+cover small scores (tests/test_engram_gate.py).
 """
 
 from __future__ import annotations
@@ -76,8 +82,12 @@ def make_inputs(case: Case, device: torch.device, seed: int) -> dict:
     if p["kind"] == "consumer":
         inputs["emb"] = randn(n, p["emb"])
         inputs["wkv"] = randn((s + 1) * d, p["emb"], scale=p["emb"] ** -0.5)
+        kv = torch.nn.functional.linear(inputs["emb"], inputs["wkv"])
     else:
-        inputs["kv"] = randn(n, (s + 1) * d)
+        kv = inputs["kv"] = randn(n, (s + 1) * d)
+    _, saved = engram_gate_reference(inputs["x"].double(), kv.double(), inputs["weight"].double(), inputs["mask"],
+                                     eps=p["eps"], compute_dtype=torch.float64)
+    inputs["mask"] &= (saved[..., 1].abs() >= 1e-2).all(-1)
     return inputs
 
 
