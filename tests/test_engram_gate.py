@@ -266,11 +266,11 @@ def test_backward_from_saved_formula_is_autograd(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("rows, groups, tile, coef", [(2, 2, 64, 64), (4, 3, 128, 32)])
-def test_launch_constants(rows, groups, tile, coef, device, monkeypatch):
-    """Tokens per forward program (with a token tail), token groups and channel blocks of the backward."""
+@pytest.mark.parametrize("groups, tile, coef", [(2, 64, 64), (3, 128, 32), (64, 32, 2048)])
+def test_launch_constants(groups, tile, coef, device, monkeypatch):
+    """Token groups (more and fewer than N) and channel blocks (with channel tails) of the backward."""
     from dsfuse.engram_gate import triton as eg
 
-    for name, value in (("FWD_ROWS", rows), ("GROUPS", groups), ("TILE_BLOCK_D", tile), ("COEF_BLOCK_D", coef)):
+    for name, value in (("GROUPS", groups), ("TILE_BLOCK_D", tile), ("COEF_BLOCK_D", coef)):
         monkeypatch.setattr(eg, name, value)
     check_all(*make(7, 160, device, seed=4), eps=1e-20)

@@ -63,14 +63,13 @@ def test_backward_matches_eager_autograd(shape, dtype, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("block_t, heads_fastest", [(16, True), (32, False), (128, True)])
+@pytest.mark.parametrize("block_t", [16, 32, 128])
 @pytest.mark.parametrize("shape", [(16, 77, 64), (3, 130, 8), (6, 33, 32)], ids=lambda s: "H{}_T{}_D{}".format(*s))
-def test_launch_constants(shape, block_t, heads_fastest, device, monkeypatch):
-    """Every tokens-per-program and grid-order setting gives the same bits, backward and forward."""
+def test_launch_constants(shape, block_t, device, monkeypatch):
+    """Every tokens-per-program setting gives the same bits, backward and forward."""
     from dsfuse.vision_rope import triton as vr_triton
 
     monkeypatch.setattr(vr_triton, "TOKENS_PER_PROGRAM", block_t)
-    monkeypatch.setattr(vr_triton, "HEADS_FASTEST", heads_fastest)
     dq, dk_hdt, dv, cos, sin = grads(*shape, torch.float32, device, seed=3)
     got = vision_rope_backward(dq, dk_hdt, dv, cos, sin, backend="triton")
     assert_bitwise(got, vision_rope_backward_autograd(dq, dk_hdt, dv, cos, sin), f"block_t={block_t}")

@@ -2,7 +2,7 @@
 
     python experiments/engram_gate/tune_blocks.py OUT.csv [N]
 
-Forward: tokens and warps per program. Backward: channels per step and warps of
+Forward: warps per row program. Backward: channels per step and warps of
 the coefficient kernel; token groups (dWeight partials), channels per program and
 warps of the tile kernel (the whole backward is timed). Each setting is checked
 once (relative RMS error <= 2^-8 on every output; forward against the fp32 model,
@@ -63,10 +63,10 @@ def measure(mode, elements, warps, fn, outputs, wants):
         rows.append(dict(elements=elements, warps=warps, mode=mode, regime="evicted", sample=i, us=round(us, 3)))
 
 
-for fwd_rows, warps in itertools.product((1, 2), (2, 4, 8)):
-    eg.FWD_ROWS, eg.FWD_WARPS = fwd_rows, warps
-    measure(f"fwd-rows{fwd_rows}", 8192, warps * fwd_rows, fwd, [out, saved], [want_out, want_saved])
-eg.FWD_ROWS, eg.FWD_WARPS = 1, 4
+for warps in (2, 4, 8):
+    eg.FWD_WARPS = warps
+    measure("fwd-row", 8192, warps, fwd, [out, saved], [want_out, want_saved])
+eg.FWD_WARPS = 4
 fwd()
 grads = [dx, dkv, dweight]
 # the backward from this saved state in float64 (small scores make the gradients ill-conditioned

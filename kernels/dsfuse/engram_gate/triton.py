@@ -6,9 +6,9 @@ Logical layouts: ``x``/``out``/``dout``/``dx`` ``[N, S, D]`` with contiguous row
 fp32 ``[S, D]`` contiguous; ``token_mask`` bool ``[N]``; ``saved`` fp32
 ``[N, S, 4]`` = (gate, dot, rx, rk).
 
-Forward: one program per (token block, stream), whole rows in registers (one read
-of x and the key, one write of out; the shared value row is read by the S
-programs of a token block, which run next to each other, so mostly from L2).
+Forward: one program per (token, stream) row, the whole row in registers (one
+read of x and the key, one write of out; the shared value row is read by the S
+programs of a token, which run next to each other, so mostly from L2).
 
 Backward, three kernels, each streaming its operands once:
 
@@ -32,13 +32,13 @@ import triton.language as tl
 from dsfuse._common import check_no_overlap
 
 MAX_DIM = 16384  # the forward keeps a row of D channels in registers
-FWD_ROWS = 1  # forward: tokens per program
-FWD_WARPS = 4  # forward: warps per program for rows of 8192 channels (scaled with the row length)
-COEF_BLOCK_D = 1024  # backward kernel 1: channels per step over a token's [S, D] dout
+# Launch constants: the fastest settings of the sweeps on the H200 (experiments/engram_gate/raw/tuning)
+FWD_WARPS = 4  # forward: warps per row program for rows of 8192 channels (scaled with the row length)
+COEF_BLOCK_D = 2048  # backward kernel 1: channels per step over a token's [S, D] dout
 COEF_WARPS = 4
 TILE_BLOCK_D = 256  # backward kernel 2: channels per program
 TILE_WARPS = 4
-GROUPS = 64  # backward kernel 2: token groups (dWeight partials) at most
+GROUPS = 32  # backward kernel 2: token groups (dWeight partials) at most
 NUM_WARPS = 4  # the dWeight sum
 
 
@@ -49,41 +49,37 @@ def _copysign(mag, sign_of):
     return (bits | (sign_of.to(tl.int32, bitcast=True) & -2147483648)).to(tl.float32, bitcast=True)
 
 
-@triton.jit(do_not_specialize=["n_tokens"])
+@triton.jit
 def _engram_fwd_kernel(
     x_ptr, kv_ptr, w_ptr, mask_ptr, out_ptr, saved_ptr,
-    n_tokens, eps, clamp,
+    eps, clamp,
     sx_n, skv_n, so_n,
     dim: tl.constexpr,  # D (a model constant: a new D compiles a new kernel)
     STREAMS: tl.constexpr,
-    ROWS: tl.constexpr,  # tokens per program (one stream): the weight row is loaded once for all
     BLOCK: tl.constexpr,  # next power of two >= D
 ):
-    i_s = tl.program_id(0) % STREAMS  # the S streams of a token block run side by side (shared value rows)
-    o_n = (tl.program_id(0) // STREAMS * ROWS + tl.arange(0, ROWS)).to(tl.int64)
-    m_n = o_n < n_tokens
+    i_row = tl.program_id(0)
+    i_n = (i_row // STREAMS).to(tl.int64)
+    i_s = i_row % STREAMS
     o_d = tl.arange(0, BLOCK)
     m_d = o_d < dim
-    m_nd = m_n[:, None] & m_d[None, :]
-    b_h = tl.load(x_ptr + o_n[:, None] * sx_n + i_s * dim + o_d[None, :], mask=m_nd, other=0.0).to(tl.float32)
-    b_k = tl.load(kv_ptr + o_n[:, None] * skv_n + i_s * dim + o_d[None, :], mask=m_nd, other=0.0).to(tl.float32)
+    b_h = tl.load(x_ptr + i_n * sx_n + i_s * dim + o_d, mask=m_d, other=0.0).to(tl.float32)
+    b_k = tl.load(kv_ptr + i_n * skv_n + i_s * dim + o_d, mask=m_d, other=0.0).to(tl.float32)
     b_w = tl.load(w_ptr + i_s * dim + o_d, mask=m_d, other=0.0)
-    b_rx = tl.div_rn(1.0, tl.sqrt_rn(tl.sum(b_h * b_h, 1) / dim + eps))  # [ROWS]
-    b_rk = tl.div_rn(1.0, tl.sqrt_rn(tl.sum(b_k * b_k, 1) / dim + eps))
-    b_hwk = tl.sum(b_h * b_w[None, :] * b_k, 1)
-    b_dot = b_hwk * b_rx * b_rk * tl.div_rn(1.0, tl.sqrt_rn(tl.full((), dim, tl.float32)))
+    b_rx = tl.div_rn(1.0, tl.sqrt_rn(tl.sum(b_h * b_h) / dim + eps))
+    b_rk = tl.div_rn(1.0, tl.sqrt_rn(tl.sum(b_k * b_k) / dim + eps))
+    b_dot = tl.sum(b_h * b_w * b_k) * b_rx * b_rk * tl.div_rn(1.0, tl.sqrt_rn(tl.full((), dim, tl.float32)))
     b_root = _copysign(tl.sqrt_rn(tl.maximum(tl.abs(b_dot), clamp)), b_dot)
     b_gate = tl.div_rn(1.0, 1.0 + tl.exp(-b_root))
-    keep = tl.load(mask_ptr + o_n, mask=m_n, other=0).to(tl.int1)
+    keep = tl.load(mask_ptr + i_n).to(tl.int1)
     b_gate = tl.where(keep, b_gate, 0.0)
-    p_saved = saved_ptr + (o_n * STREAMS + i_s) * 4
-    tl.store(p_saved, b_gate, mask=m_n)
-    tl.store(p_saved + 1, b_dot, mask=m_n)
-    tl.store(p_saved + 2, b_rx, mask=m_n)
-    tl.store(p_saved + 3, b_rk, mask=m_n)
-    b_v = tl.load(kv_ptr + o_n[:, None] * skv_n + STREAMS * dim + o_d[None, :], mask=m_nd, other=0.0).to(tl.float32)
-    b_out = b_h + b_gate[:, None] * b_v
-    tl.store(out_ptr + o_n[:, None] * so_n + i_s * dim + o_d[None, :], b_out.to(out_ptr.dtype.element_ty), mask=m_nd)
+    p_saved = saved_ptr + (i_n * STREAMS + i_s) * 4
+    tl.store(p_saved, b_gate)
+    tl.store(p_saved + 1, b_dot)
+    tl.store(p_saved + 2, b_rx)
+    tl.store(p_saved + 3, b_rk)
+    b_v = tl.load(kv_ptr + i_n * skv_n + STREAMS * dim + o_d, mask=m_d, other=0.0).to(tl.float32)
+    tl.store(out_ptr + i_n * so_n + i_s * dim + o_d, (b_h + b_gate * b_v).to(out_ptr.dtype.element_ty), mask=m_d)
 
 
 @triton.jit
@@ -194,7 +190,7 @@ def workspace_elements(n_tokens: int, streams: int, dim: int) -> int:
 
 
 def _fwd_warps(block: int) -> int:
-    return max(1, min(FWD_WARPS * FWD_ROWS * block // 8192, 16))
+    return max(1, min(FWD_WARPS * block // 8192, 16))
 
 
 def check_dim(dim: int) -> None:
@@ -209,11 +205,11 @@ def launch_forward(x, kv, weight, token_mask, out, saved, *, eps: float, clamp: 
     if n == 0:
         return
     block = _pow2(dim)
-    _engram_fwd_kernel[(triton.cdiv(n, FWD_ROWS) * streams,)](
+    _engram_fwd_kernel[(n * streams,)](
         x, kv, weight, token_mask, out, saved,
-        n, eps, clamp,
+        eps, clamp,
         x.stride(0), kv.stride(0), out.stride(0),
-        dim=dim, STREAMS=streams, ROWS=FWD_ROWS, BLOCK=block, num_warps=_fwd_warps(block),
+        dim=dim, STREAMS=streams, BLOCK=block, num_warps=_fwd_warps(block),
     )
 
 
@@ -256,9 +252,9 @@ def _aot_specs() -> list:
     fwd = AotSpec(
         name="engram_fwd_bf16", kernel=_engram_fwd_kernel,
         signature={"x_ptr": "*bf16", "kv_ptr": "*bf16", "w_ptr": "*fp32", "mask_ptr": "*i1", "out_ptr": "*bf16",
-                   "saved_ptr": "*fp32", "n_tokens": "i32", "eps": "fp32", "clamp": "fp32", "sx_n": "i32",
-                   "skv_n": "i32", "so_n": "i32"},
-        constexprs=dict(dim=5120, STREAMS=4, ROWS=FWD_ROWS, BLOCK=8192), options={"num_warps": _fwd_warps(8192)},
+                   "saved_ptr": "*fp32", "eps": "fp32", "clamp": "fp32", "sx_n": "i32", "skv_n": "i32",
+                   "so_n": "i32"},
+        constexprs=dict(dim=5120, STREAMS=4, BLOCK=8192), options={"num_warps": _fwd_warps(8192)},
         divisible_by_16=("x_ptr", "kv_ptr", "w_ptr", "mask_ptr", "out_ptr", "saved_ptr", "sx_n", "skv_n", "so_n"),
     )
     coef = AotSpec(

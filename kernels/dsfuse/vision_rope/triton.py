@@ -9,9 +9,8 @@ Backward, logical layouts (any strides; the public API pins the model's storage)
 * output ``dqkv`` ``[T, 3 * H * D]``, column ``part * H * D + h * D + d`` (part 0 q, 1 k, 2 v),
   channel stride 1.
 
-One program takes ``BLOCK_T`` tokens of one head; with ``HEADS_FASTEST`` the programs
-running side by side are the heads of one token block (the packed output rows are
-then written close together in time, and the tables are read while they sit in L2). dK tiles are loaded along T
+One program takes ``BLOCK_T`` tokens of one head (16 tokens and 2 warps: the fastest
+setting measured on the H200, experiments/vision_rope/raw/tuning). dK tiles are loaded along T
 (coalesced for HDT storage) and stored along D; Triton moves the tile between the
 two register layouts through shared memory, so no separate dK copy is made.
 
@@ -32,17 +31,8 @@ from dsfuse._common import check_no_overlap
 from dsfuse._common.aot import AotSpec
 
 FUSED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-TOKENS_PER_PROGRAM = 64
-HEADS_FASTEST = False  # grid order: heads of one token block next to each other (True) or token blocks of a head
-NUM_WARPS = 4
-
-
-@triton.jit
-def _program_ids(HEADS_FASTEST: tl.constexpr):
-    """(token block, head) of this program in either grid order."""
-    if HEADS_FASTEST:
-        return tl.program_id(1), tl.program_id(0)
-    return tl.program_id(0), tl.program_id(1)
+TOKENS_PER_PROGRAM = 16
+NUM_WARPS = 2
 
 
 @triton.jit
@@ -83,9 +73,8 @@ def _vision_rope_bwd_kernel(
     HALF: tl.constexpr,  # D / 2
     HAS_V: tl.constexpr,  # False: write zeros into the v columns (gradient of q and k only)
     BLOCK_T: tl.constexpr,
-    HEADS_FASTEST: tl.constexpr,
 ):
-    i_tb, i_h = _program_ids(HEADS_FASTEST)
+    i_tb, i_h = tl.program_id(0), tl.program_id(1)
     o_t, o_d, m_2d, b_cos, b_sin = _token_block(cos_ptr, sin_ptr, sc_t, ss_t, tokens, i_tb, BLOCK_T, HALF)
     col = i_h * 2 * HALF
     _unrotate_store(dq_ptr, i_h.to(tl.int64) * sq_h, sq_t, sq_d, out_ptr, so_t, col, b_cos, b_sin, o_t, o_d, m_2d, HALF)
@@ -123,9 +112,8 @@ def _vision_rope_fwd_kernel(
     HEADS: tl.constexpr,
     HALF: tl.constexpr,
     BLOCK_T: tl.constexpr,
-    HEADS_FASTEST: tl.constexpr,
 ):
-    i_tb, i_h = _program_ids(HEADS_FASTEST)
+    i_tb, i_h = tl.program_id(0), tl.program_id(1)
     o_t, o_d, m_2d, b_cos, b_sin = _token_block(cos_ptr, sin_ptr, sc_t, ss_t, tokens, i_tb, BLOCK_T, HALF)
     col = i_h * 2 * HALF
     _rotate_store(qkv_ptr, s_t, col, q_ptr, HEADS * 2 * HALF, 2 * HALF, i_h, b_cos, b_sin, o_t, o_d, m_2d, HALF)
@@ -140,10 +128,7 @@ def _check_tables(cos: torch.Tensor, sin: torch.Tensor) -> None:
 
 
 def _grid(tokens: int, heads: int) -> tuple[int, int]:
-    blocks = triton.cdiv(tokens, TOKENS_PER_PROGRAM)
-    if HEADS_FASTEST and blocks > 65535:  # CUDA's limit on the second grid dimension
-        raise ValueError(f"dq: T = {tokens} needs {blocks} token blocks, above 65535 in this grid order")
-    return (heads, blocks) if HEADS_FASTEST else (blocks, heads)
+    return (triton.cdiv(tokens, TOKENS_PER_PROGRAM), heads)
 
 
 def launch_backward(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor | None, cos: torch.Tensor,
@@ -161,7 +146,7 @@ def launch_backward(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor | None,
         *dq.stride(), *dk.stride(), *v.stride(),
         cos.stride(0), sin.stride(0), out.stride(0),
         HEADS=heads, HALF=dim // 2, HAS_V=dv is not None, BLOCK_T=TOKENS_PER_PROGRAM,
-        HEADS_FASTEST=HEADS_FASTEST, num_warps=NUM_WARPS, enable_fp_fusion=False,
+        num_warps=NUM_WARPS, enable_fp_fusion=False,
     )
     return out
 
@@ -177,7 +162,7 @@ def launch_forward(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head
     dim = qkv.shape[1] // (3 * heads)
     _vision_rope_fwd_kernel[_grid(tokens, heads)](
         qkv, cos, sin, q_out, k_out, tokens, qkv.stride(0), cos.stride(0), sin.stride(0),
-        HEADS=heads, HALF=dim // 2, BLOCK_T=TOKENS_PER_PROGRAM, HEADS_FASTEST=HEADS_FASTEST,
+        HEADS=heads, HALF=dim // 2, BLOCK_T=TOKENS_PER_PROGRAM,
         num_warps=NUM_WARPS, enable_fp_fusion=False,
     )
 
@@ -191,8 +176,7 @@ def _aot_specs() -> list[AotSpec]:
         kernel=_vision_rope_bwd_kernel,
         signature={"dq_ptr": "*bf16", "dk_ptr": "*bf16", "dv_ptr": "*bf16", "cos_ptr": "*fp32",
                    "sin_ptr": "*fp32", "out_ptr": "*bf16"} | {n: "i32" for n in bwd_ints},
-        constexprs=dict(sq_d=1, sk_t=1, sv_d=1, HEADS=16, HALF=32, HAS_V=True, BLOCK_T=TOKENS_PER_PROGRAM,
-                        HEADS_FASTEST=HEADS_FASTEST),
+        constexprs=dict(sq_d=1, sk_t=1, sv_d=1, HEADS=16, HALF=32, HAS_V=True, BLOCK_T=TOKENS_PER_PROGRAM),
         options={"num_warps": NUM_WARPS, "enable_fp_fusion": False},
         divisible_by_16=("dq_ptr", "dk_ptr", "dv_ptr", "cos_ptr", "sin_ptr", "out_ptr", "sq_h", "sk_h", "sv_h",
                          "sq_t", "sv_t", "sc_t", "ss_t", "so_t"),
@@ -202,7 +186,7 @@ def _aot_specs() -> list[AotSpec]:
         kernel=_vision_rope_fwd_kernel,
         signature={"qkv_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "q_ptr": "*bf16", "k_ptr": "*bf16",
                    "tokens": "i32", "s_t": "i32", "sc_t": "i32", "ss_t": "i32"},
-        constexprs=dict(HEADS=16, HALF=32, BLOCK_T=TOKENS_PER_PROGRAM, HEADS_FASTEST=HEADS_FASTEST),
+        constexprs=dict(HEADS=16, HALF=32, BLOCK_T=TOKENS_PER_PROGRAM),
         options={"num_warps": NUM_WARPS, "enable_fp_fusion": False},
         divisible_by_16=("qkv_ptr", "cos_ptr", "sin_ptr", "q_ptr", "k_ptr", "s_t", "sc_t", "ss_t"),
     )
