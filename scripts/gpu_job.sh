@@ -4,7 +4,7 @@
 # Writes to OUT_DIR (default $OUT, else build/gpu-job): pytest log + junit XML, the bench log,
 # and raw.tar.gz with the new experiments/*/raw/<run-id>/ folders (unpack at the repo root).
 # Wheels under .carry/wheels (flash-linear-attention, Liger: the anchors) are installed if present.
-# A tree copied without .git records its commit only if DSFUSE_GIT_COMMIT is set (env.json).
+# A tree copied to another machine (no .git, or a stale one) records DSFUSE_GIT_COMMIT, when set, as its commit (env.json).
 # TESTS=<paths> narrows the GPU tests; SKIP_TESTS, SKIP_BENCH skip those parts.
 set -uo pipefail
 out="${1:-${OUT:-build/gpu-job}}"; shift || true

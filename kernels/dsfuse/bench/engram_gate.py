@@ -139,7 +139,8 @@ def reference(case: Case, inputs: dict) -> tuple[torch.Tensor, ...]:
 
 
 def providers(config: dict) -> list[Provider]:
-    compiled = functools.partial(torch.compile, fullgraph=True)
+    # static shapes (dynamic=False): one specialised compilation per token count, the strongest control
+    compiled = functools.partial(torch.compile, dynamic=False, fullgraph=True)
     reference_gate = _gate_fn("reference")
     check = dict(check="relrms", rtol=config.get("relrms", TOLERANCE))
     table = {

@@ -47,11 +47,16 @@ def collect(device: torch.device) -> dict:
         "platform": platform.platform(),
         "packages": {name: _version(name) for name in PACKAGES},
         "torch_cuda": torch.version.cuda,
-        # A copy of the tree without .git (the GPU machine) gets the commit from DSFUSE_GIT_COMMIT.
-        "git_commit": _git("rev-parse", "HEAD") or os.environ.get("DSFUSE_GIT_COMMIT"),
-        "git_dirty": bool(_git("status", "--porcelain", "--untracked-files=no")),
         "device": str(device),
     }
+    # A copy of the tree sent to another machine may carry no .git, or a stale one: the
+    # commit passed in DSFUSE_GIT_COMMIT wins over what git reports there.
+    given = os.environ.get("DSFUSE_GIT_COMMIT")
+    env.update(
+        git_commit=given or _git("rev-parse", "HEAD"),
+        git_dirty=None if given else bool(_git("status", "--porcelain", "--untracked-files=no")),
+        git_commit_source="DSFUSE_GIT_COMMIT" if given else "git",
+    )
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         env.update(
