@@ -308,13 +308,29 @@ class EngramGatePlan:
 # -- differentiable --------------------------------------------------------------------------
 
 
-@torch.library.custom_op("dsfuse::engram_gate_fwd", mutates_args=())
-def _fwd_op(x: torch.Tensor, kv: torch.Tensor, weight: torch.Tensor, token_mask: torch.Tensor, eps: float,
-            clamp: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _forward_fresh(x, kv, weight, token_mask, eps: float, clamp: float):
+    """Launch on validated inputs into new ``out`` and ``saved`` (the differentiable paths)."""
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     saved = torch.empty((x.shape[0], x.shape[1], 4), dtype=torch.float32, device=x.device)
     launch_forward(x, kv, weight, token_mask, out, saved, eps=eps, clamp=clamp)
     return out, saved
+
+
+def _backward_fresh(dout, x, kv, weight, saved, clamp: float):
+    """Launch on the inputs of a validated forward into new gradients and workspace."""
+    n, streams, dim = x.shape
+    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    dkv = torch.empty(kv.shape, dtype=kv.dtype, device=x.device)
+    dweight = torch.empty((streams, dim), dtype=torch.float32, device=x.device)
+    workspace = torch.empty(workspace_elements(n, streams, dim), dtype=torch.float32, device=x.device)
+    launch_backward(dout, x, kv, weight, saved, dx, dkv, dweight, workspace, clamp=clamp)
+    return dx, dkv, dweight
+
+
+@torch.library.custom_op("dsfuse::engram_gate_fwd", mutates_args=())
+def _fwd_op(x: torch.Tensor, kv: torch.Tensor, weight: torch.Tensor, token_mask: torch.Tensor, eps: float,
+            clamp: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return _forward_fresh(x, kv, weight, token_mask, eps, clamp)
 
 
 @_fwd_op.register_fake
@@ -325,13 +341,7 @@ def _(x, kv, weight, token_mask, eps, clamp):
 @torch.library.custom_op("dsfuse::engram_gate_bwd", mutates_args=())
 def _bwd_op(dout: torch.Tensor, x: torch.Tensor, kv: torch.Tensor, weight: torch.Tensor, saved: torch.Tensor,
             clamp: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    n, streams, dim = x.shape
-    dx, dkv = torch.empty(x.shape, dtype=x.dtype, device=x.device), torch.empty(kv.shape, dtype=kv.dtype,
-                                                                                device=x.device)
-    dweight = torch.empty((streams, dim), dtype=torch.float32, device=x.device)
-    workspace = torch.empty(workspace_elements(n, streams, dim), dtype=torch.float32, device=x.device)
-    launch_backward(dout, x, kv, weight, saved, dx, dkv, dweight, workspace, clamp=clamp)
-    return dx, dkv, dweight
+    return _backward_fresh(dout, x, kv, weight, saved, clamp)
 
 
 @_bwd_op.register_fake
@@ -360,17 +370,19 @@ class EngramGateFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, kv, weight, token_mask, eps, clamp):
-        out, saved = engram_gate_forward(x, kv, weight, token_mask, eps=eps, clamp=clamp, backend="triton")
-        ctx.save_for_backward(x, kv, weight, token_mask, saved)
-        ctx.eps, ctx.clamp = eps, clamp
+        _check_inputs(x, kv, weight, token_mask, eps, clamp)
+        if reasons := _fused_reasons(x):
+            raise ValueError(f"x: the fused gate cannot run here: {'; '.join(reasons)}")
+        out, saved = _forward_fresh(x, kv, weight, token_mask, float(eps), float(clamp))
+        ctx.save_for_backward(x, kv, weight, saved)
+        ctx.clamp = float(clamp)
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        x, kv, weight, token_mask, saved = ctx.saved_tensors
-        dx, dkv, dweight = engram_gate_backward(dout.contiguous(), x, kv, weight, token_mask, saved, eps=ctx.eps,
-                                                clamp=ctx.clamp, backend="triton")
-        return dx, dkv, dweight, None, None, None
+        # the forward validated every input; a second check per step would only add host time
+        x, kv, weight, saved = ctx.saved_tensors
+        return (*_backward_fresh(dout.contiguous(), x, kv, weight, saved, ctx.clamp), None, None, None)
 
 
 def engram_gate(x: torch.Tensor, kv: torch.Tensor, weight: torch.Tensor, token_mask: torch.Tensor, *, eps: float,
