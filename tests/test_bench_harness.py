@@ -101,3 +101,12 @@ def test_ratio_uses_fastest_valid_control_per_block():
     assert row["ratio"] == 2.5 and row["ratio_min"] == 2.0 and row["ratio_max"] == 3.0
     assert abs(copy_bw["eager"] - 1.0) < 1e-9  # 1e6 bytes in 1 us = 1 TB/s
     assert abs(row["of_copy"] - 0.05) < 1e-9  # 5e5 bytes in 10 us = 0.05 TB/s
+
+
+def test_host_us_samples_counts_calls():
+    from dsfuse.bench.harness import host_us_samples
+
+    calls = []
+    samples = host_us_samples(lambda: calls.append(1), torch.device("cpu"), reps=3, calls=7, warmup=2)
+    assert len(samples) == 3 and all(us > 0 for us in samples)
+    assert len(calls) == 2 + 3 * 7

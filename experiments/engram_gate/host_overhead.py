@@ -7,12 +7,11 @@ per call of a loop without synchronisation is the host cost of enqueueing. This 
 what the eager-clock rows of the results add on top of the kernels.
 """
 
-import csv
 import sys
-import time
 
 import torch
 
+from dsfuse.bench.harness import host_us_samples, write_csv
 from dsfuse.engram_gate import (
     EngramGatePlan,
     engram_gate,
@@ -59,18 +58,7 @@ parts = {
 }
 rows = []
 for name, fn in parts.items():
-    for _ in range(20):
-        fn()
-    torch.cuda.synchronize()
-    for rep in range(5):
-        t0 = time.perf_counter()
-        for _ in range(200):
-            fn()
-        us = (time.perf_counter() - t0) / 200 * 1e6
-        torch.cuda.synchronize()
-        rows.append(dict(part=name, rep=rep, host_us=round(us, 2)))
-    print(f"{name:34s} {sorted(r['host_us'] for r in rows if r['part'] == name)[2]:8.1f} us")
-with open(sys.argv[1], "w", newline="") as f:
-    writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-    writer.writeheader()
-    writer.writerows(rows)
+    samples = host_us_samples(fn, torch.device("cuda"))
+    rows += [dict(part=name, rep=rep, host_us=round(us, 2)) for rep, us in enumerate(samples)]
+    print(f"{name:34s} {sorted(samples)[2]:8.1f} us")
+write_csv(sys.argv[1], rows)

@@ -11,13 +11,12 @@ overwritten before each call (N = 4096 unless given, D = 5120, S = 4, bf16).
 One CSV row per sample; the constants in dsfuse/engram_gate/triton.py come from here.
 """
 
-import csv
 import itertools
 import sys
 
 import torch
 
-from dsfuse.bench.harness import Timer, capture_graph
+from dsfuse.bench.harness import Timer, capture_graph, write_csv
 from dsfuse.engram_gate import engram_gate_backward_from_saved, engram_gate_reference
 from dsfuse.engram_gate import triton as eg
 
@@ -79,10 +78,7 @@ eg.COEF_BLOCK_D, eg.COEF_WARPS = 1024, 4
 for groups, block_d, warps in itertools.product((32, 64, 128), (128, 256, 512), (2, 4, 8)):
     eg.GROUPS, eg.TILE_BLOCK_D, eg.TILE_WARPS = groups, block_d, warps
     measure(f"bwd-tile-groups{groups}-coef1024x4", block_d, warps, bwd, grads, want_grads)
-with open(sys.argv[1], "w", newline="") as f:
-    writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-    writer.writeheader()
-    writer.writerows(rows)
+write_csv(sys.argv[1], rows)
 import pandas as pd  # noqa: E402
 
 df = pd.DataFrame(rows).groupby(["mode", "elements", "warps"])["us"].median().unstack("warps")

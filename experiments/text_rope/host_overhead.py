@@ -6,14 +6,13 @@ A [1, 64, 8, 512] bf16 input keeps GPU time far below host time, so the
 time per call of a loop without synchronisation is the host cost of enqueueing.
 """
 
-import csv
 import sys
-import time
 
 import torch
 import triton
 import triton.language as tl
 
+from dsfuse.bench.harness import host_us_samples, write_csv
 from dsfuse.text_rope import api, apply_rope, rope_reference
 from dsfuse.text_rope.triton import launch_rope
 
@@ -40,18 +39,7 @@ parts = {
 }
 rows = []
 for name, fn in parts.items():
-    for _ in range(50):
-        fn()
-    torch.cuda.synchronize()
-    for rep in range(5):
-        t0 = time.perf_counter()
-        for _ in range(500):
-            fn()
-        us = (time.perf_counter() - t0) / 500 * 1e6
-        torch.cuda.synchronize()
-        rows.append(dict(part=name, rep=rep, host_us=round(us, 2)))
-    print(f"{name:32s} {sorted(r['host_us'] for r in rows if r['part'] == name)[2]:8.1f} us")
-with open(sys.argv[1], "w", newline="") as f:
-    writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-    writer.writeheader()
-    writer.writerows(rows)
+    samples = host_us_samples(fn, torch.device("cuda"), calls=500, warmup=50)
+    rows += [dict(part=name, rep=rep, host_us=round(us, 2)) for rep, us in enumerate(samples)]
+    print(f"{name:32s} {sorted(samples)[2]:8.1f} us")
+write_csv(sys.argv[1], rows)

@@ -9,12 +9,11 @@ one CSV row per sample. The chosen constants in dsfuse/text_rope/triton.py
 come from this sweep (experiments/text_rope/raw/<run-id>/tune_blocks.csv).
 """
 
-import csv
 import sys
 
 import torch
 
-from dsfuse.bench.harness import Timer, capture_graph
+from dsfuse.bench.harness import Timer, capture_graph, write_csv
 from dsfuse.text_rope import triton as rope_triton
 
 shape = (1, 4096, 64, 512)
@@ -37,10 +36,7 @@ for elements in (1024, 2048, 4096, 8192, 16384):
                 for i, us in enumerate(timer.samples(graph.replay, regime, 20, 20)):
                     rows.append(dict(elements=elements, warps=warps, mode=mode, regime=regime, sample=i,
                                      us=round(us, 3)))
-with open(sys.argv[1], "w", newline="") as f:
-    writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-    writer.writeheader()
-    writer.writerows(rows)
+write_csv(sys.argv[1], rows)
 import pandas as pd  # noqa: E402
 
 df = pd.DataFrame(rows).groupby(["mode", "regime", "elements", "warps"])["us"].median().unstack("warps")

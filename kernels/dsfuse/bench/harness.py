@@ -223,6 +223,24 @@ def capture_graph(fn: Callable[[], Outputs], device: torch.device) -> tuple[torc
     return graph, outputs
 
 
+def host_us_samples(fn: Callable[[], Any], device: torch.device, reps: int = 5, calls: int = 200,
+                    warmup: int = 20) -> list[float]:
+    """Host time per call of ``fn``, ``reps`` samples of ``calls`` calls with no synchronisation
+    inside a sample: on an input small enough for the GPU to keep up, the CPU cost of enqueueing."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    for _ in range(warmup):
+        fn()
+    sync()
+    out = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        out.append((time.perf_counter() - t0) / calls * 1e6)
+        sync()
+    return out
+
+
 def copy_bandwidth_samples(timer: Timer, device: torch.device, nbytes: int, blocks: int, n: int) -> tuple[list[dict], int]:
     """Device-to-device copy of ``nbytes``: the run's bandwidth ceiling (bytes read + written)."""
     src = torch.randn(nbytes // 4, device=device)
@@ -303,9 +321,9 @@ def run_experiment(experiment, config: dict, raw_root: Path, device: torch.devic
         if device.type == "cuda":
             torch.cuda.empty_cache()
 
-    _write_csv(run_dir / "samples.csv", samples)
-    _write_csv(run_dir / "validation.csv", validation)
-    _write_csv(run_dir / "cases.csv", case_rows)
+    write_csv(run_dir / "samples.csv", samples)
+    write_csv(run_dir / "validation.csv", validation)
+    write_csv(run_dir / "cases.csv", case_rows)
     return run_dir
 
 
@@ -396,7 +414,9 @@ def _run_case(experiment, case: Case, providers: list[Provider], settings: RunSe
     return rows
 
 
-def _write_csv(path: Path, rows: list[dict]) -> None:
+def write_csv(path: str | Path, rows: list[dict]) -> None:
+    """One row per dict (the union of their keys as columns); floats with 4 decimals."""
+    path = Path(path)
     if not rows:
         path.write_text("")
         return
