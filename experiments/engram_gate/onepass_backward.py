@@ -1,0 +1,94 @@
+"""A one-pass Engram gate backward, kept as an experiment (not the shipped kernels).
+
+The shipped backward (dsfuse/engram_gate/triton.py) reads ``dout`` twice: once per token
+for ``G = sum_d dout * value``, once more in the D-tiled kernel that keeps the weight-gradient
+partials in registers. This design reads each operand from HBM once: a fixed number of
+persistent programs take tokens ``p, p + P, ...``; per token a first pass over D reduces ``G``
+and writes the value gradient, a second pass (``dout`` again, now from L2) writes dx and the
+key gradients and read-modify-writes the program's own fp32 ``[S, D]`` weight-gradient
+partial (L2-resident); the package's ordered sum adds the partials. Deterministic for a fixed
+``programs``. ``experiments/engram_gate/tune_onepass.py`` times it against the shipped one.
+"""
+
+import triton
+import triton.language as tl
+
+from dsfuse.engram_gate.triton import _engram_dweight_kernel, _pow2
+
+
+@triton.jit(do_not_specialize=["n_tokens"])
+def _onepass_bwd_kernel(
+    dout_ptr, x_ptr, kv_ptr, w_ptr, saved_ptr, dx_ptr, dkv_ptr, ws_ptr,
+    n_tokens, clamp,
+    sdo_n, sx_n, skv_n, sdx_n, sdkv_n,
+    dim: tl.constexpr,
+    STREAMS: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    i_p = tl.program_id(0)
+    n_programs = tl.num_programs(0)
+    o_s = tl.arange(0, BLOCK_S)
+    m_s = o_s < STREAMS
+    p_ws = ws_ptr + i_p.to(tl.int64) * STREAMS * dim  # this program's weight-gradient partial [S, D]
+    for d0 in range(0, dim, BLOCK_D):
+        o_d = d0 + tl.arange(0, BLOCK_D)
+        m_sd = m_s[:, None] & (o_d < dim)[None, :]
+        tl.store(p_ws + o_s[:, None] * dim + o_d[None, :], tl.zeros((BLOCK_S, BLOCK_D), dtype=tl.float32), mask=m_sd)
+    inv_sqrt_dim = tl.div_rn(1.0, tl.sqrt_rn(tl.full((), dim, tl.float32)))
+    i_n32 = i_p
+    while i_n32 < n_tokens:
+        i_n = i_n32.to(tl.int64)
+        i_n32 += n_programs
+        p_saved = saved_ptr + i_n * STREAMS * 4 + o_s * 4
+        b_gate = tl.load(p_saved, mask=m_s, other=0.0)
+        # pass 1: G per stream and the value gradient
+        b_g_acc = tl.zeros((BLOCK_S, BLOCK_D), dtype=tl.float32)
+        for d0 in range(0, dim, BLOCK_D):
+            o_d = d0 + tl.arange(0, BLOCK_D)
+            m_d = o_d < dim
+            b_do = tl.load(dout_ptr + i_n * sdo_n + o_s[:, None] * dim + o_d[None, :],
+                           mask=m_s[:, None] & m_d[None, :], other=0.0).to(tl.float32)
+            b_v = tl.load(kv_ptr + i_n * skv_n + STREAMS * dim + o_d, mask=m_d, other=0.0).to(tl.float32)
+            b_g_acc += b_do * b_v[None, :]
+            b_dv = tl.sum(b_gate[:, None] * b_do, 0)
+            tl.store(dkv_ptr + i_n * sdkv_n + STREAMS * dim + o_d, b_dv.to(dkv_ptr.dtype.element_ty), mask=m_d)
+        b_G = tl.sum(b_g_acc, 1)
+        b_dot = tl.load(p_saved + 1, mask=m_s, other=0.0)
+        b_rx = tl.load(p_saved + 2, mask=m_s, other=0.0)
+        b_rk = tl.load(p_saved + 3, mask=m_s, other=0.0)
+        b_droot = b_G * b_gate * (1.0 - b_gate)
+        b_abs = tl.abs(b_dot)
+        b_ddot = tl.where(b_abs >= clamp, tl.div_rn(b_droot, 2.0 * tl.sqrt_rn(tl.maximum(b_abs, clamp))), 0.0)
+        b_a = b_ddot * b_rx * b_rk * inv_sqrt_dim
+        b_bx = b_ddot * b_dot * b_rx * b_rx / dim
+        b_bk = b_ddot * b_dot * b_rk * b_rk / dim
+        # pass 2: dx, the key gradients, the partial
+        for d0 in range(0, dim, BLOCK_D):
+            o_d = d0 + tl.arange(0, BLOCK_D)
+            m_sd = m_s[:, None] & (o_d < dim)[None, :]
+            o_sd = o_s[:, None] * dim + o_d[None, :]
+            b_do = tl.load(dout_ptr + i_n * sdo_n + o_sd, mask=m_sd, other=0.0).to(tl.float32)
+            b_h = tl.load(x_ptr + i_n * sx_n + o_sd, mask=m_sd, other=0.0).to(tl.float32)
+            b_k = tl.load(kv_ptr + i_n * skv_n + o_sd, mask=m_sd, other=0.0).to(tl.float32)
+            b_w = tl.load(w_ptr + o_sd, mask=m_sd, other=0.0)
+            b_dh = b_do + b_a[:, None] * b_w * b_k - b_bx[:, None] * b_h
+            b_dk = b_a[:, None] * b_w * b_h - b_bk[:, None] * b_k
+            tl.store(dx_ptr + i_n * sdx_n + o_sd, b_dh.to(dx_ptr.dtype.element_ty), mask=m_sd)
+            tl.store(dkv_ptr + i_n * sdkv_n + o_sd, b_dk.to(dkv_ptr.dtype.element_ty), mask=m_sd)
+            p_part = p_ws + o_sd
+            tl.store(p_part, tl.load(p_part, mask=m_sd) + b_a[:, None] * b_h * b_k, mask=m_sd)
+
+
+def launch(dout, x, kv, weight, saved, dx, dkv, dweight, workspace, *, clamp, programs, block_d, warps):
+    """``workspace`` fp32 with at least ``programs * S * D`` elements."""
+    n, streams, dim = x.shape
+    programs = min(programs, n)
+    _onepass_bwd_kernel[(programs,)](
+        dout, x, kv, weight, saved, dx, dkv, workspace,
+        n, clamp,
+        dout.stride(0), x.stride(0), kv.stride(0), dx.stride(0), dkv.stride(0),
+        dim=dim, STREAMS=streams, BLOCK_S=_pow2(streams), BLOCK_D=min(block_d, _pow2(dim)), num_warps=warps,
+    )
+    cols = streams * dim
+    _engram_dweight_kernel[(triton.cdiv(cols, 1024),)](workspace, dweight, programs, cols, BLOCK=1024, num_warps=4)
