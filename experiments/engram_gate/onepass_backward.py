@@ -13,7 +13,7 @@ partial (L2-resident); the package's ordered sum adds the partials. Deterministi
 import triton
 import triton.language as tl
 
-from dsfuse.engram_gate.triton import _engram_dweight_kernel, _pow2
+from dsfuse.engram_gate.triton import _engram_dweight_kernel, _grad_coefficients, _grad_tile, _pow2
 
 
 @triton.jit(do_not_specialize=["n_tokens"])
@@ -35,7 +35,6 @@ def _onepass_bwd_kernel(
         o_d = d0 + tl.arange(0, BLOCK_D)
         m_sd = m_s[:, None] & (o_d < dim)[None, :]
         tl.store(p_ws + o_s[:, None] * dim + o_d[None, :], tl.zeros((BLOCK_S, BLOCK_D), dtype=tl.float32), mask=m_sd)
-    inv_sqrt_dim = tl.div_rn(1.0, tl.sqrt_rn(tl.full((), dim, tl.float32)))
     i_n32 = i_p
     while i_n32 < n_tokens:
         i_n = i_n32.to(tl.int64)
@@ -57,12 +56,7 @@ def _onepass_bwd_kernel(
         b_dot = tl.load(p_saved + 1, mask=m_s, other=0.0)
         b_rx = tl.load(p_saved + 2, mask=m_s, other=0.0)
         b_rk = tl.load(p_saved + 3, mask=m_s, other=0.0)
-        b_droot = b_G * b_gate * (1.0 - b_gate)
-        b_abs = tl.abs(b_dot)
-        b_ddot = tl.where(b_abs >= clamp, tl.div_rn(b_droot, 2.0 * tl.sqrt_rn(tl.maximum(b_abs, clamp))), 0.0)
-        b_a = b_ddot * b_rx * b_rk * inv_sqrt_dim
-        b_bx = b_ddot * b_dot * b_rx * b_rx / dim
-        b_bk = b_ddot * b_dot * b_rk * b_rk / dim
+        b_a, b_bx, b_bk = _grad_coefficients(b_G, b_gate, b_dot, b_rx, b_rk, clamp, dim)
         # pass 2: dx, the key gradients, the partial
         for d0 in range(0, dim, BLOCK_D):
             o_d = d0 + tl.arange(0, BLOCK_D)
@@ -72,12 +66,11 @@ def _onepass_bwd_kernel(
             b_h = tl.load(x_ptr + i_n * sx_n + o_sd, mask=m_sd, other=0.0).to(tl.float32)
             b_k = tl.load(kv_ptr + i_n * skv_n + o_sd, mask=m_sd, other=0.0).to(tl.float32)
             b_w = tl.load(w_ptr + o_sd, mask=m_sd, other=0.0)
-            b_dh = b_do + b_a[:, None] * b_w * b_k - b_bx[:, None] * b_h
-            b_dk = b_a[:, None] * b_w * b_h - b_bk[:, None] * b_k
+            b_dh, b_dk, b_dw_n = _grad_tile(b_do, b_h, b_k, b_w, b_a, b_bx, b_bk)
             tl.store(dx_ptr + i_n * sdx_n + o_sd, b_dh.to(dx_ptr.dtype.element_ty), mask=m_sd)
             tl.store(dkv_ptr + i_n * sdkv_n + o_sd, b_dk.to(dkv_ptr.dtype.element_ty), mask=m_sd)
             p_part = p_ws + o_sd
-            tl.store(p_part, tl.load(p_part, mask=m_sd) + b_a[:, None] * b_h * b_k, mask=m_sd)
+            tl.store(p_part, tl.load(p_part, mask=m_sd) + b_dw_n, mask=m_sd)
 
 
 def launch(dout, x, kv, weight, saved, dx, dkv, dweight, workspace, *, clamp, programs, block_d, warps):

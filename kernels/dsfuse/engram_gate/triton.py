@@ -83,6 +83,28 @@ def _engram_fwd_kernel(
 
 
 @triton.jit
+def _grad_coefficients(b_G, b_gate, b_dot, b_rx, b_rk, clamp, dim: tl.constexpr):
+    """Per-stream (a, bx, bk) of the closed-form gradients from G = sum_d dout * value.
+
+    d gate -> d root (sigmoid) -> d dot (signed root; zero where the clamp holds); a scales
+    d sum(h * w * k), bx and bk the paths through rx and rk.
+    """
+    b_droot = b_G * b_gate * (1.0 - b_gate)
+    b_abs = tl.abs(b_dot)
+    b_ddot = tl.where(b_abs >= clamp, tl.div_rn(b_droot, 2.0 * tl.sqrt_rn(tl.maximum(b_abs, clamp))), 0.0)
+    inv_sqrt_dim = tl.div_rn(1.0, tl.sqrt_rn(tl.full((), dim, tl.float32)))
+    return b_ddot * b_rx * b_rk * inv_sqrt_dim, b_ddot * b_dot * b_rx * b_rx / dim, b_ddot * b_dot * b_rk * b_rk / dim
+
+
+@triton.jit
+def _grad_tile(b_do, b_h, b_k, b_w, b_a, b_bx, b_bk):
+    """[S, BLOCK_D] dx and key gradients, and the tile's weight-gradient term a * h * k."""
+    b_dh = b_do + b_a[:, None] * b_w * b_k - b_bx[:, None] * b_h
+    b_dk = b_a[:, None] * b_w * b_h - b_bk[:, None] * b_k
+    return b_dh, b_dk, b_a[:, None] * b_h * b_k
+
+
+@triton.jit
 def _engram_bwd_coef_kernel(
     dout_ptr, kv_ptr, saved_ptr, dkv_ptr, coef_ptr,
     clamp,
@@ -112,15 +134,11 @@ def _engram_bwd_coef_kernel(
     b_dot = tl.load(p_saved + 1, mask=m_s, other=0.0)
     b_rx = tl.load(p_saved + 2, mask=m_s, other=0.0)
     b_rk = tl.load(p_saved + 3, mask=m_s, other=0.0)
-    # d gate -> d root (sigmoid) -> d dot (signed root; zero where the clamp holds)
-    b_droot = b_G * b_gate * (1.0 - b_gate)
-    b_abs = tl.abs(b_dot)
-    b_ddot = tl.where(b_abs >= clamp, tl.div_rn(b_droot, 2.0 * tl.sqrt_rn(tl.maximum(b_abs, clamp))), 0.0)
-    inv_sqrt_dim = tl.div_rn(1.0, tl.sqrt_rn(tl.full((), dim, tl.float32)))
+    b_a, b_bx, b_bk = _grad_coefficients(b_G, b_gate, b_dot, b_rx, b_rk, clamp, dim)
     p_coef = coef_ptr + i_n * STREAMS * 4 + o_s * 4
-    tl.store(p_coef, b_ddot * b_rx * b_rk * inv_sqrt_dim, mask=m_s)  # a: d sum(h * w * k)
-    tl.store(p_coef + 1, b_ddot * b_dot * b_rx * b_rx / dim, mask=m_s)  # bx: through rx
-    tl.store(p_coef + 2, b_ddot * b_dot * b_rk * b_rk / dim, mask=m_s)  # bk: through rk
+    tl.store(p_coef, b_a, mask=m_s)
+    tl.store(p_coef + 1, b_bx, mask=m_s)
+    tl.store(p_coef + 2, b_bk, mask=m_s)
 
 
 @triton.jit(do_not_specialize=["n_tokens"])  # any N reuses one compiled kernel (prepared plans never JIT)
@@ -154,11 +172,10 @@ def _engram_bwd_tile_kernel(
         b_do = tl.load(dout_ptr + i_n * sdo_n + o_sd, mask=m_sd, other=0.0).to(tl.float32)
         b_h = tl.load(x_ptr + i_n * sx_n + o_sd, mask=m_sd, other=0.0).to(tl.float32)
         b_k = tl.load(kv_ptr + i_n * skv_n + o_sd, mask=m_sd, other=0.0).to(tl.float32)
-        b_dh = b_do + b_a[:, None] * b_w * b_k - b_bx[:, None] * b_h
-        b_dk = b_a[:, None] * b_w * b_h - b_bk[:, None] * b_k
+        b_dh, b_dk, b_dw_n = _grad_tile(b_do, b_h, b_k, b_w, b_a, b_bx, b_bk)
         tl.store(dx_ptr + i_n * sdx_n + o_sd, b_dh.to(dx_ptr.dtype.element_ty), mask=m_sd)
         tl.store(dkv_ptr + i_n * sdkv_n + o_sd, b_dk.to(dkv_ptr.dtype.element_ty), mask=m_sd)
-        b_dw += b_a[:, None] * b_h * b_k
+        b_dw += b_dw_n
     tl.store(ws_ptr + i_g.to(tl.int64) * STREAMS * dim + o_sd, b_dw, mask=m_sd)
 
 
