@@ -237,7 +237,7 @@ class EngramGatePlan:
     def __init__(self, *, streams: int = 4, dim: int = 5120, max_tokens: int, device, eps: float,
                  clamp: float = 1e-6, dtype: torch.dtype = torch.bfloat16):
         self.streams, self.dim, self.max_tokens = streams, dim, max_tokens
-        # a device with its index ("cuda" -> "cuda:0" for the current device): tensors report theirs so
+        # the device with its index ("cuda" -> "cuda:0"), as tensors report theirs
         self.device = torch.empty(0, device=device).device
         self.dtype, self.eps, self.clamp = dtype, float(eps), float(clamp)
         if max_tokens < 1:
