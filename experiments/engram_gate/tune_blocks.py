@@ -16,18 +16,14 @@ import sys
 
 import torch
 
+from dsfuse.bench.engram_gate import gate_inputs
 from dsfuse.bench.harness import Timer, capture_graph, write_csv
 from dsfuse.engram_gate import engram_gate_backward_from_saved, engram_gate_reference
 from dsfuse.engram_gate import triton as eg
 
-n, streams, dim = (int(sys.argv[2]) if len(sys.argv) > 2 else 4096), 4, 5120
-gen = torch.Generator(device="cuda").manual_seed(0)
-x = torch.randn(n, streams, dim, device="cuda", generator=gen).bfloat16()
-kv = torch.randn(n, (streams + 1) * dim, device="cuda", generator=gen).bfloat16()
-weight = 1 + 0.1 * torch.randn(streams, dim, device="cuda", generator=gen)
-mask = torch.rand(n, device="cuda", generator=gen) > 0.1
-dout = torch.randn(n, streams, dim, device="cuda", generator=gen).bfloat16()
-eps, clamp = 1e-20, 1e-6
+x, kv, weight, mask, dout, eps = gate_inputs(int(sys.argv[2]) if len(sys.argv) > 2 else 4096, torch.device("cuda"))
+n, streams, dim = x.shape
+clamp = 1e-6
 want_out, want_saved = engram_gate_reference(x, kv, weight, mask, eps=eps)
 out, saved = torch.empty_like(x), torch.empty(n, streams, 4, device="cuda")
 dx, dkv, dweight = torch.empty_like(x), torch.empty_like(kv), torch.empty(streams, dim, device="cuda")

@@ -2,7 +2,7 @@
 
     python experiments/engram_gate/tune_onepass.py OUT.csv [N]
 
-Same inputs and method as tune_blocks.py (N = 4096, D = 5120, S = 4, bf16, CUDA Graph replay,
+The experiment's gate inputs and the method of tune_blocks.py (N = 4096, D = 5120, S = 4, bf16, CUDA Graph replay,
 L2 overwritten before each call); every setting is first checked against the float64 formula
 from the same saved state. Modes: ``bwd-shipped`` (dsfuse's backward as it ships) and
 ``bwd-onepass-P<programs>`` (elements: channels per step; warps).
@@ -14,19 +14,15 @@ import sys
 import torch
 from onepass_backward import launch as launch_onepass
 
+from dsfuse.bench.engram_gate import gate_inputs
 from dsfuse.bench.harness import Timer, capture_graph, write_csv
 from dsfuse.engram_gate import engram_gate_backward_from_saved
 from dsfuse.engram_gate import triton as eg
 
-n, streams, dim = (int(sys.argv[2]) if len(sys.argv) > 2 else 4096), 4, 5120
-gen = torch.Generator(device="cuda").manual_seed(0)
-x = torch.randn(n, streams, dim, device="cuda", generator=gen).bfloat16()
-kv = torch.randn(n, (streams + 1) * dim, device="cuda", generator=gen).bfloat16()
-weight = 1 + 0.1 * torch.randn(streams, dim, device="cuda", generator=gen)
-mask = torch.rand(n, device="cuda", generator=gen) > 0.1
-dout = torch.randn(n, streams, dim, device="cuda", generator=gen).bfloat16()
+x, kv, weight, mask, dout, eps = gate_inputs(int(sys.argv[2]) if len(sys.argv) > 2 else 4096, torch.device("cuda"))
+n, streams, dim = x.shape
 out, saved = torch.empty_like(x), torch.empty(n, streams, 4, device="cuda")
-eg.launch_forward(x, kv, weight, mask, out, saved, eps=1e-20, clamp=1e-6)
+eg.launch_forward(x, kv, weight, mask, out, saved, eps=eps, clamp=1e-6)
 want = engram_gate_backward_from_saved(dout, x, kv, weight, saved)
 dx, dkv, dweight = torch.empty_like(x), torch.empty_like(kv), torch.empty(streams, dim, device="cuda")
 workspace = torch.empty(max(528 * streams * dim, eg.workspace_elements(n, streams, dim)), device="cuda")

@@ -91,6 +91,14 @@ def make_inputs(case: Case, device: torch.device, seed: int) -> dict:
     return inputs
 
 
+def gate_inputs(n: int, device: torch.device, seed: int = 0, config: str = "experiments/engram_gate/configs/h200.yaml"):
+    """The experiment's gate inputs for ``n`` tokens (x, kv, weight, mask, dout, eps): for scripts
+    that time the kernels outside the harness (tuning sweeps) on the data the experiment uses."""
+    cfg = yaml.safe_load(Path(config).read_text()) | {"tokens": [n], "modes": ["fwd+bwd"]}
+    inputs = make_inputs(cases(cfg)[0], device, seed)
+    return tuple(inputs[k] for k in ("x", "kv", "weight", "mask", "dout", "eps"))
+
+
 def _gate_fn(name: str):
     if name == "reference":
         return lambda x, kv, w, m, eps: engram_gate_reference(x, kv, w, m, eps=eps)[0]
