@@ -266,11 +266,12 @@ def test_backward_from_saved_formula_is_autograd(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("groups, tile, coef", [(2, 64, 64), (3, 128, 32), (64, 32, 2048)])
-def test_launch_constants(groups, tile, coef, device, monkeypatch):
-    """Token groups (more and fewer than N) and channel blocks (with channel tails) of the backward."""
+@pytest.mark.parametrize("groups, block_d, lookahead", [(2, 64, 1), (3, 32, 4), (64, 256, 2), (1, 16, 9)])
+def test_launch_constants(groups, block_d, lookahead, device, monkeypatch):
+    """Token groups (more and fewer than N), chunks of D (with a channel tail; one chunk and ten)
+    and lookaheads (shorter and longer than a group's token count) of the backward."""
     from dsfuse.engram_gate import triton as eg
 
-    for name, value in (("GROUPS", groups), ("TILE_BLOCK_D", tile), ("COEF_BLOCK_D", coef)):
+    for name, value in (("GROUPS", groups), ("BWD_BLOCK_D", block_d), ("LOOKAHEAD", lookahead)):
         monkeypatch.setattr(eg, name, value)
     check_all(*make(7, 160, device, seed=4), eps=1e-20)

@@ -6,14 +6,14 @@ partials in registers. This design reads each operand from HBM once: a fixed num
 persistent programs take tokens ``p, p + P, ...``; per token a first pass over D reduces ``G``
 and writes the value gradient, a second pass (``dout`` again, now from L2) writes dx and the
 key gradients and read-modify-writes the program's own fp32 ``[S, D]`` weight-gradient
-partial (L2-resident); the package's ordered sum adds the partials. Deterministic for a fixed
+partial (L2-resident); a sequential sum adds the partials. Deterministic for a fixed
 ``programs``. ``experiments/engram_gate/tune_onepass.py`` times it against the shipped one.
 """
 
 import triton
 import triton.language as tl
 
-from dsfuse.engram_gate.triton import _engram_dweight_kernel, _grad_coefficients, _grad_tile, _pow2
+from dsfuse.engram_gate.triton import _grad_coefficients, _grad_tile, _pow2
 
 
 @triton.jit(do_not_specialize=["n_tokens"])
@@ -73,6 +73,19 @@ def _onepass_bwd_kernel(
             tl.store(p_part, tl.load(p_part, mask=m_sd) + b_dw_n, mask=m_sd)
 
 
+@triton.jit
+def _sum_partials_kernel(ws_ptr, dw_ptr, n_parts, n_cols, BLOCK: tl.constexpr):
+    """dweight[c] = sum over partials p = 0, 1, ... of ws[p, c] (fixed order)."""
+    o_c = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m_c = o_c < n_cols
+    b_acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    p = 0
+    while p < n_parts:
+        b_acc += tl.load(ws_ptr + p.to(tl.int64) * n_cols + o_c, mask=m_c, other=0.0)
+        p += 1
+    tl.store(dw_ptr + o_c, b_acc, mask=m_c)
+
+
 def launch(dout, x, kv, weight, saved, dx, dkv, dweight, workspace, *, clamp, programs, block_d, warps):
     """``workspace`` fp32 with at least ``programs * S * D`` elements."""
     n, streams, dim = x.shape
@@ -84,4 +97,4 @@ def launch(dout, x, kv, weight, saved, dx, dkv, dweight, workspace, *, clamp, pr
         dim=dim, STREAMS=streams, BLOCK_S=_pow2(streams), BLOCK_D=min(block_d, _pow2(dim)), num_warps=warps,
     )
     cols = streams * dim
-    _engram_dweight_kernel[(triton.cdiv(cols, 1024),)](workspace, dweight, programs, cols, BLOCK=1024, num_warps=4)
+    _sum_partials_kernel[(triton.cdiv(cols, 1024),)](workspace, dweight, programs, cols, BLOCK=1024, num_warps=4)

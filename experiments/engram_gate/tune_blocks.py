@@ -2,9 +2,10 @@
 
     python experiments/engram_gate/tune_blocks.py OUT.csv [N]
 
-Forward: warps per row program. Backward: channels per step and warps of
-the coefficient kernel; token groups (dWeight partials), channels per program and
-warps of the tile kernel (the whole backward is timed). Each setting is checked
+Forward: warps per row program. Backward: the previous two-kernel design
+(``two_kernel_backward.py``, at its tuned constants) and the shipped cooperative kernel over
+token groups (dWeight partials), channels per program, warps and lookahead (the whole
+backward is timed, the dWeight sum included). Each setting is checked
 once (relative RMS error <= 2^-8 on every output; forward against the fp32 model,
 backward against the float64 formula from the same saved state), then timed by CUDA Graph replay with the L2
 overwritten before each call (N = 4096 unless given, D = 5120, S = 4, bf16).
@@ -15,6 +16,7 @@ import itertools
 import sys
 
 import torch
+from two_kernel_backward import launch as launch_two_kernel
 
 from dsfuse.bench.engram_gate import gate_inputs
 from dsfuse.bench.harness import Timer, capture_graph, write_csv
@@ -27,7 +29,7 @@ clamp = 1e-6
 want_out, want_saved = engram_gate_reference(x, kv, weight, mask, eps=eps)
 out, saved = torch.empty_like(x), torch.empty(n, streams, 4, device="cuda")
 dx, dkv, dweight = torch.empty_like(x), torch.empty_like(kv), torch.empty(streams, dim, device="cuda")
-eg.GROUPS = 128  # the largest group count swept: the workspace fits every setting
+eg.GROUPS, eg.BWD_BLOCK_D = 64, 128  # the largest workspace of the settings swept
 workspace = torch.empty(eg.workspace_elements(n, streams, dim), device="cuda")
 timer = Timer(torch.device("cuda"), 256 << 20)
 rows = []
@@ -67,13 +69,11 @@ grads = [dx, dkv, dweight]
 # the backward from this saved state in float64 (small scores make the gradients ill-conditioned
 # in the forward's rounding: compare the backward's own arithmetic only)
 want_grads = engram_gate_backward_from_saved(dout, x, kv, weight, saved)
-for coef, warps in itertools.product((1024, 2048), (4, 8, 16)):  # the tile kernel at its defaults
-    eg.COEF_BLOCK_D, eg.COEF_WARPS = coef, warps
-    measure(f"bwd-coef-tile{eg.TILE_BLOCK_D}x{eg.TILE_WARPS}-groups{eg.GROUPS}", coef, warps, bwd, grads, want_grads)
-eg.COEF_BLOCK_D, eg.COEF_WARPS = 1024, 4
-for groups, block_d, warps in itertools.product((32, 64, 128), (128, 256, 512), (2, 4, 8)):
-    eg.GROUPS, eg.TILE_BLOCK_D, eg.TILE_WARPS = groups, block_d, warps
-    measure(f"bwd-tile-groups{groups}-coef1024x4", block_d, warps, bwd, grads, want_grads)
+measure("bwd-two-kernel", 256, 4, lambda: launch_two_kernel(dout, x, kv, weight, saved, dx, dkv, dweight, workspace,
+                                                            clamp=clamp), grads, want_grads)
+for groups, block_d, warps, lookahead in itertools.product((32, 64), (128, 256, 512), (4, 8), (1, 2, 4, 8)):
+    eg.GROUPS, eg.BWD_BLOCK_D, eg.BWD_WARPS, eg.LOOKAHEAD = groups, block_d, warps, lookahead
+    measure(f"bwd-coop-groups{groups}-look{lookahead}", block_d, warps, bwd, grads, want_grads)
 write_csv(sys.argv[1], rows)
 import pandas as pd  # noqa: E402
 
