@@ -266,12 +266,15 @@ def test_backward_from_saved_formula_is_autograd(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("groups, block_d, lookahead", [(2, 64, 1), (3, 32, 4), (64, 256, 2), (1, 16, 9)])
-def test_launch_constants(groups, block_d, lookahead, device, monkeypatch):
-    """Token groups (more and fewer than N), chunks of D (with a channel tail; one chunk and ten)
-    and lookaheads (shorter and longer than a group's token count) of the backward."""
+@pytest.mark.parametrize("groups, block_d, tokens, lookahead",
+                         [(2, 64, 1, 1), (3, 32, 2, 4), (64, 256, 4, 2), (1, 16, 1, 9), (2, 32, 8, 1)])
+def test_launch_constants(groups, block_d, tokens, lookahead, device, monkeypatch):
+    """Token groups (more and fewer than the token blocks), chunks of D (with a channel tail; one
+    chunk and ten), tokens per block (with a token tail) and lookaheads (shorter and longer
+    than a group's block count) of the backward."""
     from dsfuse.engram_gate import triton as eg
 
-    for name, value in (("GROUPS", groups), ("BWD_BLOCK_D", block_d), ("LOOKAHEAD", lookahead)):
+    for name, value in (("GROUPS", groups), ("BWD_BLOCK_D", block_d), ("BWD_TOKENS", tokens),
+                        ("LOOKAHEAD", lookahead)):
         monkeypatch.setattr(eg, name, value)
     check_all(*make(7, 160, device, seed=4), eps=1e-20)

@@ -17,6 +17,7 @@ import sys
 
 import torch
 from two_kernel_backward import launch as launch_two_kernel
+from two_kernel_backward import workspace_elements as two_kernel_workspace
 
 from dsfuse.bench.engram_gate import gate_inputs
 from dsfuse.bench.harness import Timer, capture_graph, write_csv
@@ -29,8 +30,17 @@ clamp = 1e-6
 want_out, want_saved = engram_gate_reference(x, kv, weight, mask, eps=eps)
 out, saved = torch.empty_like(x), torch.empty(n, streams, 4, device="cuda")
 dx, dkv, dweight = torch.empty_like(x), torch.empty_like(kv), torch.empty(streams, dim, device="cuda")
-eg.GROUPS, eg.BWD_BLOCK_D = 64, 128  # the largest workspace of the settings swept
-workspace = torch.empty(eg.workspace_elements(n, streams, dim), device="cuda")
+# backward settings: token groups, channels per program, tokens per block, warps, lookahead
+SETTINGS = list(itertools.product((8, 16, 32), (256, 512), (2, 4, 8), (4, 8), (1, 2)))
+
+
+def set_constants(groups, block_d, tokens, warps, lookahead):
+    eg.GROUPS, eg.BWD_BLOCK_D, eg.BWD_TOKENS, eg.BWD_WARPS, eg.LOOKAHEAD = groups, block_d, tokens, warps, lookahead
+    return eg.workspace_elements(n, streams, dim)
+
+
+workspace = torch.empty(max(max(set_constants(*c) for c in SETTINGS),
+                            two_kernel_workspace(n, streams, dim)), device="cuda")
 timer = Timer(torch.device("cuda"), 256 << 20)
 rows = []
 
@@ -71,11 +81,11 @@ grads = [dx, dkv, dweight]
 want_grads = engram_gate_backward_from_saved(dout, x, kv, weight, saved)
 measure("bwd-two-kernel", 256, 4, lambda: launch_two_kernel(dout, x, kv, weight, saved, dx, dkv, dweight, workspace,
                                                             clamp=clamp), grads, want_grads)
-for groups, block_d, warps, lookahead in itertools.product((32, 64), (128, 256, 512), (4, 8), (1, 2, 4, 8)):
-    eg.GROUPS, eg.BWD_BLOCK_D, eg.BWD_WARPS, eg.LOOKAHEAD = groups, block_d, warps, lookahead
-    measure(f"bwd-coop-groups{groups}-look{lookahead}", block_d, warps, bwd, grads, want_grads)
+for groups, block_d, tokens, warps, lookahead in SETTINGS:
+    set_constants(groups, block_d, tokens, warps, lookahead)
+    measure(f"bwd-coop-groups{groups}-tokens{tokens}-look{lookahead}", block_d, warps, bwd, grads, want_grads)
 write_csv(sys.argv[1], rows)
 import pandas as pd  # noqa: E402
 
-df = pd.DataFrame(rows).groupby(["mode", "elements", "warps"])["us"].median().unstack("warps")
-print(df.round(1).to_string())
+df = pd.DataFrame(rows).groupby(["mode", "elements", "warps"])["us"].median().sort_values()
+print(df.round(1).head(25).to_string())

@@ -36,8 +36,9 @@ MAX_DIM = 16384  # the forward keeps a row of D channels in registers
 # Launch constants: the fastest settings of the sweeps on the H200 (experiments/engram_gate/raw/tuning)
 FWD_WARPS = 4  # forward: warps per row program for rows of 8192 channels (scaled with the row length)
 BWD_BLOCK_D = 256  # backward: channels per program (a token's chunks run as that many programs)
+BWD_TOKENS = 4  # backward: tokens per block (a power of two)
 BWD_WARPS = 4
-LOOKAHEAD = 2  # backward: tokens between publishing a token's chunk sums and using them
+LOOKAHEAD = 2  # backward: blocks between publishing a block's chunk sums and using them
 GROUPS = 32  # backward: token groups (dWeight partials) at most
 SUM_BLOCK = 64  # the dWeight sum: columns per program
 NUM_WARPS = 4
@@ -99,18 +100,19 @@ def _grad_coefficients(b_G, b_gate, b_dot, b_rx, b_rk, clamp, dim: tl.constexpr)
 
 @triton.jit
 def _grad_tile(b_do, b_h, b_k, b_w, b_a, b_bx, b_bk):
-    """[S, BLOCK_D] dx and key gradients, and the tile's weight-gradient term a * h * k."""
-    b_dh = b_do + b_a[:, None] * b_w * b_k - b_bx[:, None] * b_h
-    b_dk = b_a[:, None] * b_w * b_h - b_bk[:, None] * b_k
-    return b_dh, b_dk, b_a[:, None] * b_h * b_k
+    """dx and key gradients of a tile, and its weight-gradient term a * h * k (the per-stream
+    coefficients come shaped to broadcast against the tile)."""
+    b_dh = b_do + b_a * b_w * b_k - b_bx * b_h
+    b_dk = b_a * b_w * b_h - b_bk * b_k
+    return b_dh, b_dk, b_a * b_h * b_k
 
 
 @triton.jit(do_not_specialize=["n_tokens", "n_groups"])  # any N reuses one compiled kernel
 def _engram_bwd_kernel(
     dout_ptr, x_ptr, kv_ptr, w_ptr, saved_ptr, dx_ptr, dkv_ptr,
-    gpart_ptr,  # fp32 [N, N_CHUNKS, S]: sum_d dout * value over each chunk
+    gpart_ptr,  # fp32 [blocks * TOKENS, N_CHUNKS, S]: sum_d dout * value over each chunk
     dwp_ptr,  # fp32 [n_groups, S, D]: the groups' dWeight partials
-    sync_ptr,  # int32 [1 + N], zero at launch: the ticket, then per token the chunks published
+    sync_ptr,  # int32 [1 + blocks], zero at launch: the ticket, then per token block the chunks published
     n_tokens, n_groups, clamp,
     sdo_n, sx_n, skv_n, sdx_n, sdkv_n,
     dim: tl.constexpr,
@@ -119,84 +121,101 @@ def _engram_bwd_kernel(
     BLOCK_D: tl.constexpr,
     N_CHUNKS: tl.constexpr,  # cdiv(D, BLOCK_D)
     BLOCK_C: tl.constexpr,  # next power of two >= N_CHUNKS
+    TOKENS: tl.constexpr,  # tokens per block (a power of two)
     CHUNKS_PER_PROGRAM: tl.constexpr,  # 1 on a GPU; N_CHUNKS in the interpreter (programs run one by one)
-    LOOKAHEAD: tl.constexpr,  # tokens between publishing a token's chunk sums and using the token's total
+    LOOKAHEAD: tl.constexpr,  # blocks between publishing a block's chunk sums and using its totals
 ):
-    """Programs ``(chunk, group)`` walk the group's tokens ``g, g + G, ...``. Step ``j``
-    reduces token ``j``'s chunk of ``sum_d dout * value`` per stream, writes its value
-    gradient and publishes the sums (a counter per token); it then finishes token
-    ``j - LOOKAHEAD``: waits until all chunks of that token are published, adds them in
-    chunk order, and writes dx and the key gradients from dout (read again, from L2),
-    x and the key, keeping the chunk's dWeight partial in registers. So every operand
-    comes from HBM once and the only cross-program traffic is [S] floats per chunk.
+    """Programs ``(chunk, group)`` walk the group's token blocks ``g, g + G, ...``. Step ``j``
+    reduces block ``j``'s chunk of ``sum_d dout * value`` per token and stream, writes its
+    value gradient and publishes the sums (a counter per block); it then finishes block
+    ``j - LOOKAHEAD``: waits until all chunks of that block are published, adds them in
+    chunk order, and writes dx and the key gradients from dout (read again, from L2), x and
+    the key, keeping the chunk's dWeight partial in registers. Every operand comes from HBM
+    once; the only cross-program traffic is [TOKENS, S] floats per chunk and block.
     """
     ticket = tl.atomic_add(sync_ptr, 1)  # roles in ticket order: a group's programs are always started together
     programs_per_group: tl.constexpr = N_CHUNKS // CHUNKS_PER_PROGRAM
     i_g = ticket // programs_per_group
     c0 = (ticket % programs_per_group) * CHUNKS_PER_PROGRAM
-    n_steps = (n_tokens - i_g + n_groups - 1) // n_groups
+    n_steps = (tl.cdiv(n_tokens, TOKENS) - i_g + n_groups - 1) // n_groups
+    o_t = tl.arange(0, TOKENS)
     o_s = tl.arange(0, BLOCK_S)
     m_s = o_s < STREAMS
     o_c = tl.arange(0, BLOCK_C)
-    m_cs = (o_c < N_CHUNKS)[:, None] & m_s[None, :]
+    o_ts = o_t[:, None] * STREAMS + o_s[None, :]  # [T, S] offsets of per-(token, stream) rows
+    o_tcs = o_t[:, None, None] * (N_CHUNKS * STREAMS) + o_c[None, :, None] * STREAMS + o_s[None, None, :]
     p_cnt = sync_ptr + 1
-    # the dWeight partial: registers for one chunk, this group's slot in dwp (read-modify-write) for several
+    # the dWeight partial: registers for one chunk; this group's slot in dwp (read-modify-write) for several
     b_dw = tl.zeros((BLOCK_S, BLOCK_D), dtype=tl.float32)
     o_dw = c0 * BLOCK_D + tl.arange(0, BLOCK_D)
     m_dw = m_s[:, None] & (o_dw < dim)[None, :]
     p_dw = dwp_ptr + i_g.to(tl.int64) * STREAMS * dim + o_s[:, None] * dim + o_dw[None, :]
     if CHUNKS_PER_PROGRAM == 1:
-        b_w = tl.load(w_ptr + o_s[:, None] * dim + o_dw[None, :], mask=m_dw, other=0.0)
+        b_w = tl.load(w_ptr + o_s[:, None] * dim + o_dw[None, :], mask=m_dw, other=0.0)[None, :, :]
     else:
         for cc in range(CHUNKS_PER_PROGRAM):
             tl.store(p_dw + cc * BLOCK_D, b_dw, mask=m_dw & (o_dw + cc * BLOCK_D < dim)[None, :])
     j = 0
     while j < n_steps + LOOKAHEAD:
-        if j < n_steps:  # publish token j
-            i_n = (i_g + j * n_groups).to(tl.int64)
-            b_gate = tl.load(saved_ptr + i_n * STREAMS * 4 + o_s * 4, mask=m_s, other=0.0)
+        if j < n_steps:  # publish block j
+            i_b = i_g + j * n_groups
+            i_n = i_b.to(tl.int64) * TOKENS + o_t  # [T]
+            m_t = i_n < n_tokens
+            b_gate = tl.load(saved_ptr + (i_n[:, None] * STREAMS + o_s[None, :]) * 4,
+                             mask=m_t[:, None] & m_s[None, :], other=0.0)
             for cc in range(CHUNKS_PER_PROGRAM):
                 o_d = (c0 + cc) * BLOCK_D + tl.arange(0, BLOCK_D)
                 m_d = o_d < dim
-                b_do = tl.load(dout_ptr + i_n * sdo_n + o_s[:, None] * dim + o_d[None, :],
-                               mask=m_s[:, None] & m_d[None, :], other=0.0).to(tl.float32)
-                b_v = tl.load(kv_ptr + i_n * skv_n + STREAMS * dim + o_d, mask=m_d, other=0.0).to(tl.float32)
-                tl.store(gpart_ptr + (i_n * N_CHUNKS + c0 + cc) * STREAMS + o_s, tl.sum(b_do * b_v[None, :], 1),
-                         mask=m_s)
-                b_dv = tl.sum(b_gate[:, None] * b_do, 0)
-                tl.store(dkv_ptr + i_n * sdkv_n + STREAMS * dim + o_d, b_dv.to(dkv_ptr.dtype.element_ty), mask=m_d)
+                m_tsd = (m_t[:, None] & m_s[None, :])[:, :, None] & m_d[None, None, :]
+                b_do = tl.load(dout_ptr + i_n[:, None, None] * sdo_n + o_s[None, :, None] * dim + o_d[None, None, :],
+                               mask=m_tsd, other=0.0).to(tl.float32)
+                b_v = tl.load(kv_ptr + i_n[:, None] * skv_n + STREAMS * dim + o_d[None, :],
+                              mask=m_t[:, None] & m_d[None, :], other=0.0).to(tl.float32)
+                tl.store(gpart_ptr + i_b.to(tl.int64) * TOKENS * N_CHUNKS * STREAMS + (c0 + cc) * STREAMS + o_t[:, None]
+                         * (N_CHUNKS * STREAMS) + o_s[None, :], tl.sum(b_do * b_v[:, None, :], 2),
+                         mask=m_s[None, :])
+                b_dv = tl.sum(b_gate[:, :, None] * b_do, 1)  # [T, BLOCK_D]
+                tl.store(dkv_ptr + i_n[:, None] * sdkv_n + STREAMS * dim + o_d[None, :],
+                         b_dv.to(dkv_ptr.dtype.element_ty), mask=m_t[:, None] & m_d[None, :])
                 tl.debug_barrier()  # every thread's sums are stored before the count says so
-                tl.atomic_add(p_cnt + i_n, 1, sem="release", scope="gpu")
-        if j >= LOOKAHEAD:  # finish token j - LOOKAHEAD
-            i_m = (i_g + (j - LOOKAHEAD) * n_groups).to(tl.int64)
-            p_saved = saved_ptr + i_m * STREAMS * 4 + o_s * 4
-            b_gate = tl.load(p_saved, mask=m_s, other=0.0)
-            b_dot = tl.load(p_saved + 1, mask=m_s, other=0.0)
-            b_rx = tl.load(p_saved + 2, mask=m_s, other=0.0)
-            b_rk = tl.load(p_saved + 3, mask=m_s, other=0.0)
+                tl.atomic_add(p_cnt + i_b, 1, sem="release", scope="gpu")
+        if j >= LOOKAHEAD:  # finish block j - LOOKAHEAD
+            i_b = i_g + (j - LOOKAHEAD) * n_groups
+            i_m = i_b.to(tl.int64) * TOKENS + o_t
+            m_ts = (i_m < n_tokens)[:, None] & m_s[None, :]
+            p_saved = saved_ptr + (i_m[:, None] * STREAMS + o_s[None, :]) * 4
+            b_gate = tl.load(p_saved, mask=m_ts, other=0.0)
+            b_dot = tl.load(p_saved + 1, mask=m_ts, other=0.0)
+            b_rx = tl.load(p_saved + 2, mask=m_ts, other=0.0)
+            b_rk = tl.load(p_saved + 3, mask=m_ts, other=0.0)
             for cc in range(CHUNKS_PER_PROGRAM):
                 o_d = (c0 + cc) * BLOCK_D + tl.arange(0, BLOCK_D)
-                m_sd = m_s[:, None] & (o_d < dim)[None, :]
-                o_sd = o_s[:, None] * dim + o_d[None, :]
+                m_tsd = m_ts[:, :, None] & (o_d < dim)[None, None, :]
+                o_sd = o_s[None, :, None] * dim + o_d[None, None, :]
                 # issued before the wait: these loads do not depend on the other programs
-                b_do = tl.load(dout_ptr + i_m * sdo_n + o_sd, mask=m_sd, other=0.0).to(tl.float32)
-                b_h = tl.load(x_ptr + i_m * sx_n + o_sd, mask=m_sd, other=0.0).to(tl.float32)
-                b_k = tl.load(kv_ptr + i_m * skv_n + o_sd, mask=m_sd, other=0.0).to(tl.float32)
-                while tl.atomic_add(p_cnt + i_m, 0, sem="acquire", scope="gpu") < N_CHUNKS:
+                b_do = tl.load(dout_ptr + i_m[:, None, None] * sdo_n + o_sd, mask=m_tsd, other=0.0).to(tl.float32)
+                b_h = tl.load(x_ptr + i_m[:, None, None] * sx_n + o_sd, mask=m_tsd, other=0.0).to(tl.float32)
+                b_k = tl.load(kv_ptr + i_m[:, None, None] * skv_n + o_sd, mask=m_tsd, other=0.0).to(tl.float32)
+                while tl.atomic_add(p_cnt + i_b, 0, sem="acquire", scope="gpu") < N_CHUNKS:
                     pass
-                b_gp = tl.load(gpart_ptr + (i_m * N_CHUNKS + o_c[:, None]) * STREAMS + o_s[None, :], mask=m_cs,
-                               other=0.0, cache_modifier=".cg")  # written by other SMs: read from L2
-                b_a, b_bx, b_bk = _grad_coefficients(tl.sum(b_gp, 0), b_gate, b_dot, b_rx, b_rk, clamp, dim)
+                b_gp = tl.load(gpart_ptr + i_b.to(tl.int64) * TOKENS * N_CHUNKS * STREAMS + o_tcs,
+                               mask=(o_c < N_CHUNKS)[None, :, None] & m_s[None, None, :], other=0.0,
+                               cache_modifier=".cg")  # written by other SMs: read from L2
+                b_a, b_bx, b_bk = _grad_coefficients(tl.sum(b_gp, 1), b_gate, b_dot, b_rx, b_rk, clamp, dim)
                 if CHUNKS_PER_PROGRAM == 1:
-                    b_dh, b_dk, b_dw_n = _grad_tile(b_do, b_h, b_k, b_w, b_a, b_bx, b_bk)
-                    b_dw += b_dw_n
+                    b_dh, b_dk, b_dw_n = _grad_tile(b_do, b_h, b_k, b_w, b_a[:, :, None], b_bx[:, :, None],
+                                                    b_bk[:, :, None])
+                    b_dw += tl.sum(b_dw_n, 0)
                 else:
-                    b_wc = tl.load(w_ptr + o_sd, mask=m_sd, other=0.0)
-                    b_dh, b_dk, b_dw_n = _grad_tile(b_do, b_h, b_k, b_wc, b_a, b_bx, b_bk)
-                    tl.store(p_dw + cc * BLOCK_D, tl.load(p_dw + cc * BLOCK_D, mask=m_sd, other=0.0) + b_dw_n,
+                    b_wc = tl.load(w_ptr + o_s[:, None] * dim + o_d[None, :], mask=m_s[:, None] & (o_d < dim)[None, :],
+                                   other=0.0)
+                    b_dh, b_dk, b_dw_n = _grad_tile(b_do, b_h, b_k, b_wc[None, :, :], b_a[:, :, None],
+                                                    b_bx[:, :, None], b_bk[:, :, None])
+                    m_sd = m_s[:, None] & (o_d < dim)[None, :]
+                    tl.store(p_dw + cc * BLOCK_D, tl.load(p_dw + cc * BLOCK_D, mask=m_sd, other=0.0) + tl.sum(b_dw_n, 0),
                              mask=m_sd)
-                tl.store(dx_ptr + i_m * sdx_n + o_sd, b_dh.to(dx_ptr.dtype.element_ty), mask=m_sd)
-                tl.store(dkv_ptr + i_m * sdkv_n + o_sd, b_dk.to(dkv_ptr.dtype.element_ty), mask=m_sd)
+                tl.store(dx_ptr + i_m[:, None, None] * sdx_n + o_sd, b_dh.to(dx_ptr.dtype.element_ty), mask=m_tsd)
+                tl.store(dkv_ptr + i_m[:, None, None] * sdkv_n + o_sd, b_dk.to(dkv_ptr.dtype.element_ty), mask=m_tsd)
         j += 1
     if CHUNKS_PER_PROGRAM == 1:
         tl.store(p_dw, b_dw, mask=m_dw)
@@ -217,9 +236,13 @@ def _pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
+def _blocks(n_tokens: int) -> int:
+    return triton.cdiv(n_tokens, BWD_TOKENS)
+
+
 def token_groups(n_tokens: int) -> int:
     """dWeight partials of the backward for ``n_tokens`` (a function of N only: reproducible anywhere)."""
-    return max(1, min(n_tokens, GROUPS))
+    return max(1, min(_blocks(n_tokens), GROUPS))
 
 
 def _chunks(dim: int) -> tuple[int, int]:
@@ -230,8 +253,10 @@ def _chunks(dim: int) -> tuple[int, int]:
 
 def workspace_elements(n_tokens: int, streams: int, dim: int) -> int:
     """fp32 elements of the backward workspace: the groups' dWeight partials ``[G, S, D]``, the
-    per-chunk sums ``[N, chunks, S]``, then ``1 + N`` int32 counters (zeroed by every call)."""
-    return token_groups(n_tokens) * streams * dim + n_tokens * _chunks(dim)[1] * streams + 1 + n_tokens
+    per-chunk sums ``[blocks * tokens per block, chunks, S]``, then ``1 + blocks`` int32
+    counters (zeroed by every call)."""
+    blocks = _blocks(n_tokens)
+    return token_groups(n_tokens) * streams * dim + blocks * BWD_TOKENS * _chunks(dim)[1] * streams + 1 + blocks
 
 
 def _fwd_warps(block: int) -> int:
@@ -273,11 +298,11 @@ def launch_backward(dout, x, kv, weight, saved, dx, dkv, dweight, workspace, *, 
     if n == 0:
         dweight.zero_()
         return
-    groups = token_groups(n)
+    groups, blocks = token_groups(n), _blocks(n)
     block_d, n_chunks = _chunks(dim)
-    n_part, n_gpart = groups * streams * dim, n * n_chunks * streams
+    n_part, n_gpart = groups * streams * dim, blocks * BWD_TOKENS * n_chunks * streams
     partials, gpart = workspace[:n_part], workspace[n_part:n_part + n_gpart]
-    sync = workspace[n_part + n_gpart:n_part + n_gpart + 1 + n]
+    sync = workspace[n_part + n_gpart:n_part + n_gpart + 1 + blocks]
     serial = not dout.is_cuda if serial is None else serial
     if not serial and not dout.is_cuda:
         raise ValueError("serial=False needs CUDA: the interpreter runs one program at a time, and the chunk "
@@ -291,7 +316,7 @@ def launch_backward(dout, x, kv, weight, saved, dx, dkv, dweight, workspace, *, 
         n, groups, clamp,
         dout.stride(0), x.stride(0), kv.stride(0), dx.stride(0), dkv.stride(0),
         dim=dim, STREAMS=streams, BLOCK_S=_pow2(streams), BLOCK_D=block_d, N_CHUNKS=n_chunks,
-        BLOCK_C=_pow2(n_chunks), CHUNKS_PER_PROGRAM=per_program, LOOKAHEAD=LOOKAHEAD, num_warps=BWD_WARPS,
+        BLOCK_C=_pow2(n_chunks), TOKENS=BWD_TOKENS, CHUNKS_PER_PROGRAM=per_program, LOOKAHEAD=LOOKAHEAD, num_warps=BWD_WARPS,
     )
     cols = streams * dim
     _engram_dweight_kernel[(triton.cdiv(cols, SUM_BLOCK),)](partials, dweight, groups, cols, BLOCK_P=_pow2(GROUPS),
@@ -326,7 +351,8 @@ def _aot_specs() -> list:
                    "sync_ptr": "*i32", "n_tokens": "i32", "n_groups": "i32", "clamp": "fp32",
                    "sdo_n": "i32", "sx_n": "i32", "skv_n": "i32", "sdx_n": "i32", "sdkv_n": "i32"},
         constexprs=dict(dim=5120, STREAMS=4, BLOCK_S=4, BLOCK_D=BWD_BLOCK_D, N_CHUNKS=_chunks(5120)[1],
-                        BLOCK_C=_pow2(_chunks(5120)[1]), CHUNKS_PER_PROGRAM=1, LOOKAHEAD=LOOKAHEAD),
+                        BLOCK_C=_pow2(_chunks(5120)[1]), TOKENS=BWD_TOKENS, CHUNKS_PER_PROGRAM=1,
+                        LOOKAHEAD=LOOKAHEAD),
         options={"num_warps": BWD_WARPS},
         divisible_by_16=("dout_ptr", "x_ptr", "kv_ptr", "w_ptr", "saved_ptr", "dx_ptr", "dkv_ptr", "gpart_ptr",
                          "dwp_ptr", "sync_ptr", "sdo_n", "sx_n", "skv_n", "sdx_n", "sdkv_n"),
