@@ -8,12 +8,14 @@ program uses only its own chunk's sum: no cross-program traffic at all). Prints 
 spills per setting. N = 4096, D = 5120, CUDA Graph replay, L2 overwritten before each call.
 """
 
+import importlib.util
 import itertools
 import sys
+import tempfile
 import textwrap
+from pathlib import Path
 
 import torch
-import triton
 
 from dsfuse.bench.engram_gate import gate_inputs
 from dsfuse.bench.harness import Timer, capture_graph, write_csv
@@ -35,9 +37,14 @@ def variant(name):
         src = src.replace(WAIT, "").replace(PUBLISH, "")
     if name == "local":
         src = src.replace("mask=(o_c < N_CHUNKS)[None, :, None]", "mask=(o_c == c0)[None, :, None]")
-    scope = dict(vars(eg))
-    exec(compile(src, f"<{name}>", "exec"), scope)
-    return triton.jit(do_not_specialize=["n_tokens", "n_groups"])(scope["_engram_bwd_kernel"])
+    path = Path(tempfile.mkdtemp()) / f"probe_{name}.py"  # Triton reads a kernel's source from its file
+    path.write_text("import triton\nimport triton.language as tl\n"
+                    "from dsfuse.engram_gate.triton import _grad_coefficients, _grad_tile\n\n"
+                    '@triton.jit(do_not_specialize=["n_tokens", "n_groups"])\n' + src)
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module._engram_bwd_kernel
 
 
 x, kv, weight, mask, dout, eps = gate_inputs(4096, torch.device("cuda"))
