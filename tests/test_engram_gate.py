@@ -266,15 +266,12 @@ def test_backward_from_saved_formula_is_autograd(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("groups, block_d, tokens, lookahead",
-                         [(2, 64, 1, 1), (3, 32, 2, 4), (64, 256, 4, 2), (1, 16, 1, 9), (2, 32, 8, 1)])
-def test_launch_constants(groups, block_d, tokens, lookahead, device, monkeypatch):
-    """Token groups (more and fewer than the token blocks), chunks of D (with a channel tail; one
-    chunk and ten), tokens per block (with a token tail) and lookaheads (shorter and longer
-    than a group's block count) of the backward."""
+@pytest.mark.parametrize("groups, tile, coef, reverse", [(2, 64, 64, True), (3, 128, 32, False), (64, 32, 2048, True)])
+def test_launch_constants(groups, tile, coef, reverse, device, monkeypatch):
+    """Token groups (more and fewer than N), channel blocks (with channel tails) and both token
+    orders of the backward."""
     from dsfuse.engram_gate import triton as eg
 
-    for name, value in (("GROUPS", groups), ("BWD_BLOCK_D", block_d), ("BWD_TOKENS", tokens),
-                        ("LOOKAHEAD", lookahead)):
+    for name, value in (("GROUPS", groups), ("TILE_BLOCK_D", tile), ("COEF_BLOCK_D", coef), ("TILE_REVERSE", reverse)):
         monkeypatch.setattr(eg, name, value)
     check_all(*make(7, 160, device, seed=4), eps=1e-20)

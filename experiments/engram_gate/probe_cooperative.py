@@ -2,7 +2,7 @@
 
     python experiments/engram_gate/probe_cooperative.py OUT.csv
 
-Variants: ``full`` (as shipped); ``nosync`` (no release count, no wait: the totals are read
+Variants of ``cooperative_backward.py``: ``full`` (as it is); ``nosync`` (no release count, no wait: the totals are read
 whenever they are there, so results are wrong; timing only); ``local`` (nosync, and each
 program uses only its own chunk's sum: no cross-program traffic at all). Prints registers and
 spills per setting. N = 4096, D = 5120, CUDA Graph replay, L2 overwritten before each call.
@@ -15,13 +15,14 @@ import tempfile
 import textwrap
 from pathlib import Path
 
+import cooperative_backward as coop
 import torch
 
 from dsfuse.bench.engram_gate import gate_inputs
 from dsfuse.bench.harness import Timer, capture_graph, write_csv
 from dsfuse.engram_gate import triton as eg
 
-SHIPPED = eg._engram_bwd_kernel
+SHIPPED = coop._engram_bwd_kernel
 WAIT = """                while tl.atomic_add(p_cnt + i_b, 0, sem="acquire", scope="gpu") < N_CHUNKS:
                     pass
 """
@@ -58,9 +59,9 @@ rows = []
 kernels = {name: variant(name) for name in ("full", "nosync", "local")}
 for (tokens, block_d, warps), name in itertools.product(
         [(1, 256, 4), (1, 512, 4), (2, 256, 4), (4, 128, 4), (2, 512, 8), (4, 256, 8)], kernels):
-    eg.GROUPS, eg.BWD_TOKENS, eg.BWD_BLOCK_D, eg.BWD_WARPS, eg.LOOKAHEAD = 32, tokens, block_d, warps, 2
-    eg._engram_bwd_kernel = kernels[name]
-    fn = lambda: eg.launch_backward(dout, x, kv, weight, saved, dx, dkv, dweight, workspace, clamp=1e-6)  # noqa: E731
+    coop.GROUPS, coop.BWD_TOKENS, coop.BWD_BLOCK_D, coop.BWD_WARPS, coop.LOOKAHEAD = 32, tokens, block_d, warps, 2
+    coop._engram_bwd_kernel = kernels[name]
+    fn = lambda: coop.launch(dout, x, kv, weight, saved, dx, dkv, dweight, workspace, clamp=1e-6)  # noqa: E731
     fn()
     torch.cuda.synchronize()
     compiled = list(kernels[name].device_caches[torch.cuda.current_device()][0].values())[-1]
@@ -70,5 +71,5 @@ for (tokens, block_d, warps), name in itertools.product(
                   spills=compiled.n_spills, sample=i, us=round(u, 3)) for i, u in enumerate(us)]
     print(name, tokens, block_d, warps, "regs", compiled.n_regs, "spills", compiled.n_spills,
           "us", round(sorted(us)[len(us) // 2], 1), flush=True)
-eg._engram_bwd_kernel = SHIPPED
+coop._engram_bwd_kernel = SHIPPED
 write_csv(sys.argv[1], rows)

@@ -1,11 +1,11 @@
 """Sweep the Engram gate kernels' launch constants at the model's width.
 
-    python experiments/engram_gate/tune_blocks.py OUT.csv [N]
+    python experiments/engram_gate/tune_blocks.py OUT.csv [N] [--cooperative]
 
-Forward: warps per row program. Backward: the previous two-kernel design
-(``two_kernel_backward.py``, at its tuned constants) and the shipped cooperative kernel over
-token groups (dWeight partials), channels per program, warps and lookahead (the whole
-backward is timed, the dWeight sum included). Each setting is checked
+Forward: warps per row program. Backward: the shipped two-kernel design with and without its
+L2 eviction hints and reversed token order, and the cooperative one-kernel experiment
+(``cooperative_backward.py``) over token groups, channels per program, tokens per block,
+warps and lookahead (the whole backward is timed, the dWeight sum included). Each setting is checked
 once (relative RMS error <= 2^-8 on every output; forward against the fp32 model,
 backward against the float64 formula from the same saved state), then timed by CUDA Graph replay with the L2
 overwritten before each call (N = 4096 unless given, D = 5120, S = 4, bf16).
@@ -16,15 +16,15 @@ import itertools
 import sys
 
 import torch
-from two_kernel_backward import launch as launch_two_kernel
-from two_kernel_backward import workspace_elements as two_kernel_workspace
+import cooperative_backward as coop
 
 from dsfuse.bench.engram_gate import gate_inputs
 from dsfuse.bench.harness import Timer, capture_graph, write_csv
 from dsfuse.engram_gate import engram_gate_backward_from_saved, engram_gate_reference
 from dsfuse.engram_gate import triton as eg
 
-x, kv, weight, mask, dout, eps = gate_inputs(int(sys.argv[2]) if len(sys.argv) > 2 else 4096, torch.device("cuda"))
+args = [a for a in sys.argv[1:] if not a.startswith("--")]
+x, kv, weight, mask, dout, eps = gate_inputs(int(args[1]) if len(args) > 1 else 4096, torch.device("cuda"))
 n, streams, dim = x.shape
 clamp = 1e-6
 want_out, want_saved = engram_gate_reference(x, kv, weight, mask, eps=eps)
@@ -35,12 +35,14 @@ SETTINGS = list(itertools.product((8, 16, 32), (256, 512), (2, 4, 8), (4, 8), (1
 
 
 def set_constants(groups, block_d, tokens, warps, lookahead):
-    eg.GROUPS, eg.BWD_BLOCK_D, eg.BWD_TOKENS, eg.BWD_WARPS, eg.LOOKAHEAD = groups, block_d, tokens, warps, lookahead
-    return eg.workspace_elements(n, streams, dim)
+    coop.GROUPS, coop.BWD_BLOCK_D, coop.BWD_TOKENS, coop.BWD_WARPS, coop.LOOKAHEAD = (groups, block_d, tokens, warps,
+                                                                                       lookahead)
+    return coop.workspace_elements(n, streams, dim)
 
 
-workspace = torch.empty(max(max(set_constants(*c) for c in SETTINGS),
-                            two_kernel_workspace(n, streams, dim)), device="cuda")
+COOPERATIVE = "--cooperative" in sys.argv  # the experiment's sweep (slow: 72 settings)
+sizes = [set_constants(*c) for c in SETTINGS] if COOPERATIVE else []
+workspace = torch.empty(max(sizes + [eg.workspace_elements(n, streams, dim)]), device="cuda")
 timer = Timer(torch.device("cuda"), 256 << 20)
 rows = []
 
@@ -79,12 +81,21 @@ grads = [dx, dkv, dweight]
 # the backward from this saved state in float64 (small scores make the gradients ill-conditioned
 # in the forward's rounding: compare the backward's own arithmetic only)
 want_grads = engram_gate_backward_from_saved(dout, x, kv, weight, saved)
-measure("bwd-two-kernel", 256, 4, lambda: launch_two_kernel(dout, x, kv, weight, saved, dx, dkv, dweight, workspace,
-                                                            clamp=clamp), grads, want_grads)
-for groups, block_d, tokens, warps, lookahead in SETTINGS:
+for hints, reverse in itertools.product((False, True), (False, True)):
+    eg.L2_HINTS, eg.TILE_REVERSE = hints, reverse
+    measure(f"bwd-two-kernel-hints{int(hints)}-reverse{int(reverse)}", eg.TILE_BLOCK_D, eg.TILE_WARPS, bwd, grads,
+            want_grads)
+    for warps in (2, 4):  # the target's regime: forward then backward, L2 overwritten before the pair
+        eg.FWD_WARPS = warps
+        measure(f"fwd+bwd-hints{int(hints)}-reverse{int(reverse)}", 8192, warps, lambda: (fwd(), bwd()), grads,
+                want_grads)
+    eg.FWD_WARPS = 4
+for groups, block_d, tokens, warps, lookahead in SETTINGS if COOPERATIVE else []:
     set_constants(groups, block_d, tokens, warps, lookahead)
-    measure(f"bwd-coop-groups{groups}-tokens{tokens}-look{lookahead}", block_d, warps, bwd, grads, want_grads)
-write_csv(sys.argv[1], rows)
+    measure(f"bwd-coop-groups{groups}-tokens{tokens}-look{lookahead}", block_d, warps,
+            lambda: coop.launch(dout, x, kv, weight, saved, dx, dkv, dweight, workspace, clamp=clamp), grads,
+            want_grads)
+write_csv(args[0], rows)
 import pandas as pd  # noqa: E402
 
 df = pd.DataFrame(rows).groupby(["mode", "elements", "warps"])["us"].median().sort_values()

@@ -1,0 +1,207 @@
+"""A cooperative Engram backward in one kernel, kept as an experiment (slower than the shipped one).
+
+Programs ``(D chunk, token group)`` walk token blocks; each block's chunk programs publish
+their partial ``sum_d dout * value`` (a release count per block) and, one block later, wait
+for all chunks of the previous block and finish it (dx, key gradients, register dWeight
+partials). Every operand is read from HBM once, but each step is a chain of dependent
+round trips (loads, reductions through shared memory, the release, the wait, the sums),
+and with the token concurrency the L2 reuse needs, too little is in flight: 480-1300 us
+against about 300 us for the shipped two-kernel backward on the H200
+(``raw/tuning/blocks-v4-cooperative.csv``, ``blocks-v5-token-blocks.csv``,
+``probe-cooperative.csv``). Kept so the result can be rerun; not imported by the package.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from dsfuse._common import check_no_overlap
+from dsfuse.engram_gate.triton import _engram_dweight_kernel, _grad_coefficients, _grad_tile, _pow2, check_dim
+
+# the settings of the sweeps (module constants so the probes can change them)
+BWD_BLOCK_D, BWD_TOKENS, BWD_WARPS, LOOKAHEAD, GROUPS, SUM_BLOCK, NUM_WARPS = 512, 1, 4, 2, 32, 64, 4
+
+
+@triton.jit(do_not_specialize=["n_tokens", "n_groups"])  # any N reuses one compiled kernel
+def _engram_bwd_kernel(
+    dout_ptr, x_ptr, kv_ptr, w_ptr, saved_ptr, dx_ptr, dkv_ptr,
+    gpart_ptr,  # fp32 [blocks * TOKENS, N_CHUNKS, S]: sum_d dout * value over each chunk
+    dwp_ptr,  # fp32 [n_groups, S, D]: the groups' dWeight partials
+    sync_ptr,  # int32 [1 + blocks], zero at launch: the ticket, then per token block the chunks published
+    n_tokens, n_groups, clamp,
+    sdo_n, sx_n, skv_n, sdx_n, sdkv_n,
+    dim: tl.constexpr,
+    STREAMS: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    N_CHUNKS: tl.constexpr,  # cdiv(D, BLOCK_D)
+    BLOCK_C: tl.constexpr,  # next power of two >= N_CHUNKS
+    TOKENS: tl.constexpr,  # tokens per block (a power of two)
+    CHUNKS_PER_PROGRAM: tl.constexpr,  # 1 on a GPU; N_CHUNKS in the interpreter (programs run one by one)
+    LOOKAHEAD: tl.constexpr,  # blocks between publishing a block's chunk sums and using its totals
+):
+    """Programs ``(chunk, group)`` walk the group's token blocks ``g, g + G, ...``. Step ``j``
+    reduces block ``j``'s chunk of ``sum_d dout * value`` per token and stream, writes its
+    value gradient and publishes the sums (a counter per block); it then finishes block
+    ``j - LOOKAHEAD``: waits until all chunks of that block are published, adds them in
+    chunk order, and writes dx and the key gradients from dout (read again, from L2), x and
+    the key, keeping the chunk's dWeight partial in registers. Every operand comes from HBM
+    once; the only cross-program traffic is [TOKENS, S] floats per chunk and block.
+    """
+    ticket = tl.atomic_add(sync_ptr, 1)  # roles in ticket order: a group's programs are always started together
+    programs_per_group: tl.constexpr = N_CHUNKS // CHUNKS_PER_PROGRAM
+    i_g = ticket // programs_per_group
+    c0 = (ticket % programs_per_group) * CHUNKS_PER_PROGRAM
+    n_steps = (tl.cdiv(n_tokens, TOKENS) - i_g + n_groups - 1) // n_groups
+    o_t = tl.arange(0, TOKENS)
+    o_s = tl.arange(0, BLOCK_S)
+    m_s = o_s < STREAMS
+    o_c = tl.arange(0, BLOCK_C)
+    o_tcs = o_t[:, None, None] * (N_CHUNKS * STREAMS) + o_c[None, :, None] * STREAMS + o_s[None, None, :]
+    p_cnt = sync_ptr + 1
+    # the dWeight partial: registers for one chunk; this group's slot in dwp (read-modify-write) for several
+    b_dw = tl.zeros((BLOCK_S, BLOCK_D), dtype=tl.float32)
+    o_dw = c0 * BLOCK_D + tl.arange(0, BLOCK_D)
+    m_dw = m_s[:, None] & (o_dw < dim)[None, :]
+    p_dw = dwp_ptr + i_g.to(tl.int64) * STREAMS * dim + o_s[:, None] * dim + o_dw[None, :]
+    if CHUNKS_PER_PROGRAM == 1:
+        b_w = tl.load(w_ptr + o_s[:, None] * dim + o_dw[None, :], mask=m_dw, other=0.0)[None, :, :]
+    else:
+        for cc in range(CHUNKS_PER_PROGRAM):
+            tl.store(p_dw + cc * BLOCK_D, b_dw, mask=m_dw & (o_dw + cc * BLOCK_D < dim)[None, :])
+    j = 0
+    while j < n_steps + LOOKAHEAD:
+        if j < n_steps:  # publish block j
+            i_b = i_g + j * n_groups
+            i_n = i_b.to(tl.int64) * TOKENS + o_t  # [T]
+            m_t = i_n < n_tokens
+            b_gate = tl.load(saved_ptr + (i_n[:, None] * STREAMS + o_s[None, :]) * 4,
+                             mask=m_t[:, None] & m_s[None, :], other=0.0)
+            for cc in range(CHUNKS_PER_PROGRAM):
+                o_d = (c0 + cc) * BLOCK_D + tl.arange(0, BLOCK_D)
+                m_d = o_d < dim
+                m_tsd = (m_t[:, None] & m_s[None, :])[:, :, None] & m_d[None, None, :]
+                b_do = tl.load(dout_ptr + i_n[:, None, None] * sdo_n + o_s[None, :, None] * dim + o_d[None, None, :],
+                               mask=m_tsd, other=0.0).to(tl.float32)
+                b_v = tl.load(kv_ptr + i_n[:, None] * skv_n + STREAMS * dim + o_d[None, :],
+                              mask=m_t[:, None] & m_d[None, :], other=0.0).to(tl.float32)
+                tl.store(gpart_ptr + i_b.to(tl.int64) * TOKENS * N_CHUNKS * STREAMS + (c0 + cc) * STREAMS + o_t[:, None]
+                         * (N_CHUNKS * STREAMS) + o_s[None, :], tl.sum(b_do * b_v[:, None, :], 2),
+                         mask=m_s[None, :])
+                b_dv = tl.sum(b_gate[:, :, None] * b_do, 1)  # [T, BLOCK_D]
+                tl.store(dkv_ptr + i_n[:, None] * sdkv_n + STREAMS * dim + o_d[None, :],
+                         b_dv.to(dkv_ptr.dtype.element_ty), mask=m_t[:, None] & m_d[None, :])
+                tl.debug_barrier()  # every thread's sums are stored before the count says so
+                tl.atomic_add(p_cnt + i_b, 1, sem="release", scope="gpu")
+        if j >= LOOKAHEAD:  # finish block j - LOOKAHEAD
+            i_b = i_g + (j - LOOKAHEAD) * n_groups
+            i_m = i_b.to(tl.int64) * TOKENS + o_t
+            m_ts = (i_m < n_tokens)[:, None] & m_s[None, :]
+            p_saved = saved_ptr + (i_m[:, None] * STREAMS + o_s[None, :]) * 4
+            b_gate = tl.load(p_saved, mask=m_ts, other=0.0)
+            b_dot = tl.load(p_saved + 1, mask=m_ts, other=0.0)
+            b_rx = tl.load(p_saved + 2, mask=m_ts, other=0.0)
+            b_rk = tl.load(p_saved + 3, mask=m_ts, other=0.0)
+            for cc in range(CHUNKS_PER_PROGRAM):
+                o_d = (c0 + cc) * BLOCK_D + tl.arange(0, BLOCK_D)
+                m_tsd = m_ts[:, :, None] & (o_d < dim)[None, None, :]
+                o_sd = o_s[None, :, None] * dim + o_d[None, None, :]
+                # issued before the wait: these loads do not depend on the other programs
+                b_do = tl.load(dout_ptr + i_m[:, None, None] * sdo_n + o_sd, mask=m_tsd, other=0.0).to(tl.float32)
+                b_h = tl.load(x_ptr + i_m[:, None, None] * sx_n + o_sd, mask=m_tsd, other=0.0).to(tl.float32)
+                b_k = tl.load(kv_ptr + i_m[:, None, None] * skv_n + o_sd, mask=m_tsd, other=0.0).to(tl.float32)
+                while tl.atomic_add(p_cnt + i_b, 0, sem="acquire", scope="gpu") < N_CHUNKS:
+                    pass
+                b_gp = tl.load(gpart_ptr + i_b.to(tl.int64) * TOKENS * N_CHUNKS * STREAMS + o_tcs,
+                               mask=(o_c < N_CHUNKS)[None, :, None] & m_s[None, None, :], other=0.0,
+                               cache_modifier=".cg")  # written by other SMs: read from L2
+                b_a, b_bx, b_bk = _grad_coefficients(tl.sum(b_gp, 1), b_gate, b_dot, b_rx, b_rk, clamp, dim)
+                if CHUNKS_PER_PROGRAM == 1:
+                    b_dh, b_dk, b_dw_n = _grad_tile(b_do, b_h, b_k, b_w, b_a[:, :, None], b_bx[:, :, None],
+                                                    b_bk[:, :, None])
+                    b_dw += tl.sum(b_dw_n, 0)
+                else:
+                    b_wc = tl.load(w_ptr + o_s[:, None] * dim + o_d[None, :], mask=m_s[:, None] & (o_d < dim)[None, :],
+                                   other=0.0)
+                    b_dh, b_dk, b_dw_n = _grad_tile(b_do, b_h, b_k, b_wc[None, :, :], b_a[:, :, None],
+                                                    b_bx[:, :, None], b_bk[:, :, None])
+                    m_sd = m_s[:, None] & (o_d < dim)[None, :]
+                    tl.store(p_dw + cc * BLOCK_D, tl.load(p_dw + cc * BLOCK_D, mask=m_sd, other=0.0) + tl.sum(b_dw_n, 0),
+                             mask=m_sd)
+                tl.store(dx_ptr + i_m[:, None, None] * sdx_n + o_sd, b_dh.to(dx_ptr.dtype.element_ty), mask=m_tsd)
+                tl.store(dkv_ptr + i_m[:, None, None] * sdkv_n + o_sd, b_dk.to(dkv_ptr.dtype.element_ty), mask=m_tsd)
+        j += 1
+    if CHUNKS_PER_PROGRAM == 1:
+        tl.store(p_dw, b_dw, mask=m_dw)
+
+
+def _blocks(n_tokens: int) -> int:
+    return triton.cdiv(n_tokens, BWD_TOKENS)
+
+
+def token_groups(n_tokens: int) -> int:
+    """dWeight partials of the backward for ``n_tokens`` (a function of N only: reproducible anywhere)."""
+    return max(1, min(_blocks(n_tokens), GROUPS))
+
+
+def _chunks(dim: int) -> tuple[int, int]:
+    """(channels per backward program, chunks of D)."""
+    block_d = min(BWD_BLOCK_D, _pow2(dim))
+    return block_d, triton.cdiv(dim, block_d)
+
+
+def workspace_elements(n_tokens: int, streams: int, dim: int) -> int:
+    """fp32 elements of the backward workspace: the groups' dWeight partials ``[G, S, D]``, the
+    per-chunk sums ``[blocks * tokens per block, chunks, S]``, then ``1 + blocks`` int32
+    counters (zeroed by every call)."""
+    blocks = _blocks(n_tokens)
+    return token_groups(n_tokens) * streams * dim + blocks * BWD_TOKENS * _chunks(dim)[1] * streams + 1 + blocks
+
+
+def launch(dout, x, kv, weight, saved, dx, dkv, dweight, workspace, *, clamp: float,
+                    serial: bool | None = None) -> None:
+    """``workspace`` fp32 contiguous with at least ``workspace_elements(N, S, D)`` elements (overwritten).
+
+    ``serial``: one program per token group takes all chunks of D (no program waits for
+    another; the same arithmetic, so bitwise the same results). The interpreter, which runs
+    programs one after another, needs it; the default is serial exactly for CPU tensors.
+    """
+    check_no_overlap({"dx": dx, "dkv": dkv, "dweight": dweight, "workspace": workspace},
+                     {"dout": dout, "x": x, "kv": kv, "weight": weight, "saved": saved})
+    n, streams, dim = x.shape
+    check_dim(dim)
+    if n == 0:
+        dweight.zero_()
+        return
+    groups, blocks = token_groups(n), _blocks(n)
+    block_d, n_chunks = _chunks(dim)
+    n_part, n_gpart = groups * streams * dim, blocks * BWD_TOKENS * n_chunks * streams
+    partials, gpart = workspace[:n_part], workspace[n_part:n_part + n_gpart]
+    sync = workspace[n_part + n_gpart:n_part + n_gpart + 1 + blocks]
+    serial = not dout.is_cuda if serial is None else serial
+    if not serial and not dout.is_cuda:
+        raise ValueError("serial=False needs CUDA: the interpreter runs one program at a time, and the chunk "
+                         "programs of a token wait for each other")
+    per_program = n_chunks if serial else 1
+    if not serial:
+        _check_coresident(dout.device, n_chunks)
+    sync.zero_()  # fp32 and int32 zero share their bits
+    _engram_bwd_kernel[(n_chunks // per_program * groups,)](
+        dout, x, kv, weight, saved, dx, dkv, gpart, partials, sync.view(torch.int32),
+        n, groups, clamp,
+        dout.stride(0), x.stride(0), kv.stride(0), dx.stride(0), dkv.stride(0),
+        dim=dim, STREAMS=streams, BLOCK_S=_pow2(streams), BLOCK_D=block_d, N_CHUNKS=n_chunks,
+        BLOCK_C=_pow2(n_chunks), TOKENS=BWD_TOKENS, CHUNKS_PER_PROGRAM=per_program, LOOKAHEAD=LOOKAHEAD,
+        num_warps=BWD_WARPS,
+    )
+    cols = streams * dim
+    _engram_dweight_kernel[(triton.cdiv(cols, SUM_BLOCK),)](partials, dweight, groups, cols, BLOCK_P=_pow2(GROUPS),
+                                                            BLOCK=SUM_BLOCK, num_warps=NUM_WARPS)
+
+
+def _check_coresident(device, n_chunks: int) -> None:
+    """A token's chunk programs wait for each other: at least that many must run at once (one per SM)."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    if sms < n_chunks:
+        raise ValueError(f"x: the backward runs the {n_chunks} chunk programs of a token at once and needs as many "
+                         f"SMs; {device} has {sms}")
