@@ -2,11 +2,11 @@
 
     python experiments/engram_gate/tune_blocks.py OUT.csv [N] [--cooperative]
 
-Forward: warps per row program. Backward: the shipped two-kernel design with and without its
-L2 eviction hints and reversed token order, and the cooperative one-kernel experiment
-(``cooperative_backward.py``) over token groups, channels per program, tokens per block,
-warps and lookahead (the whole backward is timed, the dWeight sum included). Each setting is checked
-once (relative RMS error <= 2^-8 on every output; forward against the fp32 model,
+Forward: warps per row program. Backward: the shipped two-kernel design in both token
+orders of its tile kernel (also timed after the forward: the target's regime); with
+``--cooperative``, the one-kernel experiment (``cooperative_backward.py``) over token
+groups, channels per program, tokens per block, warps and lookahead (the whole backward is
+timed, the dWeight sum included). Each setting is checked once (relative RMS error <= 2^-8 on every output; forward against the fp32 model,
 backward against the float64 formula from the same saved state), then timed by CUDA Graph replay with the L2
 overwritten before each call (N = 4096 unless given, D = 5120, S = 4, bf16).
 One CSV row per sample; the constants in dsfuse/engram_gate/triton.py come from here.
@@ -75,21 +75,19 @@ def measure(mode, elements, warps, fn, outputs, wants):
 for warps in (2, 4, 8):
     eg.FWD_WARPS = warps
     measure("fwd-row", 8192, warps, fwd, [out, saved], [want_out, want_saved])
-eg.FWD_WARPS = 4
+eg.FWD_WARPS = 2
 fwd()
 grads = [dx, dkv, dweight]
 # the backward from this saved state in float64 (small scores make the gradients ill-conditioned
 # in the forward's rounding: compare the backward's own arithmetic only)
 want_grads = engram_gate_backward_from_saved(dout, x, kv, weight, saved)
-for hints, reverse in itertools.product((False, True), (False, True)):
-    eg.L2_HINTS, eg.TILE_REVERSE = hints, reverse
-    measure(f"bwd-two-kernel-hints{int(hints)}-reverse{int(reverse)}", eg.TILE_BLOCK_D, eg.TILE_WARPS, bwd, grads,
-            want_grads)
+for reverse in (False, True):
+    eg.TILE_REVERSE = reverse
+    measure(f"bwd-two-kernel-reverse{int(reverse)}", eg.TILE_BLOCK_D, eg.TILE_WARPS, bwd, grads, want_grads)
     for warps in (2, 4):  # the target's regime: forward then backward, L2 overwritten before the pair
         eg.FWD_WARPS = warps
-        measure(f"fwd+bwd-hints{int(hints)}-reverse{int(reverse)}", 8192, warps, lambda: (fwd(), bwd()), grads,
-                want_grads)
-    eg.FWD_WARPS = 4
+        measure(f"fwd+bwd-reverse{int(reverse)}", 8192, warps, lambda: (fwd(), bwd()), grads, want_grads)
+    eg.FWD_WARPS = 2
 for groups, block_d, tokens, warps, lookahead in SETTINGS if COOPERATIVE else []:
     set_constants(groups, block_d, tokens, warps, lookahead)
     measure(f"bwd-coop-groups{groups}-tokens{tokens}-look{lookahead}", block_d, warps,

@@ -17,11 +17,15 @@ Backward, three kernels, each streaming its operands once:
    coefficients of the rest go to a small fp32 workspace;
 2. per (D chunk, token group): dx and the key gradients from dout, x and the key,
    and the group's dWeight partial accumulated in registers (the weight chunk is
-   loaded once per program); groups take tokens ``g, g + G, ...`` with ``G`` a
-   function of N only, never of the device;
-3. dWeight = the partials summed in group order.
+   loaded once per program); groups take tokens ``g, g + G, ...`` counted from the
+   last token (kernel 1 read those last, so part of their dout is still in L2), with
+   ``G`` a function of N only, never of the device;
+3. dWeight = the partials added as one fixed-shape tree.
 
-No atomics: bitwise reproducible. All math in fp32.
+So dout is read twice; designs that read it once (one cooperative kernel, coefficient
+programs running ahead of the tile programs, one pass with partials in L2) measured
+slower on the H200: ``experiments/engram_gate/raw/tuning/README.md``. No atomics: bitwise
+reproducible. All math in fp32.
 """
 
 from __future__ import annotations
@@ -33,14 +37,13 @@ from dsfuse._common import check_no_overlap
 
 MAX_DIM = 16384  # the forward keeps a row of D channels in registers
 # Launch constants: the fastest settings of the sweeps on the H200 (experiments/engram_gate/raw/tuning)
-FWD_WARPS = 4  # forward: warps per row program for rows of 8192 channels (scaled with the row length)
+FWD_WARPS = 2  # forward: warps per row program for rows of 8192 channels (scaled with the row length)
 COEF_BLOCK_D = 2048  # backward kernel 1: channels per step over a token's [S, D] dout
 COEF_WARPS = 4
 TILE_BLOCK_D = 256  # backward kernel 2: channels per program
 TILE_WARPS = 4
 GROUPS = 32  # backward kernel 2: token groups (dWeight partials) at most
-L2_HINTS = True  # keep dout in L2 between the two backward kernels; stream the rest through
-TILE_REVERSE = True  # kernel 2 starts with the tokens whose dout kernel 1 read last
+TILE_REVERSE = True  # backward kernel 2 starts with the tokens whose dout kernel 1 read last
 SUM_BLOCK = 64  # backward kernel 3 (the dWeight sum): columns per program
 NUM_WARPS = 4
 
@@ -117,8 +120,6 @@ def _engram_bwd_coef_kernel(
     STREAMS: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    KEEP: tl.constexpr,  # L2 eviction policy of the dout reads ("evict_last": the tile kernel reads dout again)
-    PASS: tl.constexpr,  # L2 eviction policy of data read or written once ("evict_first")
 ):
     """Per token: the value gradient, and (a, bx, bk) per stream into ``coef`` ``[N, S, 4]``."""
     i_n = tl.program_id(0).to(tl.int64)
@@ -131,13 +132,11 @@ def _engram_bwd_coef_kernel(
         o_d = d0 + tl.arange(0, BLOCK_D)
         m_d = o_d < dim
         b_do = tl.load(dout_ptr + i_n * sdo_n + o_s[:, None] * dim + o_d[None, :], mask=m_s[:, None] & m_d[None, :],
-                       other=0.0, eviction_policy=KEEP).to(tl.float32)
-        b_v = tl.load(kv_ptr + i_n * skv_n + STREAMS * dim + o_d, mask=m_d, other=0.0,
-                      eviction_policy=PASS).to(tl.float32)
+                       other=0.0).to(tl.float32)
+        b_v = tl.load(kv_ptr + i_n * skv_n + STREAMS * dim + o_d, mask=m_d, other=0.0).to(tl.float32)
         b_g_acc += b_do * b_v[None, :]
         b_dv = tl.sum(b_gate[:, None] * b_do, 0)  # [BLOCK_D]
-        tl.store(dkv_ptr + i_n * sdkv_n + STREAMS * dim + o_d, b_dv.to(dkv_ptr.dtype.element_ty), mask=m_d,
-                 eviction_policy=PASS)
+        tl.store(dkv_ptr + i_n * sdkv_n + STREAMS * dim + o_d, b_dv.to(dkv_ptr.dtype.element_ty), mask=m_d)
     b_G = tl.sum(b_g_acc, 1)  # [BLOCK_S]
     b_dot = tl.load(p_saved + 1, mask=m_s, other=0.0)
     b_rx = tl.load(p_saved + 2, mask=m_s, other=0.0)
@@ -158,8 +157,7 @@ def _engram_bwd_tile_kernel(
     STREAMS: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    REVERSE: tl.constexpr,  # walk the tokens last to first: the coefficient kernel read their dout last
-    PASS: tl.constexpr,  # L2 eviction policy of data read or written once ("evict_first")
+    REVERSE: tl.constexpr,  # walk the tokens last to first: kernel 1 read their dout last (some still in L2)
 ):
     """dx and the key gradients of one D chunk for tokens g, g + G, ... (counted from the end
     when ``REVERSE``); the group's dWeight partial."""
@@ -180,12 +178,12 @@ def _engram_bwd_tile_kernel(
         b_a = tl.load(p_coef, mask=m_s, other=0.0)
         b_bx = tl.load(p_coef + 1, mask=m_s, other=0.0)
         b_bk = tl.load(p_coef + 2, mask=m_s, other=0.0)
-        b_do = tl.load(dout_ptr + i_n * sdo_n + o_sd, mask=m_sd, other=0.0, eviction_policy=PASS).to(tl.float32)
-        b_h = tl.load(x_ptr + i_n * sx_n + o_sd, mask=m_sd, other=0.0, eviction_policy=PASS).to(tl.float32)
-        b_k = tl.load(kv_ptr + i_n * skv_n + o_sd, mask=m_sd, other=0.0, eviction_policy=PASS).to(tl.float32)
+        b_do = tl.load(dout_ptr + i_n * sdo_n + o_sd, mask=m_sd, other=0.0).to(tl.float32)
+        b_h = tl.load(x_ptr + i_n * sx_n + o_sd, mask=m_sd, other=0.0).to(tl.float32)
+        b_k = tl.load(kv_ptr + i_n * skv_n + o_sd, mask=m_sd, other=0.0).to(tl.float32)
         b_dh, b_dk, b_dw_n = _grad_tile(b_do, b_h, b_k, b_w, b_a[:, None], b_bx[:, None], b_bk[:, None])
-        tl.store(dx_ptr + i_n * sdx_n + o_sd, b_dh.to(dx_ptr.dtype.element_ty), mask=m_sd, eviction_policy=PASS)
-        tl.store(dkv_ptr + i_n * sdkv_n + o_sd, b_dk.to(dkv_ptr.dtype.element_ty), mask=m_sd, eviction_policy=PASS)
+        tl.store(dx_ptr + i_n * sdx_n + o_sd, b_dh.to(dx_ptr.dtype.element_ty), mask=m_sd)
+        tl.store(dkv_ptr + i_n * sdkv_n + o_sd, b_dk.to(dkv_ptr.dtype.element_ty), mask=m_sd)
         b_dw += b_dw_n
     tl.store(ws_ptr + i_g.to(tl.int64) * STREAMS * dim + o_sd, b_dw, mask=m_sd)
 
@@ -255,16 +253,14 @@ def launch_backward(dout, x, kv, weight, saved, dx, dkv, dweight, workspace, *, 
         dout, kv, saved, dkv, coef,
         clamp,
         dout.stride(0), kv.stride(0), dkv.stride(0),
-        dim=dim, STREAMS=streams, BLOCK_S=block_s, BLOCK_D=min(COEF_BLOCK_D, _pow2(dim)),
-        KEEP="evict_last" if L2_HINTS else "", PASS="evict_first" if L2_HINTS else "", num_warps=COEF_WARPS,
+        dim=dim, STREAMS=streams, BLOCK_S=block_s, BLOCK_D=min(COEF_BLOCK_D, _pow2(dim)), num_warps=COEF_WARPS,
     )
     block_d = min(TILE_BLOCK_D, _pow2(dim))
     _engram_bwd_tile_kernel[(triton.cdiv(dim, block_d), groups)](
         dout, x, kv, weight, coef, dx, dkv, partials,
         n,
         dout.stride(0), x.stride(0), kv.stride(0), dx.stride(0), dkv.stride(0),
-        dim=dim, STREAMS=streams, BLOCK_S=block_s, BLOCK_D=block_d, REVERSE=TILE_REVERSE,
-        PASS="evict_first" if L2_HINTS else "", num_warps=TILE_WARPS,
+        dim=dim, STREAMS=streams, BLOCK_S=block_s, BLOCK_D=block_d, REVERSE=TILE_REVERSE, num_warps=TILE_WARPS,
     )
     cols = streams * dim
     _engram_dweight_kernel[(triton.cdiv(cols, SUM_BLOCK),)](partials, dweight, groups, cols, BLOCK_P=_pow2(GROUPS),
@@ -288,8 +284,7 @@ def _aot_specs() -> list:
         name="engram_bwd_coef_bf16", kernel=_engram_bwd_coef_kernel,
         signature={"dout_ptr": "*bf16", "kv_ptr": "*bf16", "saved_ptr": "*fp32", "dkv_ptr": "*bf16",
                    "coef_ptr": "*fp32", "clamp": "fp32", "sdo_n": "i32", "skv_n": "i32", "sdkv_n": "i32"},
-        constexprs=dict(dim=5120, STREAMS=4, BLOCK_S=4, BLOCK_D=COEF_BLOCK_D, KEEP="evict_last", PASS="evict_first"),
-        options={"num_warps": COEF_WARPS},
+        constexprs=dict(dim=5120, STREAMS=4, BLOCK_S=4, BLOCK_D=COEF_BLOCK_D), options={"num_warps": COEF_WARPS},
         divisible_by_16=("dout_ptr", "kv_ptr", "saved_ptr", "dkv_ptr", "coef_ptr", "sdo_n", "skv_n", "sdkv_n"),
     )
     tile = AotSpec(
@@ -297,7 +292,7 @@ def _aot_specs() -> list:
         signature={"dout_ptr": "*bf16", "x_ptr": "*bf16", "kv_ptr": "*bf16", "w_ptr": "*fp32", "coef_ptr": "*fp32",
                    "dx_ptr": "*bf16", "dkv_ptr": "*bf16", "ws_ptr": "*fp32", "n_tokens": "i32",
                    "sdo_n": "i32", "sx_n": "i32", "skv_n": "i32", "sdx_n": "i32", "sdkv_n": "i32"},
-        constexprs=dict(dim=5120, STREAMS=4, BLOCK_S=4, BLOCK_D=TILE_BLOCK_D, REVERSE=True, PASS="evict_first"),
+        constexprs=dict(dim=5120, STREAMS=4, BLOCK_S=4, BLOCK_D=TILE_BLOCK_D, REVERSE=TILE_REVERSE),
         options={"num_warps": TILE_WARPS},
         divisible_by_16=("dout_ptr", "x_ptr", "kv_ptr", "w_ptr", "coef_ptr", "dx_ptr", "dkv_ptr", "ws_ptr",
                          "sdo_n", "sx_n", "skv_n", "sdx_n", "sdkv_n"),
