@@ -266,14 +266,12 @@ def test_backward_from_saved_formula_is_autograd(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("groups, tile, coef, reverse, chunk",
-                         [(2, 64, 64, True, 3), (3, 128, 32, False, 4), (64, 32, 2048, True, 1024), (4, 64, 64, True, 1)])
-def test_launch_constants(groups, tile, coef, reverse, chunk, device, monkeypatch):
-    """Token groups (more and fewer than N, and than a chunk's tokens), channel blocks (with
-    channel tails), both token orders and token chunks (one, several, a short last one) of the backward."""
+@pytest.mark.parametrize("groups, tile, coef, reverse", [(2, 64, 64, True), (3, 128, 32, False), (64, 32, 2048, True)])
+def test_launch_constants(groups, tile, coef, reverse, device, monkeypatch):
+    """Token groups (more and fewer than N), channel blocks (with channel tails) and both token
+    orders of the backward."""
     from dsfuse.engram_gate import triton as eg
 
-    for name, value in (("GROUPS", groups), ("TILE_BLOCK_D", tile), ("COEF_BLOCK_D", coef), ("TILE_REVERSE", reverse),
-                        ("CHUNK_TOKENS", chunk)):
+    for name, value in (("GROUPS", groups), ("TILE_BLOCK_D", tile), ("COEF_BLOCK_D", coef), ("TILE_REVERSE", reverse)):
         monkeypatch.setattr(eg, name, value)
     check_all(*make(7, 160, device, seed=4), eps=1e-20)

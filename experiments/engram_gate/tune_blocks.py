@@ -2,9 +2,8 @@
 
     python experiments/engram_gate/tune_blocks.py OUT.csv [N] [--cooperative]
 
-Forward: warps per row program. Backward: the shipped two-kernel design per chunk of tokens
-(512 to 4096) in both token orders of its tile kernel (also timed after the forward: the
-target's regime); with
+Forward: warps per row program. Backward: the shipped two-kernel design in both token
+orders of its tile kernel (also timed after the forward: the target's regime); with
 ``--cooperative``, the one-kernel experiment (``cooperative_backward.py``) over token
 groups, channels per program, tokens per block, warps and lookahead (the whole backward is
 timed, the dWeight sum included). Each setting is checked once (relative RMS error <= 2^-8 on every output; forward against the fp32 model,
@@ -82,12 +81,13 @@ grads = [dx, dkv, dweight]
 # the backward from this saved state in float64 (small scores make the gradients ill-conditioned
 # in the forward's rounding: compare the backward's own arithmetic only)
 want_grads = engram_gate_backward_from_saved(dout, x, kv, weight, saved)
-for chunk, reverse in itertools.product((512, 1024, 2048, 4096), (False, True)):
-    eg.CHUNK_TOKENS, eg.TILE_REVERSE = chunk, reverse
-    measure(f"bwd-chunk{chunk}-reverse{int(reverse)}", eg.TILE_BLOCK_D, eg.TILE_WARPS, bwd, grads, want_grads)
-    # the target's regime: forward then backward, L2 overwritten before the pair
-    measure(f"fwd+bwd-chunk{chunk}-reverse{int(reverse)}", 8192, eg.FWD_WARPS, lambda: (fwd(), bwd()), grads,
-            want_grads)
+for reverse in (False, True):
+    eg.TILE_REVERSE = reverse
+    measure(f"bwd-two-kernel-reverse{int(reverse)}", eg.TILE_BLOCK_D, eg.TILE_WARPS, bwd, grads, want_grads)
+    for warps in (2, 4):  # the target's regime: forward then backward, L2 overwritten before the pair
+        eg.FWD_WARPS = warps
+        measure(f"fwd+bwd-reverse{int(reverse)}", 8192, warps, lambda: (fwd(), bwd()), grads, want_grads)
+    eg.FWD_WARPS = 2
 for groups, block_d, tokens, warps, lookahead in SETTINGS if COOPERATIVE else []:
     set_constants(groups, block_d, tokens, warps, lookahead)
     measure(f"bwd-coop-groups{groups}-tokens{tokens}-look{lookahead}", block_d, warps,

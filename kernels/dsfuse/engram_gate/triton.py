@@ -44,7 +44,6 @@ TILE_BLOCK_D = 256  # backward kernel 2: channels per program
 TILE_WARPS = 4
 GROUPS = 32  # backward kernel 2: token groups (dWeight partials) at most
 TILE_REVERSE = True  # backward kernel 2 starts with the tokens whose dout kernel 1 read last
-CHUNK_TOKENS = 1024  # backward kernels 1 and 2 run per chunk of tokens (a function of N only)
 SUM_BLOCK = 64  # backward kernel 3 (the dWeight sum): columns per program
 NUM_WARPS = 4
 
@@ -112,18 +111,18 @@ def _grad_tile(b_do, b_h, b_k, b_w, b_a, b_bx, b_bk):
     return b_dh, b_dk, b_a * b_h * b_k
 
 
-@triton.jit(do_not_specialize=["token0"])
+@triton.jit
 def _engram_bwd_coef_kernel(
     dout_ptr, kv_ptr, saved_ptr, dkv_ptr, coef_ptr,
-    token0, clamp,
+    clamp,
     sdo_n, skv_n, sdkv_n,
     dim: tl.constexpr,
     STREAMS: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    """Per token ``token0 + program``: the value gradient, and (a, bx, bk) per stream into ``coef`` ``[N, S, 4]``."""
-    i_n = token0 + tl.program_id(0).to(tl.int64)
+    """Per token: the value gradient, and (a, bx, bk) per stream into ``coef`` ``[N, S, 4]``."""
+    i_n = tl.program_id(0).to(tl.int64)
     o_s = tl.arange(0, BLOCK_S)
     m_s = o_s < STREAMS
     p_saved = saved_ptr + i_n * STREAMS * 4 + o_s * 4
@@ -149,10 +148,10 @@ def _engram_bwd_coef_kernel(
     tl.store(p_coef + 2, b_bk, mask=m_s)
 
 
-@triton.jit(do_not_specialize=["token0", "n_tokens", "accumulate"])  # any N reuses one compiled kernel
+@triton.jit(do_not_specialize=["n_tokens"])  # any N reuses one compiled kernel (prepared plans never JIT)
 def _engram_bwd_tile_kernel(
     dout_ptr, x_ptr, kv_ptr, w_ptr, coef_ptr, dx_ptr, dkv_ptr, ws_ptr,
-    token0, n_tokens, accumulate,
+    n_tokens,
     sdo_n, sx_n, skv_n, sdx_n, sdkv_n,
     dim: tl.constexpr,
     STREAMS: tl.constexpr,
@@ -160,9 +159,8 @@ def _engram_bwd_tile_kernel(
     BLOCK_D: tl.constexpr,
     REVERSE: tl.constexpr,  # walk the tokens last to first: kernel 1 read their dout last (some still in L2)
 ):
-    """dx and the key gradients of one D chunk for tokens ``token0 +`` g, g + G, ... (counted
-    from the end when ``REVERSE``); the group's dWeight partial (added to the one in ``ws``
-    when ``accumulate``)."""
+    """dx and the key gradients of one D chunk for tokens g, g + G, ... (counted from the end
+    when ``REVERSE``); the group's dWeight partial."""
     i_g = tl.program_id(1)
     n_groups = tl.num_programs(1)
     o_s = tl.arange(0, BLOCK_S)
@@ -174,7 +172,7 @@ def _engram_bwd_tile_kernel(
     b_dw = tl.zeros((BLOCK_S, BLOCK_D), dtype=tl.float32)
     i_n32 = i_g
     while i_n32 < n_tokens:  # a while loop: runtime bounds, also in the interpreter
-        i_n = token0 + (n_tokens - 1 - i_n32 if REVERSE else i_n32).to(tl.int64)
+        i_n = (n_tokens - 1 - i_n32 if REVERSE else i_n32).to(tl.int64)
         i_n32 += n_groups
         p_coef = coef_ptr + i_n * STREAMS * 4 + o_s * 4
         b_a = tl.load(p_coef, mask=m_s, other=0.0)
@@ -187,10 +185,7 @@ def _engram_bwd_tile_kernel(
         tl.store(dx_ptr + i_n * sdx_n + o_sd, b_dh.to(dx_ptr.dtype.element_ty), mask=m_sd)
         tl.store(dkv_ptr + i_n * sdkv_n + o_sd, b_dk.to(dkv_ptr.dtype.element_ty), mask=m_sd)
         b_dw += b_dw_n
-    p_ws = ws_ptr + i_g.to(tl.int64) * STREAMS * dim + o_sd
-    if accumulate:
-        b_dw = tl.load(p_ws, mask=m_sd, other=0.0) + b_dw
-    tl.store(p_ws, b_dw, mask=m_sd)
+    tl.store(ws_ptr + i_g.to(tl.int64) * STREAMS * dim + o_sd, b_dw, mask=m_sd)
 
 
 @triton.jit(do_not_specialize=["n_parts"])
@@ -254,22 +249,19 @@ def launch_backward(dout, x, kv, weight, saved, dx, dkv, dweight, workspace, *, 
     groups = token_groups(n)
     partials, coef = workspace[: groups * streams * dim], workspace[groups * streams * dim:]
     block_s = _pow2(streams)
+    _engram_bwd_coef_kernel[(n,)](
+        dout, kv, saved, dkv, coef,
+        clamp,
+        dout.stride(0), kv.stride(0), dkv.stride(0),
+        dim=dim, STREAMS=streams, BLOCK_S=block_s, BLOCK_D=min(COEF_BLOCK_D, _pow2(dim)), num_warps=COEF_WARPS,
+    )
     block_d = min(TILE_BLOCK_D, _pow2(dim))
-    # chunks of tokens, so that kernel 2 finds much of the chunk's dout still in L2 from kernel 1
-    for token0 in range(0, n, CHUNK_TOKENS):
-        chunk = min(CHUNK_TOKENS, n - token0)
-        _engram_bwd_coef_kernel[(chunk,)](
-            dout, kv, saved, dkv, coef,
-            token0, clamp,
-            dout.stride(0), kv.stride(0), dkv.stride(0),
-            dim=dim, STREAMS=streams, BLOCK_S=block_s, BLOCK_D=min(COEF_BLOCK_D, _pow2(dim)), num_warps=COEF_WARPS,
-        )
-        _engram_bwd_tile_kernel[(triton.cdiv(dim, block_d), groups)](
-            dout, x, kv, weight, coef, dx, dkv, partials,
-            token0, chunk, int(token0 > 0),
-            dout.stride(0), x.stride(0), kv.stride(0), dx.stride(0), dkv.stride(0),
-            dim=dim, STREAMS=streams, BLOCK_S=block_s, BLOCK_D=block_d, REVERSE=TILE_REVERSE, num_warps=TILE_WARPS,
-        )
+    _engram_bwd_tile_kernel[(triton.cdiv(dim, block_d), groups)](
+        dout, x, kv, weight, coef, dx, dkv, partials,
+        n,
+        dout.stride(0), x.stride(0), kv.stride(0), dx.stride(0), dkv.stride(0),
+        dim=dim, STREAMS=streams, BLOCK_S=block_s, BLOCK_D=block_d, REVERSE=TILE_REVERSE, num_warps=TILE_WARPS,
+    )
     cols = streams * dim
     _engram_dweight_kernel[(triton.cdiv(cols, SUM_BLOCK),)](partials, dweight, groups, cols, BLOCK_P=_pow2(GROUPS),
                                                             BLOCK=SUM_BLOCK, num_warps=NUM_WARPS)
@@ -291,15 +283,14 @@ def _aot_specs() -> list:
     coef = AotSpec(
         name="engram_bwd_coef_bf16", kernel=_engram_bwd_coef_kernel,
         signature={"dout_ptr": "*bf16", "kv_ptr": "*bf16", "saved_ptr": "*fp32", "dkv_ptr": "*bf16",
-                   "coef_ptr": "*fp32", "token0": "i32", "clamp": "fp32", "sdo_n": "i32", "skv_n": "i32", "sdkv_n": "i32"},
+                   "coef_ptr": "*fp32", "clamp": "fp32", "sdo_n": "i32", "skv_n": "i32", "sdkv_n": "i32"},
         constexprs=dict(dim=5120, STREAMS=4, BLOCK_S=4, BLOCK_D=COEF_BLOCK_D), options={"num_warps": COEF_WARPS},
         divisible_by_16=("dout_ptr", "kv_ptr", "saved_ptr", "dkv_ptr", "coef_ptr", "sdo_n", "skv_n", "sdkv_n"),
     )
     tile = AotSpec(
         name="engram_bwd_tile_bf16", kernel=_engram_bwd_tile_kernel,
         signature={"dout_ptr": "*bf16", "x_ptr": "*bf16", "kv_ptr": "*bf16", "w_ptr": "*fp32", "coef_ptr": "*fp32",
-                   "dx_ptr": "*bf16", "dkv_ptr": "*bf16", "ws_ptr": "*fp32", "token0": "i32", "n_tokens": "i32",
-                   "accumulate": "i32",
+                   "dx_ptr": "*bf16", "dkv_ptr": "*bf16", "ws_ptr": "*fp32", "n_tokens": "i32",
                    "sdo_n": "i32", "sx_n": "i32", "skv_n": "i32", "sdx_n": "i32", "sdkv_n": "i32"},
         constexprs=dict(dim=5120, STREAMS=4, BLOCK_S=4, BLOCK_D=TILE_BLOCK_D, REVERSE=TILE_REVERSE),
         options={"num_warps": TILE_WARPS},
