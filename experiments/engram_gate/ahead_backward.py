@@ -7,7 +7,10 @@ always resident) take tokens ``r, r + P, ...``, write the coefficients and raise
 flag (release); the tile programs wait for a token's flag (acquire) before using its
 coefficients, so they read each token's dout shortly after the coefficient programs did,
 mostly from L2. Nothing waits on the tile programs: no deadlock whatever the occupancy.
-Same arithmetic as the shipped kernels (bitwise the same results).
+Same arithmetic as the shipped kernels with ``TILE_REVERSE = False`` (bitwise the same
+results). Slower on the H200: 352 us at best against 311 us for the shipped backward in the
+same run (``raw/tuning/ahead-v1.csv``): the coefficient programs' serial chain per token
+(one chunk of D after another) limits the whole launch.
 """
 
 import torch

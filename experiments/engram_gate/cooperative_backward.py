@@ -5,8 +5,8 @@ their partial ``sum_d dout * value`` (a release count per block) and, one block 
 for all chunks of the previous block and finish it (dx, key gradients, register dWeight
 partials). Every operand is read from HBM once, but each step is a chain of dependent
 round trips (loads, reductions through shared memory, the release, the wait, the sums),
-and with the token concurrency the L2 reuse needs, too little is in flight: 480-1300 us
-against about 300 us for the shipped two-kernel backward on the H200
+and with the token concurrency the L2 reuse needs, too little is in flight: 565 us at best
+(up to 1650 us) against about 305 us for the shipped two-kernel backward on the H200
 (``raw/tuning/blocks-v4-cooperative.csv``, ``blocks-v5-token-blocks.csv``,
 ``probe-cooperative.csv``). Kept so the result can be rerun; not imported by the package.
 """
