@@ -110,3 +110,23 @@ def test_host_us_samples_counts_calls():
     samples = host_us_samples(lambda: calls.append(1), torch.device("cpu"), reps=3, calls=7, warmup=2)
     assert len(samples) == 3 and all(us > 0 for us in samples)
     assert len(calls) == 2 + 3 * 7
+
+
+def test_tuning_tables_from_every_raw_csv(tmp_path):
+    """Each CSV under raw/tuning becomes a table of medians: sweeps, host time, and other probes."""
+    tuning = tmp_path / "raw" / "tuning"
+    tuning.mkdir(parents=True)
+    pd.DataFrame(dict(elements=[256] * 3 + [512] * 3, warps=4, mode="bwd", regime="evicted", sample=[0, 1, 2] * 2,
+                      us=[1.0, 2.0, 30.0, 5.0, 6.0, 7.0])).to_csv(tuning / "blocks-v1.csv", index=False)
+    pd.DataFrame(dict(part="plan", rep=[0, 1, 2], host_us=[3.0, 4.0, 50.0])).to_csv(tuning / "host-overhead-v1.csv",
+                                                                                    index=False)
+    pd.DataFrame(dict(variant=["a", "a", "a", "b", "b", "b"], regs=[96] * 3 + [168] * 3, sample=[0, 1, 2] * 2,
+                      us=[10.0, 12.0, 50.0, 7.0, 8.0, 9.0])).to_csv(tuning / "probe-x.csv", index=False)
+    out = report.write_tuning("fake", tmp_path / "raw", tmp_path)
+    text = out.read_text()
+    for stem in ("blocks-v1", "host-overhead-v1", "probe-x"):
+        assert f"**{stem}**" in text
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in text.splitlines() if line.startswith("|")]
+    assert ["bwd", "256", "2"] in rows and ["bwd", "512", "6"] in rows  # medians, not means
+    assert ["plan", "4"] in rows
+    assert ["a", "96", "12.0"] in rows and ["b", "168", "8.0"] in rows
