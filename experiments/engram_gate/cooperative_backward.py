@@ -20,6 +20,7 @@ from dsfuse.engram_gate.triton import _engram_dweight_kernel, _grad_coefficients
 
 # the settings of the sweeps (module constants so the probes can change them)
 BWD_BLOCK_D, BWD_TOKENS, BWD_WARPS, LOOKAHEAD, GROUPS, SUM_BLOCK, NUM_WARPS = 512, 1, 4, 2, 32, 64, 4
+LOOPED = False  # the looped kernel (token loops, [S, chunk] tiles) instead of the 3D-tile one
 
 
 @triton.jit(do_not_specialize=["n_tokens", "n_groups"])  # any N reuses one compiled kernel
@@ -135,6 +136,103 @@ def _engram_bwd_kernel(
         tl.store(p_dw, b_dw, mask=m_dw)
 
 
+@triton.jit(do_not_specialize=["n_tokens", "n_groups"])
+def _engram_bwd_looped_kernel(
+    dout_ptr, x_ptr, kv_ptr, w_ptr, saved_ptr, dx_ptr, dkv_ptr, gpart_ptr, dwp_ptr, sync_ptr,
+    n_tokens, n_groups, clamp,
+    sdo_n, sx_n, skv_n, sdx_n, sdkv_n,
+    dim: tl.constexpr,
+    STREAMS: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    N_CHUNKS: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    TOKENS: tl.constexpr,
+    CHUNKS_PER_PROGRAM: tl.constexpr,
+    LOOKAHEAD: tl.constexpr,
+):
+    """The cooperative schedule with [S, chunk] tiles and loops over a block's tokens (no 3D
+    tiles): per block one release and one wait amortised over ``TOKENS`` tokens; phase 2
+    reads dout again (from L2: the block's phase 1 read it a few microseconds before)."""
+    ticket = tl.atomic_add(sync_ptr, 1)
+    programs_per_group: tl.constexpr = N_CHUNKS // CHUNKS_PER_PROGRAM
+    i_g = ticket // programs_per_group
+    c0 = (ticket % programs_per_group) * CHUNKS_PER_PROGRAM
+    n_steps = (tl.cdiv(n_tokens, TOKENS) - i_g + n_groups - 1) // n_groups
+    o_s = tl.arange(0, BLOCK_S)
+    m_s = o_s < STREAMS
+    o_c = tl.arange(0, BLOCK_C)
+    m_cs = (o_c < N_CHUNKS)[:, None] & m_s[None, :]
+    p_cnt = sync_ptr + 1
+    b_dw = tl.zeros((BLOCK_S, BLOCK_D), dtype=tl.float32)
+    o_dw = c0 * BLOCK_D + tl.arange(0, BLOCK_D)
+    m_dw = m_s[:, None] & (o_dw < dim)[None, :]
+    p_dw = dwp_ptr + i_g.to(tl.int64) * STREAMS * dim + o_s[:, None] * dim + o_dw[None, :]
+    if CHUNKS_PER_PROGRAM == 1:
+        b_w = tl.load(w_ptr + o_s[:, None] * dim + o_dw[None, :], mask=m_dw, other=0.0)
+    else:
+        for cc in range(CHUNKS_PER_PROGRAM):
+            tl.store(p_dw + cc * BLOCK_D, b_dw, mask=m_dw & (o_dw + cc * BLOCK_D < dim)[None, :])
+    j = 0
+    while j < n_steps + LOOKAHEAD:
+        if j < n_steps:  # phase 1 of block j: chunk sums and the value gradient, then publish
+            i_b = i_g + j * n_groups
+            for t in range(TOKENS):
+                i_n = i_b.to(tl.int64) * TOKENS + t
+                if i_n < n_tokens:
+                    b_gate = tl.load(saved_ptr + i_n * STREAMS * 4 + o_s * 4, mask=m_s, other=0.0)
+                    for cc in range(CHUNKS_PER_PROGRAM):
+                        o_d = (c0 + cc) * BLOCK_D + tl.arange(0, BLOCK_D)
+                        m_d = o_d < dim
+                        b_do = tl.load(dout_ptr + i_n * sdo_n + o_s[:, None] * dim + o_d[None, :],
+                                       mask=m_s[:, None] & m_d[None, :], other=0.0).to(tl.float32)
+                        b_v = tl.load(kv_ptr + i_n * skv_n + STREAMS * dim + o_d, mask=m_d, other=0.0).to(tl.float32)
+                        tl.store(gpart_ptr + (i_n * N_CHUNKS + c0 + cc) * STREAMS + o_s, tl.sum(b_do * b_v[None, :], 1),
+                                 mask=m_s)
+                        b_dv = tl.sum(b_gate[:, None] * b_do, 0)
+                        tl.store(dkv_ptr + i_n * sdkv_n + STREAMS * dim + o_d, b_dv.to(dkv_ptr.dtype.element_ty),
+                                 mask=m_d)
+            tl.debug_barrier()  # every thread's sums are stored before the count says so
+            tl.atomic_add(p_cnt + i_b, CHUNKS_PER_PROGRAM, sem="release", scope="gpu")
+        if j >= LOOKAHEAD:  # phase 2 of block j - LOOKAHEAD
+            i_b = i_g + (j - LOOKAHEAD) * n_groups
+            while tl.atomic_add(p_cnt + i_b, 0, sem="acquire", scope="gpu") < N_CHUNKS:
+                pass
+            for t in range(TOKENS):
+                i_m = i_b.to(tl.int64) * TOKENS + t
+                if i_m < n_tokens:
+                    p_saved = saved_ptr + i_m * STREAMS * 4 + o_s * 4
+                    b_gate = tl.load(p_saved, mask=m_s, other=0.0)
+                    b_dot = tl.load(p_saved + 1, mask=m_s, other=0.0)
+                    b_rx = tl.load(p_saved + 2, mask=m_s, other=0.0)
+                    b_rk = tl.load(p_saved + 3, mask=m_s, other=0.0)
+                    b_gp = tl.load(gpart_ptr + (i_m * N_CHUNKS + o_c[:, None]) * STREAMS + o_s[None, :], mask=m_cs,
+                                   other=0.0, cache_modifier=".cg")  # written by other SMs: read from L2
+                    b_a, b_bx, b_bk = _grad_coefficients(tl.sum(b_gp, 0), b_gate, b_dot, b_rx, b_rk, clamp, dim)
+                    for cc in range(CHUNKS_PER_PROGRAM):
+                        o_d = (c0 + cc) * BLOCK_D + tl.arange(0, BLOCK_D)
+                        m_sd = m_s[:, None] & (o_d < dim)[None, :]
+                        o_sd = o_s[:, None] * dim + o_d[None, :]
+                        b_do = tl.load(dout_ptr + i_m * sdo_n + o_sd, mask=m_sd, other=0.0).to(tl.float32)
+                        b_h = tl.load(x_ptr + i_m * sx_n + o_sd, mask=m_sd, other=0.0).to(tl.float32)
+                        b_k = tl.load(kv_ptr + i_m * skv_n + o_sd, mask=m_sd, other=0.0).to(tl.float32)
+                        if CHUNKS_PER_PROGRAM == 1:
+                            b_dh, b_dk, b_dw_n = _grad_tile(b_do, b_h, b_k, b_w, b_a[:, None], b_bx[:, None],
+                                                            b_bk[:, None])
+                            b_dw += b_dw_n
+                        else:
+                            b_wc = tl.load(w_ptr + o_sd, mask=m_sd, other=0.0)
+                            b_dh, b_dk, b_dw_n = _grad_tile(b_do, b_h, b_k, b_wc, b_a[:, None], b_bx[:, None],
+                                                            b_bk[:, None])
+                            tl.store(p_dw + cc * BLOCK_D, tl.load(p_dw + cc * BLOCK_D, mask=m_sd, other=0.0) + b_dw_n,
+                                     mask=m_sd)
+                        tl.store(dx_ptr + i_m * sdx_n + o_sd, b_dh.to(dx_ptr.dtype.element_ty), mask=m_sd)
+                        tl.store(dkv_ptr + i_m * sdkv_n + o_sd, b_dk.to(dkv_ptr.dtype.element_ty), mask=m_sd)
+        j += 1
+    if CHUNKS_PER_PROGRAM == 1:
+        tl.store(p_dw, b_dw, mask=m_dw)
+
+
 def _blocks(n_tokens: int) -> int:
     return triton.cdiv(n_tokens, BWD_TOKENS)
 
@@ -186,7 +284,8 @@ def launch(dout, x, kv, weight, saved, dx, dkv, dweight, workspace, *, clamp: fl
     if not serial:
         _check_coresident(dout.device, n_chunks)
     sync.zero_()  # fp32 and int32 zero share their bits
-    _engram_bwd_kernel[(n_chunks // per_program * groups,)](
+    kernel = _engram_bwd_looped_kernel if LOOPED else _engram_bwd_kernel
+    kernel[(n_chunks // per_program * groups,)](
         dout, x, kv, weight, saved, dx, dkv, gpart, partials, sync.view(torch.int32),
         n, groups, clamp,
         dout.stride(0), x.stride(0), kv.stride(0), dx.stride(0), dkv.stride(0),

@@ -1,12 +1,12 @@
 """Sweep the Engram gate kernels' launch constants at the model's width.
 
-    python experiments/engram_gate/tune_blocks.py OUT.csv [N] [--cooperative]
+    python experiments/engram_gate/tune_blocks.py OUT.csv [N] [--cooperative] [--looped]
 
 Forward: warps per row program. Backward: the shipped two-kernel design in both token
 orders of its tile kernel (also timed after the forward: the target's regime); with
 ``--cooperative``, the one-kernel experiment (``cooperative_backward.py``) over token
-groups, channels per program, tokens per block, warps and lookahead (the whole backward is
-timed, the dWeight sum included). Each setting is checked once (relative RMS error <= 2^-8 on every output; forward against the fp32 model,
+groups, channels per program, tokens per block, warps and lookahead; with ``--looped``, its
+looped variant (also after the forward). The whole backward is timed, the dWeight sum included. Each setting is checked once (relative RMS error <= 2^-8 on every output; forward against the fp32 model,
 backward against the float64 formula from the same saved state), then timed by CUDA Graph replay with the L2
 overwritten before each call (N = 4096 unless given, D = 5120, S = 4, bf16).
 One CSV row per sample; the constants in dsfuse/engram_gate/triton.py come from here.
@@ -41,7 +41,10 @@ def set_constants(groups, block_d, tokens, warps, lookahead):
 
 
 COOPERATIVE = "--cooperative" in sys.argv  # the experiment's sweep (slow: 72 settings)
+LOOPED = "--looped" in sys.argv  # the experiment's looped kernel: groups, channels, tokens per block, lookahead
+LOOPED_SETTINGS = list(itertools.product((16, 32), (256, 512), (4, 8, 16), (4,), (0, 1)))
 sizes = [set_constants(*c) for c in SETTINGS] if COOPERATIVE else []
+sizes += [set_constants(*c) for c in LOOPED_SETTINGS] if LOOPED else []
 workspace = torch.empty(max(sizes + [eg.workspace_elements(n, streams, dim)]), device="cuda")
 timer = Timer(torch.device("cuda"), 256 << 20)
 rows = []
@@ -93,6 +96,13 @@ for groups, block_d, tokens, warps, lookahead in SETTINGS if COOPERATIVE else []
     measure(f"bwd-coop-groups{groups}-tokens{tokens}-look{lookahead}", block_d, warps,
             lambda: coop.launch(dout, x, kv, weight, saved, dx, dkv, dweight, workspace, clamp=clamp), grads,
             want_grads)
+coop.LOOPED = True
+for groups, block_d, tokens, warps, lookahead in LOOPED_SETTINGS if LOOPED else []:
+    set_constants(groups, block_d, tokens, warps, lookahead)
+    for what, fn in (("bwd", lambda: coop.launch(dout, x, kv, weight, saved, dx, dkv, dweight, workspace, clamp=clamp)),
+                     ("fwd+bwd", lambda: (fwd(), coop.launch(dout, x, kv, weight, saved, dx, dkv, dweight, workspace,
+                                                             clamp=clamp)))):
+        measure(f"{what}-looped-groups{groups}-tokens{tokens}-look{lookahead}", block_d, warps, fn, grads, want_grads)
 write_csv(args[0], rows)
 import pandas as pd  # noqa: E402
 
