@@ -8,7 +8,8 @@ round trips (loads, reductions through shared memory, the release, the wait, the
 and with the token concurrency the L2 reuse needs, too little is in flight: 565 us at best
 (up to 1650 us) against about 305 us for the shipped two-kernel backward on the H200
 (``raw/tuning/blocks-v4-cooperative.csv``, ``blocks-v5-token-blocks.csv``,
-``probe-cooperative.csv``). Kept so the result can be rerun; not imported by the package.
+``probe-cooperative.csv``); the looped variant (one wait per block of tokens) 545 us
+against 280 us (``blocks-v9-looped.csv``). Kept so the result can be rerun; not imported by the package.
 """
 
 import torch

@@ -6,9 +6,11 @@ Forward: warps per row program. Backward: the shipped two-kernel design in both 
 orders of its tile kernel (also timed after the forward: the target's regime); with
 ``--cooperative``, the one-kernel experiment (``cooperative_backward.py``) over token
 groups, channels per program, tokens per block, warps and lookahead; with ``--looped``, its
-looped variant (also after the forward). The whole backward is timed, the dWeight sum included. Each setting is checked once (relative RMS error <= 2^-8 on every output; forward against the fp32 model,
-backward against the float64 formula from the same saved state), then timed by CUDA Graph replay with the L2
-overwritten before each call (N = 4096 unless given, D = 5120, S = 4, bf16).
+looped variant (also after the forward). The whole backward is timed, the dWeight sum
+included. Each setting is checked once (relative RMS error <= 2^-8 on every output; forward
+against the fp32 model, backward against the float64 formula from the same saved state),
+then timed by CUDA Graph replay with the L2 overwritten before each call (N = 4096 unless
+given, D = 5120, S = 4, bf16).
 One CSV row per sample; the constants in dsfuse/engram_gate/triton.py come from here.
 """
 
