@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dsfuse.engram_gate.triton import _engram_dweight_kernel, _grad_coefficients, _grad_tile, _pow2
+from dsfuse.engram_gate.triton import _engram_dweight_kernel, _grad_tile, _pow2, _token_coefficients
 
 COEF_PROGRAMS, COEF_BLOCK_D, TILE_BLOCK_D, WARPS, GROUPS = 132, 512, 256, 4, 32
 
@@ -43,23 +43,8 @@ def _engram_bwd_ahead_kernel(
         i_n32 = ticket
         while i_n32 < n_tokens:
             i_n = i_n32.to(tl.int64)
-            p_saved = saved_ptr + i_n * STREAMS * 4 + o_s * 4
-            b_gate = tl.load(p_saved, mask=m_s, other=0.0)
-            b_g_acc = tl.zeros((BLOCK_S, COEF_D), dtype=tl.float32)
-            for d0 in range(0, dim, COEF_D):
-                o_d = d0 + tl.arange(0, COEF_D)
-                m_d = o_d < dim
-                b_do = tl.load(dout_ptr + i_n * sdo_n + o_s[:, None] * dim + o_d[None, :],
-                               mask=m_s[:, None] & m_d[None, :], other=0.0).to(tl.float32)
-                b_v = tl.load(kv_ptr + i_n * skv_n + STREAMS * dim + o_d, mask=m_d, other=0.0).to(tl.float32)
-                b_g_acc += b_do * b_v[None, :]
-                b_dv = tl.sum(b_gate[:, None] * b_do, 0)
-                tl.store(dkv_ptr + i_n * sdkv_n + STREAMS * dim + o_d, b_dv.to(dkv_ptr.dtype.element_ty), mask=m_d)
-            b_G = tl.sum(b_g_acc, 1)
-            b_dot = tl.load(p_saved + 1, mask=m_s, other=0.0)
-            b_rx = tl.load(p_saved + 2, mask=m_s, other=0.0)
-            b_rk = tl.load(p_saved + 3, mask=m_s, other=0.0)
-            b_a, b_bx, b_bk = _grad_coefficients(b_G, b_gate, b_dot, b_rx, b_rk, clamp, dim)
+            b_a, b_bx, b_bk = _token_coefficients(i_n, dout_ptr, kv_ptr, saved_ptr, dkv_ptr, clamp, sdo_n, skv_n,
+                                                  sdkv_n, dim, STREAMS, BLOCK_S, COEF_D)
             p_coef = coef_ptr + i_n * STREAMS * 4 + o_s * 4
             tl.store(p_coef, b_a, mask=m_s)
             tl.store(p_coef + 1, b_bx, mask=m_s)

@@ -112,17 +112,10 @@ def _grad_tile(b_do, b_h, b_k, b_w, b_a, b_bx, b_bk):
 
 
 @triton.jit
-def _engram_bwd_coef_kernel(
-    dout_ptr, kv_ptr, saved_ptr, dkv_ptr, coef_ptr,
-    clamp,
-    sdo_n, skv_n, sdkv_n,
-    dim: tl.constexpr,
-    STREAMS: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
-    """Per token: the value gradient, and (a, bx, bk) per stream into ``coef`` ``[N, S, 4]``."""
-    i_n = tl.program_id(0).to(tl.int64)
+def _token_coefficients(i_n, dout_ptr, kv_ptr, saved_ptr, dkv_ptr, clamp, sdo_n, skv_n, sdkv_n,
+                        dim: tl.constexpr, STREAMS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Token ``i_n``: one pass over its dout and value rows writes the value gradient
+    ``sum_s gate_s * dout_s`` and gives ``G = sum_d dout * value``; returns (a, bx, bk) per stream."""
     o_s = tl.arange(0, BLOCK_S)
     m_s = o_s < STREAMS
     p_saved = saved_ptr + i_n * STREAMS * 4 + o_s * 4
@@ -137,11 +130,28 @@ def _engram_bwd_coef_kernel(
         b_g_acc += b_do * b_v[None, :]
         b_dv = tl.sum(b_gate[:, None] * b_do, 0)  # [BLOCK_D]
         tl.store(dkv_ptr + i_n * sdkv_n + STREAMS * dim + o_d, b_dv.to(dkv_ptr.dtype.element_ty), mask=m_d)
-    b_G = tl.sum(b_g_acc, 1)  # [BLOCK_S]
     b_dot = tl.load(p_saved + 1, mask=m_s, other=0.0)
     b_rx = tl.load(p_saved + 2, mask=m_s, other=0.0)
     b_rk = tl.load(p_saved + 3, mask=m_s, other=0.0)
-    b_a, b_bx, b_bk = _grad_coefficients(b_G, b_gate, b_dot, b_rx, b_rk, clamp, dim)
+    return _grad_coefficients(tl.sum(b_g_acc, 1), b_gate, b_dot, b_rx, b_rk, clamp, dim)
+
+
+@triton.jit
+def _engram_bwd_coef_kernel(
+    dout_ptr, kv_ptr, saved_ptr, dkv_ptr, coef_ptr,
+    clamp,
+    sdo_n, skv_n, sdkv_n,
+    dim: tl.constexpr,
+    STREAMS: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """Per token: the value gradient, and (a, bx, bk) per stream into ``coef`` ``[N, S, 4]``."""
+    i_n = tl.program_id(0).to(tl.int64)
+    b_a, b_bx, b_bk = _token_coefficients(i_n, dout_ptr, kv_ptr, saved_ptr, dkv_ptr, clamp, sdo_n, skv_n, sdkv_n,
+                                          dim, STREAMS, BLOCK_S, BLOCK_D)
+    o_s = tl.arange(0, BLOCK_S)
+    m_s = o_s < STREAMS
     p_coef = coef_ptr + i_n * STREAMS * 4 + o_s * 4
     tl.store(p_coef, b_a, mask=m_s)
     tl.store(p_coef + 1, b_bx, mask=m_s)
