@@ -130,3 +130,19 @@ def test_tuning_tables_from_every_raw_csv(tmp_path):
     assert ["bwd", "256", "2"] in rows and ["bwd", "512", "6"] in rows  # medians, not means
     assert ["plan", "4"] in rows
     assert ["a", "96", "12.0"] in rows and ["b", "168", "8.0"] in rows
+
+
+def test_checked_graph_samples_checks_before_timing():
+    """A sweep setting whose outputs are off (or left unwritten) raises; a right one is timed."""
+    timer = harness.Timer(torch.device("cpu"), 0)
+    want = torch.arange(1.0, 9.0)
+    out = torch.empty(8)
+    samples = harness.checked_graph_samples(lambda: out.copy_(want * (1 + 2**-10)), [out], [want], timer, "ok", n=3)
+    assert len(samples) == 3 and all(s > 0 for s in samples)
+    for fn, what in ((lambda: out.copy_(want * 1.01), "off by 1%"), (lambda: None, "unwritten")):
+        try:
+            harness.checked_graph_samples(fn, [out], [want], timer, what, n=3)
+        except AssertionError as e:
+            assert what in str(e)
+        else:
+            raise AssertionError(f"{what}: not caught")

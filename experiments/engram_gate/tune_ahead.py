@@ -15,7 +15,7 @@ import ahead_backward as ahead
 import torch
 
 from dsfuse.bench.engram_gate import gate_inputs
-from dsfuse.bench.harness import Timer, capture_graph, write_csv
+from dsfuse.bench.harness import Timer, checked_graph_samples, write_csv
 from dsfuse.engram_gate import engram_gate_backward_from_saved
 from dsfuse.engram_gate import triton as eg
 
@@ -32,17 +32,9 @@ rows = []
 
 
 def measure(mode, setting, bwd):
-    for t in (dx, dkv, dweight):
-        t.fill_(float("nan"))
-    bwd()
-    for got, ref, name in zip((dx, dkv, dweight), want, ("dx", "dkv", "dweight")):
-        err = ((got.double() - ref).norm() / ref.norm()).item()
-        if not err <= 2**-8:
-            raise AssertionError(f"{mode} {setting} {name}: relative RMS error {err:.2e}")
     for what, fn in (("bwd", bwd), ("fwd+bwd", lambda: (eg.launch_forward(x, kv, weight, mask, out, saved, eps=eps,
                                                                                clamp=1e-6), bwd()))):
-        graph, _ = capture_graph(lambda fn=fn: (fn(),), torch.device("cuda"))
-        us = timer.samples(graph.replay, "evicted", 20, 10)
+        us = checked_graph_samples(fn, (dx, dkv, dweight), want, timer, f"{what}-{mode} {setting}")
         rows.extend({"mode": f"{what}-{mode}", "setting": setting, "sample": i, "us": round(u, 3)}
                     for i, u in enumerate(us))
         print(f"{what}-{mode} {setting}: {sorted(us)[len(us) // 2]:.1f} us", flush=True)

@@ -21,7 +21,7 @@ import torch
 import cooperative_backward as coop
 
 from dsfuse.bench.engram_gate import gate_inputs
-from dsfuse.bench.harness import Timer, capture_graph, write_csv
+from dsfuse.bench.harness import Timer, checked_graph_samples, write_csv
 from dsfuse.engram_gate import engram_gate_backward_from_saved, engram_gate_reference
 from dsfuse.engram_gate import triton as eg
 
@@ -52,12 +52,6 @@ timer = Timer(torch.device("cuda"), 256 << 20)
 rows = []
 
 
-def check(got, want, what):
-    err = ((got.double() - want.double()).norm() / want.double().norm()).item()
-    if not err <= 2**-8:
-        raise AssertionError(f"{what}: relative RMS error {err:.2e}")
-
-
 def fwd():
     eg.launch_forward(x, kv, weight, mask, out, saved, eps=eps, clamp=clamp)
 
@@ -67,14 +61,9 @@ def bwd():
 
 
 def measure(mode, elements, warps, fn, outputs, wants):
-    for t in outputs:
-        t.fill_(float("nan"))
-    fn()
-    for t, w, name in zip(outputs, wants, ("a", "b", "c")):
-        check(t, w, f"{mode} {elements} {warps} output {name}")
-    graph, _ = capture_graph(lambda: (fn(),), torch.device("cuda"))
-    for i, us in enumerate(timer.samples(graph.replay, "evicted", 20, 10)):
-        rows.append(dict(elements=elements, warps=warps, mode=mode, regime="evicted", sample=i, us=round(us, 3)))
+    us = checked_graph_samples(fn, outputs, wants, timer, f"{mode} {elements} {warps}")
+    rows.extend({"elements": elements, "warps": warps, "mode": mode, "regime": "evicted", "sample": i,
+                 "us": round(u, 3)} for i, u in enumerate(us))
 
 
 for warps in (2, 4, 8):

@@ -15,7 +15,7 @@ import torch
 from onepass_backward import launch as launch_onepass
 
 from dsfuse.bench.engram_gate import gate_inputs
-from dsfuse.bench.harness import Timer, capture_graph, write_csv
+from dsfuse.bench.harness import Timer, checked_graph_samples, write_csv
 from dsfuse.engram_gate import engram_gate_backward_from_saved
 from dsfuse.engram_gate import triton as eg
 
@@ -31,16 +31,9 @@ rows = []
 
 
 def measure(mode, elements, warps, fn):
-    for t in (dx, dkv, dweight):
-        t.fill_(float("nan"))
-    fn()
-    for got, ref, name in zip((dx, dkv, dweight), want, ("dx", "dkv", "dweight")):
-        err = ((got.double() - ref).norm() / ref.norm()).item()
-        if not err <= 2**-8:
-            raise AssertionError(f"{mode} {elements} {warps} {name}: relative RMS error {err:.2e}")
-    graph, _ = capture_graph(lambda: (fn(),), torch.device("cuda"))
-    rows.extend(dict(elements=elements, warps=warps, mode=mode, regime="evicted", sample=i, us=round(us, 3))
-                for i, us in enumerate(timer.samples(graph.replay, "evicted", 20, 10)))
+    us = checked_graph_samples(fn, (dx, dkv, dweight), want, timer, f"{mode} {elements} {warps}")
+    rows.extend({"elements": elements, "warps": warps, "mode": mode, "regime": "evicted", "sample": i,
+                 "us": round(u, 3)} for i, u in enumerate(us))
 
 
 measure("bwd-shipped", eg.BWD_BLOCK_D, eg.BWD_WARPS,

@@ -223,6 +223,25 @@ def capture_graph(fn: Callable[[], Outputs], device: torch.device) -> tuple[torc
     return graph, outputs
 
 
+def checked_graph_samples(fn: Callable[[], Any], outputs: Outputs, expected: Outputs, timer: Timer, what: str, *,
+                          rtol: float = 2**-8, n: int = 20) -> list[float]:
+    """For launch-constant sweeps: poison ``outputs`` with NaN, run ``fn`` once and require a
+    relative RMS error <= ``rtol`` on each against ``expected`` (AssertionError naming ``what``
+    otherwise); then ``n`` samples (us per call) of ``fn``, replayed from a CUDA Graph with the
+    L2 overwritten before each call (plain calls on the CPU)."""
+    for t in outputs:
+        t.fill_(float("nan"))
+    fn()
+    for i, (got, want) in enumerate(zip(outputs, expected, strict=True)):
+        err = float((got.double() - want.double()).norm() / want.double().norm().clamp_min(1e-30))
+        if not err <= rtol:
+            raise AssertionError(f"{what}: output {i}: relative RMS error {err:.2e} (limit {rtol:.2e})")
+    if timer.device.type != "cuda":
+        return timer.samples(fn, "hot", n, 1)
+    graph, _ = capture_graph(lambda: (fn(),), timer.device)
+    return timer.samples(graph.replay, "evicted", n, 1)
+
+
 def host_us_samples(fn: Callable[[], Any], device: torch.device, reps: int = 5, calls: int = 200,
                     warmup: int = 20) -> list[float]:
     """Host time per call of ``fn``, ``reps`` samples of ``calls`` calls with no synchronisation
