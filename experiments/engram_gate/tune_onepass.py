@@ -36,7 +36,7 @@ def measure(mode, elements, warps, fn):
                  "us": round(u, 3)} for i, u in enumerate(us))
 
 
-measure("bwd-shipped", eg.BWD_BLOCK_D, eg.BWD_WARPS,
+measure("bwd-shipped", eg.TILE_BLOCK_D, eg.TILE_WARPS,
         lambda: eg.launch_backward(dout, x, kv, weight, saved, dx, dkv, dweight, workspace, clamp=1e-6))
 for programs, block_d, warps in itertools.product((264, 528), (1024, 2048), (8, 16)):
     measure(f"bwd-onepass-P{programs}", block_d, warps,
