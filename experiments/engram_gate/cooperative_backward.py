@@ -16,8 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dsfuse._common import check_no_overlap
-from dsfuse.engram_gate.triton import _engram_dweight_kernel, _grad_coefficients, _grad_tile, _pow2, check_dim
+from dsfuse.engram_gate.triton import _engram_dweight_kernel, _grad_coefficients, _grad_tile, _pow2, backward_shape
 
 # the settings of the sweeps (module constants so the probes can change them)
 BWD_BLOCK_D, BWD_TOKENS, BWD_WARPS, LOOKAHEAD, GROUPS, SUM_BLOCK, NUM_WARPS = 512, 1, 4, 2, 32, 64, 4
@@ -265,10 +264,7 @@ def launch(dout, x, kv, weight, saved, dx, dkv, dweight, workspace, *, clamp: fl
     another; the same arithmetic, so bitwise the same results). The interpreter, which runs
     programs one after another, needs it; the default is serial exactly for CPU tensors.
     """
-    check_no_overlap({"dx": dx, "dkv": dkv, "dweight": dweight, "workspace": workspace},
-                     {"dout": dout, "x": x, "kv": kv, "weight": weight, "saved": saved})
-    n, streams, dim = x.shape
-    check_dim(dim)
+    n, streams, dim = backward_shape(dout, x, kv, weight, saved, dx, dkv, dweight, workspace)
     if n == 0:
         dweight.zero_()
         return

@@ -247,12 +247,18 @@ def launch_forward(x, kv, weight, token_mask, out, saved, *, eps: float, clamp: 
     )
 
 
-def launch_backward(dout, x, kv, weight, saved, dx, dkv, dweight, workspace, *, clamp: float) -> None:
-    """``workspace`` fp32 contiguous with at least ``workspace_elements(N, S, D)`` elements (overwritten)."""
+def backward_shape(dout, x, kv, weight, saved, dx, dkv, dweight, workspace) -> tuple[int, int, int]:
+    """The launchers' own checks (no output overlaps an input; D within the limit); ``(N, S, D)``."""
     check_no_overlap({"dx": dx, "dkv": dkv, "dweight": dweight, "workspace": workspace},
                      {"dout": dout, "x": x, "kv": kv, "weight": weight, "saved": saved})
     n, streams, dim = x.shape
     check_dim(dim)
+    return n, streams, dim
+
+
+def launch_backward(dout, x, kv, weight, saved, dx, dkv, dweight, workspace, *, clamp: float) -> None:
+    """``workspace`` fp32 contiguous with at least ``workspace_elements(N, S, D)`` elements (overwritten)."""
+    n, streams, dim = backward_shape(dout, x, kv, weight, saved, dx, dkv, dweight, workspace)
     if n == 0:
         dweight.zero_()
         return
