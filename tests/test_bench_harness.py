@@ -146,3 +146,28 @@ def test_checked_graph_samples_checks_before_timing():
             assert what in str(e)
         else:
             raise AssertionError(f"{what}: not caught")
+
+
+def test_engram_consumer_ceiling_from_the_run(tmp_path):
+    from dsfuse.bench.engram_gate import report_extra
+
+    times = {("gate_N4_fwd+bwd", "ctrl"): 200.0, ("gate_N4_fwd+bwd", "cand"): 100.0,
+             ("consumer_N4_fwd+bwd", "ctrl"): 1000.0, ("consumer_N4_fwd+bwd", "cand"): 950.0}
+    rows = [dict(case=c, mode="fwd+bwd", provider=p, regime="evicted", clock="graph", block=b, sample=0, us=us)
+            for (c, p), us in times.items() for b in range(2)]
+    rows.append(dict(case="copy", mode="copy", provider="copy", regime="evicted", clock="graph", block=0, sample=0,
+                     us=1.0))
+    pd.DataFrame(rows).to_csv(tmp_path / "samples.csv", index=False)
+    pd.DataFrame([dict(case=c, provider=p, role="candidate" if p == "cand" else "control", form="", stage="before",
+                       status="pass") for c, p in times]).to_csv(tmp_path / "validation.csv", index=False)
+    pd.DataFrame([dict(case="copy", mode="copy", bytes=1_000_000, params="{}"),  # 1 TB/s
+                  dict(case="gate_N4_fwd+bwd", mode="fwd+bwd", bytes=50_000_000, params="{}"),  # floor 50 us
+                  dict(case="consumer_N4_fwd+bwd", mode="fwd+bwd", bytes=1, params="{}")]).to_csv(
+        tmp_path / "cases.csv", index=False)
+    (tmp_path / "env.json").write_text("{}")
+    (tmp_path / "config.yaml").write_text("{}")
+    row = next(line for line in "\n".join(report_extra(tmp_path)).splitlines() if line.startswith("| consumer_N4"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    # measured 1000 / 950; expected 1000 / (800 + 100); ceiling 1000 / (800 + 50)
+    assert cells[-3:] == ["1.05x", "1.11x", "1.18x"]
+    assert cells[3:6] == ["200", "100", "50"]
