@@ -148,7 +148,7 @@ def test_checked_graph_samples_checks_before_timing():
             raise AssertionError(f"{what}: not caught")
 
 
-def test_engram_consumer_ceiling_from_the_run(tmp_path):
+def test_engram_consumer_estimates_from_the_run(tmp_path):
     from dsfuse.bench.engram_gate import report_extra
 
     times = {("gate_N4_fwd+bwd", "ctrl"): 200.0, ("gate_N4_fwd+bwd", "cand"): 100.0,
@@ -168,6 +168,6 @@ def test_engram_consumer_ceiling_from_the_run(tmp_path):
     (tmp_path / "config.yaml").write_text("{}")
     row = next(line for line in "\n".join(report_extra(tmp_path)).splitlines() if line.startswith("| consumer_N4"))
     cells = [c.strip() for c in row.strip("|").split("|")]
-    # measured 1000 / 950; expected 1000 / (800 + 100); ceiling 1000 / (800 + 50)
+    # measured 1000 / 950; expected 1000 / (800 + 100); at the gate floor 1000 / (800 + 50)
     assert cells[-3:] == ["1.05x", "1.11x", "1.18x"]
     assert cells[3:6] == ["200", "100", "50"]
