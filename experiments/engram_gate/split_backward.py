@@ -25,7 +25,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from dsfuse.engram_gate.triton import _copysign, _engram_dweight_kernel, _grad_coefficients, _grad_tile, _pow2
+from dsfuse.engram_gate.triton import (_copysign, _engram_dweight_kernel, _grad_coefficients, _pow2, _tile_token,
+                                      _tree_sum)
 
 DOT_BLOCK_D, DOT_WARPS = 1024, 4
 TILE_BLOCK_D, TILE_WARPS, GROUPS = 256, 4, 32
@@ -162,13 +163,8 @@ def _split_tile_kernel(
                                              tl.load(p_saved + 1, mask=m_s, other=0.0),
                                              tl.load(p_saved + 2, mask=m_s, other=0.0),
                                              tl.load(p_saved + 3, mask=m_s, other=0.0), clamp, dim)
-        b_do = tl.load(dout_ptr + i_n * sdo_n + o_sd, mask=m_sd, other=0.0).to(tl.float32)
-        b_h = tl.load(x_ptr + i_n * sx_n + o_sd, mask=m_sd, other=0.0).to(tl.float32)
-        b_k = tl.load(kv_ptr + i_n * skv_n + o_sd, mask=m_sd, other=0.0).to(tl.float32)
-        b_dh, b_dk, b_dw_n = _grad_tile(b_do, b_h, b_k, b_w, b_a[:, None], b_bx[:, None], b_bk[:, None])
-        tl.store(dx_ptr + i_n * sdx_n + o_sd, b_dh.to(dx_ptr.dtype.element_ty), mask=m_sd)
-        tl.store(dkv_ptr + i_n * sdkv_n + o_sd, b_dk.to(dkv_ptr.dtype.element_ty), mask=m_sd)
-        b_dw += b_dw_n
+        b_dw += _tile_token(i_n, dout_ptr, x_ptr, kv_ptr, dx_ptr, dkv_ptr, sdo_n, sx_n, skv_n, sdx_n, sdkv_n,
+                            o_sd, m_sd, b_w, b_a, b_bx, b_bk)
     tl.store(ws_ptr + i_g.to(tl.int64) * STREAMS * dim + o_sd, b_dw, mask=m_sd)
 
 
@@ -176,12 +172,7 @@ def _split_tile_kernel(
 def _pdl_dweight_kernel(ws_ptr, dw_ptr, n_parts, n_cols, BLOCK_P: tl.constexpr, BLOCK: tl.constexpr):
     """The shipped dWeight tree sum behind a ``gdc_wait`` (launched as a programmatic dependent)."""
     gdc_wait()
-    o_p = tl.arange(0, BLOCK_P)
-    o_c = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    m_c = o_c < n_cols
-    b_ws = tl.load(ws_ptr + o_p[:, None].to(tl.int64) * n_cols + o_c[None, :],
-                   mask=(o_p < n_parts)[:, None] & m_c[None, :], other=0.0)
-    tl.store(dw_ptr + o_c, tl.sum(b_ws, 0), mask=m_c)
+    _tree_sum(ws_ptr, dw_ptr, n_parts, n_cols, BLOCK_P, BLOCK)
 
 
 def workspace_elements(n_tokens: int, streams: int, dim: int) -> int:

@@ -112,6 +112,20 @@ def _grad_tile(b_do, b_h, b_k, b_w, b_a, b_bx, b_bk):
 
 
 @triton.jit
+def _tile_token(i_n, dout_ptr, x_ptr, kv_ptr, dx_ptr, dkv_ptr, sdo_n, sx_n, skv_n, sdx_n, sdkv_n, o_sd, m_sd,
+                b_w, b_a, b_bx, b_bk):
+    """Token ``i_n``'s ``[S, chunk]`` tile at offsets ``o_sd``: reads dout, x and the key, writes dx and
+    the key gradients from the per-stream coefficients; returns the tile's weight-gradient term."""
+    b_do = tl.load(dout_ptr + i_n * sdo_n + o_sd, mask=m_sd, other=0.0).to(tl.float32)
+    b_h = tl.load(x_ptr + i_n * sx_n + o_sd, mask=m_sd, other=0.0).to(tl.float32)
+    b_k = tl.load(kv_ptr + i_n * skv_n + o_sd, mask=m_sd, other=0.0).to(tl.float32)
+    b_dh, b_dk, b_dw_n = _grad_tile(b_do, b_h, b_k, b_w, b_a[:, None], b_bx[:, None], b_bk[:, None])
+    tl.store(dx_ptr + i_n * sdx_n + o_sd, b_dh.to(dx_ptr.dtype.element_ty), mask=m_sd)
+    tl.store(dkv_ptr + i_n * sdkv_n + o_sd, b_dk.to(dkv_ptr.dtype.element_ty), mask=m_sd)
+    return b_dw_n
+
+
+@triton.jit
 def _token_coefficients(i_n, dout_ptr, kv_ptr, saved_ptr, dkv_ptr, clamp, sdo_n, skv_n, sdkv_n,
                         dim: tl.constexpr, STREAMS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
     """Token ``i_n``: one pass over its dout and value rows writes the value gradient
@@ -188,25 +202,26 @@ def _engram_bwd_tile_kernel(
         b_a = tl.load(p_coef, mask=m_s, other=0.0)
         b_bx = tl.load(p_coef + 1, mask=m_s, other=0.0)
         b_bk = tl.load(p_coef + 2, mask=m_s, other=0.0)
-        b_do = tl.load(dout_ptr + i_n * sdo_n + o_sd, mask=m_sd, other=0.0).to(tl.float32)
-        b_h = tl.load(x_ptr + i_n * sx_n + o_sd, mask=m_sd, other=0.0).to(tl.float32)
-        b_k = tl.load(kv_ptr + i_n * skv_n + o_sd, mask=m_sd, other=0.0).to(tl.float32)
-        b_dh, b_dk, b_dw_n = _grad_tile(b_do, b_h, b_k, b_w, b_a[:, None], b_bx[:, None], b_bk[:, None])
-        tl.store(dx_ptr + i_n * sdx_n + o_sd, b_dh.to(dx_ptr.dtype.element_ty), mask=m_sd)
-        tl.store(dkv_ptr + i_n * sdkv_n + o_sd, b_dk.to(dkv_ptr.dtype.element_ty), mask=m_sd)
-        b_dw += b_dw_n
+        b_dw += _tile_token(i_n, dout_ptr, x_ptr, kv_ptr, dx_ptr, dkv_ptr, sdo_n, sx_n, skv_n, sdx_n, sdkv_n,
+                            o_sd, m_sd, b_w, b_a, b_bx, b_bk)
     tl.store(ws_ptr + i_g.to(tl.int64) * STREAMS * dim + o_sd, b_dw, mask=m_sd)
 
 
-@triton.jit(do_not_specialize=["n_parts"])
-def _engram_dweight_kernel(ws_ptr, dw_ptr, n_parts, n_cols, BLOCK_P: tl.constexpr, BLOCK: tl.constexpr):
-    """dweight[c] = sum over the partials ws[p, c], p < n_parts, as one fixed-shape tree."""
+@triton.jit
+def _tree_sum(ws_ptr, dw_ptr, n_parts, n_cols, BLOCK_P: tl.constexpr, BLOCK: tl.constexpr):
+    """This program's ``BLOCK`` columns of the dWeight sum (the body of ``_engram_dweight_kernel``)."""
     o_p = tl.arange(0, BLOCK_P)
     o_c = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m_c = o_c < n_cols
     b_ws = tl.load(ws_ptr + o_p[:, None].to(tl.int64) * n_cols + o_c[None, :],
                    mask=(o_p < n_parts)[:, None] & m_c[None, :], other=0.0)
     tl.store(dw_ptr + o_c, tl.sum(b_ws, 0), mask=m_c)
+
+
+@triton.jit(do_not_specialize=["n_parts"])
+def _engram_dweight_kernel(ws_ptr, dw_ptr, n_parts, n_cols, BLOCK_P: tl.constexpr, BLOCK: tl.constexpr):
+    """dweight[c] = sum over the partials ws[p, c], p < n_parts, as one fixed-shape tree."""
+    _tree_sum(ws_ptr, dw_ptr, n_parts, n_cols, BLOCK_P, BLOCK)
 
 
 def _pow2(n: int) -> int:
