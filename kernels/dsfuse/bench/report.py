@@ -290,9 +290,10 @@ def write_tuning(op: str, raw_root: Path, results_dir: Path) -> Path | None:
                            tablefmt="github"), ""]
     for path in probe_files:  # other probes: the median of ``us`` per combination of the other columns
         df = pd.read_csv(path)
-        keys = [c for c in df.columns if c not in ("sample", "round", "us")]  # rounds repeat a sweep
+        keys = [c for c in df.columns if c not in ("sample", "round", "block", "us")]  # rounds, blocks: repeats
         med = df.groupby(keys, sort=False)["us"].median().reset_index()
-        lines += [f"**{path.stem}** (median us over the samples{' of every round' if 'round' in df else ''}, "
+        repeats = [f"every {c}" for c in ("round", "block") if c in df]
+        lines += [f"**{path.stem}** (median us over the samples{' of ' + ' and '.join(repeats) if repeats else ''}, "
                   "CUDA Graph replay, L2 evicted)", ""]
         lines += [tabulate(med.values.tolist(), headers=keys + ["us"], tablefmt="github", floatfmt=".1f"), ""]
     out = Path(results_dir) / f"{op}_tuning.md"
