@@ -122,6 +122,9 @@ def test_tuning_tables_from_every_raw_csv(tmp_path):
                                                                                     index=False)
     pd.DataFrame(dict(variant=["a", "a", "a", "b", "b", "b"], regs=[96] * 3 + [168] * 3, sample=[0, 1, 2] * 2,
                       us=[10.0, 12.0, 50.0, 7.0, 8.0, 9.0])).to_csv(tuning / "probe-x.csv", index=False)
+    # rounds and blocks repeat a setting: one median over all of them
+    pd.DataFrame(dict(setting="s", round=[0, 0, 1, 1, 2], block=[0, 1, 0, 1, 0], sample=0,
+                      us=[1.0, 2.0, 3.0, 40.0, 50.0])).to_csv(tuning / "repeats.csv", index=False)
     out = report.write_tuning("fake", tmp_path / "raw", tmp_path)
     text = out.read_text()
     for stem in ("blocks-v1", "host-overhead-v1", "probe-x"):
@@ -130,6 +133,7 @@ def test_tuning_tables_from_every_raw_csv(tmp_path):
     assert ["bwd", "256", "2"] in rows and ["bwd", "512", "6"] in rows  # medians, not means
     assert ["plan", "4"] in rows
     assert ["a", "96", "12.0"] in rows and ["b", "168", "8.0"] in rows
+    assert ["s", "3.0"] in rows
 
 
 def test_checked_graph_samples_checks_before_timing():
