@@ -120,8 +120,8 @@ def _split_dot_kernel(
     b_do = tl.load(dout_ptr + i_n * sdo_n + o_s[:, None] * dim + o_d[None, :], mask=m_s[:, None] & m_d[None, :],
                    other=0.0).to(tl.float32)
     b_v = tl.load(kv_ptr + i_n * skv_n + STREAMS * dim + o_d, mask=m_d, other=0.0).to(tl.float32)
-    tl.store(dkv_ptr + i_n * sdkv_n + STREAMS * dim + o_d, tl.sum(b_gate[:, None] * b_do, 0).to(dkv_ptr.dtype.element_ty),
-             mask=m_d)
+    b_dv = tl.sum(b_gate[:, None] * b_do, 0)
+    tl.store(dkv_ptr + i_n * sdkv_n + STREAMS * dim + o_d, b_dv.to(dkv_ptr.dtype.element_ty), mask=m_d)
     tl.store(part_ptr + (i_n * CHUNKS + i_c) * STREAMS + o_s, tl.sum(b_do * b_v[None, :], 1), mask=m_s)
 
 
@@ -157,7 +157,8 @@ def _split_tile_kernel(
     while i_n32 < n_tokens:
         i_n = (n_tokens - 1 - i_n32).to(tl.int64)
         i_n32 += n_groups
-        b_G = tl.sum(tl.load(part_ptr + (i_n * CHUNKS + o_c[:, None]) * STREAMS + o_s[None, :], mask=m_cs, other=0.0), 0)
+        p_part = part_ptr + (i_n * CHUNKS + o_c[:, None]) * STREAMS + o_s[None, :]
+        b_G = tl.sum(tl.load(p_part, mask=m_cs, other=0.0), 0)
         p_saved = saved_ptr + (i_n * STREAMS + o_s) * 4
         b_a, b_bx, b_bk = _grad_coefficients(b_G, tl.load(p_saved, mask=m_s, other=0.0),
                                              tl.load(p_saved + 1, mask=m_s, other=0.0),

@@ -76,7 +76,8 @@ def check_small():
     for n in (1, 3, 4097):
         p = problem(n)
         for f in FWD:
-            checked_graph_samples(fwd_fn(p, set_fwd(*f)), (p["out"], p["saved"]), p["want_fwd"], timer, f"N={n} {f}", n=1)
+            checked_graph_samples(fwd_fn(p, set_fwd(*f)), (p["out"], p["saved"]), p["want_fwd"], timer, f"N={n} {f}",
+                                  n=1)
         eg.launch_forward(p["x"], p["kv"], p["weight"], p["mask"], p["out"], p["saved"], eps=p["eps"], clamp=clamp)
         for b in BWD:
             checked_graph_samples(bwd_fn(p, set_bwd(*b)), (p["dx"], p["dkv"], p["dweight"]), p["want_bwd"], timer,
