@@ -16,7 +16,8 @@ Two ideas measured against the shipped kernels (dsfuse/engram_gate/triton.py):
 
 ``experiments/engram_gate/tune_split.py`` times them. All slower on the H200
 (``raw/tuning/split-v1.csv``): backward 324-517 us against 303 us shipped, forward + backward
-489 us at best against 450 us, forward 154-1881 us against 152 us; the chained launches change
+489 us at best against 450 us, forward 154-1881 us against 152 us (in ``split-v2-rerun.csv`` the
+4-warp split row was 3.5% faster alone, slower before the backward); the chained launches change
 nothing beyond noise. The sweep times the whole backward, so it does not say which of the two
 split kernels lost the time.
 """
