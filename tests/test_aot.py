@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from dsfuse._common.aot import ARCHS, SPEC_MODULES
+from dsfuse._common.aot import ARCHS, all_specs
 
 
 @pytest.fixture(scope="module")
@@ -27,9 +27,7 @@ def compiled():
 
 
 def _spec_names():
-    import importlib
-
-    return sorted(spec.name for module in SPEC_MODULES for spec in importlib.import_module(module).AOT_SPECS)
+    return sorted(spec.name for spec in all_specs())
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHS))

@@ -1,9 +1,13 @@
 """Shared validation helpers."""
 
+import importlib
+import importlib.util
+
 import pytest
 import torch
 
-from dsfuse._common import check_no_internal_overlap, check_no_overlap, memory_span, resolve_backend
+from dsfuse._common import OpBackends, check_no_internal_overlap, check_no_overlap, memory_span
+from dsfuse._common.backends import BACKENDS, load_all_ops
 
 
 def test_memory_span_of_views():
@@ -37,12 +41,55 @@ def test_internal_overlap():
         check_no_internal_overlap("t", torch.empty(10).as_strided((4, 4), (2, 1)))
 
 
-def test_resolve_backend():
-    assert resolve_backend("auto", [], on_cuda=True) == "triton"
-    assert resolve_backend("auto", [], on_cuda=False) == "reference"
-    assert resolve_backend("auto", ["x"], on_cuda=True) == "reference"
-    assert resolve_backend("reference", [], on_cuda=True) == "reference"
-    with pytest.raises(ValueError, match="backend='triton' cannot run this call: a; b"):
-        resolve_backend("triton", ["a", "b"], on_cuda=True)
-    with pytest.raises(ValueError, match="backend: expected one of"):
-        resolve_backend("fast", [], on_cuda=True)
+def test_backend_choice(monkeypatch):
+    """``auto`` takes the reference on the CPU and the family's first serving backend on CUDA;
+    a named backend that cannot serve raises with every reason."""
+    entry = OpBackends("toy", kernels={"triton": ()}, dtypes={"triton": (torch.float32,)})
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert entry.choose("auto", cpu, torch.float32) == "reference"  # the interpreter is never auto's pick
+    assert entry.choose("triton", cpu, torch.float32) == "triton"
+    assert entry.choose("reference", cuda, torch.float32) == "reference"
+    monkeypatch.setattr("dsfuse._common.backends._FAMILIES", {0: "sm_90"})
+    assert entry.choose("auto", cuda, torch.float32) == "triton"
+    assert entry.choose("auto", cuda, torch.float64) == "reference"
+    assert entry.choose("auto", cuda, torch.float32, ["input x requires grad"]) == "reference"
+    with pytest.raises(ValueError, match="backend='triton' cannot serve this toy call: dtype float64 is not one of "
+                                         "float32; input x requires grad"):
+        entry.choose("triton", cuda, torch.float64, ["input x requires grad"])
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match=r"tensors are on cpu \(Triton needs CUDA, or TRITON_INTERPRET=1 for CPU\)"):
+        entry.choose("triton", cpu, torch.float32)
+    with pytest.raises(ValueError, match=r"backend: expected one of \('auto', 'triton', 'reference'\) for toy"):
+        entry.choose("fast", cpu, torch.float32)
+
+
+def test_backend_preference_per_family(monkeypatch):
+    """With two fused backends, ``auto`` follows the family's measured order and skips one that cannot serve."""
+    entry = OpBackends("toy", kernels={"triton": (), "cutedsl": ()},
+                       dtypes={"triton": (torch.float32,), "cutedsl": (torch.float32, torch.float16)},
+                       preference={"sm_100": ("cutedsl", "triton")})
+    cuda = torch.device("cuda", 0)
+    object.__setattr__(BACKENDS["cutedsl"], "installed", True)
+    try:
+        monkeypatch.setattr("dsfuse._common.backends._FAMILIES", {0: "sm_100"})
+        assert entry.choose("auto", cuda, torch.float32) == "cutedsl"
+        monkeypatch.setattr("dsfuse._common.backends._FAMILIES", {0: "sm_90"})
+        assert entry.choose("auto", cuda, torch.float32) == "triton"  # unlisted family: the order of kernels
+        assert entry.choose("auto", cuda, torch.float16) == "cutedsl"  # triton cannot serve fp16 here
+        object.__setattr__(BACKENDS["cutedsl"], "installed", False)
+        with pytest.raises(ValueError, match=r"needs the package cutlass \(pip install 'dsfuse\[cutedsl\]'\)"):
+            entry.choose("cutedsl", cuda, torch.float32)
+    finally:
+        object.__setattr__(BACKENDS["cutedsl"], "installed", importlib.util.find_spec("cutlass") is not None)
+
+
+def test_every_op_is_registered():
+    """Importing the package's op folders registers each op with its kernel modules (what the AOT check reads)."""
+    ops = load_all_ops()
+    assert {"text_rope", "vision_rope", "engram_gate"} <= set(ops)
+    for entry in ops.values():
+        assert entry.kernels, entry.op
+        for modules in entry.kernels.values():
+            for module in modules:
+                assert importlib.import_module(module).AOT_SPECS, module

@@ -185,7 +185,7 @@ def test_backends_and_fallbacks(device, monkeypatch):
     # float64 is not fused: auto falls back to the (exact) reference, triton refuses
     v64 = values.double()
     assert_bitwise(apply_rope(v64, angles), rope_reference(v64, angles), "fp64 fallback")
-    with pytest.raises(ValueError, match="not one of bf16, fp16, fp32"):
+    with pytest.raises(ValueError, match="dtype float64 is not one of bfloat16, float16, float32"):
         apply_rope(v64, angles, backend="triton")
     # angles that require grad: auto takes eager (and angles get their gradient); triton refuses
     angles_rg = angles.clone().requires_grad_()

@@ -14,6 +14,7 @@ import torch
 from conftest import DEVICES
 from helpers import assert_bitwise, assert_within_ulp
 
+from dsfuse.models.vision_geometry import largest_grid, llm_tokens, patch_grid
 from dsfuse.vision_rope import (
     attention,
     attention_front,
@@ -24,7 +25,6 @@ from dsfuse.vision_rope import (
     vision_rope_backward_reference,
     vision_rope_forward,
 )
-from dsfuse.vision_rope.geometry import largest_grid, llm_tokens, patch_grid
 
 SHAPES = [(16, 1, 64), (16, 7, 64), (16, 77, 64), (3, 130, 8), (5, 33, 32)]  # (H, T, D)
 
@@ -163,13 +163,13 @@ def _bad_calls():
                               r"dq_htd: expected contiguous \[H, T, D\] storage"),
         "dv wrong shape": (call(set_(2, lambda a: torch.randn(h, t + 1, d).bfloat16())), ValueError,
                            r"dv_htd: expected shape \[H, T, D\]"),
-        "dtype mismatch": (call(set_(2, lambda a: a[2].float())), TypeError, "dv_htd: expected dtype torch.bfloat16"),
+        "dtype mismatch": (call(set_(2, lambda a: a[2].float())), TypeError, "dv_htd: expected dtype bfloat16 \\(that of dq_htd\\)"),
         "cos fp64": (call(set_(3, lambda a: a[3].double())), TypeError, r"cos: expected dtype in \(float32\)"),
         "cos wrong tokens": (call(set_(3, lambda a: a[3][:-1])), ValueError, r"cos: expected shape \[9, 4\]"),
         "misaligned dq": (call(set_(0, lambda a: torch.randn(h * t * d + 1).bfloat16()[1:].view(h, t, d))), ValueError,
                           "dq_htd: expected a 16-byte aligned data pointer"),
         "out wrong shape": (call(lambda a: None, out=torch.empty(t, 3 * h * d - 1).bfloat16()), ValueError,
-                            "out: expected a contiguous"),
+                            r"out: expected a bfloat16 tensor of shape \[9, 96\]"),
         "out overlaps dq": (None, ValueError, "out: must not overlap dq_htd"),
         "bad backend": (call(lambda a: None, backend="cuda"), ValueError, "backend: expected one of"),
     }
@@ -232,7 +232,7 @@ def test_torch_compile_fullgraph(device):
 @pytest.mark.parametrize("device", DEVICES)
 def test_small_tower_rope_swap(device):
     """A 2-block tower of small width: swapping in the fused front end changes no output or gradient."""
-    from dsfuse.vision_rope.tower import TowerConfig, VisionTower, synthetic_weights
+    from dsfuse.models.vision_tower import TowerConfig, VisionTower, synthetic_weights
 
     cfg = TowerConfig(layers=2, hidden=64, heads=4, mlp=96, llm_hidden=80)
     weights = {k: v.float().to(device) for k, v in synthetic_weights(cfg).items()}  # fp32: exact on CPU too

@@ -2,8 +2,9 @@
 
 ``triton.compile`` with a ``GPUTarget`` runs the whole pipeline down to a cubin
 (Triton ships its own ptxas), so a machine without a GPU can check that every
-kernel builds for Hopper (sm_90) and Blackwell (sm_100). Each op's ``triton.py``
-lists the specialisations it launches in ``AOT_SPECS``.
+kernel builds for Hopper (sm_90) and Blackwell (sm_100). Each kernel module lists the
+specialisations it launches in ``AOT_SPECS``; the modules are found through the backend
+registry (:mod:`dsfuse._common.backends`), so a new op or stage module needs no list here.
 """
 
 from __future__ import annotations
@@ -44,17 +45,26 @@ def compile_for(spec: AotSpec, arch: str):
     return triton.compile(src, target=GPUTarget("cuda", ARCHS[arch], 32), options=dict(spec.options))
 
 
-SPEC_MODULES = ("dsfuse.text_rope.triton", "dsfuse.vision_rope.triton", "dsfuse.engram_gate.triton")
+def spec_modules(backend: str = "triton") -> list[str]:
+    """Every registered op's kernel modules of ``backend``, in registration order."""
+    from dsfuse._common.backends import load_all_ops
+
+    return [module for entry in load_all_ops().values() for module in entry.kernels.get(backend, ())]
+
+
+def all_specs(backend: str = "triton") -> list[AotSpec]:
+    import importlib
+
+    return [spec for module in spec_modules(backend) for spec in importlib.import_module(module).AOT_SPECS]
 
 
 def main() -> int:
-    """``python -m dsfuse._common.aot``: compile every op's AOT_SPECS for sm_90 and sm_100.
+    """``python -m dsfuse._common.aot``: compile every registered Triton kernel's AOT_SPECS for sm_90 and sm_100.
 
     Prints one JSON line per (spec, arch) with the PTX's global load/store kinds
     and the shared memory size. Run with ``TRITON_INTERPRET`` unset: the
     interpreter replaces kernels by Python functions that cannot be compiled.
     """
-    import importlib
     import json
     import re
     from collections import Counter
@@ -62,20 +72,19 @@ def main() -> int:
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         raise SystemExit("unset TRITON_INTERPRET: interpreted kernels cannot be compiled")
     failures = 0
-    for module in SPEC_MODULES:
-        for spec in importlib.import_module(module).AOT_SPECS:
-            for arch in ARCHS:
-                row = dict(spec=spec.name, arch=arch)
-                try:
-                    compiled = compile_for(spec, arch)
-                    ptx = compiled.asm["ptx"]
-                    row.update(ok=True, cubin_bytes=len(compiled.asm["cubin"]), shared=compiled.metadata.shared,
-                               target=re.search(r"\.target (\w+)", ptx).group(1),
-                               memory_ops=dict(Counter(re.findall(r"\b((?:ld|st)\.global[\.\w]*)", ptx))))
-                except Exception as exc:  # report every failure, not just the first
-                    failures += 1
-                    row.update(ok=False, error=f"{type(exc).__name__}: {exc}"[:2000])
-                print(json.dumps(row), flush=True)
+    for spec in all_specs():
+        for arch in ARCHS:
+            row = dict(spec=spec.name, arch=arch)
+            try:
+                compiled = compile_for(spec, arch)
+                ptx = compiled.asm["ptx"]
+                row.update(ok=True, cubin_bytes=len(compiled.asm["cubin"]), shared=compiled.metadata.shared,
+                           target=re.search(r"\.target (\w+)", ptx).group(1),
+                           memory_ops=dict(Counter(re.findall(r"\b((?:ld|st)\.global[\.\w]*)", ptx))))
+            except Exception as exc:  # report every failure, not just the first
+                failures += 1
+                row.update(ok=False, error=f"{type(exc).__name__}: {exc}"[:2000])
+            print(json.dumps(row), flush=True)
     return 1 if failures else 0
 
 

@@ -20,11 +20,59 @@ def check_tensor(name: str, value: object) -> torch.Tensor:
     return value
 
 
+FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+
+
 def check_dtype(name: str, t: torch.Tensor, allowed: Iterable[torch.dtype]) -> None:
+    """``t.dtype`` must be one of ``allowed`` (``TypeError`` otherwise)."""
     allowed = tuple(allowed)
     if t.dtype not in allowed:
         names = ", ".join(str(d).removeprefix("torch.") for d in allowed)
         raise TypeError(f"{name}: expected dtype in ({names}), got {str(t.dtype).removeprefix('torch.')}")
+
+
+def check_same_dtype(name: str, t: torch.Tensor, ref_name: str, ref: torch.Tensor) -> None:
+    if t.dtype != ref.dtype:
+        raise TypeError(f"{name}: expected dtype {str(ref.dtype).removeprefix('torch.')} (that of {ref_name}), "
+                        f"got {str(t.dtype).removeprefix('torch.')}")
+
+
+def check_contiguous(name: str, t: torch.Tensor, storage: str = "") -> None:
+    """``t`` must be contiguous (``storage`` names the expected layout in the message)."""
+    if not t.is_contiguous():
+        what = f" {storage}" if storage else ""
+        raise ValueError(f"{name}: expected contiguous{what} storage, got strides {list(t.stride())}")
+
+
+def check_aligned(name: str, t: torch.Tensor, alignment: int = 16) -> None:
+    """The data pointer must be a multiple of ``alignment`` bytes (skipped while tracing: fake
+    tensors have no addresses)."""
+    if addresses_known() and t.data_ptr() % alignment:
+        raise ValueError(f"{name}: expected a {alignment}-byte aligned data pointer, got address {t.data_ptr():#x}")
+
+
+def check_out(name: str, t: object, shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A caller-owned output: a tensor of exactly ``shape``, ``dtype`` and ``device``."""
+    check_tensor(name, t)
+    if tuple(t.shape) != tuple(shape) or t.dtype != dtype or t.device != device:
+        raise ValueError(f"{name}: expected a {str(dtype).removeprefix('torch.')} tensor of shape {list(shape)} on "
+                         f"{device}, got {str(t.dtype).removeprefix('torch.')} {list(t.shape)} on {t.device}")
+    return t
+
+
+def addresses_known() -> bool:
+    """False while ``torch.compile`` traces with fake tensors (no data pointers to compare)."""
+    return not torch.compiler.is_compiling()
+
+
+def check_outputs_free(outputs: dict[str, torch.Tensor | None], inputs: dict[str, torch.Tensor | None]) -> None:
+    """Outputs written by the op: no element aliases another of the same output, and no output
+    shares memory with an input or another output. Applied on every backend path."""
+    for name, t in outputs.items():
+        if t is not None:
+            check_no_internal_overlap(name, t)
+    if addresses_known():
+        check_no_overlap(outputs, inputs)
 
 
 def check_shape(name: str, t: torch.Tensor, expected: Sequence[int | None], what: str = "") -> None:

@@ -1,7 +1,6 @@
 """DeepSeek-V4.1 Engram gate (four hyper-connection streams): saved-state forward, packed-dKV backward."""
 
 from dsfuse.engram_gate.api import (
-    EngramGateFunction,
     EngramGatePlan,
     engram_gate,
     engram_gate_backward,
@@ -16,7 +15,6 @@ from dsfuse.engram_gate.reference import (
 
 __all__ = [
     "SAVED_FIELDS",
-    "EngramGateFunction",
     "EngramGatePlan",
     "engram_gate",
     "engram_gate_backward",

@@ -4,9 +4,8 @@ Layers: the launchers (:mod:`dsfuse.engram_gate.triton`); the functional entry p
 :func:`engram_gate_forward` / :func:`engram_gate_backward` (caller-owned outputs, saved
 state and workspace allowed); :class:`EngramGatePlan`, the prepared form that validates
 and compiles once, then executes with no allocation, no JIT and no host synchronisation
-(CUDA Graph capturable); :func:`engram_gate`, differentiable (``EngramGateFunction``
-eagerly, ``torch.library`` custom ops ``dsfuse::engram_gate_fwd`` / ``dsfuse::engram_gate_bwd``
-under ``torch.compile``).
+(CUDA Graph capturable); :func:`engram_gate`, differentiable through the declared ops
+(:func:`dsfuse._common.declare_op`) ``dsfuse::engram_gate_fwd`` / ``dsfuse::engram_gate_bwd``.
 """
 
 from __future__ import annotations
@@ -14,21 +13,30 @@ from __future__ import annotations
 import torch
 
 from dsfuse._common import (
+    BACKENDS as FUSED_BACKENDS,
+    REFERENCE,
+    OpBackends,
+    check_aligned,
+    check_contiguous,
     check_dtype,
-    check_no_overlap,
+    check_out,
+    check_outputs_free,
     check_same_device,
+    check_same_dtype,
     check_shape,
     check_tensor,
+    declare_op,
     on_stream,
-    resolve_backend,
-    triton_can_run_on,
+    register,
 )
 from dsfuse.engram_gate.reference import engram_gate_reference
 from dsfuse.engram_gate.triton import launch_backward, launch_forward, workspace_elements
 
-__all__ = ["EngramGateFunction", "EngramGatePlan", "engram_gate", "engram_gate_backward", "engram_gate_forward"]
+__all__ = ["EngramGatePlan", "engram_gate", "engram_gate_backward", "engram_gate_forward"]
 
 FUSED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+BACKENDS = register(OpBackends("engram_gate", kernels={"triton": ("dsfuse.engram_gate.triton",)},
+                               dtypes={"triton": FUSED_DTYPES}))
 
 
 # -- validation ------------------------------------------------------------------------------
@@ -49,8 +57,7 @@ def _check_inputs(x, kv, weight, token_mask, eps, clamp) -> tuple[int, int, int]
     n, streams, dim = x.shape
     check_dtype("x", x, FUSED_DTYPES + (torch.float64,))
     check_shape("kv", kv, (n, (streams + 1) * dim), "S keys then one value per token")
-    if kv.dtype != x.dtype:
-        raise TypeError(f"kv: expected dtype {x.dtype} (that of x), got {kv.dtype}")
+    check_same_dtype("kv", kv, "x", x)
     if kv.stride(1) != 1:
         raise ValueError(f"kv: expected unit channel stride, got strides {list(kv.stride())}")
     check_dtype("weight", weight, (torch.float32,))
@@ -71,25 +78,42 @@ def _check_inputs(x, kv, weight, token_mask, eps, clamp) -> tuple[int, int, int]
 
 
 def _check_out(name: str, t: torch.Tensor | None, shape, dtype, device, rows_dim: int | None = None) -> None:
+    """A caller-owned tensor of the gate: ``[N, S, D]`` with contiguous rows (``rows_dim``) or contiguous."""
     if t is None:
         return
-    check_tensor(name, t)
-    if tuple(t.shape) != tuple(shape) or t.dtype != dtype or t.device != device:
-        raise ValueError(f"{name}: expected a {dtype} tensor of shape {list(shape)} on {device}, got {t.dtype} "
-                         f"{list(t.shape)} on {t.device}")
+    check_out(name, t, shape, dtype, device)
     if rows_dim is not None:
         _check_rows(name, t, rows_dim)
-    elif not t.is_contiguous():
-        raise ValueError(f"{name}: expected a contiguous tensor, got strides {list(t.stride())}")
+    else:
+        check_contiguous(name, t)
 
 
-def _fused_reasons(x: torch.Tensor) -> list[str]:
-    reasons = []
-    if not triton_can_run_on(x):
-        reasons.append(f"tensors are on {x.device} (Triton needs CUDA, or TRITON_INTERPRET=1 for CPU)")
-    if x.dtype not in FUSED_DTYPES:
-        reasons.append(f"dtype {x.dtype} is not one of bf16, fp16, fp32")
-    return reasons
+def _check_forward_outputs(x, kv, weight, token_mask, out, saved) -> None:
+    n, streams, dim = x.shape
+    _check_out("out", out, (n, streams, dim), x.dtype, x.device, rows_dim=dim)
+    _check_out("saved", saved, (n, streams, 4), torch.float32, x.device)
+    check_outputs_free({"out": out, "saved": saved}, {"x": x, "kv": kv, "weight": weight, "token_mask": token_mask})
+
+
+def _check_backward_args(dout, x, kv, weight, token_mask, saved, dx, dkv, dweight, workspace) -> None:
+    """Everything but the inputs (checked by ``_check_inputs``): gradients in, outputs, aliasing."""
+    n, streams, dim = x.shape
+    check_tensor("dout", dout)
+    _check_out("dout", dout, (n, streams, dim), x.dtype, x.device, rows_dim=dim)
+    check_tensor("saved", saved)
+    _check_out("saved", saved, (n, streams, 4), torch.float32, x.device)
+    _check_out("dx", dx, (n, streams, dim), x.dtype, x.device, rows_dim=dim)
+    _check_out("dkv", dkv, tuple(kv.shape), kv.dtype, x.device)
+    _check_out("dweight", dweight, (streams, dim), torch.float32, x.device)
+    if workspace is not None:
+        need = workspace_elements(n, streams, dim)
+        check_tensor("workspace", workspace)
+        if workspace.dtype != torch.float32 or workspace.numel() < need or not workspace.is_contiguous() \
+                or workspace.device != x.device:
+            raise ValueError(f"workspace: expected a contiguous fp32 tensor of at least {need} elements on "
+                             f"{x.device}, got {workspace.dtype} with {workspace.numel()} on {workspace.device}")
+    check_outputs_free({"dx": dx, "dkv": dkv, "dweight": dweight, "workspace": workspace},
+                       {"dout": dout, "x": x, "kv": kv, "weight": weight, "token_mask": token_mask, "saved": saved})
 
 
 # -- functional ------------------------------------------------------------------------------
@@ -128,11 +152,10 @@ def engram_gate_forward(
         reference; masked tokens' output equals ``x`` exactly.
     """
     n, streams, dim = _check_inputs(x, kv, weight, token_mask, eps, clamp)
-    _check_out("out", out, (n, streams, dim), x.dtype, x.device, rows_dim=dim)
-    _check_out("saved", saved, (n, streams, 4), torch.float32, x.device)
-    which = resolve_backend(backend, _fused_reasons(x), on_cuda=x.is_cuda)
+    _check_forward_outputs(x, kv, weight, token_mask, out, saved)
+    which = BACKENDS.choose(backend, x.device, x.dtype)
     with on_stream(stream, x.device):
-        if which == "reference":
+        if which == REFERENCE:
             ref_out, ref_saved = engram_gate_reference(x, kv, weight, token_mask, eps=eps, clamp=clamp)
             return ((ref_out if out is None else out.copy_(ref_out)),
                     (ref_saved if saved is None else saved.copy_(ref_saved)))
@@ -184,29 +207,17 @@ def engram_gate_backward(
         The triple ``(dx, dkv, dweight)``; repeated calls on the same inputs are bitwise equal.
     """
     n, streams, dim = _check_inputs(x, kv, weight, token_mask, eps, clamp)
-    check_tensor("dout", dout)
-    _check_out("dout", dout, (n, streams, dim), x.dtype, x.device, rows_dim=dim)
-    check_tensor("saved", saved)
-    _check_out("saved", saved, (n, streams, 4), torch.float32, x.device)
-    _check_out("dx", dx, (n, streams, dim), x.dtype, x.device, rows_dim=dim)
-    _check_out("dkv", dkv, tuple(kv.shape), kv.dtype, x.device)
-    _check_out("dweight", dweight, (streams, dim), torch.float32, x.device)
-    need = workspace_elements(n, streams, dim)
-    if workspace is not None:
-        check_tensor("workspace", workspace)
-        if workspace.dtype != torch.float32 or workspace.numel() < need or not workspace.is_contiguous() \
-                or workspace.device != x.device:
-            raise ValueError(f"workspace: expected a contiguous fp32 tensor of at least {need} elements on "
-                             f"{x.device}, got {workspace.dtype} with {workspace.numel()} on {workspace.device}")
-    which = resolve_backend(backend, _fused_reasons(x), on_cuda=x.is_cuda)
+    _check_backward_args(dout, x, kv, weight, token_mask, saved, dx, dkv, dweight, workspace)
+    which = BACKENDS.choose(backend, x.device, x.dtype)
     with on_stream(stream, x.device):
-        if which == "reference":
+        if which == REFERENCE:
             grads = _reference_backward(dout, x, kv, weight, token_mask, eps, clamp)
             return tuple(g if o is None else o.copy_(g) for g, o in zip(grads, (dx, dkv, dweight)))
         dx = torch.empty(x.shape, dtype=x.dtype, device=x.device) if dx is None else dx
         dkv = torch.empty(kv.shape, dtype=kv.dtype, device=x.device) if dkv is None else dkv
         dweight = torch.empty((streams, dim), dtype=torch.float32, device=x.device) if dweight is None else dweight
-        workspace = torch.empty(need, dtype=torch.float32, device=x.device) if workspace is None else workspace
+        if workspace is None:
+            workspace = torch.empty(workspace_elements(n, streams, dim), dtype=torch.float32, device=x.device)
         launch_backward(dout, x, kv, weight, saved, dx, dkv, dweight, workspace, clamp=clamp)
         return dx, dkv, dweight
 
@@ -242,10 +253,10 @@ class EngramGatePlan:
         self.dtype, self.eps, self.clamp = dtype, float(eps), float(clamp)
         if max_tokens < 1:
             raise ValueError(f"max_tokens: expected >= 1, got {max_tokens}")
-        if not triton_can_run_on(torch.empty(0, device=self.device)):
-            raise ValueError(f"device: the plan needs CUDA (or TRITON_INTERPRET=1 for CPU), got {self.device}")
         if dtype not in FUSED_DTYPES:
             raise TypeError(f"dtype: expected one of bf16, fp16, fp32, got {dtype}")
+        if reasons := FUSED_BACKENDS["triton"].reasons_against(self.device):
+            raise ValueError(f"device: the plan runs the Triton kernels: {'; '.join(reasons)}")
         self.workspace = torch.empty(workspace_elements(max_tokens, streams, dim), dtype=torch.float32,
                                      device=self.device)
         self._warm_up()
@@ -272,8 +283,7 @@ class EngramGatePlan:
             check_tensor(name, t)
             if t.device != self.device:
                 raise ValueError(f"{name}: expected device {self.device} (the plan's), got {t.device}")
-            if t.data_ptr() % 16:  # another alignment would be another compiled specialisation
-                raise ValueError(f"{name}: expected a 16-byte aligned data pointer, got {t.data_ptr():#x}")
+            check_aligned(name, t)  # another alignment would be another compiled specialisation
         _check_inputs(x, kv, weight, token_mask, self.eps, self.clamp)
         if x.dtype != self.dtype or tuple(x.shape[1:]) != (self.streams, self.dim):
             raise ValueError(f"x: expected {self.dtype} [N, {self.streams}, {self.dim}] (the plan's), got "
@@ -281,25 +291,16 @@ class EngramGatePlan:
         return n
 
     def forward(self, x, kv, weight, token_mask, out, saved, stream: torch.cuda.Stream | None = None):
-        n = self._check(x, kv, weight, token_mask, out=out, saved=saved)
-        _check_out("out", out, x.shape, x.dtype, x.device, rows_dim=self.dim)
-        _check_out("saved", saved, (n, self.streams, 4), torch.float32, x.device)
+        self._check(x, kv, weight, token_mask, out=out, saved=saved)
+        _check_forward_outputs(x, kv, weight, token_mask, out, saved)
         with on_stream(stream, self.device):
             launch_forward(x, kv, weight, token_mask, out, saved, eps=self.eps, clamp=self.clamp)
         return out, saved
 
     def backward(self, dout, x, kv, weight, token_mask, saved, dx, dkv, dweight,
                  stream: torch.cuda.Stream | None = None):
-        n = self._check(x, kv, weight, token_mask, dout=dout, saved=saved, dx=dx, dkv=dkv, dweight=dweight)
-        for name, t, shape, dtype, rows in (("dout", dout, x.shape, x.dtype, self.dim),
-                                            ("saved", saved, (n, self.streams, 4), torch.float32, None),
-                                            ("dx", dx, x.shape, x.dtype, self.dim),
-                                            ("dkv", dkv, kv.shape, kv.dtype, None),
-                                            ("dweight", dweight, (self.streams, self.dim), torch.float32, None)):
-            check_tensor(name, t)
-            _check_out(name, t, shape, dtype, x.device, rows_dim=rows)
-        check_no_overlap({"workspace": self.workspace}, {"dout": dout, "x": x, "kv": kv, "saved": saved, "dx": dx,
-                                                         "dkv": dkv, "dweight": dweight})
+        self._check(x, kv, weight, token_mask, dout=dout, saved=saved, dx=dx, dkv=dkv, dweight=dweight)
+        _check_backward_args(dout, x, kv, weight, token_mask, saved, dx, dkv, dweight, self.workspace)
         with on_stream(stream, self.device):
             launch_backward(dout, x, kv, weight, saved, dx, dkv, dweight, self.workspace, clamp=self.clamp)
         return dx, dkv, dweight
@@ -308,90 +309,53 @@ class EngramGatePlan:
 # -- differentiable --------------------------------------------------------------------------
 
 
-def _forward_fresh(x, kv, weight, token_mask, eps: float, clamp: float):
-    """Launch on validated inputs into new ``out`` and ``saved`` (the differentiable paths)."""
+def _forward(x: torch.Tensor, kv: torch.Tensor, weight: torch.Tensor, token_mask: torch.Tensor, eps: float,
+             clamp: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch on validated inputs into new ``out`` and ``saved``."""
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     saved = torch.empty((x.shape[0], x.shape[1], 4), dtype=torch.float32, device=x.device)
-    launch_forward(x, kv, weight, token_mask, out, saved, eps=eps, clamp=clamp)
+    launch_forward(x, kv, weight, token_mask, out, saved, eps=eps, clamp=clamp, check=False)
     return out, saved
 
 
-def _backward_fresh(dout, x, kv, weight, saved, clamp: float):
+def _backward(dout: torch.Tensor, x: torch.Tensor, kv: torch.Tensor, weight: torch.Tensor, saved: torch.Tensor,
+              clamp: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch on the inputs of a validated forward into new gradients and workspace."""
     n, streams, dim = x.shape
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     dkv = torch.empty(kv.shape, dtype=kv.dtype, device=x.device)
     dweight = torch.empty((streams, dim), dtype=torch.float32, device=x.device)
     workspace = torch.empty(workspace_elements(n, streams, dim), dtype=torch.float32, device=x.device)
-    launch_backward(dout, x, kv, weight, saved, dx, dkv, dweight, workspace, clamp=clamp)
+    launch_backward(dout, x, kv, weight, saved, dx, dkv, dweight, workspace, clamp=clamp, check=False)
     return dx, dkv, dweight
 
 
-@torch.library.custom_op("dsfuse::engram_gate_fwd", mutates_args=())
-def _fwd_op(x: torch.Tensor, kv: torch.Tensor, weight: torch.Tensor, token_mask: torch.Tensor, eps: float,
-            clamp: float) -> tuple[torch.Tensor, torch.Tensor]:
-    return _forward_fresh(x, kv, weight, token_mask, eps, clamp)
+backward_op = declare_op("engram_gate_bwd", _backward, fake=lambda dout, x, kv, weight, saved, clamp: (
+    torch.empty_like(x), torch.empty_like(kv), weight.new_empty(weight.shape)))
 
 
-@_fwd_op.register_fake
-def _(x, kv, weight, token_mask, eps, clamp):
-    return torch.empty_like(x), x.new_empty((x.shape[0], x.shape[1], 4), dtype=torch.float32)
-
-
-@torch.library.custom_op("dsfuse::engram_gate_bwd", mutates_args=())
-def _bwd_op(dout: torch.Tensor, x: torch.Tensor, kv: torch.Tensor, weight: torch.Tensor, saved: torch.Tensor,
-            clamp: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _backward_fresh(dout, x, kv, weight, saved, clamp)
-
-
-@_bwd_op.register_fake
-def _(dout, x, kv, weight, saved, clamp):
-    return torch.empty_like(x), torch.empty_like(kv), weight.new_empty(weight.shape)
-
-
-def _setup(ctx, inputs, output):
+def _save(ctx, inputs, output):
     x, kv, weight, _, _, clamp = inputs
     ctx.save_for_backward(x, kv, weight, output[1])
     ctx.clamp = clamp
 
 
-def _backward(ctx, dout, dsaved):
+def _forward_grad(ctx, dout, dsaved):
+    """``x``, ``kv`` and ``weight`` get gradients from the saved state; the mask and ``saved`` do not."""
     x, kv, weight, saved = ctx.saved_tensors
-    dx, dkv, dweight = torch.ops.dsfuse.engram_gate_bwd(dout.contiguous(), x, kv, weight, saved, ctx.clamp)
-    return dx, dkv, dweight, None, None, None
+    return backward_op(dout.contiguous(), x, kv, weight, saved, ctx.clamp)
 
 
-_fwd_op.register_autograd(_backward, setup_context=_setup)
-
-
-class EngramGateFunction(torch.autograd.Function):
-    """Differentiable gate for eager training: the fused forward saves (gate, dot, rx, rk), the
-    fused backward reads them. ``x``, ``kv`` and ``weight`` get gradients; the mask does not."""
-
-    @staticmethod
-    def forward(ctx, x, kv, weight, token_mask, eps, clamp):
-        _check_inputs(x, kv, weight, token_mask, eps, clamp)
-        if reasons := _fused_reasons(x):
-            raise ValueError(f"x: the fused gate cannot run here: {'; '.join(reasons)}")
-        out, saved = _forward_fresh(x, kv, weight, token_mask, float(eps), float(clamp))
-        ctx.save_for_backward(x, kv, weight, saved)
-        ctx.clamp = float(clamp)
-        return out
-
-    @staticmethod
-    def backward(ctx, dout):
-        # the forward validated every input; a second check per step would only add host time
-        x, kv, weight, saved = ctx.saved_tensors
-        return (*_backward_fresh(dout.contiguous(), x, kv, weight, saved, ctx.clamp), None, None, None)
+forward_op = declare_op("engram_gate_fwd", _forward, setup=_save, backward=_forward_grad, non_differentiable=(1,),
+                        fake=lambda x, kv, weight, token_mask, eps, clamp: (
+                            torch.empty_like(x), x.new_empty((x.shape[0], x.shape[1], 4), dtype=torch.float32)))
 
 
 def engram_gate(x: torch.Tensor, kv: torch.Tensor, weight: torch.Tensor, token_mask: torch.Tensor, *, eps: float,
                 clamp: float = 1e-6, backend: str = "auto") -> torch.Tensor:
     """Differentiable gate: ``out`` ``[N, S, D]`` (see :func:`engram_gate_forward` for the arguments)."""
     _check_inputs(x, kv, weight, token_mask, eps, clamp)
-    which = resolve_backend(backend, _fused_reasons(x), on_cuda=x.is_cuda)
-    if which == "reference":
+    which = BACKENDS.choose(backend, x.device, x.dtype)
+    if which == REFERENCE:
         return engram_gate_reference(x, kv, weight, token_mask, eps=eps, clamp=clamp)[0]
-    if torch.compiler.is_compiling():
-        return torch.ops.dsfuse.engram_gate_fwd(x, kv, weight, token_mask, float(eps), float(clamp))[0]
-    return EngramGateFunction.apply(x, kv, weight, token_mask, eps, clamp)
+    return forward_op(x, kv, weight, token_mask, float(eps), float(clamp))[0]

@@ -247,8 +247,10 @@ def check_dim(dim: int) -> None:
         raise ValueError(f"x: D = {dim} is above the fused kernels' limit of {MAX_DIM} channels per row")
 
 
-def launch_forward(x, kv, weight, token_mask, out, saved, *, eps: float, clamp: float) -> None:
-    check_no_overlap({"out": out, "saved": saved}, {"x": x, "kv": kv, "weight": weight, "token_mask": token_mask})
+def launch_forward(x, kv, weight, token_mask, out, saved, *, eps: float, clamp: float, check: bool = True) -> None:
+    """``check=False`` skips the aliasing check, for outputs the caller just allocated."""
+    if check:
+        check_no_overlap({"out": out, "saved": saved}, {"x": x, "kv": kv, "weight": weight, "token_mask": token_mask})
     n, streams, dim = x.shape
     check_dim(dim)
     if n == 0:
@@ -262,18 +264,17 @@ def launch_forward(x, kv, weight, token_mask, out, saved, *, eps: float, clamp: 
     )
 
 
-def backward_shape(dout, x, kv, weight, saved, dx, dkv, dweight, workspace) -> tuple[int, int, int]:
-    """The launchers' own checks (no output overlaps an input; D within the limit); ``(N, S, D)``."""
-    check_no_overlap({"dx": dx, "dkv": dkv, "dweight": dweight, "workspace": workspace},
-                     {"dout": dout, "x": x, "kv": kv, "weight": weight, "saved": saved})
+def launch_backward(dout, x, kv, weight, saved, dx, dkv, dweight, workspace, *, clamp: float,
+                    check: bool = True) -> None:
+    """``workspace`` fp32 contiguous with at least ``workspace_elements(N, S, D)`` elements (overwritten).
+
+    ``check=False`` skips the aliasing check, for outputs the caller just allocated.
+    """
+    if check:
+        check_no_overlap({"dx": dx, "dkv": dkv, "dweight": dweight, "workspace": workspace},
+                         {"dout": dout, "x": x, "kv": kv, "weight": weight, "saved": saved})
     n, streams, dim = x.shape
     check_dim(dim)
-    return n, streams, dim
-
-
-def launch_backward(dout, x, kv, weight, saved, dx, dkv, dweight, workspace, *, clamp: float) -> None:
-    """``workspace`` fp32 contiguous with at least ``workspace_elements(N, S, D)`` elements (overwritten)."""
-    n, streams, dim = backward_shape(dout, x, kv, weight, saved, dx, dkv, dweight, workspace)
     if n == 0:
         dweight.zero_()
         return

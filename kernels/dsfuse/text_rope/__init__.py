@@ -1,6 +1,6 @@
 """DeepSeek-V4.1 text RoPE: interleaved adjacent pairs on the tail channels, optional inverse."""
 
-from dsfuse.text_rope.api import RopeFunction, RopeInplaceFunction, apply_rope
+from dsfuse.text_rope.api import apply_rope
 from dsfuse.text_rope.reference import (
     apply_rotary_emb_,
     rope_angles,
@@ -12,8 +12,6 @@ from dsfuse.text_rope.reference import (
 )
 
 __all__ = [
-    "RopeFunction",
-    "RopeInplaceFunction",
     "apply_rope",
     "apply_rotary_emb_",
     "rope_angles",

@@ -2,16 +2,13 @@
 
 Layers, bottom up:
 
-1. :func:`~dsfuse.text_rope.triton.launch_rope`: one kernel launch into a given output.
-2. ``torch.library`` custom ops (``dsfuse::text_rope_freqs``, ``dsfuse::text_rope``,
-   ``dsfuse::text_rope_out``, ``dsfuse::text_rope_``) wrapping it, with the
-   autograd formula registered on ``dsfuse::text_rope``. ``torch.compile(fullgraph=True)``
-   traces them as opaque nodes, so the frequencies and the rotation keep their
-   eager bits under compilation.
-3. :class:`RopeFunction` / :class:`RopeInplaceFunction`: the same launches as
-   ``autograd.Function`` for eager calls, which skip the custom-op dispatch
-   (tens of microseconds of host time per call).
-4. :func:`apply_rope`: validation, backend choice, stream, ``out=``/``inplace``.
+1. :func:`dsfuse.text_rope.triton.launch_rope`: one kernel launch into a given output.
+2. Declared ops (:func:`dsfuse._common.declare_op`): ``dsfuse::text_rope_freqs``,
+   ``dsfuse::text_rope`` (differentiable: its gradient is the conjugate rotation),
+   ``dsfuse::text_rope_out`` and ``dsfuse::text_rope_`` (in place, differentiable in
+   eager mode). ``torch.compile(fullgraph=True)`` traces them as opaque nodes, so the
+   frequencies and the rotation keep their eager bits; eager calls skip the dispatcher.
+3. [apply_rope][dsfuse.text_rope.apply_rope]: validation, backend choice, stream, ``out=``/``inplace``.
 """
 
 from __future__ import annotations
@@ -19,22 +16,27 @@ from __future__ import annotations
 import torch
 
 from dsfuse._common import (
+    REFERENCE,
+    OpBackends,
     check_dtype,
     check_no_internal_overlap,
-    check_no_overlap,
+    check_outputs_free,
     check_same_device,
     check_tensor,
+    declare_op,
     on_stream,
-    resolve_backend,
-    triton_can_run_on,
+    register,
 )
 from dsfuse.text_rope.reference import rope_freqs, rope_reference, rope_reference_inplace
 from dsfuse.text_rope.triton import FUSED_DTYPES, launch_rope
 
-__all__ = ["apply_rope", "RopeFunction", "RopeInplaceFunction"]
+__all__ = ["apply_rope"]
+
+BACKENDS = register(OpBackends("text_rope", kernels={"triton": ("dsfuse.text_rope.triton",)},
+                               dtypes={"triton": FUSED_DTYPES}))
 
 
-# -- custom ops ------------------------------------------------------------------------------
+# -- declared ops ----------------------------------------------------------------------------
 
 
 def _freqs(angles: torch.Tensor) -> torch.Tensor:
@@ -42,91 +44,44 @@ def _freqs(angles: torch.Tensor) -> torch.Tensor:
     return torch.view_as_real(rope_freqs(angles))
 
 
-@torch.library.custom_op("dsfuse::text_rope_freqs", mutates_args=())
-def _freqs_op(angles: torch.Tensor) -> torch.Tensor:
-    return _freqs(angles)
+freqs_op = declare_op("text_rope_freqs", _freqs, fake=lambda angles: angles.new_empty((*angles.shape, 2)))
 
 
-@_freqs_op.register_fake
-def _(angles):
-    return angles.new_empty((*angles.shape, 2))
-
-
-def _rope_new(values: torch.Tensor, freqs: torch.Tensor, conj: bool, grad_sum: bool) -> torch.Tensor:
+def _rotate(values: torch.Tensor, freqs: torch.Tensor, conj: bool, grad_sum: bool) -> torch.Tensor:
     out = torch.empty(values.shape, dtype=values.dtype, device=values.device)
-    return launch_rope(values, freqs, out, conj=conj, grad_sum=grad_sum)
+    return launch_rope(values, freqs, out, conj=conj, grad_sum=grad_sum, check=False)
 
 
-@torch.library.custom_op("dsfuse::text_rope", mutates_args=())
-def _rope_op(values: torch.Tensor, freqs: torch.Tensor, conj: bool, grad_sum: bool) -> torch.Tensor:
-    return _rope_new(values, freqs, conj, grad_sum)
+def _save_freqs(ctx, inputs, output):
+    ctx.save_for_backward(inputs[1])
+    ctx.conj = inputs[2]
 
 
-@_rope_op.register_fake
-def _(values, freqs, conj, grad_sum):
-    return torch.empty_like(values, memory_format=torch.contiguous_format)
-
-
-def _rope_setup(ctx, inputs, output):
-    _, freqs, conj, _ = inputs
-    ctx.save_for_backward(freqs)
-    ctx.conj = conj
-
-
-def _rope_backward(ctx, grad):
+def _rotate_back(ctx, grad):
+    """d(x * f)/dx applied to grad is grad * conj(f); ``grad_sum`` reproduces eager's sum of the
+    copied-channel and rotated-channel gradient paths (-0.0 -> +0.0)."""
     (freqs,) = ctx.saved_tensors
-    # d(x * f)/dx applied to grad is grad * conj(f); GRAD_SUM reproduces eager's
-    # sum of the copied-channel and rotated-channel gradient paths (-0.0 -> +0.0).
-    return torch.ops.dsfuse.text_rope(grad, freqs, not ctx.conj, True), None, None, None
+    return (rotate_op(grad, freqs, not ctx.conj, True),)
 
 
-_rope_op.register_autograd(_rope_backward, setup_context=_rope_setup)
+rotate_op = declare_op("text_rope", _rotate, setup=_save_freqs, backward=_rotate_back,
+                       fake=lambda values, freqs, conj, grad_sum: torch.empty_like(
+                           values, memory_format=torch.contiguous_format))
 
 
-@torch.library.custom_op("dsfuse::text_rope_out", mutates_args=("out",))
-def _rope_out_op(values: torch.Tensor, freqs: torch.Tensor, conj: bool, out: torch.Tensor) -> None:
-    launch_rope(values, freqs, out, conj=conj)
+def _rotate_into(values: torch.Tensor, freqs: torch.Tensor, conj: bool, out: torch.Tensor) -> torch.Tensor:
+    return launch_rope(values, freqs, out, conj=conj)
 
 
-@torch.library.custom_op("dsfuse::text_rope_", mutates_args=("values",))
-def _rope_inplace_op(values: torch.Tensor, freqs: torch.Tensor, conj: bool) -> None:
-    launch_rope(values, freqs, values, conj=conj, copy=False)
+rotate_into_op = declare_op("text_rope_out", _rotate_into, mutates=("out",))
 
 
-class RopeFunction(torch.autograd.Function):
-    """Out-of-place rotary with its backward (the conjugate rotation), for eager calls."""
-
-    @staticmethod
-    def forward(ctx, values, freqs, conj):
-        ctx.save_for_backward(freqs)
-        ctx.conj = conj
-        return _rope_new(values, freqs, conj, False)
-
-    @staticmethod
-    def backward(ctx, grad):
-        (freqs,) = ctx.saved_tensors
-        return _rope_new(grad, freqs, not ctx.conj, True), None, None
+def _rotate_inplace(values: torch.Tensor, freqs: torch.Tensor, conj: bool) -> torch.Tensor:
+    return launch_rope(values, freqs, values, conj=conj, copy=False)
 
 
-class RopeInplaceFunction(torch.autograd.Function):
-    """In-place rotary of the last ``2P`` channels with autograd (``mark_dirty``).
-
-    The gradient is the same as for the out-of-place form: the incoming gradient
-    rotated by the conjugate frequencies on the rotary channels, copied elsewhere.
-    """
-
-    @staticmethod
-    def forward(ctx, values, freqs, conj):
-        launch_rope(values, freqs, values, conj=conj, copy=False)
-        ctx.mark_dirty(values)
-        ctx.save_for_backward(freqs)
-        ctx.conj = conj
-        return values
-
-    @staticmethod
-    def backward(ctx, grad):
-        (freqs,) = ctx.saved_tensors
-        return _rope_new(grad, freqs, not ctx.conj, True), None, None
+rotate_inplace_op = declare_op("text_rope_", _rotate_inplace, mutates=("values",), dirty="values",
+                               setup=_save_freqs, backward=_rotate_back)
 
 
 # -- public function -------------------------------------------------------------------------
@@ -154,7 +109,6 @@ def _validate(values, angles, inplace, out) -> None:
     if out is not None:
         check_tensor("out", out)
     check_same_device(values=values, angles=angles, out=out)
-    aliasing_checkable = not torch.compiler.is_compiling()  # fake tensors have no addresses
     if out is not None:
         if inplace:
             raise ValueError("out: must be None when inplace=True (the result is written into values)")
@@ -163,29 +117,14 @@ def _validate(values, angles, inplace, out) -> None:
                 f"out: expected shape {list(values.shape)} and dtype {values.dtype} (those of values), "
                 f"got {list(out.shape)} and {out.dtype}"
             )
-        check_no_internal_overlap("out", out)
-        if aliasing_checkable:
-            check_no_overlap({"out": out}, {"values": values, "angles": angles})
+        check_outputs_free({"out": out}, {"values": values, "angles": angles})
     if inplace:
-        check_no_internal_overlap("values", values)
-        if aliasing_checkable:
-            check_no_overlap({"values": values}, {"angles": angles})
+        check_outputs_free({"values": values}, {"angles": angles})
         if values.requires_grad and values.is_leaf and torch.is_grad_enabled():
             raise ValueError(
                 "values: a leaf tensor that requires grad cannot be rotated in place; "
                 "use inplace=False or rotate a non-leaf tensor"
             )
-
-
-def _reasons_against_triton(values, angles) -> list[str]:
-    reasons = []
-    if not triton_can_run_on(values):
-        reasons.append(f"values is on {values.device} (Triton needs CUDA, or TRITON_INTERPRET=1 for CPU)")
-    if values.dtype not in FUSED_DTYPES:
-        reasons.append(f"values dtype {values.dtype} is not one of bf16, fp16, fp32")
-    if angles.requires_grad and torch.is_grad_enabled():
-        reasons.append("angles requires grad (the fused path gives angles no gradient)")
-    return reasons
 
 
 def apply_rope(
@@ -237,34 +176,20 @@ def apply_rope(
     grad_needed = torch.is_grad_enabled() and values.requires_grad
     if out is not None and grad_needed:
         raise ValueError("out: apply_rope with out= does not support autograd (values requires grad)")
-    which = resolve_backend(backend, _reasons_against_triton(values, angles), on_cuda=values.is_cuda)
-
+    extra = ("angles requires grad (the fused kernels give angles no gradient)",) if (
+        angles.requires_grad and torch.is_grad_enabled()) else ()
+    which = BACKENDS.choose(backend, values.device, values.dtype, extra)
     with on_stream(stream, values.device):
-        if which == "reference":
+        if which == REFERENCE:
             if inplace:
                 return rope_reference_inplace(values, angles, inverse)
             result = rope_reference(values, angles, inverse)
-            if out is None:
-                return result
-            out.copy_(result)
-            return out
-        if torch.compiler.is_compiling():  # opaque custom ops: no graph break, eager bits
-            freqs = torch.ops.dsfuse.text_rope_freqs(angles)
-            if inplace:
-                torch.ops.dsfuse.text_rope_(values, freqs, inverse)
-                return values
-            if out is not None:
-                torch.ops.dsfuse.text_rope_out(values, freqs, inverse, out)
-                return out
-            return torch.ops.dsfuse.text_rope(values, freqs, inverse, False)
-        freqs = _freqs(angles)
+            return result if out is None else out.copy_(result)
+        freqs = freqs_op(angles)
         if inplace:
-            if grad_needed:
-                return RopeInplaceFunction.apply(values, freqs, inverse)
-            launch_rope(values, freqs, values, conj=inverse, copy=False)
-            return values
+            result = rotate_inplace_op(values, freqs, inverse)
+            return values if result is None else result  # the custom op (under compile) returns nothing
         if out is not None:
-            return launch_rope(values, freqs, out, conj=inverse)
-        if grad_needed:
-            return RopeFunction.apply(values, freqs, inverse)
-        return _rope_new(values, freqs, inverse, False)
+            rotate_into_op(values, freqs, inverse, out)
+            return out
+        return rotate_op(values, freqs, inverse, False)

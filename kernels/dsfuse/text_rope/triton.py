@@ -130,17 +130,20 @@ def launch_rope(
     conj: bool,
     copy: bool = True,
     grad_sum: bool = False,
+    check: bool = True,
 ) -> torch.Tensor:
     """Rotate ``values`` into ``out`` (``out is values`` with ``copy=False``: in place).
 
     ``freqs`` is fp32 ``[B|1, S, P, 2]``. Shapes and dtypes are validated by the
-    public API; this launcher checks memory aliasing, which needs real tensors.
+    public API; this launcher checks memory aliasing, which needs real tensors (the
+    public API's check is skipped while ``torch.compile`` traces); ``check=False`` is for
+    an ``out`` the caller just allocated.
     """
-    if copy:
-        check_no_overlap({"out": out}, {"values": values, "angles": freqs})
-    elif out is not values:
+    if not copy and out is not values:
         raise ValueError("out: the in-place kernel writes into values; out must be values itself")
-    else:
+    if check and copy:
+        check_no_overlap({"out": out}, {"values": values, "angles": freqs})
+    elif check:
         check_no_overlap({"values": values}, {"angles": freqs})
     x, y = _as_4d(values), _as_4d(out)
     batch, seq, heads, channels = x.shape

@@ -1,7 +1,6 @@
 """DeepSeek-V4.1 vision RoPE: split-half rotary; fused backward from native layouts to packed dQKV."""
 
 from dsfuse.vision_rope.api import (
-    VisionRopeFunction,
     vision_rope_attention_front,
     vision_rope_backward,
     vision_rope_forward,
@@ -16,7 +15,6 @@ from dsfuse.vision_rope.reference import (
 )
 
 __all__ = [
-    "VisionRopeFunction",
     "apply_rotary",
     "attention",
     "attention_front",

@@ -1,10 +1,10 @@
 """Public API of the vision RoPE.
 
-Layers, bottom up: the launchers (:mod:`dsfuse.vision_rope.triton`); ``torch.library``
-custom ops ``dsfuse::vision_rope_bwd``, ``dsfuse::vision_rope_bwd_out`` and
-``dsfuse::vision_rope_fwd`` (with its autograd formula) that ``torch.compile`` traces as
-opaque nodes; :class:`VisionRopeFunction` for eager training (fused forward, fused
-backward that packs dQKV in one kernel); and the functions below.
+Layers, bottom up: the launchers (:mod:`dsfuse.vision_rope.triton`); declared ops
+(:func:`dsfuse._common.declare_op`) ``dsfuse::vision_rope_bwd`` (dQ, dK, dV or dQ, dK
+alone -> packed dQKV), ``dsfuse::vision_rope_bwd_out`` (into a caller's buffer) and
+``dsfuse::vision_rope_fwd`` (differentiable: rotated q, k and the v view of ``qkv``;
+eagerly its backward packs dQKV in one kernel); and the functions below.
 """
 
 from __future__ import annotations
@@ -12,21 +12,31 @@ from __future__ import annotations
 import torch
 
 from dsfuse._common import (
+    FLOAT_DTYPES,
+    REFERENCE,
+    OpBackends,
+    check_aligned,
+    check_contiguous,
     check_dtype,
-    check_no_overlap,
+    check_out,
+    check_outputs_free,
     check_same_device,
+    check_same_dtype,
     check_tensor,
+    declare_op,
     on_stream,
-    resolve_backend,
-    triton_can_run_on,
+    register,
 )
 from dsfuse.vision_rope.reference import attention_front, vision_rope_backward_reference
 from dsfuse.vision_rope.triton import FUSED_DTYPES, launch_backward, launch_forward
 
-__all__ = ["VisionRopeFunction", "vision_rope_attention_front", "vision_rope_backward", "vision_rope_forward"]
+__all__ = ["vision_rope_attention_front", "vision_rope_backward", "vision_rope_forward"]
+
+BACKENDS = register(OpBackends("vision_rope", kernels={"triton": ("dsfuse.vision_rope.triton",)},
+                               dtypes={"triton": FUSED_DTYPES}))
 
 
-# -- custom ops ------------------------------------------------------------------------------
+# -- declared ops ----------------------------------------------------------------------------
 
 
 def _new_dqkv(dq: torch.Tensor) -> torch.Tensor:
@@ -34,31 +44,21 @@ def _new_dqkv(dq: torch.Tensor) -> torch.Tensor:
     return torch.empty((tokens, 3 * heads * dim), dtype=dq.dtype, device=dq.device)
 
 
-@torch.library.custom_op("dsfuse::vision_rope_bwd", mutates_args=())
-def _bwd_op(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    return launch_backward(dq, dk, dv, cos, sin, _new_dqkv(dq))
+def _backward(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor | None, cos: torch.Tensor,
+              sin: torch.Tensor) -> torch.Tensor:
+    """dQ, dK, dV ``[H, T, D]`` logical (any strides) -> new packed dQKV; ``dv=None``: zeros in the v columns."""
+    return launch_backward(dq, dk, dv, cos, sin, _new_dqkv(dq), check=False)
 
 
-@_bwd_op.register_fake
-def _(dq, dk, dv, cos, sin):
-    return _new_dqkv(dq)
+backward_op = declare_op("vision_rope_bwd", _backward, fake=lambda dq, dk, dv, cos, sin: _new_dqkv(dq))
 
 
-@torch.library.custom_op("dsfuse::vision_rope_bwd_out", mutates_args=("out",))
-def _bwd_out_op(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                out: torch.Tensor) -> None:
-    launch_backward(dq, dk, dv, cos, sin, out)
+def _backward_into(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   out: torch.Tensor) -> torch.Tensor:
+    return launch_backward(dq, dk, dv, cos, sin, out)
 
 
-@torch.library.custom_op("dsfuse::vision_rope_bwd_qk", mutates_args=())
-def _bwd_qk_op(dq: torch.Tensor, dk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Gradient of qkv from dq and dk alone (zeros in the v columns)."""
-    return launch_backward(dq, dk, None, cos, sin, _new_dqkv(dq))
-
-
-@_bwd_qk_op.register_fake
-def _(dq, dk, cos, sin):
-    return _new_dqkv(dq)
+backward_into_op = declare_op("vision_rope_bwd_out", _backward_into, mutates=("out",))
 
 
 def _new_rotated(qkv: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -68,60 +68,31 @@ def _new_rotated(qkv: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Ten
             torch.empty(shape, dtype=qkv.dtype, device=qkv.device))
 
 
-@torch.library.custom_op("dsfuse::vision_rope_fwd", mutates_args=())
-def _fwd_op(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _forward(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """qkv ``[T, 3HD]`` -> rotated q, k as ``[H, T, D]`` views of ``[T, H, D]`` buffers (the model's layout)."""
     q_thd, k_thd = _new_rotated(qkv, heads)
     launch_forward(qkv, cos, sin, heads, q_thd, k_thd)
-    return q_thd, k_thd
+    return q_thd.transpose(0, 1), k_thd.transpose(0, 1)
 
 
-@_fwd_op.register_fake
-def _(qkv, cos, sin, heads):
-    return _new_rotated(qkv, heads)
-
-
-def _fwd_setup(ctx, inputs, output):
-    _, cos, sin, _ = inputs
-    ctx.save_for_backward(cos, sin)
-
-
-def _fwd_backward(ctx, dq_thd, dk_thd):
-    cos, sin = ctx.saved_tensors
-    # the v columns of qkv get their gradient through v's own view; this op adds zeros there
-    dqkv = torch.ops.dsfuse.vision_rope_bwd_qk(dq_thd.transpose(0, 1), dk_thd.transpose(0, 1), cos, sin)
-    return dqkv, None, None, None
-
-
-_fwd_op.register_autograd(_fwd_backward, setup_context=_fwd_setup)
-
-
-def _v_htd(qkv: torch.Tensor, heads: int) -> torch.Tensor:
+def _v_htd(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int) -> tuple[torch.Tensor]:
     """v as the model takes it: a view of qkv's last column block, [H, T, D]."""
-    return qkv.chunk(3, -1)[2].view(qkv.shape[0], heads, -1).transpose(0, 1)
+    return (qkv.chunk(3, -1)[2].view(qkv.shape[0], heads, -1).transpose(0, 1),)
 
 
-class VisionRopeFunction(torch.autograd.Function):
-    """qkv ``[T, 3HD]`` -> ``q, k, v`` ``[H, T, D]`` views for SDPA; backward packs dQKV in one kernel.
+def _save_tables(ctx, inputs, output):
+    ctx.save_for_backward(inputs[1], inputs[2])
 
-    Forward: one kernel rotates q and k into ``[T, H, D]`` buffers (returned transposed,
-    exactly the layout the model feeds SDPA); v is a view of ``qkv``. Backward: the
-    fused kernel reads dQ, dK, dV in whatever layout autograd delivers (the model's
-    3D math SDPA delivers HTD, HDT, HTD) and writes ``dqkv``.
-    """
 
-    @staticmethod
-    def forward(ctx, qkv, cos, sin, heads):
-        q_thd, k_thd = _new_rotated(qkv, heads)
-        launch_forward(qkv, cos, sin, heads, q_thd, k_thd)
-        ctx.save_for_backward(cos, sin)
-        return q_thd.transpose(0, 1), k_thd.transpose(0, 1), _v_htd(qkv, heads)
+def _forward_grad(ctx, dq_htd, dk_htd, dv_htd=None):
+    """The gradient of qkv. Eagerly dV arrives here and one kernel writes the whole row; under
+    compilation v is a view outside the op, so this writes zeros in the v columns and torch adds dV."""
+    cos, sin = ctx.saved_tensors
+    return (backward_op(dq_htd, dk_htd, dv_htd, cos, sin),)
 
-    @staticmethod
-    def backward(ctx, dq_htd, dk_htd, dv_htd):
-        cos, sin = ctx.saved_tensors
-        dqkv = _new_dqkv(dq_htd)
-        launch_backward(dq_htd, dk_htd, dv_htd, cos, sin, dqkv)
-        return dqkv, None, None, None
+
+forward_op = declare_op("vision_rope_fwd", _forward, setup=_save_tables, backward=_forward_grad, views=_v_htd,
+                        fake=lambda qkv, cos, sin, heads: tuple(t.transpose(0, 1) for t in _new_rotated(qkv, heads)))
 
 
 # -- public functions ------------------------------------------------------------------------
@@ -140,12 +111,6 @@ def _tables(name_cos, cos, name_sin, sin, tokens, half):
                              f"{list(t.shape)}")
         out.append(t)
     return out
-
-
-def _check_aligned(**tensors: torch.Tensor) -> None:
-    for name, t in tensors.items():
-        if t.data_ptr() % 16:
-            raise ValueError(f"{name}: expected a 16-byte aligned data pointer, got address {t.data_ptr():#x}")
 
 
 def vision_rope_backward(
@@ -193,42 +158,31 @@ def vision_rope_backward(
         raise ValueError(f"dk_hdt: expected shape [H, D, T] = [{heads}, {dim}, {tokens}], got {list(dk_hdt.shape)}")
     if tuple(dv_htd.shape) != (heads, tokens, dim):
         raise ValueError(f"dv_htd: expected shape [H, T, D] = [{heads}, {tokens}, {dim}], got {list(dv_htd.shape)}")
-    for name, t in (("dk_hdt", dk_hdt), ("dv_htd", dv_htd)):
-        if t.dtype != dq_htd.dtype:
-            raise TypeError(f"{name}: expected dtype {dq_htd.dtype} (that of dq_htd), got {t.dtype}")
+    check_dtype("dq_htd", dq_htd, FLOAT_DTYPES)
+    check_same_dtype("dk_hdt", dk_hdt, "dq_htd", dq_htd)
+    check_same_dtype("dv_htd", dv_htd, "dq_htd", dq_htd)
     cos, sin = _tables("cos", cos, "sin", sin, tokens, dim // 2)
     check_same_device(dq_htd=dq_htd, dk_hdt=dk_hdt, dv_htd=dv_htd, cos=cos, sin=sin, out=out)
     for name, t, storage in (("dq_htd", dq_htd, "[H, T, D]"), ("dk_hdt", dk_hdt, "[H, D, T]"),
                              ("dv_htd", dv_htd, "[H, T, D]")):
-        if not t.is_contiguous():
-            raise ValueError(f"{name}: expected contiguous {storage} storage, got strides {list(t.stride())}")
+        check_contiguous(name, t, storage)
+        check_aligned(name, t)
     if out is not None:
-        check_tensor("out", out)
-        if tuple(out.shape) != (tokens, 3 * heads * dim) or out.dtype != dq_htd.dtype or not out.is_contiguous():
-            raise ValueError(f"out: expected a contiguous [{tokens}, {3 * heads * dim}] {dq_htd.dtype} tensor, got "
-                             f"{list(out.shape)} {out.dtype} with strides {list(out.stride())}")
-    if not torch.compiler.is_compiling():
-        _check_aligned(dq_htd=dq_htd, dk_hdt=dk_hdt, dv_htd=dv_htd, **({"out": out} if out is not None else {}))
-        if out is not None:
-            check_no_overlap({"out": out}, {"dq_htd": dq_htd, "dk_hdt": dk_hdt, "dv_htd": dv_htd, "cos": cos,
-                                            "sin": sin})
-    reasons = []
-    if not triton_can_run_on(dq_htd):
-        reasons.append(f"tensors are on {dq_htd.device} (Triton needs CUDA, or TRITON_INTERPRET=1 for CPU)")
-    if dq_htd.dtype not in FUSED_DTYPES:
-        reasons.append(f"dtype {dq_htd.dtype} is not one of bf16, fp16, fp32")
-    which = resolve_backend(backend, reasons, on_cuda=dq_htd.is_cuda)
+        check_out("out", out, (tokens, 3 * heads * dim), dq_htd.dtype, dq_htd.device)
+        check_contiguous("out", out, f"[{tokens}, {3 * heads * dim}]")
+        check_aligned("out", out)
+        check_outputs_free({"out": out}, {"dq_htd": dq_htd, "dk_hdt": dk_hdt, "dv_htd": dv_htd, "cos": cos,
+                                          "sin": sin})
+    which = BACKENDS.choose(backend, dq_htd.device, dq_htd.dtype)
     dk_htd = dk_hdt.transpose(1, 2)
     with on_stream(stream, dq_htd.device):
-        if which == "reference":
+        if which == REFERENCE:
             result = vision_rope_backward_reference(dq_htd, dk_hdt, dv_htd, cos, sin)
             return result if out is None else out.copy_(result)
-        if torch.compiler.is_compiling():
-            if out is None:
-                return torch.ops.dsfuse.vision_rope_bwd(dq_htd, dk_htd, dv_htd, cos, sin)
-            torch.ops.dsfuse.vision_rope_bwd_out(dq_htd, dk_htd, dv_htd, cos, sin, out)
-            return out
-        return launch_backward(dq_htd, dk_htd, dv_htd, cos, sin, _new_dqkv(dq_htd) if out is None else out)
+        if out is None:
+            return backward_op(dq_htd, dk_htd, dv_htd, cos, sin)
+        backward_into_op(dq_htd, dk_htd, dv_htd, cos, sin, out)
+        return out
 
 
 def _check_front(qkv, cos, sin, heads):
@@ -237,18 +191,14 @@ def _check_front(qkv, cos, sin, heads):
         raise TypeError(f"heads: expected a positive int, got {heads!r}")
     if qkv.ndim != 2 or qkv.shape[1] % (3 * heads) or (qkv.shape[1] // (3 * heads)) % 2:
         raise ValueError(f"qkv: expected [T, 3 * heads * D] with even D for heads={heads}, got {list(qkv.shape)}")
+    check_dtype("qkv", qkv, FLOAT_DTYPES)
     if qkv.stride(1) != 1:
         raise ValueError(f"qkv: expected unit channel stride, got strides {list(qkv.stride())}")
     cos, sin = _tables("cos", cos, "sin", sin, qkv.shape[0], qkv.shape[1] // (6 * heads))
     check_same_device(qkv=qkv, cos=cos, sin=sin)
-    reasons = []
-    if not triton_can_run_on(qkv):
-        reasons.append(f"qkv is on {qkv.device} (Triton needs CUDA, or TRITON_INTERPRET=1 for CPU)")
-    if qkv.dtype not in FUSED_DTYPES:
-        reasons.append(f"dtype {qkv.dtype} is not one of bf16, fp16, fp32")
-    if torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad):
-        reasons.append("cos/sin require grad (the fused path gives the tables no gradient)")
-    return cos, sin, reasons
+    extra = ("cos/sin require grad (the fused kernels give the tables no gradient)",) if (
+        torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad)) else ()
+    return cos, sin, extra
 
 
 def vision_rope_attention_front(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, *,
@@ -268,14 +218,11 @@ def vision_rope_attention_front(qkv: torch.Tensor, cos: torch.Tensor, sin: torch
         Forward and backward are bitwise equal to the model's; the backward writes
         ``qkv``'s gradient in one kernel.
     """
-    cos, sin, reasons = _check_front(qkv, cos, sin, heads)
-    which = resolve_backend(backend, reasons, on_cuda=qkv.is_cuda)
-    if which == "reference":
+    cos, sin, extra = _check_front(qkv, cos, sin, heads)
+    which = BACKENDS.choose(backend, qkv.device, qkv.dtype, extra)
+    if which == REFERENCE:
         return attention_front(qkv, cos, sin, heads)
-    if torch.compiler.is_compiling():
-        q_thd, k_thd = torch.ops.dsfuse.vision_rope_fwd(qkv, cos, sin, heads)
-        return q_thd.transpose(0, 1), k_thd.transpose(0, 1), _v_htd(qkv, heads)
-    return VisionRopeFunction.apply(qkv, cos, sin, heads)
+    return forward_op(qkv, cos, sin, heads)
 
 
 def vision_rope_forward(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, *,

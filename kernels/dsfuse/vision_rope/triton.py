@@ -132,9 +132,13 @@ def _grid(tokens: int, heads: int) -> tuple[int, int]:
 
 
 def launch_backward(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor | None, cos: torch.Tensor,
-                    sin: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """dQ, dK, dV (``[H, T, D]`` logical, any strides; ``dv=None``: zeros) -> ``out`` ``[T, 3HD]``."""
-    check_no_overlap({"out": out}, {"dq": dq, "dk": dk, "dv": dv, "cos": cos, "sin": sin})
+                    sin: torch.Tensor, out: torch.Tensor, *, check: bool = True) -> torch.Tensor:
+    """dQ, dK, dV (``[H, T, D]`` logical, any strides; ``dv=None``: zeros) -> ``out`` ``[T, 3HD]``.
+
+    ``check=False`` skips the aliasing check, for an ``out`` the caller just allocated.
+    """
+    if check:
+        check_no_overlap({"out": out}, {"dq": dq, "dk": dk, "dv": dv, "cos": cos, "sin": sin})
     _check_tables(cos, sin)
     heads, tokens, dim = dq.shape
     if tokens == 0:
