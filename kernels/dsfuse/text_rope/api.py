@@ -27,7 +27,7 @@ from dsfuse._common import (
     on_stream,
     register,
 )
-from dsfuse.text_rope.reference import rope_freqs, rope_reference, rope_reference_inplace
+from dsfuse.text_rope.reference import rope_reference, rope_reference_inplace
 from dsfuse.text_rope.triton import FUSED_DTYPES, launch_rope
 
 __all__ = ["apply_rope"]
@@ -39,9 +39,18 @@ BACKENDS = register(OpBackends("text_rope", kernels={"triton": ("dsfuse.text_rop
 # -- declared ops ----------------------------------------------------------------------------
 
 
+_ONES: dict[torch.device, torch.Tensor] = {}
+
+
 def _freqs(angles: torch.Tensor) -> torch.Tensor:
-    """fp32 ``[B, S, P, 2]`` (cos, sin) from the eager ``torch.polar`` (same trig bits)."""
-    return torch.view_as_real(rope_freqs(angles))
+    """fp32 ``[B, S, P, 2]`` (cos, sin): the model's ``torch.polar(ones_like(angles), angles)`` (same
+    trig bits) in one launch, the modulus 1.0 broadcast from a constant instead of filled per call."""
+    one = _ONES.get(angles.device)
+    if one is None:
+        if angles.is_cuda and torch.cuda.is_current_stream_capturing():  # a fill captured, not run: no cache
+            return torch.view_as_real(torch.polar(torch.ones_like(angles), angles))
+        one = _ONES[angles.device] = torch.ones((), dtype=torch.float32, device=angles.device)
+    return torch.view_as_real(torch.polar(one.expand(angles.shape), angles))
 
 
 freqs_op = declare_op("text_rope_freqs", _freqs, fake=lambda angles: angles.new_empty((*angles.shape, 2)))
