@@ -5,6 +5,7 @@
 The notebook reruns the op's experiment on the GPU it finds (a smoke run on CPU
 without one), regenerates the op's tables and plots, and displays them. Its
 first code cell holds the parameters (SMOKE, CONFIG); it is stored without outputs.
+Regenerating an existing notebook keeps its cell ids, so only changed text shows in the diff.
 """
 
 import sys
@@ -25,18 +26,19 @@ Reruns `experiments/{op}/` on the GPU this kernel finds, writes a new raw run un
 Without a CUDA GPU it runs the **smoke** configuration instead: Triton in its interpreter on tiny
 shapes, every provider still checked, outputs under `build/smoke/`. Smoke numbers measure nothing.
 
-Run it from anywhere inside the repository after `bash scripts/setup.sh` (kernel: the `.venv` Python)."""),
+Run it after `bash scripts/setup.sh` (kernel: the `.venv` Python); it finds the repository's folders
+itself (`dsfuse.bench.paths.repo_root`), whatever the working directory."""),
         new_code_cell(f"""# Parameters
 SMOKE = None   # None: smoke run exactly when no CUDA GPU is present; True/False to force
 CONFIG = None  # None: experiments/{op}/configs/h200.yaml (GPU) or configs/smoke.yaml""",
                       metadata={"tags": ["parameters"]}),
         new_code_cell("""import os
-from pathlib import Path
 
 import torch
 
-root = next(p for p in [Path.cwd(), *Path.cwd().parents] if (p / "mkdocs.yml").exists())
-os.chdir(root)
+from dsfuse.bench.paths import repo_root
+
+root = repo_root()  # experiments/, results/ and build/ are found from here, not from the working directory
 smoke = (not torch.cuda.is_available()) if SMOKE is None else SMOKE
 if smoke:
     os.environ["TRITON_INTERPRET"] = "1"  # before any kernel is launched
@@ -51,8 +53,16 @@ display(Markdown(next(p for p in written if p.suffix == ".md").read_text()))
 for plot in (p for p in written if p.suffix == ".png"):
     display(Image(filename=str(plot)))"""),
     ]
-    return new_notebook(cells=cells, metadata={"kernelspec": {"name": "python3", "display_name": "Python 3",
-                                                             "language": "python"}})
+    nb = new_notebook(cells=cells, metadata={"kernelspec": {"name": "python3", "display_name": "Python 3",
+                                                           "language": "python"}})
+    path = ROOT / "notebooks" / f"{op}.ipynb"
+    if path.exists():  # keep the cell ids of the stored notebook
+        old = nbformat.read(path, as_version=4)
+        if len(old.cells) == len(cells):
+            for new, prev in zip(nb.cells, old.cells):
+                if "id" in prev:
+                    new.id = prev.id
+    return nb
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ def main() -> int:
     parser.add_argument("--smoke", action="store_true", help="inject SMOKE = True into the parameters cell")
     parser.add_argument("notebooks", nargs="*", type=Path, default=sorted((ROOT / "notebooks").glob("*.ipynb")))
     args = parser.parse_args()
-    for path in args.notebooks:
+    for path in (p.resolve() for p in args.notebooks):
         nb = nbformat.read(path, as_version=4)
         if args.smoke:
             cells = [c for c in nb.cells if "parameters" in c.get("metadata", {}).get("tags", [])]
@@ -29,7 +29,8 @@ def main() -> int:
                 raise SystemExit(f"{path}: no cell tagged 'parameters'")
             cells[0].source += "\nSMOKE = True  # injected by scripts/run_notebooks.py --smoke\n"
         NotebookClient(nb, timeout=1800, kernel_name="python3", resources={"metadata": {"path": str(ROOT)}}).execute()
-        print(f"executed {path.relative_to(ROOT)}" + (" (smoke)" if args.smoke else ""))
+        shown = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
+        print(f"executed {shown}" + (" (smoke)" if args.smoke else ""))
     return 0
 
 

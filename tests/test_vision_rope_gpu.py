@@ -101,7 +101,7 @@ def test_tower_two_real_blocks_and_profile():
     """Two blocks of the real widths in bf16: exact equality of every tensor; one fused kernel per block."""
     from torch.profiler import ProfilerActivity, profile
 
-    from dsfuse.vision_rope.tower import TowerConfig, VisionTower, synthetic_weights
+    from dsfuse.models.vision_tower import TowerConfig, VisionTower, synthetic_weights
 
     cfg = TowerConfig(layers=2)
     model = VisionTower(synthetic_weights(cfg, device="cuda"), cfg)

@@ -6,6 +6,10 @@
 
 A smoke run (no GPU) runs the Triton kernels in the interpreter on tiny shapes
 and writes under ``build/smoke/`` so it never mixes with measured raw data.
+
+Every folder is the repository's (:func:`dsfuse.bench.paths.repo_root`), from any
+working directory; ``--config`` is taken relative to the working directory when
+the file exists there, else relative to the repository root.
 """
 
 from __future__ import annotations
@@ -17,17 +21,18 @@ import sys
 from pathlib import Path
 
 from dsfuse.bench import EXPERIMENTS
-
-SMOKE_ROOT = Path("build/smoke")
+from dsfuse.bench.paths import cli_path, repo_root, smoke_root
 
 
 def _op_paths(op: str, smoke: bool) -> dict[str, Path]:
-    root = SMOKE_ROOT if smoke else Path(".")
+    """Absolute paths of an op's raw data, plots, result tables and default config."""
+    repo = repo_root()
+    out = smoke_root() if smoke else repo
     return dict(
-        raw=root / "experiments" / op / "raw",
-        plots=root / "experiments" / op / "plots",
-        results=root / "results",
-        config=Path("experiments") / op / "configs" / ("smoke.yaml" if smoke else "h200.yaml"),
+        raw=out / "experiments" / op / "raw",
+        plots=out / "experiments" / op / "plots",
+        results=out / "results",
+        config=repo / "experiments" / op / "configs" / ("smoke.yaml" if smoke else "h200.yaml"),
     )
 
 
@@ -43,7 +48,7 @@ def run(op: str, config_path: str | None, smoke: bool | None) -> Path:
     from dsfuse.bench.harness import load_config, run_experiment
 
     paths = _op_paths(op, smoke)
-    config = load_config(config_path or paths["config"])
+    config = load_config(cli_path(config_path) if config_path else paths["config"])
     experiment = importlib.import_module(EXPERIMENTS[op])
     device = torch.device("cpu" if smoke else "cuda")
     run_dir = run_experiment(experiment, config, paths["raw"], device)
@@ -54,9 +59,7 @@ def run(op: str, config_path: str | None, smoke: bool | None) -> Path:
 
 
 def report(op: str, smoke: bool) -> list[Path]:
-    from dsfuse.bench.report import render
-
-    from dsfuse.bench.report import latest_run
+    from dsfuse.bench.report import latest_run, render
 
     paths = _op_paths(op, smoke)
     try:

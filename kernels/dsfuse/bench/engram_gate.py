@@ -27,6 +27,7 @@ import torch
 import yaml
 
 from dsfuse.bench.harness import Case, Provider, select_providers
+from dsfuse.bench.paths import repo_path
 from dsfuse.engram_gate import engram_gate, engram_gate_reference
 
 OP = "engram_gate"
@@ -34,7 +35,8 @@ TOLERANCE = 2.0**-8
 
 
 def model_config(config: dict) -> dict:
-    return yaml.safe_load(Path(config["model_config"]).read_text())
+    """The model geometry the config names (``model_config``, relative to the repository root)."""
+    return yaml.safe_load(repo_path(config["model_config"]).read_text())
 
 
 def cases(config: dict) -> list[Case]:
@@ -91,10 +93,12 @@ def make_inputs(case: Case, device: torch.device, seed: int) -> dict:
     return inputs
 
 
-def gate_inputs(n: int, device: torch.device, seed: int = 0, config: str = "experiments/engram_gate/configs/h200.yaml"):
+def gate_inputs(n: int, device: torch.device, seed: int = 0,
+                config: str | Path = "experiments/engram_gate/configs/h200.yaml"):
     """The experiment's gate inputs for ``n`` tokens (x, kv, weight, mask, dout, eps): for scripts
-    that time the kernels outside the harness (tuning sweeps) on the data the experiment uses."""
-    cfg = yaml.safe_load(Path(config).read_text()) | {"tokens": [n], "modes": ["fwd+bwd"]}
+    that time the kernels outside the harness (tuning sweeps) on the data the experiment uses.
+    A relative ``config`` is relative to the repository root."""
+    cfg = yaml.safe_load(repo_path(config).read_text()) | {"tokens": [n], "modes": ["fwd+bwd"]}
     inputs = make_inputs(cases(cfg)[0], device, seed)
     return tuple(inputs[k] for k in ("x", "kv", "weight", "mask", "dout", "eps"))
 

@@ -15,12 +15,12 @@ gradient; the in-place forward reads and writes only the rotary channels.
 from __future__ import annotations
 
 import functools
-from pathlib import Path
 
 import torch
 import yaml
 
 from dsfuse.bench.harness import Case, Provider, select_providers
+from dsfuse.bench.paths import repo_path
 from dsfuse.text_rope import apply_rope, rope_angles, rope_reference, rope_reference_inplace, yarn_inv_freq
 
 OP = "text_rope"
@@ -28,7 +28,8 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 
 
 def model_config(config: dict) -> dict:
-    return yaml.safe_load(Path(config["model_config"]).read_text())
+    """The model geometry the config names (``model_config``, relative to the repository root)."""
+    return yaml.safe_load(repo_path(config["model_config"]).read_text())
 
 
 def tensor_shape(model: dict, tensor: str, batch: int, seq: int) -> tuple[int, ...]:

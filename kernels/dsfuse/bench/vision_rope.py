@@ -1,7 +1,7 @@
 """Vision RoPE backward experiment: geometries from the image processor, inputs, reference, providers.
 
 Each case is one image geometry: ``T = n_h * n_w`` patch tokens from
-:func:`dsfuse.vision_rope.geometry.patch_grid` with the processor values of
+:func:`dsfuse.models.vision_geometry.patch_grid` with the processor values of
 ``experiments/vision_rope/model.yaml``. Inputs are what the model's 3D math SDPA
 hands back: ``dq_htd`` and ``dv_htd`` contiguous ``[H, T, D]``, ``dk_hdt``
 contiguous ``[H, D, T]``, plus the fp32 tables. The output is ``dqkv``
@@ -17,6 +17,8 @@ import torch
 import yaml
 
 from dsfuse.bench.harness import Case, Provider, select_providers
+from dsfuse.bench.paths import repo_path
+from dsfuse.models.vision_geometry import ProcessorConfig, patch_grid
 from dsfuse.vision_rope import (
     attention_front,
     vision_cos_sin,
@@ -24,14 +26,14 @@ from dsfuse.vision_rope import (
     vision_rope_backward_autograd,
     vision_rope_backward_reference,
 )
-from dsfuse.vision_rope.geometry import ProcessorConfig, patch_grid
 from dsfuse.vision_rope.triton import launch_backward
 
 OP = "vision_rope"
 
 
 def model_config(config: dict) -> dict:
-    return yaml.safe_load(Path(config["model_config"]).read_text())
+    """The model geometry the config names (``model_config``, relative to the repository root)."""
+    return yaml.safe_load(repo_path(config["model_config"]).read_text())
 
 
 def geometries(config: dict) -> list[tuple[str, int, int]]:

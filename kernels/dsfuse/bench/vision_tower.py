@@ -5,7 +5,9 @@ GPU (when the config has a ``tower`` section), or alone::
 
     python -m dsfuse.bench.vision_tower --run-dir experiments/vision_rope/raw/<run-id>
 
-The 32-layer vision tower and aligner (dsfuse.vision_rope.tower) with synthetic
+(relative paths: to the working directory when they exist there, else to the repository root).
+
+The 32-layer vision tower and aligner (dsfuse.models.vision_tower) with synthetic
 weights of the real shapes, written to and read back from a safetensors file. For
 each configured image geometry and input bank it runs forward + checkpointed
 backward twice, with the model's rotary front end and with dsfuse's, and compares
@@ -27,8 +29,16 @@ from torch.profiler import ProfilerActivity, profile
 from tqdm.auto import tqdm
 
 from dsfuse.bench.harness import bits
-from dsfuse.vision_rope.geometry import ProcessorConfig, patch_grid
-from dsfuse.vision_rope.tower import PARAM_NAMES, TowerConfig, VisionTower, load_weights, save_weights, synthetic_weights
+from dsfuse.bench.paths import cli_path, repo_path
+from dsfuse.models.vision_geometry import ProcessorConfig, patch_grid
+from dsfuse.models.vision_tower import (
+    PARAM_NAMES,
+    TowerConfig,
+    VisionTower,
+    load_weights,
+    save_weights,
+    synthetic_weights,
+)
 
 
 def step(model, patches, n_h, n_w, rope, grad_out):
@@ -40,7 +50,7 @@ def step(model, patches, n_h, n_w, rope, grad_out):
 
 def run_tower(config: dict, run_dir: Path) -> None:
     """Validate and time the tower for ``config["tower"]``; write the three CSVs into ``run_dir``."""
-    model_cfg = yaml.safe_load(Path(config["model_config"]).read_text())
+    model_cfg = yaml.safe_load(repo_path(config["model_config"]).read_text())
     tower = config["tower"]
     proc = ProcessorConfig(**model_cfg["processor"])
     cfg = TowerConfig(layers=model_cfg["layers"], hidden=model_cfg["hidden"], heads=model_cfg["heads"],
@@ -106,10 +116,11 @@ def run_tower(config: dict, run_dir: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", default="experiments/vision_rope/configs/h200.yaml")
-    parser.add_argument("--run-dir", required=True, type=Path)
+    parser.add_argument("--config", default="experiments/vision_rope/configs/h200.yaml",
+                        help="config YAML (relative: to the working directory if it exists there, else to the repo)")
+    parser.add_argument("--run-dir", required=True, type=Path, help="the operator run's folder (same rule as --config)")
     args = parser.parse_args()
-    run_tower(yaml.safe_load(Path(args.config).read_text()), args.run_dir)
+    run_tower(yaml.safe_load(cli_path(args.config).read_text()), cli_path(args.run_dir))
 
 
 if __name__ == "__main__":

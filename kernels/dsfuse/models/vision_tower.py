@@ -28,8 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from dsfuse.vision_rope.api import vision_rope_attention_front
-from dsfuse.vision_rope.reference import attention_front, vision_cos_sin
+from dsfuse.vision_rope import attention_front, vision_cos_sin, vision_rope_attention_front
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,69 @@
+"""Where the repository's experiment folders are, whatever the working directory.
+
+The experiments read and write the repository's own folders: ``experiments/<op>/``
+(configs, model geometry, raw runs, plots), ``results/`` (tables) and
+``build/smoke/`` (smoke runs). Package code finds them through :func:`repo_root`,
+never through the current directory:
+
+* ``DSFUSE_ROOT``, when set, names the repository root (for a copy of the
+  package installed outside the checkout);
+* otherwise the root is the checkout the package is imported from: the package
+  lives at ``<repo>/kernels/dsfuse``.
+
+Either way the root must hold an ``experiments/`` folder; if it does not,
+:func:`repo_root` raises :class:`FileNotFoundError` saying how to set ``DSFUSE_ROOT``.
+
+Relative paths written in configs (``model_config: experiments/<op>/model.yaml``)
+and the defaults of package functions are relative to the repository root
+(:func:`repo_path`). A path typed on a command line is taken relative to the
+current directory when it exists there, and otherwise relative to the
+repository root (:func:`cli_path`).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+ENV_VAR = "DSFUSE_ROOT"
+_PACKAGE_ROOT = Path(__file__).resolve().parents[3]  # <repo>/kernels/dsfuse/bench/paths.py -> <repo>
+
+
+def repo_root() -> Path:
+    """The repository root (absolute): ``$DSFUSE_ROOT`` if set, else the checkout holding the package."""
+    env = os.environ.get(ENV_VAR)
+    root = Path(env).expanduser().resolve() if env else _PACKAGE_ROOT
+    if not (root / "experiments").is_dir():
+        if env:
+            raise FileNotFoundError(f"{ENV_VAR}={env}: no experiments/ folder in {root}; "
+                                    f"set {ENV_VAR} to the dsfuse repository root (the folder holding experiments/)")
+        raise FileNotFoundError(f"dsfuse is imported from {Path(__file__).resolve().parents[1]}, which is not inside a "
+                                f"repository checkout (no experiments/ folder in {root}); set {ENV_VAR} to the "
+                                "dsfuse repository root (the folder holding experiments/)")
+    return root
+
+
+def repo_path(path: str | os.PathLike) -> Path:
+    """``path`` if absolute, else ``path`` relative to the repository root (never the working directory)."""
+    path = Path(path).expanduser()
+    return path if path.is_absolute() else repo_root() / path
+
+
+def cli_path(path: str | os.PathLike) -> Path:
+    """A path given on a command line: relative to the working directory when it exists there, else to the root."""
+    path = Path(path).expanduser()
+    return path.resolve() if path.is_absolute() or path.exists() else repo_root() / path
+
+
+def smoke_root() -> Path:
+    """``<repo>/build/smoke``: where smoke runs (CPU, interpreter) write, apart from measured data."""
+    return repo_root() / "build" / "smoke"
+
+
+def relative(path: str | os.PathLike) -> str:
+    """``path`` relative to the repository root, as text, when it lies inside it (for generated files); else as is."""
+    path = Path(path)
+    try:
+        return path.resolve().relative_to(repo_root()).as_posix()
+    except ValueError:
+        return path.as_posix()
