@@ -2,7 +2,8 @@
 
 ``render(op, raw_root, results_dir, plots_dir)`` reads the newest run under
 ``raw_root`` and writes ``results/<op>.md`` (included by the docs) and
-``<plots_dir>/<op>_<mode>.png``. Definitions:
+``<plots_dir>/<op>_<mode>.png``; each section and table is its own small function
+(the tables' DataFrames in :mod:`dsfuse.bench.tables`). Definitions:
 
 * latency: median of all samples of a (case, provider, clock, regime);
 * achieved bandwidth: the case's byte floor over the median, and its fraction
@@ -16,6 +17,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 from pathlib import Path
 
@@ -25,9 +27,24 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 import yaml  # noqa: E402
-from tabulate import tabulate  # noqa: E402
 
-CLOCK_REGIMES = [("graph", "hot"), ("graph", "evicted"), ("eager", "hot"), ("eager", "evicted"), ("wall", "hot")]
+from dsfuse.bench.tables import (  # noqa: E402
+    CLOCK_REGIMES,  # noqa: F401  (part of this module's interface)
+    REPEATS,
+    blocks_table,
+    check_table,
+    host_table,
+    latency_table,
+    markdown,
+    probe_table,
+    ratio_table,
+    target_table,
+)
+from dsfuse.bench.tables import fmt as _fmt  # noqa: E402, F401  (used by the ops' report_extra)
+
+SMOKE_BANNER = "**SMOKE RUN on CPU (Triton interpreter, tiny shapes): these numbers measure nothing.**"
+TARGETS_INTRO = ("Each target as set for this op, the measured median (graph clock unless stated), the bytes "
+                 "floor at the run's copy bandwidth, and whether it was met.")
 
 
 def latest_run(raw_root: Path) -> Path:
@@ -61,29 +78,44 @@ def valid_providers(validation: pd.DataFrame) -> dict[str, set[str]]:
 def summarize(run: dict) -> tuple[pd.DataFrame, pd.DataFrame, dict]:
     """Median latency table and the candidate-vs-control ratio table."""
     samples, cases, validation = run["samples"], run["cases"], run["validation"]
-    copy = samples[samples["case"] == "copy"].groupby("clock")["us"].median()
-    copy_bytes = int(cases.loc[cases["case"] == "copy", "bytes"].iloc[0])
-    copy_bw = {clock: copy_bytes / us / 1e6 for clock, us in copy.items()}  # TB/s per clock
+    copy_bw = copy_bandwidth(samples, cases)
     # The ceiling is the fastest copy of the run: a memcpy captured in a CUDA Graph may
     # run on a copy engine, slower than the kernel copy that eager calls get.
     ceiling = max(copy_bw.values())
-    params = {row.case: json.loads(row.params) for row in cases.itertuples()}
-    floor_bytes = {row.case: int(row.bytes) for row in cases.itertuples()}
-    roles = dict(zip(validation["provider"], validation["role"]))
-    forms = dict(zip(validation["provider"], validation["form"]))
-    valid = valid_providers(validation)
-
+    nbytes = provider_bytes(cases)
     timed = samples[samples["case"] != "copy"]
     med = timed.groupby(["case", "mode", "provider", "clock", "regime"])["us"].median().reset_index()
+    med["tbps"] = [nbytes(c, p) / us / 1e6 for c, p, us in zip(med["case"], med["provider"], med["us"])]
+    med["of_copy"] = med["tbps"] / ceiling
+    return med, candidate_ratios(med, timed, validation, nbytes, ceiling), copy_bw
+
+
+def copy_bandwidth(samples: pd.DataFrame, cases: pd.DataFrame) -> dict[str, float]:
+    """TB/s per clock of the run's device-to-device copy (median of its samples)."""
+    copy = samples[samples["case"] == "copy"].groupby("clock")["us"].median()
+    copy_bytes = int(cases.loc[cases["case"] == "copy", "bytes"].iloc[0])
+    return {clock: copy_bytes / us / 1e6 for clock, us in copy.items()}
+
+
+def provider_bytes(cases: pd.DataFrame):
+    """``nbytes(case, provider)``: the case's byte floor, unless its params name the provider's own."""
+    params = {row.case: json.loads(row.params) for row in cases.itertuples()}
+    floor_bytes = {row.case: int(row.bytes) for row in cases.itertuples()}
 
     def nbytes(case: str, provider: str) -> int:
         return int(params[case].get("bytes_by_provider", {}).get(provider, floor_bytes[case]))
 
-    med["tbps"] = [nbytes(c, p) / us / 1e6 for c, p, us in zip(med["case"], med["provider"], med["us"])]
-    med["of_copy"] = med["tbps"] / ceiling
+    return nbytes
 
-    ratio_rows = []
+
+def candidate_ratios(med: pd.DataFrame, timed: pd.DataFrame, validation: pd.DataFrame, nbytes, ceiling: float
+                     ) -> pd.DataFrame:
+    """Per candidate, case, clock and regime: the fastest valid same-form control and the per-block ratio."""
+    roles = dict(zip(validation["provider"], validation["role"]))
+    forms = dict(zip(validation["provider"], validation["form"]))
+    valid = valid_providers(validation)
     block_med = timed.groupby(["case", "provider", "clock", "regime", "block"])["us"].median()
+    ratio_rows = []
     for (case, mode, clock, regime), grp in med.groupby(["case", "mode", "clock", "regime"]):
         for cand in grp[[roles.get(p) == "candidate" for p in grp["provider"]]].itertuples():
             controls = grp[[roles.get(p) == "control" and forms.get(p) == forms.get(cand.provider)
@@ -91,7 +123,8 @@ def summarize(run: dict) -> tuple[pd.DataFrame, pd.DataFrame, dict]:
             if controls.empty:
                 continue
             best = controls.loc[controls["us"].idxmin()]
-            per_block = (block_med[(case, best.provider, clock, regime)] / block_med[(case, cand.provider, clock, regime)]).dropna()
+            per_block = (block_med[(case, best.provider, clock, regime)]
+                         / block_med[(case, cand.provider, clock, regime)]).dropna()
             ratio_rows.append(dict(
                 case=case, mode=mode, clock=clock, regime=regime, candidate=cand.provider,
                 candidate_us=cand.us, control=best.provider, control_us=best.us,
@@ -100,134 +133,33 @@ def summarize(run: dict) -> tuple[pd.DataFrame, pd.DataFrame, dict]:
                 tbps=cand.tbps, of_copy=cand.of_copy,
                 floor_us=nbytes(case, cand.provider) / (ceiling * 1e6),
             ))
-    return med, pd.DataFrame(ratio_rows), copy_bw
+    return pd.DataFrame(ratio_rows)
 
 
-def _fmt(x: float, digits: int = 1) -> str:
-    return "n/a" if pd.isna(x) else f"{x:.{digits}f}"
+def bytes_floors(cases: pd.DataFrame, providers: set[str], ceiling: float) -> dict[tuple[str, str], float]:
+    """us per (case, provider) to move the bytes the provider must move at the run's copy ceiling."""
+    nbytes = provider_bytes(cases)
+    return {(case, provider): nbytes(case, provider) / (ceiling * 1e6)
+            for case in cases["case"] for provider in providers}
 
 
 def render(op: str, raw_root: Path, results_dir: Path, plots_dir: Path, smoke: bool = False) -> list[Path]:
+    """Write ``<results_dir>/<op>.md``, the tuning tables and the plots of the newest run; return their paths."""
     run_dir = latest_run(raw_root)
     run = load_run(run_dir)
     med, ratios, copy_bw = summarize(run)
-    env = run["env"]
-    ceiling = max(copy_bw.values())
-    params = {row.case: json.loads(row.params) for row in run["cases"].itertuples()}
-    floors = {
-        (case, provider): int(params[case].get("bytes_by_provider", {}).get(provider, nbytes)) / (ceiling * 1e6)
-        for case, nbytes in zip(run["cases"]["case"], run["cases"]["bytes"])
-        for provider in set(med["provider"])
-    }
+    floors = bytes_floors(run["cases"], set(med["provider"]), max(copy_bw.values()))
     results_dir, plots_dir = Path(results_dir), Path(plots_dir)
     results_dir.mkdir(parents=True, exist_ok=True)
     plots_dir.mkdir(parents=True, exist_ok=True)
 
-    lines = [f"<!-- generated by `python -m dsfuse.bench report {op}` from {run_dir.as_posix()}; do not edit -->", ""]
-    if smoke:
-        lines += ["**SMOKE RUN on CPU (Triton interpreter, tiny shapes): these numbers measure nothing.**", ""]
-    pk = env.get("packages", {})
-    lines += [
-        f"Run `{run['run_id']}`: {env.get('gpu_name') or 'CPU'}"
-        + (f" ({env.get('sm_count')} SMs, driver {env.get('driver')})" if env.get("gpu_name") else "")
-        + f", torch {pk.get('torch')}, triton {pk.get('triton')}, commit `{(env.get('git_commit') or '?')[:10]}`"
-        + (" (dirty tree)" if env.get("git_dirty") else "") + f", {env.get('date_utc')}.",
-        "Same-run device-to-device copy bandwidth (bytes read + written): "
-        + ", ".join(f"{clock} {bw:.2f} TB/s" for clock, bw in sorted(copy_bw.items()))
-        + f"; the fastest, {max(copy_bw.values()):.2f} TB/s, is the ceiling for 'of copy' and 'floor us'.",
-        "",
-    ]
-
-    if not ratios.empty:
-        lines += ["### dsfuse against the fastest valid control", ""]
-        table = [
-            [r.case, r.candidate, f"{r.clock}/{r.regime}", _fmt(r.candidate_us), f"{r.control} {_fmt(r.control_us)}",
-             f"{_fmt(r.ratio, 2)} [{_fmt(r.ratio_min, 2)}, {_fmt(r.ratio_max, 2)}]", _fmt(r.tbps, 2),
-             f"{_fmt(100 * r.of_copy, 0)}%", _fmt(r.floor_us), "yes" if r.candidate_valid else "NO"]
-            for r in ratios.sort_values(["mode", "case", "candidate", "clock", "regime"]).itertuples()
-        ]
-        lines.append(tabulate(table, headers=["case", "dsfuse", "clock/cache", "median us", "fastest control (us)",
-                                              "ratio [min, max]", "TB/s", "of copy", "floor us", "checks pass"],
-                              tablefmt="github"))
-        lines.append("")
-
-    targets = run["config"].get("targets", [])
-    if targets:
-        lines += ["### Targets", "",
-                  "Each target as set for this op, the measured median (graph clock unless stated), the bytes "
-                  "floor at the run's copy bandwidth, and whether it was met.", ""]
-        table = []
-        for t in targets:
-            sel = med[(med["case"] == t["case"]) & (med["provider"] == t["provider"])
-                      & (med["clock"] == t.get("clock", "graph")) & (med["regime"] == t.get("regime", "evicted"))]
-            us = float(sel["us"].iloc[0]) if not sel.empty else float("nan")
-            frac = float(sel["of_copy"].iloc[0]) if not sel.empty else float("nan")
-            floor = floors.get((t["case"], t["provider"]), float("nan"))
-            goal, verdict = [], []
-            if "max_us" in t:
-                goal.append(f"<= {t['max_us']} us")
-                verdict.append("latency " + ("met" if us <= t["max_us"] else "MISSED"))
-            if "min_of_copy" in t:
-                goal.append(f">= {100 * t['min_of_copy']:.0f}% of copy")
-                verdict.append("bandwidth " + ("met" if frac >= t["min_of_copy"] else "MISSED"))
-            for other, factor in t.get("min_speedup", {}).items():
-                ref = med[(med["case"] == t["case"]) & (med["provider"] == other)
-                          & (med["clock"] == t.get("clock", "graph")) & (med["regime"] == t.get("regime", "evicted"))]
-                speedup = float(ref["us"].iloc[0]) / us if not ref.empty else float("nan")
-                goal.append(f">= {factor}x {other}")
-                verdict.append(f"{_fmt(speedup, 2)}x {other} " + ("met" if speedup >= factor else "MISSED"))
-            if "max_of_fastest" in t:  # latency at most this fraction of the fastest valid control's
-                sel_r = ratios[(ratios["case"] == t["case"]) & (ratios["candidate"] == t["provider"])
-                               & (ratios["clock"] == t.get("clock", "graph"))
-                               & (ratios["regime"] == t.get("regime", "evicted"))] if not ratios.empty else ratios
-                frac_c = float(us / sel_r["control_us"].iloc[0]) if not sel_r.empty else float("nan")
-                goal.append(f"<= {t['max_of_fastest']:.2f}x the fastest valid control")
-                verdict.append(f"{_fmt(frac_c, 2)}x {sel_r['control'].iloc[0] if not sel_r.empty else 'n/a'} "
-                               + ("met" if frac_c <= t["max_of_fastest"] else "MISSED"))
-            table.append([t["case"], t["provider"], f"{t.get('clock', 'graph')}/{t.get('regime', 'evicted')}",
-                          " and ".join(goal), _fmt(us), f"{_fmt(100 * frac, 0)}%", _fmt(floor),
-                          ", ".join(verdict) if not sel.empty else "not measured"])
-        lines.append(tabulate(table, headers=["case", "provider", "clock/cache", "target", "median us", "of copy",
-                                              "floor us", "verdict"], tablefmt="github"))
-        lines.append("")
-
-    lines += ["### Median latency of every provider (us)", ""]
-    present = [cr for cr in CLOCK_REGIMES if ((med["clock"] == cr[0]) & (med["regime"] == cr[1])).any()]
-    wide = med.pivot_table(index=["case", "provider"], columns=["clock", "regime"], values="us")
-    table = [[case, provider] + [_fmt(wide.loc[(case, provider)].get(cr, float("nan"))) for cr in present]
-             for case, provider in wide.index]
-    lines.append(tabulate(table, headers=["case", "provider"] + [f"{c}/{r}" for c, r in present], tablefmt="github"))
-    lines.append("")
-
-    for junit in sorted(run_dir.glob("junit-gpu*.xml"), key=_junit_stamp):
-        lines += _junit_summary(junit, op) + [""]
-
-    import importlib
-
-    from dsfuse.bench import EXPERIMENTS
-
-    extra = getattr(importlib.import_module(EXPERIMENTS[op]), "report_extra", None) if op in EXPERIMENTS else None
-    if extra is not None:
-        lines += extra(run_dir)
-
-    lines += ["### Correctness checks of the benchmark providers (before and after timing)", ""]
-    val = run["validation"]
-    table = []
-    for (case, provider), rows in val.groupby(["case", "provider"], sort=False):
-        failed = rows[rows["status"] == "fail"]
-        skipped = rows[~rows["status"].isin(["pass", "fail", "n/a"])]
-        if (rows["status"] == "n/a").all():
-            continue
-        status = "fail" if not failed.empty else ("pass" if (rows["status"] == "pass").any() else "not run")
-        notes = {str(e).splitlines()[0] for e in pd.concat([failed, skipped])["error"] if e}
-        notes |= {f"{r.mismatches} elements differ (max abs diff {float(r.max_abs_diff):.3g})"
-                  for r in failed.itertuples() if not r.error and str(r.mismatches)}
-        note = "; ".join(sorted(notes))
-        table.append([case, provider, rows["check"].iloc[0], status,
-                      ", ".join(sorted(set(rows.loc[rows["status"] == "pass", "stage"]))), note[:160]])
-    lines.append(tabulate(table, headers=["case", "provider", "check", "status", "stages passed", "note"],
-                          tablefmt="github"))
-    lines.append("")
+    lines = header_lines(op, run_dir, run, copy_bw, smoke)
+    lines += ratio_section(ratios)
+    lines += targets_section(run["config"].get("targets", []), med, ratios, floors)
+    lines += latency_section(med)
+    lines += junit_section(run_dir, op)
+    lines += extra_section(op, run_dir)
+    lines += checks_section(run["validation"])
     table_path = results_dir / f"{op}.md"
     table_path.write_text("\n".join(lines))
 
@@ -235,8 +167,81 @@ def render(op: str, raw_root: Path, results_dir: Path, plots_dir: Path, smoke: b
     tuning = write_tuning(op, raw_root, results_dir)
     if tuning:
         written.append(tuning)
+    return written + plot_modes(op, med, floors, plots_dir, smoke)
+
+
+def section(title: str, *blocks: str) -> list[str]:
+    """A level-3 heading, then each block (a paragraph or a table) followed by a blank line."""
+    lines = [f"### {title}", ""]
+    for block in blocks:
+        lines += [block, ""]
+    return lines
+
+
+def header_lines(op: str, run_dir: Path, run: dict, copy_bw: dict[str, float], smoke: bool) -> list[str]:
+    lines = [f"<!-- generated by `python -m dsfuse.bench report {op}` from {run_dir.as_posix()}; do not edit -->", ""]
+    if smoke:
+        lines += [SMOKE_BANNER, ""]
+    return lines + [run_line(run["run_id"], run["env"]), copy_line(copy_bw), ""]
+
+
+def run_line(run_id: str, env: dict) -> str:
+    """The run: device, torch and triton versions, commit, date."""
+    pk = env.get("packages", {})
+    device = env.get("gpu_name") or "CPU"
+    if env.get("gpu_name"):
+        device += f" ({env.get('sm_count')} SMs, driver {env.get('driver')})"
+    commit = f"`{(env.get('git_commit') or '?')[:10]}`" + (" (dirty tree)" if env.get("git_dirty") else "")
+    return (f"Run `{run_id}`: {device}, torch {pk.get('torch')}, triton {pk.get('triton')}, commit {commit}, "
+            f"{env.get('date_utc')}.")
+
+
+def copy_line(copy_bw: dict[str, float]) -> str:
+    rates = ", ".join(f"{clock} {bw:.2f} TB/s" for clock, bw in sorted(copy_bw.items()))
+    return (f"Same-run device-to-device copy bandwidth (bytes read + written): {rates}; the fastest, "
+            f"{max(copy_bw.values()):.2f} TB/s, is the ceiling for 'of copy' and 'floor us'.")
+
+
+def ratio_section(ratios: pd.DataFrame) -> list[str]:
+    return [] if ratios.empty else section("dsfuse against the fastest valid control", markdown(ratio_table(ratios)))
+
+
+def targets_section(targets: list[dict], med: pd.DataFrame, ratios: pd.DataFrame,
+                    floors: dict[tuple[str, str], float]) -> list[str]:
+    if not targets:
+        return []
+    return section("Targets", TARGETS_INTRO, markdown(target_table(targets, med, ratios, floors)))
+
+
+def latency_section(med: pd.DataFrame) -> list[str]:
+    return section("Median latency of every provider (us)", markdown(latency_table(med)))
+
+
+def junit_section(run_dir: Path, op: str) -> list[str]:
+    """One paragraph per GPU test session stored with the run, oldest first."""
+    return [line for junit in sorted(run_dir.glob("junit-gpu*.xml"), key=_junit_stamp)
+            for line in _junit_summary(junit, op) + [""]]
+
+
+def extra_section(op: str, run_dir: Path) -> list[str]:
+    """The op's own sections: ``report_extra(run_dir)`` of its bench module, where it has one."""
+    from dsfuse.bench import EXPERIMENTS
+
+    extra = getattr(importlib.import_module(EXPERIMENTS[op]), "report_extra", None) if op in EXPERIMENTS else None
+    return extra(run_dir) if extra is not None else []
+
+
+def checks_section(validation: pd.DataFrame) -> list[str]:
+    return section("Correctness checks of the benchmark providers (before and after timing)",
+                   markdown(check_table(validation)))
+
+
+def plot_modes(op: str, med: pd.DataFrame, floors: dict[tuple[str, str], float], plots_dir: Path,
+               smoke: bool) -> list[Path]:
+    """One bar chart per mode: CUDA Graph replay with L2 evicted where the run has it, else wall clock."""
     clock, regime = ("graph", "evicted") if "graph" in set(med["clock"]) else ("wall", "hot")
     colors = {p: plt.get_cmap("tab10")(i % 10) for i, p in enumerate(sorted(set(med["provider"])))}
+    written = []
     for mode, grp in med[(med["clock"] == clock) & (med["regime"] == regime)].groupby("mode"):
         floor = {case: floors[(case, "dsfuse")] for case in set(grp["case"]) if (case, "dsfuse") in floors}
         written.append(_plot(op, mode, grp, clock, regime, plots_dir, smoke, floor, colors))
@@ -267,38 +272,42 @@ def _junit_summary(path: Path, op: str) -> list[str]:
 
 def write_tuning(op: str, raw_root: Path, results_dir: Path) -> Path | None:
     """Medians of every launch-constant sweep under ``raw/tuning/`` (one table per file)."""
-    files = sorted((Path(raw_root) / "tuning").glob("blocks-*.csv"))
-    host_files = sorted((Path(raw_root) / "tuning").glob("host-overhead-*.csv"))
-    probe_files = sorted(set((Path(raw_root) / "tuning").glob("*.csv")) - set(files) - set(host_files))
+    tuning = Path(raw_root) / "tuning"
+    files = sorted(tuning.glob("blocks-*.csv"))
+    host_files = sorted(tuning.glob("host-overhead-*.csv"))
+    probe_files = sorted(set(tuning.glob("*.csv")) - set(files) - set(host_files))
     if not files and not host_files and not probe_files:
         return None
     lines = [f"<!-- generated by `python -m dsfuse.bench report {op}` from {Path(raw_root).as_posix()}/tuning; "
              "do not edit -->", ""]
-    for path in files:
-        df = pd.read_csv(path)
-        df = df[df["regime"] == "evicted"]
-        wide = df.groupby(["mode", "elements", "warps"])["us"].median().unstack("warps")
-        lines += [f"**{path.stem}** (median us, CUDA Graph replay, L2 evicted; rows: mode and elements per "
-                  "program, columns: warps)", ""]
-        table = [[mode, elements] + [_fmt(v) for v in row] for (mode, elements), row in wide.iterrows()]
-        lines += [tabulate(table, headers=["mode", "elements"] + [str(w) for w in wide.columns], tablefmt="github"), ""]
-    for path in host_files:  # host time per call: part -> median over repetitions
-        df = pd.read_csv(path)
-        med = df.groupby("part", sort=False)["host_us"].median()
-        lines += [f"**{path.stem}** (median host us per call, no synchronisation, small input)", ""]
-        lines += [tabulate([[part, _fmt(us)] for part, us in med.items()], headers=["part", "host us"],
-                           tablefmt="github"), ""]
-    for path in probe_files:  # other probes: the median of ``us`` per combination of the other columns
-        df = pd.read_csv(path)
-        keys = [c for c in df.columns if c not in ("sample", "round", "block", "us")]  # rounds, blocks: repeats
-        med = df.groupby(keys, sort=False)["us"].median().reset_index()
-        repeats = [f"every {c}" for c in ("round", "block") if c in df]
-        lines += [f"**{path.stem}** (median us over the samples{' of ' + ' and '.join(repeats) if repeats else ''}, "
-                  "CUDA Graph replay, L2 evicted)", ""]
-        lines += [tabulate(med.values.tolist(), headers=keys + ["us"], tablefmt="github", floatfmt=".1f"), ""]
+    lines += [line for path in files for line in blocks_block(path)]
+    lines += [line for path in host_files for line in host_block(path)]
+    lines += [line for path in probe_files for line in probe_block(path)]
     out = Path(results_dir) / f"{op}_tuning.md"
     out.write_text("\n".join(lines))
     return out
+
+
+def tuning_block(path: Path, caption: str, table: str) -> list[str]:
+    return [f"**{path.stem}** ({caption})", "", table, ""]
+
+
+def blocks_block(path: Path) -> list[str]:
+    return tuning_block(path, "median us, CUDA Graph replay, L2 evicted; rows: mode and elements per program, "
+                        "columns: warps", markdown(blocks_table(pd.read_csv(path))))
+
+
+def host_block(path: Path) -> list[str]:
+    return tuning_block(path, "median host us per call, no synchronisation, small input",
+                        markdown(host_table(pd.read_csv(path))))
+
+
+def probe_block(path: Path) -> list[str]:
+    df = pd.read_csv(path)
+    repeats = [f"every {c}" for c in REPEATS if c in df]
+    over = " of " + " and ".join(repeats) if repeats else ""
+    caption = f"median us over the samples{over}, CUDA Graph replay, L2 evicted"
+    return tuning_block(path, caption, markdown(probe_table(df), floatfmt=".1f"))
 
 
 def _plot(op: str, mode: str, grp: pd.DataFrame, clock: str, regime: str, plots_dir: Path, smoke: bool,

@@ -1,0 +1,190 @@
+"""The report's tables, one small builder each; :mod:`dsfuse.bench.report` composes them.
+
+Every builder returns a DataFrame whose columns are the table's headers and whose cells are
+what the table shows (mostly strings formatted by :func:`fmt`); :func:`markdown` renders it
+as a GitHub table. As with any tabulate table, numeric-looking cells are read as numbers:
+their column is right-aligned and their digits are those of tabulate's number format.
+"""
+
+from __future__ import annotations
+
+import pandas as pd
+
+NA = float("nan")
+CLOCK_REGIMES = [("graph", "hot"), ("graph", "evicted"), ("eager", "hot"), ("eager", "evicted"), ("wall", "hot")]
+RATIO_COLUMNS = ["case", "dsfuse", "clock/cache", "median us", "fastest control (us)", "ratio [min, max]", "TB/s",
+                 "of copy", "floor us", "checks pass"]
+TARGET_COLUMNS = ["case", "provider", "clock/cache", "target", "median us", "of copy", "floor us", "verdict"]
+CHECK_COLUMNS = ["case", "provider", "check", "status", "stages passed", "note"]
+NOTE_CHARS = 160  # longest note of the checks table
+REPEATS = ("round", "block")  # probe columns that repeat a setting: one median over all of them
+
+
+def fmt(x: float, digits: int = 1) -> str:
+    return "n/a" if pd.isna(x) else f"{x:.{digits}f}"
+
+
+def markdown(table: pd.DataFrame, **kwargs) -> str:
+    """``table`` as a GitHub Markdown table, without its index (tabulate options in ``kwargs``)."""
+    return table.to_markdown(index=False, tablefmt="github", **kwargs)
+
+
+def frame(rows: list[list], columns: list[str]) -> pd.DataFrame:
+    return pd.DataFrame(rows, columns=columns)
+
+
+# dsfuse against the fastest valid control
+
+
+def ratio_table(ratios: pd.DataFrame) -> pd.DataFrame:
+    """One row per candidate, case and clock/cache regime (rows of :func:`report.summarize`'s ratios)."""
+    ordered = ratios.sort_values(["mode", "case", "candidate", "clock", "regime"])
+    return frame([ratio_row(r) for r in ordered.itertuples()], RATIO_COLUMNS)
+
+
+def ratio_row(r) -> list[str]:
+    return [r.case, r.candidate, f"{r.clock}/{r.regime}", fmt(r.candidate_us), f"{r.control} {fmt(r.control_us)}",
+            f"{fmt(r.ratio, 2)} [{fmt(r.ratio_min, 2)}, {fmt(r.ratio_max, 2)}]", fmt(r.tbps, 2),
+            f"{fmt(100 * r.of_copy, 0)}%", fmt(r.floor_us), "yes" if r.candidate_valid else "NO"]
+
+
+# targets
+
+
+def target_table(targets: list[dict], med: pd.DataFrame, ratios: pd.DataFrame,
+                 floors: dict[tuple[str, str], float]) -> pd.DataFrame:
+    """Each target of the op's config: its goals, the measured median, and whether each goal was met."""
+    return frame([target_row(t, med, ratios, floors) for t in targets], TARGET_COLUMNS)
+
+
+def target_where(t: dict) -> tuple[str, str]:
+    """The target's clock and cache regime (default: CUDA Graph replay, L2 evicted)."""
+    return t.get("clock", "graph"), t.get("regime", "evicted")
+
+
+def medians_of(med: pd.DataFrame, case: str, provider: str, clock: str, regime: str) -> pd.DataFrame:
+    return med[(med["case"] == case) & (med["provider"] == provider) & (med["clock"] == clock)
+               & (med["regime"] == regime)]
+
+
+def target_row(t: dict, med: pd.DataFrame, ratios: pd.DataFrame, floors: dict[tuple[str, str], float]) -> list[str]:
+    clock, regime = target_where(t)
+    sel = medians_of(med, t["case"], t["provider"], clock, regime)
+    us = float(sel["us"].iloc[0]) if not sel.empty else NA
+    frac = float(sel["of_copy"].iloc[0]) if not sel.empty else NA
+    goals = target_goals(t, us, frac, med, ratios)
+    verdict = ", ".join(v for _, v in goals) if not sel.empty else "not measured"
+    return [t["case"], t["provider"], f"{clock}/{regime}", " and ".join(g for g, _ in goals), fmt(us),
+            f"{fmt(100 * frac, 0)}%", fmt(floors.get((t["case"], t["provider"]), NA)), verdict]
+
+
+def target_goals(t: dict, us: float, frac: float, med: pd.DataFrame, ratios: pd.DataFrame) -> list[tuple[str, str]]:
+    """(goal, verdict) for each goal the target sets, in the order the table states them."""
+    goals = []
+    if "max_us" in t:
+        goals.append(latency_goal(t["max_us"], us))
+    if "min_of_copy" in t:
+        goals.append(bandwidth_goal(t["min_of_copy"], frac))
+    goals += [speedup_goal(t, other, factor, us, med) for other, factor in t.get("min_speedup", {}).items()]
+    if "max_of_fastest" in t:
+        goals.append(fastest_goal(t, us, ratios))
+    return goals
+
+
+def _met(ok: bool) -> str:
+    return "met" if ok else "MISSED"
+
+
+def latency_goal(max_us: float, us: float) -> tuple[str, str]:
+    return f"<= {max_us} us", "latency " + _met(us <= max_us)
+
+
+def bandwidth_goal(min_of_copy: float, frac: float) -> tuple[str, str]:
+    return f">= {100 * min_of_copy:.0f}% of copy", "bandwidth " + _met(frac >= min_of_copy)
+
+
+def speedup_goal(t: dict, other: str, factor: float, us: float, med: pd.DataFrame) -> tuple[str, str]:
+    """At least ``factor`` times faster than provider ``other`` (same case, clock and regime)."""
+    ref = medians_of(med, t["case"], other, *target_where(t))
+    speedup = float(ref["us"].iloc[0]) / us if not ref.empty else NA
+    return f">= {factor}x {other}", f"{fmt(speedup, 2)}x {other} " + _met(speedup >= factor)
+
+
+def fastest_goal(t: dict, us: float, ratios: pd.DataFrame) -> tuple[str, str]:
+    """Latency at most ``max_of_fastest`` times the fastest valid control's."""
+    sel = ratios_of(ratios, t)
+    frac = float(us / sel["control_us"].iloc[0]) if not sel.empty else NA
+    control = sel["control"].iloc[0] if not sel.empty else "n/a"
+    return (f"<= {t['max_of_fastest']:.2f}x the fastest valid control",
+            f"{fmt(frac, 2)}x {control} " + _met(frac <= t["max_of_fastest"]))
+
+
+def ratios_of(ratios: pd.DataFrame, t: dict) -> pd.DataFrame:
+    if ratios.empty:
+        return ratios
+    clock, regime = target_where(t)
+    return ratios[(ratios["case"] == t["case"]) & (ratios["candidate"] == t["provider"])
+                  & (ratios["clock"] == clock) & (ratios["regime"] == regime)]
+
+
+# every provider, every check
+
+
+def latency_table(med: pd.DataFrame) -> pd.DataFrame:
+    """Median us of every case and provider; one column per clock/cache regime of the run."""
+    present = [cr for cr in CLOCK_REGIMES if ((med["clock"] == cr[0]) & (med["regime"] == cr[1])).any()]
+    wide = med.pivot_table(index=["case", "provider"], columns=["clock", "regime"], values="us")
+    rows = [[case, provider] + [fmt(wide.loc[(case, provider)].get(cr, NA)) for cr in present]
+            for case, provider in wide.index]
+    return frame(rows, ["case", "provider"] + [f"{c}/{r}" for c, r in present])
+
+
+def check_table(validation: pd.DataFrame) -> pd.DataFrame:
+    """One row per case and provider whose checks applied (not all 'n/a'), in the order they ran."""
+    groups = validation.groupby(["case", "provider"], sort=False)
+    rows = [check_row(case, provider, checks) for (case, provider), checks in groups
+            if not (checks["status"] == "n/a").all()]
+    return frame(rows, CHECK_COLUMNS)
+
+
+def check_row(case: str, provider: str, checks: pd.DataFrame) -> list[str]:
+    failed = checks[checks["status"] == "fail"]
+    skipped = checks[~checks["status"].isin(["pass", "fail", "n/a"])]
+    status = "fail" if not failed.empty else ("pass" if (checks["status"] == "pass").any() else "not run")
+    passed = ", ".join(sorted(set(checks.loc[checks["status"] == "pass", "stage"])))
+    return [case, provider, checks["check"].iloc[0], status, passed, check_note(failed, skipped)[:NOTE_CHARS]]
+
+
+def check_note(failed: pd.DataFrame, skipped: pd.DataFrame) -> str:
+    """First line of each error, and the mismatch count of each failure without one."""
+    notes = {str(e).splitlines()[0] for e in pd.concat([failed, skipped])["error"] if e}
+    notes |= {f"{r.mismatches} elements differ (max abs diff {float(r.max_abs_diff):.3g})"
+              for r in failed.itertuples() if not r.error and str(r.mismatches)}
+    return "; ".join(sorted(notes))
+
+
+# tuning sweeps and probes (raw/tuning/*.csv)
+
+
+def blocks_table(df: pd.DataFrame) -> pd.DataFrame:
+    """Launch-constant sweep, L2 evicted: median us per mode and elements per program (rows), warps (columns)."""
+    evicted = df[df["regime"] == "evicted"]
+    wide = evicted.groupby(["mode", "elements", "warps"])["us"].median().unstack("warps")
+    rows = [[mode, elements] + [fmt(v) for v in row] for (mode, elements), row in wide.iterrows()]
+    return frame(rows, ["mode", "elements"] + [str(w) for w in wide.columns])
+
+
+def host_table(df: pd.DataFrame) -> pd.DataFrame:
+    """Host time per call: median over repetitions, per part."""
+    med = df.groupby("part", sort=False)["host_us"].median()
+    return frame([[part, fmt(us)] for part, us in med.items()], ["part", "host us"])
+
+
+def probe_keys(df: pd.DataFrame) -> list[str]:
+    """The columns that name a setting (all but the sample, its repeats and the time)."""
+    return [c for c in df.columns if c not in ("sample", *REPEATS, "us")]
+
+
+def probe_table(df: pd.DataFrame) -> pd.DataFrame:
+    """Any other probe: the median of ``us`` per setting, unformatted (rendered with ``floatfmt='.1f'``)."""
+    return df.groupby(probe_keys(df), sort=False)["us"].median().reset_index()

@@ -1,0 +1,143 @@
+"""The report's table builders (dsfuse.bench.tables) and how render composes their sections."""
+
+import json
+
+import pandas as pd
+import yaml
+
+from dsfuse.bench import report, tables
+
+
+def _rows(markdown: str) -> list[list[str]]:
+    return [[c.strip() for c in line.strip("|").split("|")] for line in markdown.splitlines()[2:]]
+
+
+def _ratio(**kw) -> dict:
+    row = dict(case="c_fwd", mode="fwd", clock="graph", regime="evicted", candidate="dsfuse", candidate_us=10.0,
+               control="eager", control_us=25.0, ratio=2.5, ratio_min=2.0, ratio_max=3.0, candidate_valid=True,
+               tbps=1.234, of_copy=0.456, floor_us=4.0)
+    return {**row, **kw}
+
+
+def test_ratio_table_markdown():
+    ratios = pd.DataFrame([_ratio(case="c_fwd+bwd", mode="fwd+bwd", candidate_valid=False, ratio_max=float("nan")),
+                           _ratio(regime="hot", candidate_us=9.96)])
+    assert tables.markdown(tables.ratio_table(ratios)).splitlines() == [
+        "| case      | dsfuse   | clock/cache   |   median us | fastest control (us)   | ratio [min, max]   "
+        "|   TB/s | of copy   |   floor us | checks pass   |",
+        "|-----------|----------|---------------|-------------|------------------------|--------------------"
+        "|--------|-----------|------------|---------------|",
+        "| c_fwd     | dsfuse   | graph/hot     |          10 | eager 25.0             | 2.50 [2.00, 3.00]  "
+        "|   1.23 | 46%       |          4 | yes           |",
+        "| c_fwd+bwd | dsfuse   | graph/evicted |          10 | eager 25.0             | 2.50 [2.00, n/a]   "
+        "|   1.23 | 46%       |          4 | NO            |",
+    ]
+
+
+def _med(rows) -> pd.DataFrame:
+    return pd.DataFrame([dict(case=c, provider=p, clock=cl, regime=r, us=us, of_copy=f)
+                         for c, p, cl, r, us, f in rows])
+
+
+def test_target_rows_state_each_goal_and_verdict():
+    med = _med([("c", "dsfuse", "graph", "evicted", 10.0, 0.9), ("c", "eager", "graph", "evicted", 30.0, 0.3),
+                ("c", "dsfuse", "eager", "evicted", 20.0, 0.45)])
+    ratios = pd.DataFrame([_ratio(case="c", control="eager", control_us=30.0)])
+    floors = {("c", "dsfuse"): 8.0}
+    targets = [dict(case="c", provider="dsfuse", max_us=12, min_of_copy=0.95, min_speedup={"eager": 2},
+                    max_of_fastest=0.25),
+               dict(case="c", provider="dsfuse", clock="eager", max_us=12),
+               dict(case="c", provider="dsfuse", clock="wall", regime="hot", max_us=12)]
+    rows = _rows(tables.markdown(tables.target_table(targets, med, ratios, floors)))
+    assert rows[0] == ["c", "dsfuse", "graph/evicted",
+                       "<= 12 us and >= 95% of copy and >= 2x eager and <= 0.25x the fastest valid control",
+                       "10.0", "90%", "8", "latency met, bandwidth MISSED, 3.00x eager met, 0.33x eager MISSED"]
+    assert rows[1][2:] == ["eager/evicted", "<= 12 us", "20.0", "45%", "8", "latency MISSED"]
+    assert rows[2][2:] == ["wall/hot", "<= 12 us", "n/a", "n/a%", "8", "not measured"]
+
+
+def test_fastest_goal_without_a_ratio():
+    goal, verdict = tables.fastest_goal(dict(case="c", provider="dsfuse", max_of_fastest=1.0), 5.0, pd.DataFrame())
+    assert goal == "<= 1.00x the fastest valid control" and verdict == "n/ax n/a MISSED"
+
+
+def test_latency_table_has_a_column_per_present_regime_in_fixed_order():
+    med = _med([("c", "a", "eager", "hot", 2.0, 0), ("c", "a", "graph", "evicted", 1.0, 0),
+                ("c", "b", "graph", "evicted", 3.25, 0)])
+    table = tables.latency_table(med)
+    assert list(table.columns) == ["case", "provider", "graph/evicted", "eager/hot"]
+    assert table.values.tolist() == [["c", "a", "1.0", "2.0"], ["c", "b", "3.2", "n/a"]]
+
+
+def test_check_table_statuses_and_notes():
+    def check(provider, stage, status, error="", mismatches=0, max_abs_diff=0.0):
+        return dict(case="c", provider=provider, check="bitwise", stage=stage, status=status, error=error,
+                    mismatches=mismatches, max_abs_diff=max_abs_diff)
+
+    validation = pd.DataFrame([
+        check("ok", "before", "pass"), check("ok", "after-eager", "pass"),
+        check("na", "applies", "n/a", "does not apply"),
+        check("skip", "before", "skipped", "needs a GPU\ntraceback"),
+        check("off", "before", "pass"), check("off", "after-graph", "fail", mismatches=3, max_abs_diff=0.00123456),
+        check("long", "before", "fail", "E" * 200),
+    ])
+    rows = tables.check_table(validation).values.tolist()
+    assert [r[1] for r in rows] == ["ok", "skip", "off", "long"]  # run order; all-n/a dropped
+    assert rows[0][3:] == ["pass", "after-eager, before", ""]
+    assert rows[1][3:] == ["not run", "", "needs a GPU"]
+    assert rows[2][3:] == ["fail", "before", "3 elements differ (max abs diff 0.00123)"]
+    assert rows[3][5] == "E" * tables.NOTE_CHARS
+
+
+def test_tuning_tables():
+    sweep = pd.DataFrame(dict(mode="bwd", elements=[256, 256, 256, 512], warps=[4, 4, 8, 4],
+                              regime=["evicted"] * 3 + ["hot"], us=[1.0, 2.0, 6.0, 9.0]))
+    assert _rows(tables.markdown(tables.blocks_table(sweep))) == [["bwd", "256", "1.5", "6"]]
+    host = pd.DataFrame(dict(part=["b", "a", "b"], host_us=[1.0, 5.0, 2.0]))
+    assert tables.host_table(host).values.tolist() == [["b", "1.5"], ["a", "5.0"]]
+    probe = pd.DataFrame(dict(variant=["x", "x", "x"], round=[0, 1, 1], block=[0, 0, 1], sample=0,
+                              us=[1.0, 2.0, 30.0]))
+    assert tables.probe_keys(probe) == ["variant"]
+    assert _rows(tables.markdown(tables.probe_table(probe), floatfmt=".1f")) == [["x", "2.0"]]
+
+
+def _write_run(run_dir, targets):
+    run_dir.mkdir(parents=True)
+    samples = [dict(case="copy", mode="copy", provider="copy", regime="evicted", clock="graph", block=0, sample=0,
+                    us=2.0)]
+    samples += [dict(case="c_fwd", mode="fwd", provider=p, regime="evicted", clock="graph", block=b, sample=0, us=us)
+                for b in (0, 1) for p, us in (("dsfuse", 4.0), ("eager", 8.0))]
+    pd.DataFrame(samples).to_csv(run_dir / "samples.csv", index=False)
+    pd.DataFrame([dict(case="copy", mode="copy", bytes=4_000_000, params="{}"),
+                  dict(case="c_fwd", mode="fwd", bytes=2_000_000, params="{}")]).to_csv(run_dir / "cases.csv",
+                                                                                          index=False)
+    pd.DataFrame([dict(case="c_fwd", mode="fwd", provider=p, role=r, form="", check="bitwise", stage="before",
+                       status="pass", mismatches=0, max_abs_diff=0.0, error="")
+                  for p, r in (("dsfuse", "candidate"), ("eager", "control"))]).to_csv(run_dir / "validation.csv",
+                                                                                        index=False)
+    (run_dir / "env.json").write_text(json.dumps(dict(gpu_name="GPU X", sm_count=7, driver="1.2",
+                                                      packages=dict(torch="2.x", triton="3.x"),
+                                                      git_commit="0123456789abcdef", date_utc="today")))
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(dict(targets=targets)))
+
+
+def test_render_composes_the_sections_in_order(tmp_path):
+    _write_run(tmp_path / "raw" / "r1", [dict(case="c_fwd", provider="dsfuse", max_us=5)])
+    written = report.render("fake", tmp_path / "raw", tmp_path / "results", tmp_path / "plots", smoke=True)
+    assert [p.name for p in written] == ["fake.md", "fake_fwd.png"]
+    lines = written[0].read_text().splitlines()
+    assert lines[2].startswith("**SMOKE RUN")
+    assert lines[4] == ("Run `r1`: GPU X (7 SMs, driver 1.2), torch 2.x, triton 3.x, commit `0123456789`, today.")
+    assert lines[5].startswith("Same-run device-to-device copy bandwidth (bytes read + written): graph 2.00 TB/s;")
+    assert [line for line in lines if line.startswith("### ")] == [
+        "### dsfuse against the fastest valid control", "### Targets", "### Median latency of every provider (us)",
+        "### Correctness checks of the benchmark providers (before and after timing)"]
+    assert "| c_fwd  | dsfuse     | graph/evicted | <= 5 us  |           4 | 25%       |          1 | latency met |" \
+        in lines
+
+
+def test_report_keeps_its_public_names():
+    for name in ("render", "latest_run", "load_run", "summarize", "valid_providers", "write_tuning", "_fmt",
+                 "CLOCK_REGIMES"):
+        assert hasattr(report, name), name
+    assert report._fmt(float("nan")) == "n/a" and report._fmt(1.234, 2) == "1.23"
