@@ -8,6 +8,7 @@ import torch
 
 from dsfuse._common import OpBackends, check_no_internal_overlap, check_no_overlap, memory_span
 from dsfuse._common.backends import BACKENDS, load_all_ops
+from conftest import DEVICES
 
 
 def test_memory_span_of_views():
@@ -93,3 +94,35 @@ def test_every_op_is_registered():
         for modules in entry.kernels.values():
             for module in modules:
                 assert importlib.import_module(module).AOT_SPECS, module
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_declared_op_traces_as_custom_op_in_forward_and_backward(device):
+    """Under torch.compile the launch only ever sees real tensors: dynamo traces the custom op, and
+    AOT autograd's trace of the backward formula (fake/functional tensors, ``is_compiling()`` False)
+    calls the custom op too, not the eager launch."""
+    from dsfuse._common import declare_op
+
+    seen = []
+
+    def _scale(x: torch.Tensor, factor: float) -> torch.Tensor:
+        seen.append(type(x))
+        return x * factor
+
+    def _save(ctx, inputs, output):
+        ctx.factor = inputs[1]
+
+    def _grad(ctx, g):
+        return (scale(g, ctx.factor),)
+
+    scale = declare_op(f"test_scale_traced_{device}", _scale, setup=_save, backward=_grad,
+                       fake=lambda x, factor: torch.empty_like(x))
+    x = torch.randn(5, device=device, requires_grad=True)
+    out = torch.compile(lambda t: scale(t, 3.0) + 1, fullgraph=True, backend="aot_eager")(x)
+    out.backward(torch.ones(5, device=device))
+    assert torch.equal(x.grad, torch.full((5,), 3.0, device=device))
+    assert seen and all(t is torch.Tensor for t in seen), seen
+    seen.clear()
+    y = torch.randn(4, device=device, requires_grad=True)
+    scale(y, 2.0).sum().backward()  # eager: the autograd.Function, its backward the plain launch
+    assert torch.equal(y.grad, torch.full((4,), 2.0, device=device)) and seen == [torch.Tensor, torch.Tensor]

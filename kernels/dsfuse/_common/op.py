@@ -27,7 +27,10 @@ return an alias of an input). ``views(*args)`` gives extra outputs that are view
 inputs (e.g. the v part of a packed qkv row): eagerly the ``autograd.Function`` returns
 them and hands their gradients to ``backward``; under compilation they are plain views
 outside the custom op, their gradients flow through torch's own view backward, and
-``backward`` receives ``None`` for them.
+``backward`` receives ``None`` for them. ``aliasing(*args)`` returns the ``(outputs,
+inputs)`` dicts of :func:`~dsfuse._common.validation.check_outputs_free` for an op that
+writes into arguments: the custom op checks them at run time (tracing has no addresses;
+eager calls were validated before the launch, and launchers never check).
 """
 
 from __future__ import annotations
@@ -36,6 +39,8 @@ import inspect
 from collections.abc import Callable, Sequence
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
+from torch._subclasses.functional_tensor import FunctionalTensor
 
 
 class DeclaredOp:
@@ -43,7 +48,8 @@ class DeclaredOp:
 
     def __init__(self, name: str, launch: Callable, *, fake: Callable | None = None, mutates: Sequence[str] = (),
                  setup: Callable | None = None, backward: Callable | None = None, dirty: str | None = None,
-                 non_differentiable: Sequence[int] = (), views: Callable | None = None):
+                 non_differentiable: Sequence[int] = (), views: Callable | None = None,
+                 aliasing: Callable | None = None):
         if (setup is None) != (backward is None):
             raise ValueError(f"{name}: setup and backward come together")
         self.name = f"dsfuse::{name}"
@@ -51,7 +57,8 @@ class DeclaredOp:
         self.views = views
         params = list(inspect.signature(launch).parameters)
         dirty_index = params.index(dirty) if dirty is not None else None
-        self.custom_op = torch.library.custom_op(self.name, _returning_none(launch) if mutates else launch,
+        impl = _checking(launch, aliasing) if aliasing is not None else launch
+        self.custom_op = torch.library.custom_op(self.name, _returning_none(impl) if mutates else impl,
                                                  mutates_args=tuple(mutates))
         if fake is not None:
             self.custom_op.register_fake(fake)
@@ -67,7 +74,7 @@ class DeclaredOp:
         return self.launch(*args) if self.views is None else (*self.launch(*args), *self.views(*args))
 
     def __call__(self, *args):
-        if torch.compiler.is_compiling():
+        if _tracing(args):
             out = self.custom_op(*args)
             return out if self.views is None else (*out, *self.views(*args))
         if self.function is not None and torch.is_grad_enabled() and any(
@@ -77,6 +84,12 @@ class DeclaredOp:
 
     def __repr__(self) -> str:
         return f"DeclaredOp({self.name})"
+
+
+def _tracing(args) -> bool:
+    """True while torch.compile traces: dynamo, or AOT autograd tracing a backward formula with
+    fake/functional tensors (where ``is_compiling()`` is False): the custom op must be called."""
+    return torch.compiler.is_compiling() or any(isinstance(a, (FakeTensor, FunctionalTensor)) for a in args)
 
 
 def declare_op(name: str, launch: Callable, **kwargs) -> DeclaredOp:
@@ -91,6 +104,22 @@ def _padded(backward: Callable, n_inputs: int) -> Callable:
         result = backward(ctx, *grads)
         return (*result, *(None,) * (n_inputs - len(result)))
 
+    return run
+
+
+def _checking(launch: Callable, aliasing: Callable) -> Callable:
+    """The launch with the aliasing check of its written arguments, for the custom op: while
+    torch.compile traces, validation sees fake tensors without addresses, so the check runs here,
+    on the real tensors. Eager calls were checked by the public function's validation."""
+    from dsfuse._common.validation import check_outputs_free
+
+    def run(*args):
+        check_outputs_free(*aliasing(*args))
+        return launch(*args)
+
+    run.__signature__ = inspect.signature(launch)
+    run.__annotations__ = dict(launch.__annotations__)
+    run.__name__ = launch.__name__
     return run
 
 

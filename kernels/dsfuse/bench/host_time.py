@@ -71,7 +71,7 @@ def text_rope_calls(dev) -> list[tuple[str, str, Callable]]:
         ("forward part: rotation (allocate + 1 Triton launch)", "dsfuse",
          lambda: api.rotate_op(values, freqs, False, False)),
         ("forward part: rotation into out (1 Triton launch)", "dsfuse",
-         lambda: api.launch_rope(values, freqs, out, conj=False, check=False)),
+         lambda: api.launch_rope(values, freqs, out, conj=False)),
     ]
 
 

@@ -314,7 +314,7 @@ def _forward(x: torch.Tensor, kv: torch.Tensor, weight: torch.Tensor, token_mask
     """Launch on validated inputs into new ``out`` and ``saved``."""
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     saved = torch.empty((x.shape[0], x.shape[1], 4), dtype=torch.float32, device=x.device)
-    launch_forward(x, kv, weight, token_mask, out, saved, eps=eps, clamp=clamp, check=False)
+    launch_forward(x, kv, weight, token_mask, out, saved, eps=eps, clamp=clamp)
     return out, saved
 
 
@@ -326,7 +326,7 @@ def _backward(dout: torch.Tensor, x: torch.Tensor, kv: torch.Tensor, weight: tor
     dkv = torch.empty(kv.shape, dtype=kv.dtype, device=x.device)
     dweight = torch.empty((streams, dim), dtype=torch.float32, device=x.device)
     workspace = torch.empty(workspace_elements(n, streams, dim), dtype=torch.float32, device=x.device)
-    launch_backward(dout, x, kv, weight, saved, dx, dkv, dweight, workspace, clamp=clamp, check=False)
+    launch_backward(dout, x, kv, weight, saved, dx, dkv, dweight, workspace, clamp=clamp)
     return dx, dkv, dweight
 
 

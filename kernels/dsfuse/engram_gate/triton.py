@@ -33,7 +33,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from dsfuse._common import check_no_overlap
 
 MAX_DIM = 16384  # the forward keeps a row of D channels in registers
 # Launch constants: the fastest settings of the sweeps on the H200 (experiments/engram_gate/raw/tuning)
@@ -247,10 +246,8 @@ def check_dim(dim: int) -> None:
         raise ValueError(f"x: D = {dim} is above the fused kernels' limit of {MAX_DIM} channels per row")
 
 
-def launch_forward(x, kv, weight, token_mask, out, saved, *, eps: float, clamp: float, check: bool = True) -> None:
-    """``check=False`` skips the aliasing check, for outputs the caller just allocated."""
-    if check:
-        check_no_overlap({"out": out, "saved": saved}, {"x": x, "kv": kv, "weight": weight, "token_mask": token_mask})
+def launch_forward(x, kv, weight, token_mask, out, saved, *, eps: float, clamp: float) -> None:
+    """Arguments validated by the caller (the public API or the plan), aliasing included."""
     n, streams, dim = x.shape
     check_dim(dim)
     if n == 0:
@@ -264,15 +261,11 @@ def launch_forward(x, kv, weight, token_mask, out, saved, *, eps: float, clamp: 
     )
 
 
-def launch_backward(dout, x, kv, weight, saved, dx, dkv, dweight, workspace, *, clamp: float,
-                    check: bool = True) -> None:
+def launch_backward(dout, x, kv, weight, saved, dx, dkv, dweight, workspace, *, clamp: float) -> None:
     """``workspace`` fp32 contiguous with at least ``workspace_elements(N, S, D)`` elements (overwritten).
 
-    ``check=False`` skips the aliasing check, for outputs the caller just allocated.
+    Arguments validated by the caller (the public API or the plan), aliasing included.
     """
-    if check:
-        check_no_overlap({"dx": dx, "dkv": dkv, "dweight": dweight, "workspace": workspace},
-                         {"dout": dout, "x": x, "kv": kv, "weight": weight, "saved": saved})
     n, streams, dim = x.shape
     check_dim(dim)
     if n == 0:

@@ -58,7 +58,7 @@ freqs_op = declare_op("text_rope_freqs", _freqs, fake=lambda angles: angles.new_
 
 def _rotate(values: torch.Tensor, freqs: torch.Tensor, conj: bool, grad_sum: bool) -> torch.Tensor:
     out = torch.empty(values.shape, dtype=values.dtype, device=values.device)
-    return launch_rope(values, freqs, out, conj=conj, grad_sum=grad_sum, check=False)
+    return launch_rope(values, freqs, out, conj=conj, grad_sum=grad_sum)
 
 
 def _save_freqs(ctx, inputs, output):
@@ -82,7 +82,8 @@ def _rotate_into(values: torch.Tensor, freqs: torch.Tensor, conj: bool, out: tor
     return launch_rope(values, freqs, out, conj=conj)
 
 
-rotate_into_op = declare_op("text_rope_out", _rotate_into, mutates=("out",))
+rotate_into_op = declare_op("text_rope_out", _rotate_into, mutates=("out",),
+                            aliasing=lambda values, freqs, conj, out: ({"out": out}, {"values": values, "angles": freqs}))
 
 
 def _rotate_inplace(values: torch.Tensor, freqs: torch.Tensor, conj: bool) -> torch.Tensor:
@@ -90,7 +91,8 @@ def _rotate_inplace(values: torch.Tensor, freqs: torch.Tensor, conj: bool) -> to
 
 
 rotate_inplace_op = declare_op("text_rope_", _rotate_inplace, mutates=("values",), dirty="values",
-                               setup=_save_freqs, backward=_rotate_back)
+                               setup=_save_freqs, backward=_rotate_back,
+                               aliasing=lambda values, freqs, conj: ({"values": values}, {"angles": freqs}))
 
 
 # -- public function -------------------------------------------------------------------------

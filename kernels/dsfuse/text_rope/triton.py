@@ -22,7 +22,6 @@ import torch
 import triton
 import triton.language as tl
 
-from dsfuse._common import check_no_overlap
 from dsfuse._common.aot import AotSpec
 
 FUSED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -130,21 +129,14 @@ def launch_rope(
     conj: bool,
     copy: bool = True,
     grad_sum: bool = False,
-    check: bool = True,
 ) -> torch.Tensor:
     """Rotate ``values`` into ``out`` (``out is values`` with ``copy=False``: in place).
 
-    ``freqs`` is fp32 ``[B|1, S, P, 2]``. Shapes and dtypes are validated by the
-    public API; this launcher checks memory aliasing, which needs real tensors (the
-    public API's check is skipped while ``torch.compile`` traces); ``check=False`` is for
-    an ``out`` the caller just allocated.
+    ``freqs`` is fp32 ``[B|1, S, P, 2]``. Arguments are validated by the public API
+    (aliasing included; under ``torch.compile`` by the declared op at run time).
     """
     if not copy and out is not values:
         raise ValueError("out: the in-place kernel writes into values; out must be values itself")
-    if check and copy:
-        check_no_overlap({"out": out}, {"values": values, "angles": freqs})
-    elif check:
-        check_no_overlap({"values": values}, {"angles": freqs})
     x, y = _as_4d(values), _as_4d(out)
     batch, seq, heads, channels = x.shape
     pairs = freqs.shape[-2]

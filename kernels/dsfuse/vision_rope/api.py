@@ -47,7 +47,7 @@ def _new_dqkv(dq: torch.Tensor) -> torch.Tensor:
 def _backward(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor | None, cos: torch.Tensor,
               sin: torch.Tensor) -> torch.Tensor:
     """dQ, dK, dV ``[H, T, D]`` logical (any strides) -> new packed dQKV; ``dv=None``: zeros in the v columns."""
-    return launch_backward(dq, dk, dv, cos, sin, _new_dqkv(dq), check=False)
+    return launch_backward(dq, dk, dv, cos, sin, _new_dqkv(dq))
 
 
 backward_op = declare_op("vision_rope_bwd", _backward, fake=lambda dq, dk, dv, cos, sin: _new_dqkv(dq))
@@ -58,7 +58,9 @@ def _backward_into(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, cos: to
     return launch_backward(dq, dk, dv, cos, sin, out)
 
 
-backward_into_op = declare_op("vision_rope_bwd_out", _backward_into, mutates=("out",))
+backward_into_op = declare_op("vision_rope_bwd_out", _backward_into, mutates=("out",),
+                              aliasing=lambda dq, dk, dv, cos, sin, out: (
+                                  {"out": out}, {"dq_htd": dq, "dk_hdt": dk, "dv_htd": dv, "cos": cos, "sin": sin}))
 
 
 def _new_rotated(qkv: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor]:

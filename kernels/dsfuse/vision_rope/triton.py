@@ -27,7 +27,6 @@ import torch
 import triton
 import triton.language as tl
 
-from dsfuse._common import check_no_overlap
 from dsfuse._common.aot import AotSpec
 
 FUSED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -132,13 +131,12 @@ def _grid(tokens: int, heads: int) -> tuple[int, int]:
 
 
 def launch_backward(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor | None, cos: torch.Tensor,
-                    sin: torch.Tensor, out: torch.Tensor, *, check: bool = True) -> torch.Tensor:
+                    sin: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """dQ, dK, dV (``[H, T, D]`` logical, any strides; ``dv=None``: zeros) -> ``out`` ``[T, 3HD]``.
 
-    ``check=False`` skips the aliasing check, for an ``out`` the caller just allocated.
+    Arguments are validated by the public API (aliasing included; under ``torch.compile``
+    by the declared op at run time).
     """
-    if check:
-        check_no_overlap({"out": out}, {"dq": dq, "dk": dk, "dv": dv, "cos": cos, "sin": sin})
     _check_tables(cos, sin)
     heads, tokens, dim = dq.shape
     if tokens == 0:
@@ -157,8 +155,7 @@ def launch_backward(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor | None,
 
 def launch_forward(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int,
                    q_out: torch.Tensor, k_out: torch.Tensor) -> None:
-    """``qkv`` ``[T, 3HD]`` -> rotated ``q_out``, ``k_out`` ``[T, H, D]`` (contiguous)."""
-    check_no_overlap({"q_out": q_out, "k_out": k_out}, {"qkv": qkv, "cos": cos, "sin": sin})
+    """``qkv`` ``[T, 3HD]`` -> rotated ``q_out``, ``k_out`` ``[T, H, D]`` (contiguous, new)."""
     _check_tables(cos, sin)
     tokens = qkv.shape[0]
     if tokens == 0:
