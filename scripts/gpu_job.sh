@@ -5,7 +5,8 @@
 # and raw.tar.gz with the new experiments/*/raw/<run-id>/ folders (unpack at the repo root).
 # Wheels under .carry/wheels (flash-linear-attention, Liger: the anchors) are installed if present.
 # A tree copied to another machine (no .git, or a stale one) records DSFUSE_GIT_COMMIT, when set, as its commit (env.json).
-# TESTS=<paths> narrows the GPU tests; SKIP_TESTS, SKIP_BENCH skip those parts.
+# Also the output fingerprints (scripts/output_hashes.py --check) and the host-time experiment.
+# TESTS=<paths> narrows the GPU tests; SKIP_TESTS, SKIP_BENCH, SKIP_HOST skip those parts.
 set -uo pipefail
 out="${1:-${OUT:-build/gpu-job}}"; shift || true
 ops=("$@")
@@ -22,12 +23,17 @@ if [ -z "${SKIP_TESTS:-}" ]; then
   DSFUSE_REQUIRE_GPU=1 python3 -m pytest ${TESTS:-tests} -m gpu -q -p no:cacheprovider -W ignore::UserWarning \
     --junitxml "$out/junit-gpu.xml" 2>&1 | tee "$out/pytest-gpu.log" || status=1
 fi
+python3 scripts/output_hashes.py --check tests/golden/h200_output_fingerprints.json 2>&1 \
+  | tee "$out/fingerprints.txt" || status=1
+if [ -z "${SKIP_HOST:-}" ]; then
+  python3 -m dsfuse.bench.host_time run "${ops[@]}" 2>&1 | tee "$out/host-time.log" || status=1
+fi
 if [ -z "${SKIP_BENCH:-}" ]; then
   python3 -m dsfuse.bench run "${ops[@]}" --gpu 2>&1 | tee "$out/bench.log" || status=1
-  new=$(find experiments -path '*/raw/*' -name samples.csv -newer "$stamp" -printf '%h\n')
-  for run in $new; do  # the GPU test evidence travels with the raw data it belongs to
-    [ -f "$out/junit-gpu.xml" ] && cp "$out/junit-gpu.xml" "$run/"
-  done
-  [ -n "$new" ] && tar czf "$out/raw.tar.gz" $new
 fi
+new=$(find experiments -path '*/raw/*' \( -name samples.csv -o -name host_time.csv \) -newer "$stamp" -printf '%h\n')
+for run in $new; do  # the GPU test evidence travels with the raw data it belongs to
+  [ -f "$out/junit-gpu.xml" ] && cp "$out/junit-gpu.xml" "$run/"
+done
+[ -n "$new" ] && tar czf "$out/raw.tar.gz" $new
 exit $status

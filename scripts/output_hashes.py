@@ -136,6 +136,9 @@ def main(argv=None) -> int:
         print(f"wrote {args.write}")
         return 0
     recorded = json.loads(args.check.read_text())
+    if recorded["gpu"] != gpu:  # other GPUs may round differently where the contract is a tolerance
+        print(f"fingerprints recorded on {recorded['gpu']}, this is {gpu}: not compared")
+        return 0
     diff = compare(recorded["outputs"], now)
     print("\n".join(diff) or f"all {sum(map(len, now.values()))} fingerprints equal ({gpu})")
     return 1 if diff else 0

@@ -9,8 +9,14 @@
   inputs, reference and providers; ``python -m dsfuse.bench`` runs them.
 """
 
-EXPERIMENTS = {
-    "text_rope": "dsfuse.bench.text_rope",
-    "vision_rope": "dsfuse.bench.vision_rope",
-    "engram_gate": "dsfuse.bench.engram_gate",
-}
+import importlib.util
+
+
+def _experiments() -> dict[str, str]:
+    """Every registered op that has an experiment module ``dsfuse.bench.<op>`` (no list to keep)."""
+    from dsfuse._common.backends import load_all_ops
+
+    return {op: f"dsfuse.bench.{op}" for op in load_all_ops() if importlib.util.find_spec(f"dsfuse.bench.{op}")}
+
+
+EXPERIMENTS = _experiments()

@@ -20,7 +20,7 @@ import os
 import sys
 from pathlib import Path
 
-from dsfuse.bench import EXPERIMENTS
+from dsfuse.bench import EXPERIMENTS, host_time
 from dsfuse.bench.paths import cli_path, repo_root, smoke_root
 
 
@@ -68,6 +68,8 @@ def report(op: str, smoke: bool) -> list[Path]:
         print(f"{op}: no raw run under {paths['raw']} yet; nothing to render (run the experiment first)")
         return []
     written = render(op, paths["raw"], paths["results"], paths["plots"], smoke=smoke)
+    if not smoke:
+        written += host_time.write_report(op)
     for path in written:
         print(f"wrote {path}")
     return written
