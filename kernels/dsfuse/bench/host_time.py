@@ -1,6 +1,7 @@
 """Host (CPU) time per eager call of every op, next to eager PyTorch and a bare Triton launch.
 
     python -m dsfuse.bench.host_time run [OPS]      # on a GPU: experiments/<op>/raw/host-time/<run-id>/
+    python -m dsfuse.bench.host_time profile [OPS]  # cProfile of the dsfuse calls (where the time goes)
     python -m dsfuse.bench.host_time report [OPS]   # results/<op>_host_time.md from the newest run
                                                     # (also written by python -m dsfuse.bench report)
 
@@ -189,6 +190,32 @@ def latest(op: str) -> Path:
     return runs[-1].parent
 
 
+def profile(op: str, calls: int = 300, top: int = 25) -> str:
+    """cProfile of each dsfuse forward and autograd call of ``op`` (where the host time goes)."""
+    import cProfile
+    import io
+    import pstats
+
+    dev = torch.device("cuda")
+    text = []
+    for call, provider, fn in OPS[op](dev):
+        if provider != "dsfuse" or call.startswith("forward part"):
+            continue
+        for _ in range(50):
+            fn()
+        torch.cuda.synchronize()
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(calls):
+            fn()
+        prof.disable()
+        torch.cuda.synchronize()
+        buf = io.StringIO()
+        pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(top)
+        text += [f"## {op}: {call} ({calls} calls)", buf.getvalue()]
+    return "\n".join(text)
+
+
 def write_report(op: str) -> list[Path]:
     """``results/<op>_host_time.md`` from the newest host-time run, if there is one."""
     try:
@@ -202,7 +229,7 @@ def write_report(op: str) -> list[Path]:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m dsfuse.bench.host_time", description=__doc__.splitlines()[0])
-    parser.add_argument("command", choices=("run", "report"))
+    parser.add_argument("command", choices=("run", "report", "profile"))
     parser.add_argument("ops", nargs="*", help=f"ops (default: all of {list(OPS)})")
     args = parser.parse_args(argv)
     if unknown := set(args.ops) - set(OPS):
@@ -210,6 +237,8 @@ def main(argv=None) -> int:
     for op in args.ops or list(OPS):
         if args.command == "run":
             print(f"{op}: {run(op)}")
+        elif args.command == "profile":
+            print(profile(op))
         else:
             for path in write_report(op):
                 print(f"wrote {path}")
