@@ -448,3 +448,54 @@ def write_csv(path: str | Path, rows: list[dict]) -> None:
 
 def load_config(path: str | Path) -> dict:
     return yaml.safe_load(Path(path).read_text())
+
+
+def sweep(settings, build: Callable[[dict], Any], measure: Callable[[Any, dict], Any], out: str | Path, *,
+          value: str = "us", rounds: int = 1, desc: str = "sweep") -> list[dict]:
+    """Check and time every setting of a launch-constant sweep; one CSV row per sample in ``out``.
+
+    ``settings``: a list of dicts (each dict's items become columns of its rows), or a dict of
+    ``name -> options`` for every combination of the options (``itertools.product``, in order).
+    For each setting ``build(setting)`` prepares the run (sets the module constants, returns what
+    ``measure`` needs: e.g. a callable, or a callable with its outputs and expected outputs), and
+    ``measure(built, setting)`` checks and times it, returning the samples (floats, e.g. from
+    ``checked_graph_samples``) or a pair ``(samples, extra)`` with ``extra`` a dict of more columns
+    (e.g. registers of the compiled kernel). Rows: the setting's columns, ``extra``, ``round``
+    (only when ``rounds > 1``: every setting is run once per round, rounds outermost, so drift
+    falls on all settings alike), ``sample`` and ``value``. A setting whose build or measure
+    raises is recorded as one row with an empty sample and the exception in ``error``; the sweep
+    goes on. The CSV is rewritten after every setting (a sweep stopped half way keeps what it
+    measured). Prints each setting's median (or its error) above a progress bar; returns the rows.
+    """
+    import itertools
+    import statistics
+    from collections.abc import Mapping
+
+    if isinstance(settings, Mapping):
+        names = list(settings)
+        settings = [dict(zip(names, combo)) for combo in itertools.product(*(settings[k] for k in names))]
+    else:
+        settings = [dict(s) for s in settings]
+    rows: list[dict] = []
+    with tqdm(total=rounds * len(settings), desc=desc, unit="setting") as bar:
+        for rnd in range(rounds):
+            for setting in settings:
+                label = " ".join(f"{k}={v}" for k, v in setting.items()) + (f" round={rnd}" if rounds > 1 else "")
+                tag = {"round": rnd} if rounds > 1 else {}
+                try:
+                    result = measure(build(setting), setting)
+                    pair = isinstance(result, tuple) and len(result) == 2 and isinstance(result[1], Mapping)
+                    samples, extra = result if pair else (result, {})
+                    samples = [float(u) for u in samples]
+                    if not samples:
+                        raise ValueError("measure returned no samples")
+                except Exception as exc:  # a failing setting is a row of the CSV, not a gap in it
+                    error = f"{type(exc).__name__}: {exc}".strip().replace("\n", " ")[:500]
+                    rows.append({**setting, **tag, "sample": None, value: None, "error": error})
+                    bar.write(f"{label}: FAILED {error}")
+                else:
+                    rows += [{**setting, **extra, **tag, "sample": i, value: u} for i, u in enumerate(samples)]
+                    bar.write(f"{label}: {statistics.median(samples):.1f} {value} median of {len(samples)}")
+                write_csv(out, rows)
+                bar.update()
+    return rows
