@@ -14,20 +14,19 @@ Two ideas measured against the shipped kernels (dsfuse/engram_gate/triton.py):
   instead of one 8192-lane tile with 3072 masked lanes; per row or per token (the value row
   then read once per token).
 
-``experiments/engram_gate/tune_split.py`` times them. All slower on the H200
-(``raw/tuning/split-v1.csv``): backward 324-517 us against 303 us shipped, forward + backward
-489 us at best against 450 us, forward 154-1881 us against 152 us (in ``split-v2-rerun.csv`` the
-4-warp split row was 3.5% faster alone, slower before the backward); the chained launches change
-nothing beyond noise. The sweep times the whole backward, so it does not say which of the two
-split kernels lost the time.
+``tune_split.py`` (this folder) times them. All slower on the H200
+(``experiments/engram_gate/raw/tuning/split-d-sweep.csv``): backward 324-517 us against 303 us
+shipped, forward + backward 489 us at best against 450 us, forward 154-1881 us against 152 us
+(in ``split-d-sweep-rerun.csv`` the 4-warp split row was 3.5% faster alone, slower before the
+backward); the chained launches change nothing beyond noise. The sweep times the whole
+backward, so it does not say which of the two split kernels lost the time. See README.md.
 """
 
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from dsfuse.engram_gate.triton import (_copysign, _engram_dweight_kernel, _grad_coefficients, _pow2, _tile_token,
-                                      _tree_sum)
+from split_helpers import copysign, dweight_kernel, grad_coefficients, pow2, tile_token, tree_sum
 
 DOT_BLOCK_D, DOT_WARPS = 1024, 4
 TILE_BLOCK_D, TILE_WARPS, GROUPS = 256, 4, 32
@@ -39,8 +38,8 @@ FWD_WARPS = 2
 
 def split(dim: int) -> tuple[int, int]:
     """(head, tail block): head the largest power of two <= D, tail block the power of two covering the rest."""
-    head = _pow2(dim) if _pow2(dim) == dim else _pow2(dim) // 2
-    return head, max(_pow2(dim - head), 1)
+    head = pow2(dim) if pow2(dim) == dim else pow2(dim) // 2
+    return head, max(pow2(dim - head), 1)
 
 
 @triton.jit
@@ -80,7 +79,7 @@ def _fwd_split_kernel(
     rk = tl.div_rn(1.0, tl.sqrt_rn((tl.sum(k_a * k_a, 1) + tl.sum(k_b * k_b, 1)) / dim + eps))
     dot = ((tl.sum(h_a * w_a * k_a, 1) + tl.sum(h_b * w_b * k_b, 1)) * rx * rk
            * tl.div_rn(1.0, tl.sqrt_rn(tl.full((), dim, tl.float32))))
-    root = _copysign(tl.sqrt_rn(tl.maximum(tl.abs(dot), clamp)), dot)
+    root = copysign(tl.sqrt_rn(tl.maximum(tl.abs(dot), clamp)), dot)
     gate = tl.div_rn(1.0, 1.0 + tl.exp(-root))
     gate = tl.where(tl.load(mask_ptr + i_n).to(tl.int1), gate, 0.0)
     p_saved = saved_ptr + (i_n * STREAMS + o_s) * 4
@@ -161,12 +160,12 @@ def _split_tile_kernel(
         p_part = part_ptr + (i_n * CHUNKS + o_c[:, None]) * STREAMS + o_s[None, :]
         b_G = tl.sum(tl.load(p_part, mask=m_cs, other=0.0), 0)
         p_saved = saved_ptr + (i_n * STREAMS + o_s) * 4
-        b_a, b_bx, b_bk = _grad_coefficients(b_G, tl.load(p_saved, mask=m_s, other=0.0),
-                                             tl.load(p_saved + 1, mask=m_s, other=0.0),
+        b_a, b_bx, b_bk = grad_coefficients(b_G, tl.load(p_saved, mask=m_s, other=0.0),
+                                            tl.load(p_saved + 1, mask=m_s, other=0.0),
                                              tl.load(p_saved + 2, mask=m_s, other=0.0),
                                              tl.load(p_saved + 3, mask=m_s, other=0.0), clamp, dim)
-        b_dw += _tile_token(i_n, dout_ptr, x_ptr, kv_ptr, dx_ptr, dkv_ptr, sdo_n, sx_n, skv_n, sdx_n, sdkv_n,
-                            o_sd, m_sd, b_w, b_a, b_bx, b_bk)
+        b_dw += tile_token(i_n, dout_ptr, x_ptr, kv_ptr, dx_ptr, dkv_ptr, sdo_n, sx_n, skv_n, sdx_n, sdkv_n,
+                           o_sd, m_sd, b_w, b_a, b_bx, b_bk)
     tl.store(ws_ptr + i_g.to(tl.int64) * STREAMS * dim + o_sd, b_dw, mask=m_sd)
 
 
@@ -174,7 +173,7 @@ def _split_tile_kernel(
 def _pdl_dweight_kernel(ws_ptr, dw_ptr, n_parts, n_cols, BLOCK_P: tl.constexpr, BLOCK: tl.constexpr):
     """The shipped dWeight tree sum behind a ``gdc_wait`` (launched as a programmatic dependent)."""
     gdc_wait()
-    _tree_sum(ws_ptr, dw_ptr, n_parts, n_cols, BLOCK_P, BLOCK)
+    tree_sum(ws_ptr, dw_ptr, n_parts, n_cols, BLOCK_P, BLOCK)
 
 
 def workspace_elements(n_tokens: int, streams: int, dim: int) -> int:
@@ -184,7 +183,7 @@ def workspace_elements(n_tokens: int, streams: int, dim: int) -> int:
 def launch_forward(x, kv, weight, token_mask, out, saved, *, eps, clamp):
     n, streams, dim = x.shape
     head, tail = split(dim)
-    rows = _pow2(streams) if FWD_TOKEN else 1
+    rows = pow2(streams) if FWD_TOKEN else 1
     _fwd_split_kernel[(n if FWD_TOKEN else n * streams,)](
         x, kv, weight, token_mask, out, saved, eps, clamp, x.stride(0), kv.stride(0), out.stride(0),
         dim=dim, STREAMS=streams, ROWS=rows, HEAD=head, TAIL=tail, num_warps=FWD_WARPS,
@@ -196,7 +195,7 @@ def launch_backward(dout, x, kv, weight, saved, dx, dkv, dweight, workspace, *, 
     groups = max(1, min(n, GROUPS))
     chunks = triton.cdiv(dim, DOT_BLOCK_D)
     partials, part = workspace[: groups * streams * dim], workspace[groups * streams * dim:]
-    block_s = _pow2(streams)
+    block_s = pow2(streams)
     _split_dot_kernel[(n * chunks,)](
         dout, kv, saved, dkv, part, dout.stride(0), kv.stride(0), dkv.stride(0),
         dim=dim, STREAMS=streams, BLOCK_S=block_s, BLOCK_D=DOT_BLOCK_D, CHUNKS=chunks, PDL=PDL, num_warps=DOT_WARPS,
@@ -204,10 +203,10 @@ def launch_backward(dout, x, kv, weight, saved, dx, dkv, dweight, workspace, *, 
     _split_tile_kernel[(triton.cdiv(dim, TILE_BLOCK_D), groups)](
         dout, x, kv, weight, saved, part, dx, dkv, partials, n, clamp,
         dout.stride(0), x.stride(0), kv.stride(0), dx.stride(0), dkv.stride(0),
-        dim=dim, STREAMS=streams, BLOCK_S=block_s, BLOCK_D=TILE_BLOCK_D, CHUNKS=chunks, BLOCK_C=_pow2(chunks), PDL=PDL,
+        dim=dim, STREAMS=streams, BLOCK_S=block_s, BLOCK_D=TILE_BLOCK_D, CHUNKS=chunks, BLOCK_C=pow2(chunks), PDL=PDL,
         num_warps=TILE_WARPS, launch_pdl=PDL,
     )
     cols = streams * dim
-    sum_kernel = _pdl_dweight_kernel if PDL else _engram_dweight_kernel
-    sum_kernel[(triton.cdiv(cols, SUM_BLOCK),)](partials, dweight, groups, cols, BLOCK_P=_pow2(GROUPS), BLOCK=SUM_BLOCK,
+    sum_kernel = _pdl_dweight_kernel if PDL else dweight_kernel
+    sum_kernel[(triton.cdiv(cols, SUM_BLOCK),)](partials, dweight, groups, cols, BLOCK_P=pow2(GROUPS), BLOCK=SUM_BLOCK,
                                                 num_warps=4, launch_pdl=PDL)

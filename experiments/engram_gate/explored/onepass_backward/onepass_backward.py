@@ -7,13 +7,14 @@ persistent programs take tokens ``p, p + P, ...``; per token a first pass over D
 and writes the value gradient, a second pass (``dout`` again, now from L2) writes dx and the
 key gradients and read-modify-writes the program's own fp32 ``[S, D]`` weight-gradient
 partial (L2-resident); a sequential sum adds the partials. Deterministic for a fixed
-``programs``. ``experiments/engram_gate/tune_onepass.py`` times it against the shipped one.
+``programs``. ``tune_onepass.py`` (this folder) times it against the shipped one: 502 us at best
+against 309 us (``experiments/engram_gate/raw/tuning/blocks-bwd-onepass.csv``); see README.md.
 """
 
 import triton
 import triton.language as tl
 
-from dsfuse.engram_gate.triton import _grad_tile, _pow2, _token_coefficients
+from onepass_helpers import grad_tile, pow2, token_coefficients
 
 
 @triton.jit(do_not_specialize=["n_tokens"])
@@ -40,8 +41,8 @@ def _onepass_bwd_kernel(
         i_n = i_n32.to(tl.int64)
         i_n32 += n_programs
         # pass 1: G per stream and the value gradient
-        b_a, b_bx, b_bk = _token_coefficients(i_n, dout_ptr, kv_ptr, saved_ptr, dkv_ptr, clamp, sdo_n, skv_n, sdkv_n,
-                                              dim, STREAMS, BLOCK_S, BLOCK_D)
+        b_a, b_bx, b_bk = token_coefficients(i_n, dout_ptr, kv_ptr, saved_ptr, dkv_ptr, clamp, sdo_n, skv_n, sdkv_n,
+                                             dim, STREAMS, BLOCK_S, BLOCK_D)
         # pass 2: dx, the key gradients, the partial
         for d0 in range(0, dim, BLOCK_D):
             o_d = d0 + tl.arange(0, BLOCK_D)
@@ -51,7 +52,7 @@ def _onepass_bwd_kernel(
             b_h = tl.load(x_ptr + i_n * sx_n + o_sd, mask=m_sd, other=0.0).to(tl.float32)
             b_k = tl.load(kv_ptr + i_n * skv_n + o_sd, mask=m_sd, other=0.0).to(tl.float32)
             b_w = tl.load(w_ptr + o_sd, mask=m_sd, other=0.0)
-            b_dh, b_dk, b_dw_n = _grad_tile(b_do, b_h, b_k, b_w, b_a[:, None], b_bx[:, None], b_bk[:, None])
+            b_dh, b_dk, b_dw_n = grad_tile(b_do, b_h, b_k, b_w, b_a[:, None], b_bx[:, None], b_bk[:, None])
             tl.store(dx_ptr + i_n * sdx_n + o_sd, b_dh.to(dx_ptr.dtype.element_ty), mask=m_sd)
             tl.store(dkv_ptr + i_n * sdkv_n + o_sd, b_dk.to(dkv_ptr.dtype.element_ty), mask=m_sd)
             p_part = p_ws + o_sd
@@ -79,7 +80,7 @@ def launch(dout, x, kv, weight, saved, dx, dkv, dweight, workspace, *, clamp, pr
         dout, x, kv, weight, saved, dx, dkv, workspace,
         n, clamp,
         dout.stride(0), x.stride(0), kv.stride(0), dx.stride(0), dkv.stride(0),
-        dim=dim, STREAMS=streams, BLOCK_S=_pow2(streams), BLOCK_D=min(block_d, _pow2(dim)), num_warps=warps,
+        dim=dim, STREAMS=streams, BLOCK_S=pow2(streams), BLOCK_D=min(block_d, pow2(dim)), num_warps=warps,
     )
     cols = streams * dim
     _sum_partials_kernel[(triton.cdiv(cols, 1024),)](workspace, dweight, programs, cols, BLOCK=1024, num_warps=4)

@@ -7,20 +7,25 @@ partials). Every operand is read from HBM once, but each step is a chain of depe
 round trips (loads, reductions through shared memory, the release, the wait, the sums),
 and with the token concurrency the L2 reuse needs, too little is in flight: 565 us at best
 (up to 1650 us) against about 305 us for the shipped two-kernel backward on the H200
-(``raw/tuning/blocks-v4-cooperative.csv``, ``blocks-v5-token-blocks.csv``,
-``probe-cooperative.csv``); the looped variant (one wait per block of tokens) 545 us
-against 280 us (``blocks-v9-looped.csv``). Kept so the result can be rerun; not imported by the package.
+(``experiments/engram_gate/raw/tuning/blocks-bwd-cooperative-per-token.csv``,
+``blocks-bwd-cooperative-token-blocks.csv``, ``probe-cooperative-sync-cost.csv``); the looped
+variant (one wait per block of tokens) 545 us against 280 us (``blocks-bwd-cooperative-looped.csv``).
+Kept so the result can be rerun (``tune_cooperative.py``, ``probe_cooperative.py``); never
+imported by the package. See this folder's README.md.
 """
 
 import torch
 import triton
 import triton.language as tl
 
-from dsfuse.engram_gate.triton import _engram_dweight_kernel, _grad_coefficients, _grad_tile, _pow2, backward_shape
+from cooperative_helpers import backward_shape, dweight_kernel, grad_coefficients, grad_tile, pow2
 
 # the settings of the sweeps (module constants so the probes can change them)
 BWD_BLOCK_D, BWD_TOKENS, BWD_WARPS, LOOKAHEAD, GROUPS, SUM_BLOCK, NUM_WARPS = 512, 1, 4, 2, 32, 64, 4
 LOOPED = False  # the looped kernel (token loops, [S, chunk] tiles) instead of the 3D-tile one
+# the probe's variants of the 3D-tile kernel (compile-time switches; the defaults are the kernel as measured)
+SYNC = True  # False: no release count and no wait (the totals are read whenever they are there: wrong results)
+LOCAL_SUMS = False  # True: each program uses only its own chunk's sum (no cross-program traffic at all)
 
 
 @triton.jit(do_not_specialize=["n_tokens", "n_groups"])  # any N reuses one compiled kernel
@@ -40,6 +45,8 @@ def _engram_bwd_kernel(
     TOKENS: tl.constexpr,  # tokens per block (a power of two)
     CHUNKS_PER_PROGRAM: tl.constexpr,  # 1 on a GPU; N_CHUNKS in the interpreter (programs run one by one)
     LOOKAHEAD: tl.constexpr,  # blocks between publishing a block's chunk sums and using its totals
+    SYNC: tl.constexpr,  # the release count and the wait (False only in the probe: wrong results)
+    LOCAL_SUMS: tl.constexpr,  # only the program's own chunk sum (True only in the probe: wrong results)
 ):
     """Programs ``(chunk, group)`` walk the group's token blocks ``g, g + G, ...``. Step ``j``
     reduces block ``j``'s chunk of ``sum_d dout * value`` per token and stream, writes its
@@ -92,8 +99,9 @@ def _engram_bwd_kernel(
                 b_dv = tl.sum(b_gate[:, :, None] * b_do, 1)  # [T, BLOCK_D]
                 tl.store(dkv_ptr + i_n[:, None] * sdkv_n + STREAMS * dim + o_d[None, :],
                          b_dv.to(dkv_ptr.dtype.element_ty), mask=m_t[:, None] & m_d[None, :])
-                tl.debug_barrier()  # every thread's sums are stored before the count says so
-                tl.atomic_add(p_cnt + i_b, 1, sem="release", scope="gpu")
+                if SYNC:
+                    tl.debug_barrier()  # every thread's sums are stored before the count says so
+                    tl.atomic_add(p_cnt + i_b, 1, sem="release", scope="gpu")
         if j >= LOOKAHEAD:  # finish block j - LOOKAHEAD
             i_b = i_g + (j - LOOKAHEAD) * n_groups
             i_m = i_b.to(tl.int64) * TOKENS + o_t
@@ -111,21 +119,23 @@ def _engram_bwd_kernel(
                 b_do = tl.load(dout_ptr + i_m[:, None, None] * sdo_n + o_sd, mask=m_tsd, other=0.0).to(tl.float32)
                 b_h = tl.load(x_ptr + i_m[:, None, None] * sx_n + o_sd, mask=m_tsd, other=0.0).to(tl.float32)
                 b_k = tl.load(kv_ptr + i_m[:, None, None] * skv_n + o_sd, mask=m_tsd, other=0.0).to(tl.float32)
-                while tl.atomic_add(p_cnt + i_b, 0, sem="acquire", scope="gpu") < N_CHUNKS:
-                    pass
+                if SYNC:
+                    while tl.atomic_add(p_cnt + i_b, 0, sem="acquire", scope="gpu") < N_CHUNKS:
+                        pass
+                m_c = (o_c == c0) if LOCAL_SUMS else (o_c < N_CHUNKS)
                 b_gp = tl.load(gpart_ptr + i_b.to(tl.int64) * TOKENS * N_CHUNKS * STREAMS + o_tcs,
-                               mask=(o_c < N_CHUNKS)[None, :, None] & m_s[None, None, :], other=0.0,
+                               mask=m_c[None, :, None] & m_s[None, None, :], other=0.0,
                                cache_modifier=".cg")  # written by other SMs: read from L2
-                b_a, b_bx, b_bk = _grad_coefficients(tl.sum(b_gp, 1), b_gate, b_dot, b_rx, b_rk, clamp, dim)
+                b_a, b_bx, b_bk = grad_coefficients(tl.sum(b_gp, 1), b_gate, b_dot, b_rx, b_rk, clamp, dim)
                 if CHUNKS_PER_PROGRAM == 1:
-                    b_dh, b_dk, b_dw_n = _grad_tile(b_do, b_h, b_k, b_w, b_a[:, :, None], b_bx[:, :, None],
-                                                    b_bk[:, :, None])
+                    b_dh, b_dk, b_dw_n = grad_tile(b_do, b_h, b_k, b_w, b_a[:, :, None], b_bx[:, :, None],
+                                                   b_bk[:, :, None])
                     b_dw += tl.sum(b_dw_n, 0)
                 else:
                     b_wc = tl.load(w_ptr + o_s[:, None] * dim + o_d[None, :], mask=m_s[:, None] & (o_d < dim)[None, :],
                                    other=0.0)
-                    b_dh, b_dk, b_dw_n = _grad_tile(b_do, b_h, b_k, b_wc[None, :, :], b_a[:, :, None],
-                                                    b_bx[:, :, None], b_bk[:, :, None])
+                    b_dh, b_dk, b_dw_n = grad_tile(b_do, b_h, b_k, b_wc[None, :, :], b_a[:, :, None],
+                                                   b_bx[:, :, None], b_bk[:, :, None])
                     m_sd = m_s[:, None] & (o_d < dim)[None, :]
                     tl.store(p_dw + cc * BLOCK_D, tl.load(p_dw + cc * BLOCK_D, mask=m_sd, other=0.0) + tl.sum(b_dw_n, 0),
                              mask=m_sd)
@@ -208,7 +218,7 @@ def _engram_bwd_looped_kernel(
                     b_rk = tl.load(p_saved + 3, mask=m_s, other=0.0)
                     b_gp = tl.load(gpart_ptr + (i_m * N_CHUNKS + o_c[:, None]) * STREAMS + o_s[None, :], mask=m_cs,
                                    other=0.0, cache_modifier=".cg")  # written by other SMs: read from L2
-                    b_a, b_bx, b_bk = _grad_coefficients(tl.sum(b_gp, 0), b_gate, b_dot, b_rx, b_rk, clamp, dim)
+                    b_a, b_bx, b_bk = grad_coefficients(tl.sum(b_gp, 0), b_gate, b_dot, b_rx, b_rk, clamp, dim)
                     for cc in range(CHUNKS_PER_PROGRAM):
                         o_d = (c0 + cc) * BLOCK_D + tl.arange(0, BLOCK_D)
                         m_sd = m_s[:, None] & (o_d < dim)[None, :]
@@ -217,13 +227,13 @@ def _engram_bwd_looped_kernel(
                         b_h = tl.load(x_ptr + i_m * sx_n + o_sd, mask=m_sd, other=0.0).to(tl.float32)
                         b_k = tl.load(kv_ptr + i_m * skv_n + o_sd, mask=m_sd, other=0.0).to(tl.float32)
                         if CHUNKS_PER_PROGRAM == 1:
-                            b_dh, b_dk, b_dw_n = _grad_tile(b_do, b_h, b_k, b_w, b_a[:, None], b_bx[:, None],
-                                                            b_bk[:, None])
+                            b_dh, b_dk, b_dw_n = grad_tile(b_do, b_h, b_k, b_w, b_a[:, None], b_bx[:, None],
+                                                           b_bk[:, None])
                             b_dw += b_dw_n
                         else:
                             b_wc = tl.load(w_ptr + o_sd, mask=m_sd, other=0.0)
-                            b_dh, b_dk, b_dw_n = _grad_tile(b_do, b_h, b_k, b_wc, b_a[:, None], b_bx[:, None],
-                                                            b_bk[:, None])
+                            b_dh, b_dk, b_dw_n = grad_tile(b_do, b_h, b_k, b_wc, b_a[:, None], b_bx[:, None],
+                                                           b_bk[:, None])
                             tl.store(p_dw + cc * BLOCK_D, tl.load(p_dw + cc * BLOCK_D, mask=m_sd, other=0.0) + b_dw_n,
                                      mask=m_sd)
                         tl.store(dx_ptr + i_m * sdx_n + o_sd, b_dh.to(dx_ptr.dtype.element_ty), mask=m_sd)
@@ -244,7 +254,7 @@ def token_groups(n_tokens: int) -> int:
 
 def _chunks(dim: int) -> tuple[int, int]:
     """(channels per backward program, chunks of D)."""
-    block_d = min(BWD_BLOCK_D, _pow2(dim))
+    block_d = min(BWD_BLOCK_D, pow2(dim))
     return block_d, triton.cdiv(dim, block_d)
 
 
@@ -257,7 +267,7 @@ def workspace_elements(n_tokens: int, streams: int, dim: int) -> int:
 
 
 def launch(dout, x, kv, weight, saved, dx, dkv, dweight, workspace, *, clamp: float,
-                    serial: bool | None = None) -> None:
+           serial: bool | None = None) -> None:
     """``workspace`` fp32 contiguous with at least ``workspace_elements(N, S, D)`` elements (overwritten).
 
     ``serial``: one program per token group takes all chunks of D (no program waits for
@@ -286,13 +296,14 @@ def launch(dout, x, kv, weight, saved, dx, dkv, dweight, workspace, *, clamp: fl
         dout, x, kv, weight, saved, dx, dkv, gpart, partials, sync.view(torch.int32),
         n, groups, clamp,
         dout.stride(0), x.stride(0), kv.stride(0), dx.stride(0), dkv.stride(0),
-        dim=dim, STREAMS=streams, BLOCK_S=_pow2(streams), BLOCK_D=block_d, N_CHUNKS=n_chunks,
-        BLOCK_C=_pow2(n_chunks), TOKENS=BWD_TOKENS, CHUNKS_PER_PROGRAM=per_program, LOOKAHEAD=LOOKAHEAD,
+        dim=dim, STREAMS=streams, BLOCK_S=pow2(streams), BLOCK_D=block_d, N_CHUNKS=n_chunks,
+        BLOCK_C=pow2(n_chunks), TOKENS=BWD_TOKENS, CHUNKS_PER_PROGRAM=per_program, LOOKAHEAD=LOOKAHEAD,
+        **({} if LOOPED else dict(SYNC=SYNC, LOCAL_SUMS=LOCAL_SUMS)),
         num_warps=BWD_WARPS,
     )
     cols = streams * dim
-    _engram_dweight_kernel[(triton.cdiv(cols, SUM_BLOCK),)](partials, dweight, groups, cols, BLOCK_P=_pow2(GROUPS),
-                                                            BLOCK=SUM_BLOCK, num_warps=NUM_WARPS)
+    dweight_kernel[(triton.cdiv(cols, SUM_BLOCK),)](partials, dweight, groups, cols, BLOCK_P=pow2(GROUPS),
+                                                    BLOCK=SUM_BLOCK, num_warps=NUM_WARPS)
 
 
 def _check_coresident(device, n_chunks: int) -> None:

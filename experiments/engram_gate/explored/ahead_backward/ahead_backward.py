@@ -9,15 +9,16 @@ coefficients, so they read each token's dout shortly after the coefficient progr
 mostly from L2. Nothing waits on the tile programs: no deadlock whatever the occupancy.
 Same arithmetic as the shipped kernels with ``TILE_REVERSE = False`` (bitwise the same
 results). Slower on the H200: 352 us at best against 311 us for the shipped backward in the
-same run (``raw/tuning/ahead-v1.csv``): the coefficient programs' serial chain per token
-(one chunk of D after another) limits the whole launch.
+same run (``experiments/engram_gate/raw/tuning/ahead-sweep.csv``): the coefficient programs'
+serial chain per token (one chunk of D after another) limits the whole launch. ``tune_ahead.py``
+(this folder) is the sweep; see README.md.
 """
 
 import torch
 import triton
 import triton.language as tl
 
-from dsfuse.engram_gate.triton import _engram_dweight_kernel, _grad_tile, _pow2, _token_coefficients
+from ahead_helpers import dweight_kernel, grad_tile, pow2, token_coefficients
 
 COEF_PROGRAMS, COEF_BLOCK_D, TILE_BLOCK_D, WARPS, GROUPS = 132, 512, 256, 4, 32
 
@@ -43,8 +44,8 @@ def _engram_bwd_ahead_kernel(
         i_n32 = ticket
         while i_n32 < n_tokens:
             i_n = i_n32.to(tl.int64)
-            b_a, b_bx, b_bk = _token_coefficients(i_n, dout_ptr, kv_ptr, saved_ptr, dkv_ptr, clamp, sdo_n, skv_n,
-                                                  sdkv_n, dim, STREAMS, BLOCK_S, COEF_D)
+            b_a, b_bx, b_bk = token_coefficients(i_n, dout_ptr, kv_ptr, saved_ptr, dkv_ptr, clamp, sdo_n, skv_n,
+                                                 sdkv_n, dim, STREAMS, BLOCK_S, COEF_D)
             p_coef = coef_ptr + i_n * STREAMS * 4 + o_s * 4
             tl.store(p_coef, b_a, mask=m_s)
             tl.store(p_coef + 1, b_bx, mask=m_s)
@@ -73,7 +74,7 @@ def _engram_bwd_ahead_kernel(
             b_a = tl.load(p_coef, mask=m_s, other=0.0, cache_modifier=".cg")
             b_bx = tl.load(p_coef + 1, mask=m_s, other=0.0, cache_modifier=".cg")
             b_bk = tl.load(p_coef + 2, mask=m_s, other=0.0, cache_modifier=".cg")
-            b_dh, b_dk, b_dw_n = _grad_tile(b_do, b_h, b_k, b_w, b_a[:, None], b_bx[:, None], b_bk[:, None])
+            b_dh, b_dk, b_dw_n = grad_tile(b_do, b_h, b_k, b_w, b_a[:, None], b_bx[:, None], b_bk[:, None])
             tl.store(dx_ptr + i_n * sdx_n + o_sd, b_dh.to(dx_ptr.dtype.element_ty), mask=m_sd)
             tl.store(dkv_ptr + i_n * sdkv_n + o_sd, b_dk.to(dkv_ptr.dtype.element_ty), mask=m_sd)
             b_dw += b_dw_n
@@ -98,9 +99,9 @@ def launch(dout, x, kv, weight, saved, dx, dkv, dweight, workspace, *, clamp):
         dout, x, kv, weight, saved, coef, dx, dkv, partials, sync.view(torch.int32),
         n, n_coef, clamp,
         dout.stride(0), x.stride(0), kv.stride(0), dx.stride(0), dkv.stride(0),
-        dim=dim, STREAMS=streams, BLOCK_S=_pow2(streams), COEF_D=min(COEF_BLOCK_D, _pow2(dim)), TILE_D=TILE_BLOCK_D,
+        dim=dim, STREAMS=streams, BLOCK_S=pow2(streams), COEF_D=min(COEF_BLOCK_D, pow2(dim)), TILE_D=TILE_BLOCK_D,
         N_CHUNKS=n_chunks, GROUPS=groups, num_warps=WARPS,
     )
     cols = streams * dim
-    _engram_dweight_kernel[(triton.cdiv(cols, 64),)](partials, dweight, groups, cols, BLOCK_P=_pow2(GROUPS), BLOCK=64,
-                                                     num_warps=4)
+    dweight_kernel[(triton.cdiv(cols, 64),)](partials, dweight, groups, cols, BLOCK_P=pow2(GROUPS), BLOCK=64,
+                                             num_warps=4)
