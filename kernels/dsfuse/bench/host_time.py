@@ -40,9 +40,13 @@ def _touch(x_ptr, n, BLOCK: tl.constexpr):
 
 
 def _baselines(dev) -> dict[str, Callable]:
+    """What the host spends on the least a call can do: one Triton launch, one torch kernel, one
+    autograd step (a multiply forward and its backward: the engine's own cost)."""
     x = torch.zeros(16, device=dev)
+    leaf = torch.zeros(16, device=dev, requires_grad=True)
     return {"bare Triton launch (1 kernel, 2 arguments)": lambda: _touch[(1,)](x, 16, BLOCK=16),
-            "torch.add (1 kernel)": lambda: torch.add(x, x)}
+            "torch.add (1 kernel)": lambda: torch.add(x, x),
+            "autograd step of torch.mul (forward+backward, 3 kernels)": _backward_of(lambda t: t * 2.0, [leaf], [x])}
 
 
 def _backward_of(fn: Callable, leaves: list[torch.Tensor], grads: list[torch.Tensor]) -> Callable:
