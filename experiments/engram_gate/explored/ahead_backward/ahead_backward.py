@@ -14,11 +14,16 @@ serial chain per token (one chunk of D after another) limits the whole launch. `
 (this folder) is the sweep; see README.md.
 """
 
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # explored/: the shared snapshot shipped_helpers_9110dd7.py
+
 import torch
 import triton
 import triton.language as tl
 
-from ahead_helpers import dweight_kernel, grad_tile, pow2, token_coefficients
+from shipped_helpers_9110dd7 import dweight_kernel, grad_tile, pow2, token_coefficients
 
 COEF_PROGRAMS, COEF_BLOCK_D, TILE_BLOCK_D, WARPS, GROUPS = 132, 512, 256, 4, 32
 

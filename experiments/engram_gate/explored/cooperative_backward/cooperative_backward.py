@@ -14,11 +14,17 @@ Kept so the result can be rerun (``tune_cooperative.py``, ``probe_cooperative.py
 imported by the package. See this folder's README.md.
 """
 
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # explored/: the shared snapshot shipped_helpers_9110dd7.py
+
 import torch
 import triton
 import triton.language as tl
 
-from cooperative_helpers import backward_shape, dweight_kernel, grad_coefficients, grad_tile, pow2
+from cooperative_helpers import backward_shape
+from shipped_helpers_9110dd7 import dweight_kernel, grad_coefficients, grad_tile, pow2
 
 # the settings of the sweeps (module constants so the probes can change them)
 BWD_BLOCK_D, BWD_TOKENS, BWD_WARPS, LOOKAHEAD, GROUPS, SUM_BLOCK, NUM_WARPS = 512, 1, 4, 2, 32, 64, 4

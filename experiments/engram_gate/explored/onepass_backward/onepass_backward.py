@@ -11,10 +11,15 @@ partial (L2-resident); a sequential sum adds the partials. Deterministic for a f
 against 309 us (``experiments/engram_gate/raw/tuning/blocks-bwd-onepass.csv``); see README.md.
 """
 
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # explored/: the shared snapshot shipped_helpers_9110dd7.py
+
 import triton
 import triton.language as tl
 
-from onepass_helpers import grad_tile, pow2, token_coefficients
+from shipped_helpers_9110dd7 import grad_tile, pow2, token_coefficients
 
 
 @triton.jit(do_not_specialize=["n_tokens"])

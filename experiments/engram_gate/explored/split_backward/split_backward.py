@@ -22,11 +22,16 @@ backward); the chained launches change nothing beyond noise. The sweep times the
 backward, so it does not say which of the two split kernels lost the time. See README.md.
 """
 
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # explored/: the shared snapshot shipped_helpers_9110dd7.py
+
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from split_helpers import copysign, dweight_kernel, grad_coefficients, pow2, tile_token, tree_sum
+from shipped_helpers_9110dd7 import copysign, dweight_kernel, grad_coefficients, pow2, tile_token, tree_sum
 
 DOT_BLOCK_D, DOT_WARPS = 1024, 4
 TILE_BLOCK_D, TILE_WARPS, GROUPS = 256, 4, 32

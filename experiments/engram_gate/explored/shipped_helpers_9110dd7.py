@@ -1,17 +1,24 @@
-"""Frozen snapshot of the shipped Engram jit helpers that the run-ahead backward (``ahead_backward.py``) uses.
+"""Frozen copy of the shipped Engram jit helpers at commit 9110dd7, for the explored designs only.
 
 Copied from ``kernels/dsfuse/engram_gate/triton.py`` at commit 9110dd7 (unchanged up to 1f14b2b),
-with the leading underscore dropped from the names and the bodies unchanged. The
-package may change its own helpers; this copy stays as the design was last run, so the experiment
-imports no private name of the shipped kernels (and the package never imports this folder).
+with the leading underscore dropped from the names (``_engram_dweight_kernel`` is
+``dweight_kernel``) and the bodies unchanged: the union of what the designs in this folder's
+subfolders call (``ahead_backward``, ``cooperative_backward``, ``onepass_backward``,
+``split_backward``). The package may change its own helpers; this copy stays as the designs were
+last run, so the experiments import no private name of the shipped kernels. Never imported by the
+package. A design puts this folder on ``sys.path`` (one line at the top of its module) and imports
+from here; a design-specific variant (cooperative's ``backward_shape``) lives in its own folder.
 """
 
 import triton
 import triton.language as tl
 
 
-def pow2(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
+@triton.jit
+def copysign(mag, sign_of):
+    """|mag| with the sign bit of ``sign_of`` (so -0.0 counts as negative, like C's copysign)."""
+    bits = mag.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+    return (bits | (sign_of.to(tl.int32, bitcast=True) & -2147483648)).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -35,6 +42,20 @@ def grad_tile(b_do, b_h, b_k, b_w, b_a, b_bx, b_bk):
     b_dh = b_do + b_a * b_w * b_k - b_bx * b_h
     b_dk = b_a * b_w * b_h - b_bk * b_k
     return b_dh, b_dk, b_a * b_h * b_k
+
+
+@triton.jit
+def tile_token(i_n, dout_ptr, x_ptr, kv_ptr, dx_ptr, dkv_ptr, sdo_n, sx_n, skv_n, sdx_n, sdkv_n, o_sd, m_sd,
+               b_w, b_a, b_bx, b_bk):
+    """Token ``i_n``'s ``[S, chunk]`` tile at offsets ``o_sd``: reads dout, x and the key, writes dx and
+    the key gradients from the per-stream coefficients; returns the tile's weight-gradient term."""
+    b_do = tl.load(dout_ptr + i_n * sdo_n + o_sd, mask=m_sd, other=0.0).to(tl.float32)
+    b_h = tl.load(x_ptr + i_n * sx_n + o_sd, mask=m_sd, other=0.0).to(tl.float32)
+    b_k = tl.load(kv_ptr + i_n * skv_n + o_sd, mask=m_sd, other=0.0).to(tl.float32)
+    b_dh, b_dk, b_dw_n = grad_tile(b_do, b_h, b_k, b_w, b_a[:, None], b_bx[:, None], b_bk[:, None])
+    tl.store(dx_ptr + i_n * sdx_n + o_sd, b_dh.to(dx_ptr.dtype.element_ty), mask=m_sd)
+    tl.store(dkv_ptr + i_n * sdkv_n + o_sd, b_dk.to(dkv_ptr.dtype.element_ty), mask=m_sd)
+    return b_dw_n
 
 
 @triton.jit
@@ -77,3 +98,7 @@ def tree_sum(ws_ptr, dw_ptr, n_parts, n_cols, BLOCK_P: tl.constexpr, BLOCK: tl.c
 def dweight_kernel(ws_ptr, dw_ptr, n_parts, n_cols, BLOCK_P: tl.constexpr, BLOCK: tl.constexpr):
     """dweight[c] = sum over the partials ws[p, c], p < n_parts, as one fixed-shape tree."""
     tree_sum(ws_ptr, dw_ptr, n_parts, n_cols, BLOCK_P, BLOCK)
+
+
+def pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
