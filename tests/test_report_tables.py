@@ -6,6 +6,7 @@ import pandas as pd
 import yaml
 
 from dsfuse.bench import report, tables
+from dsfuse.bench.harness import sweep
 
 
 def _rows(markdown: str) -> list[list[str]]:
@@ -100,6 +101,28 @@ def test_tuning_tables():
     assert tables.probe_keys(probe) == ["variant"]
     assert _rows(tables.markdown(tables.probe_table(probe), floatfmt=".1f")) == [["x", "2.0"]]
 
+
+
+def test_tuning_tables_keep_every_setting_of_a_sweep_with_a_failed_one(tmp_path):
+    """A failed setting adds an ``error`` column (empty in the good rows): no row may vanish."""
+    def measure(setting, _):
+        if setting["variant"] == "b":
+            raise ValueError("out of resources")
+        return [2.0, 4.0]
+
+    path = tmp_path / "sweep.csv"
+    sweep([dict(variant="a", warps=4), dict(variant="b", warps=8), dict(variant="c", warps=4)], lambda s: s, measure,
+          path)
+    df = pd.read_csv(path)
+    assert list(df.columns) == ["variant", "warps", "sample", "us", "error"]
+    assert _rows(tables.markdown(tables.probe_table(df), floatfmt=".1f")) == [
+        ["a", "4", "", "3.0"], ["b", "8", "ValueError: out of resources", ""], ["c", "4", "", "3.0"]]
+    extra = df.assign(registers=[40, 40, None, 64, 64])  # a column the failed setting could not measure
+    assert _rows(tables.markdown(tables.probe_table(extra), floatfmt=".1f"))[:2] == [
+        ["a", "4", "", "40", "3.0"], ["b", "8", "ValueError: out of resources", "", ""]]
+    blocks = df.rename(columns={"variant": "mode"}).assign(elements=256, regime="evicted")
+    assert _rows(tables.markdown(tables.blocks_table(blocks))) == [["a", "256", "3.0", "n/a"], ["b", "256", "n/a", "n/a"],
+                                                                  ["c", "256", "3.0", "n/a"]]
 
 def _write_run(run_dir, targets):
     run_dir.mkdir(parents=True)

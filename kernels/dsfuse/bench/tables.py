@@ -186,5 +186,25 @@ def probe_keys(df: pd.DataFrame) -> list[str]:
 
 
 def probe_table(df: pd.DataFrame) -> pd.DataFrame:
-    """Any other probe: the median of ``us`` per setting, unformatted (rendered with ``floatfmt='.1f'``)."""
-    return df.groupby(probe_keys(df), sort=False)["us"].median().reset_index()
+    """Any other probe: the median of ``us`` per setting, unformatted (rendered with ``floatfmt='.1f'``).
+
+    Every setting keeps its row, also where a key is empty (``dropna=False``): a sweep with a failed
+    setting has an ``error`` column, empty in the rows that ran. Empty cells (the good rows' error,
+    the failed setting's time) are None, which tabulate renders as an empty cell, not ``nan``; a
+    whole-number key column stays whole numbers (read as floats once a row leaves it empty).
+    """
+    keys = probe_keys(df)
+    table = df.groupby(keys, sort=False, dropna=False)["us"].median().reset_index()
+    for key in keys:
+        col = table[key]
+        if col.dtype.kind == "f" and col.isna().any() and (col.dropna() % 1 == 0).all():
+            table[key] = col.astype("Int64")
+    return blank_missing(table)
+
+
+def blank_missing(table: pd.DataFrame) -> pd.DataFrame:
+    """``table`` with its NaN cells as None (columns without any are left as they are)."""
+    table = table.copy()
+    for column in table.columns[table.isna().any()]:
+        table[column] = table[column].astype(object).where(table[column].notna(), None)
+    return table
