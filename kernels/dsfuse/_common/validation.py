@@ -99,6 +99,8 @@ def memory_span(t: torch.Tensor) -> tuple[int, int]:
     """Half-open byte range ``[start, end)`` that ``t`` can touch in its storage."""
     if t.numel() == 0:
         return (t.data_ptr(), t.data_ptr())
+    if t.is_contiguous():  # the common case, without a loop over the dims
+        return (t.data_ptr(), t.data_ptr() + t.numel() * t.element_size())
     lo = hi = 0
     for size, stride in zip(t.shape, t.stride()):
         extent = (size - 1) * stride
@@ -117,6 +119,8 @@ def check_no_overlap(outputs: dict[str, torch.Tensor | None], inputs: dict[str, 
     rejected even if their strides would interleave without touching.
     """
     outs = [(n, t, memory_span(t)) for n, t in outputs.items() if t is not None]
+    if not outs:
+        return
     others = [(n, t, memory_span(t)) for n, t in inputs.items() if t is not None]
     for i, (oname, out, (o_lo, o_hi)) in enumerate(outs):
         for name, t, (lo, hi) in others + outs[i + 1 :]:
@@ -129,6 +133,8 @@ def check_no_overlap(outputs: dict[str, torch.Tensor | None], inputs: dict[str, 
 
 def check_no_internal_overlap(name: str, t: torch.Tensor) -> None:
     """Reject tensors in which two indices address the same element (e.g. expanded views)."""
+    if t.is_contiguous():  # dense: every element has its own address
+        return
     dims = sorted((abs(st), sz) for sz, st in zip(t.shape, t.stride()) if sz > 1)
     max_offset = 0  # largest offset reachable with the smaller-stride dims (a sufficient test)
     for stride, size in dims:
