@@ -117,10 +117,7 @@ def _checking(launch: Callable, aliasing: Callable) -> Callable:
         check_outputs_free(*aliasing(*args))
         return launch(*args)
 
-    run.__signature__ = inspect.signature(launch)
-    run.__annotations__ = dict(launch.__annotations__)
-    run.__name__ = launch.__name__
-    return run
+    return _shaped_like(run, launch)
 
 
 def _returning_none(launch: Callable) -> Callable:
@@ -129,9 +126,14 @@ def _returning_none(launch: Callable) -> Callable:
     def run(*args):
         launch(*args)
 
+    return _shaped_like(run, launch, returns_none=True)
+
+
+def _shaped_like(run: Callable, launch: Callable, returns_none: bool = False) -> Callable:
+    """Give ``run`` the name, parameters and annotations of ``launch`` (torch infers the schema from them)."""
     sig = inspect.signature(launch)
-    run.__signature__ = sig.replace(return_annotation=None)
-    run.__annotations__ = {**launch.__annotations__, "return": None}
+    run.__signature__ = sig.replace(return_annotation=None) if returns_none else sig
+    run.__annotations__ = {**launch.__annotations__, **({"return": None} if returns_none else {})}
     run.__name__ = launch.__name__
     return run
 
