@@ -1,11 +1,11 @@
 """Public API of the Engram gate.
 
-Layers: the launchers (:mod:`dsfuse.engram_gate.triton`); the functional entry points
-:func:`engram_gate_forward` / :func:`engram_gate_backward` (caller-owned outputs, saved
-state and workspace allowed); :class:`EngramGatePlan`, the prepared form that validates
+Layers: the launchers (``dsfuse.engram_gate.triton``); the functional entry points
+``engram_gate_forward`` / ``engram_gate_backward`` (caller-owned outputs, saved
+state and workspace allowed); ``EngramGatePlan``, the prepared form that validates
 and compiles once, then executes with no allocation, no JIT and no host synchronisation
-(CUDA Graph capturable); :func:`engram_gate`, differentiable through the declared ops
-(:func:`dsfuse._common.declare_op`) ``dsfuse::engram_gate_fwd`` / ``dsfuse::engram_gate_bwd``.
+(CUDA Graph capturable); ``engram_gate``, differentiable through the declared ops
+(``dsfuse._common.declare_op``) ``dsfuse::engram_gate_fwd`` / ``dsfuse::engram_gate_bwd``.
 """
 
 from __future__ import annotations
@@ -149,7 +149,21 @@ def engram_gate_forward(
 
     Returns:
         The pair ``(out, saved)``, within the tolerances on the op's page of the fp64
-        reference; masked tokens' output equals ``x`` exactly.
+            reference; masked tokens' output equals ``x`` exactly.
+
+    Examples:
+        The forward of one layer's gate, then its backward from the saved state:
+
+        ```python
+        from dsfuse.engram_gate import engram_gate_backward, engram_gate_forward
+
+        # x [N, 4, 5120] bf16, kv [N, 5 * 5120] bf16,
+        # weight fp32 [4, 5120], token_mask bool [N]
+        out, saved = engram_gate_forward(x, kv, weight, token_mask, eps=1e-20)
+        dx, dkv, dweight = engram_gate_backward(
+            dout, x, kv, weight, token_mask, saved, eps=1e-20
+        )
+        ```
     """
     n, streams, dim = _check_inputs(x, kv, weight, token_mask, eps, clamp)
     _check_forward_outputs(x, kv, weight, token_mask, out, saved)
@@ -198,7 +212,7 @@ def engram_gate_backward(
             the value gradient, ready for the ``wkv`` weight- and input-gradient GEMMs.
         dweight: caller-owned fp32 ``[S, D]``, summed over tokens in a fixed order.
         workspace: fp32 contiguous, at least
-            :func:`~dsfuse.engram_gate.triton.workspace_elements` ``(N, S, D)`` elements
+            ``dsfuse.engram_gate.triton.workspace_elements(N, S, D)`` elements
             (allocated when omitted; overwritten).
         stream: CUDA stream to run on.
         backend: ``"auto"``, ``"triton"`` or ``"reference"``.
@@ -243,6 +257,37 @@ class EngramGatePlan:
     aliasing: no host synchronisation), allocate nothing and compile nothing, so they
     can be captured in a CUDA Graph. Outputs, saved state and the stream are the
     caller's; pass a different ``saved`` buffer to any call (rebinding).
+
+    Args:
+        streams: ``S``, the number of residual streams.
+        dim: ``D``, the width of a stream.
+        max_tokens: the largest ``N`` the plan executes (sizes the backward workspace).
+        device (torch.device | str): the CUDA device the plan binds to (``"cuda"``: the
+            current one).
+        eps: the model's ``rms_norm_eps`` (1e-20 in the released config).
+        clamp: lower bound of ``|dot|`` under the signed square root.
+        dtype: the dtype of ``x``, ``kv`` and their gradients (bf16, fp16 or fp32).
+
+    Examples:
+        One training step's gate captured in a CUDA Graph and replayed on new inputs
+        written into the same buffers:
+
+        ```python
+        import torch
+        from dsfuse.engram_gate import EngramGatePlan
+
+        plan = EngramGatePlan(
+            streams=4, dim=5120, max_tokens=8192, device="cuda", eps=1e-20
+        )
+        out = torch.empty_like(x)
+        saved = torch.empty(x.shape[0], 4, 4, device="cuda")  # fp32
+        dx, dkv, dweight = (torch.empty_like(t) for t in (x, kv, weight))
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            plan.forward(x, kv, weight, token_mask, out, saved)
+            plan.backward(dout, x, kv, weight, token_mask, saved, dx, dkv, dweight)
+        graph.replay()
+        ```
     """
 
     def __init__(self, *, streams: int = 4, dim: int = 5120, max_tokens: int, device, eps: float,
@@ -291,6 +336,23 @@ class EngramGatePlan:
         return n
 
     def forward(self, x, kv, weight, token_mask, out, saved, stream: torch.cuda.Stream | None = None):
+        """Run the gate forward into caller-owned ``out`` and ``saved``.
+
+        Args:
+            x (torch.Tensor): ``[N, S, D]`` in the plan's dtype, ``1 <= N <= max_tokens``,
+                contiguous ``[S, D]`` rows.
+            kv (torch.Tensor): ``[N, (S + 1) * D]``: S keys then the shared value, unit
+                channel stride.
+            weight (torch.Tensor): fp32 ``[S, D]``, contiguous.
+            token_mask (torch.Tensor): bool ``[N]``, contiguous.
+            out (torch.Tensor): ``[N, S, D]`` in ``x``'s dtype (contiguous rows), written.
+            saved (torch.Tensor): fp32 ``[N, S, 4]`` (gate, dot, rx, rk), contiguous,
+                written; the backward reads it.
+            stream: CUDA stream to run on (default: the current stream).
+
+        Returns:
+            (tuple[torch.Tensor, torch.Tensor]): The pair ``(out, saved)``, the tensors passed in.
+        """
         self._check(x, kv, weight, token_mask, out=out, saved=saved)
         _check_forward_outputs(x, kv, weight, token_mask, out, saved)
         with on_stream(stream, self.device):
@@ -299,6 +361,27 @@ class EngramGatePlan:
 
     def backward(self, dout, x, kv, weight, token_mask, saved, dx, dkv, dweight,
                  stream: torch.cuda.Stream | None = None):
+        """Run the gate backward from ``saved`` into caller-owned gradients, in the plan's workspace.
+
+        Args:
+            dout (torch.Tensor): ``[N, S, D]`` gradient of ``out``, dtype of ``x``,
+                contiguous rows.
+            x (torch.Tensor): the forward's ``x``.
+            kv (torch.Tensor): the forward's ``kv``.
+            weight (torch.Tensor): the forward's ``weight``.
+            token_mask (torch.Tensor): the forward's ``token_mask``.
+            saved (torch.Tensor): fp32 ``[N, S, 4]`` written by the forward on these inputs.
+            dx (torch.Tensor): ``[N, S, D]`` in ``x``'s dtype, written.
+            dkv (torch.Tensor): ``[N, (S + 1) * D]`` in ``kv``'s dtype, written: the S key
+                gradients then the value gradient.
+            dweight (torch.Tensor): fp32 ``[S, D]``, written (summed over tokens in a fixed
+                order).
+            stream: CUDA stream to run on (default: the current stream).
+
+        Returns:
+            (tuple[torch.Tensor, torch.Tensor, torch.Tensor]): The triple ``(dx, dkv, dweight)``,
+                the tensors passed in; bitwise reproducible.
+        """
         self._check(x, kv, weight, token_mask, dout=dout, saved=saved, dx=dx, dkv=dkv, dweight=dweight)
         _check_backward_args(dout, x, kv, weight, token_mask, saved, dx, dkv, dweight, self.workspace)
         with on_stream(stream, self.device):
@@ -353,7 +436,19 @@ forward_op = declare_op("engram_gate_fwd", _forward, setup=_save, backward=_forw
 
 def engram_gate(x: torch.Tensor, kv: torch.Tensor, weight: torch.Tensor, token_mask: torch.Tensor, *, eps: float,
                 clamp: float = 1e-6, backend: str = "auto") -> torch.Tensor:
-    """Differentiable gate: ``out`` ``[N, S, D]`` (see :func:`engram_gate_forward` for the arguments)."""
+    """Differentiable gate: ``out`` ``[N, S, D]``; autograd runs the fused backward from the saved state.
+
+    The arguments are those of [engram_gate_forward][dsfuse.engram_gate.engram_gate_forward];
+    ``x``, ``kv`` and ``weight`` get gradients, ``token_mask`` does not.
+
+    Examples:
+        ```python
+        from dsfuse.engram_gate import engram_gate
+
+        out = engram_gate(x, kv, weight, token_mask, eps=1e-20)
+        out.backward(dout)  # x.grad, kv.grad (packed like kv), weight.grad
+        ```
+    """
     _check_inputs(x, kv, weight, token_mask, eps, clamp)
     which = BACKENDS.choose(backend, x.device, x.dtype)
     if which == REFERENCE:

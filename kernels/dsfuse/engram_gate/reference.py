@@ -3,14 +3,16 @@
 Layouts: ``x`` ``[N, S, D]`` bf16 (``S = 4`` residual streams of width ``D = 5120``);
 ``kv`` ``[N, (S + 1) * D]`` bf16 holding ``S`` keys (one per stream) and then one
 shared value; ``weight`` fp32 ``[S, D]`` (the model's ``q_weight * k_weight``);
-``token_mask`` bool ``[N]`` (False for image tokens and padding)::
+``token_mask`` bool ``[N]`` (False for image tokens and padding):
 
-    h = x.float();  key = kv[:, :S*D].float().view(N, S, D);  value = kv[:, S*D:].float()
-    rx = rsqrt(mean(h * h, -1) + eps);  rk = rsqrt(mean(key * key, -1) + eps)          # [N, S]
-    dot = sum(h * weight * key, -1) * rx * rk * D ** -0.5                            # [N, S]
-    gate = sigmoid(copysign(sqrt(max(|dot|, clamp)), dot))                           # signed root
-    gate = where(token_mask[:, None], gate, 0)
-    out = (h + gate[..., None] * value[:, None, :]).to(x.dtype)
+```python
+h = x.float();  key = kv[:, :S*D].float().view(N, S, D);  value = kv[:, S*D:].float()
+rx = rsqrt(mean(h * h, -1) + eps);  rk = rsqrt(mean(key * key, -1) + eps)          # [N, S]
+dot = sum(h * weight * key, -1) * rx * rk * D ** -0.5                            # [N, S]
+gate = sigmoid(copysign(sqrt(max(|dot|, clamp)), dot))                           # signed root
+gate = where(token_mask[:, None], gate, 0)
+out = (h + gate[..., None] * value[:, None, :]).to(x.dtype)
+```
 
 ``copysign`` at ``dot == 0`` gives ``sigmoid(+sqrt(clamp))``, not 0.5. The saved
 state ``[N, S, 4]`` fp32 holds ``(gate, dot, rx, rk)`` per token and stream.
@@ -48,7 +50,7 @@ def engram_gate_reference(x, kv, weight, token_mask, *, eps: float, clamp: float
 
 def engram_gate_backward_reference(dout, x, kv, weight, token_mask, *, eps: float, clamp: float = 1e-6,
                                    compute_dtype: torch.dtype = torch.float64):
-    """``(dx, dkv, dweight)`` by autograd of :func:`engram_gate_reference` in ``compute_dtype``.
+    """``(dx, dkv, dweight)`` by autograd of ``engram_gate_reference`` in ``compute_dtype``.
 
     ``dkv`` is packed like ``kv``: the ``S`` key gradients, then the value gradient.
     """
@@ -66,12 +68,28 @@ def engram_gate_backward_from_saved(dout, x, kv, weight, saved, *, clamp: float 
     The forward's scores are ill-conditioned where ``|dot|`` is small (the signed root's
     slope is ``1 / (2 sqrt|dot|)``), so two correct fp32 forwards can differ there far
     more than their own rounding. Starting the backward from the same ``saved``
-    ``(gate, dot, rx, rk)`` isolates the backward's arithmetic::
+    ``(gate, dot, rx, rk)`` isolates the backward's arithmetic:
 
-        G = sum_d dout * value;  ddot = G * gate * (1 - gate) / (2 sqrt|dot|)  (0 where |dot| < clamp)
-        a = ddot * rx * rk / sqrt(D);  bx = ddot * dot * rx^2 / D;  bk = ddot * dot * rk^2 / D
-        dx = dout + a * w * key - bx * h;  dkey = a * w * h - bk * key
-        dvalue = sum_s gate * dout;  dweight = sum_n a * h * key
+    ```text
+    G = sum_d dout * value;  ddot = G * gate * (1 - gate) / (2 sqrt|dot|)  (0 where |dot| < clamp)
+    a = ddot * rx * rk / sqrt(D);  bx = ddot * dot * rx^2 / D;  bk = ddot * dot * rk^2 / D
+    dx = dout + a * w * key - bx * h;  dkey = a * w * h - bk * key
+    dvalue = sum_s gate * dout;  dweight = sum_n a * h * key
+    ```
+
+    Args:
+        dout (torch.Tensor): ``[N, S, D]`` gradient of the output.
+        x (torch.Tensor): ``[N, S, D]``, the forward's input.
+        kv (torch.Tensor): ``[N, (S + 1) * D]``, the forward's keys and value.
+        weight (torch.Tensor): ``[S, D]``, the forward's weight.
+        saved (torch.Tensor): ``[N, S, 4]``, the forward's saved state ``(gate, dot, rx, rk)``.
+        clamp: the forward's clamp.
+        compute_dtype: the dtype of the arithmetic and of the results (float64 by default).
+
+    Returns:
+        (tuple[torch.Tensor, torch.Tensor, torch.Tensor]): The triple ``(dx, dkv, dweight)`` in
+            ``compute_dtype``, ``dkv`` packed like ``kv`` (the ``S`` key gradients, then the
+            value gradient).
     """
     n, streams, dim = x.shape
     c = compute_dtype

@@ -2,8 +2,8 @@
 
 Layers, bottom up:
 
-1. :func:`dsfuse.text_rope.triton.launch_rope`: one kernel launch into a given output.
-2. Declared ops (:func:`dsfuse._common.declare_op`): ``dsfuse::text_rope_freqs``,
+1. ``dsfuse.text_rope.triton.launch_rope``: one kernel launch into a given output.
+2. Declared ops (``dsfuse._common.declare_op``): ``dsfuse::text_rope_freqs``,
    ``dsfuse::text_rope`` (differentiable: its gradient is the conjugate rotation),
    ``dsfuse::text_rope_out`` and ``dsfuse::text_rope_`` (in place, differentiable in
    eager mode). ``torch.compile(fullgraph=True)`` traces them as opaque nodes, so the
@@ -150,6 +150,11 @@ def apply_rope(
 ) -> torch.Tensor:
     """Rotate the last ``2P`` channels of ``values`` as adjacent complex pairs (DeepSeek-V4.1 RoPE).
 
+    On CUDA the fused result is bitwise equal to
+    [rope_reference][dsfuse.text_rope.reference.rope_reference] (forward and backward, signed
+    zeros, NaN and Inf included). ``angles`` gets no gradient on the fused path; when it
+    requires one, ``"auto"`` takes the reference path.
+
     Args:
         values: ``[B, S, C]`` or ``[B, S, H, C]``, bf16/fp16/fp32 for the fused
             path (any floating dtype on the reference path). Any strides, e.g. a
@@ -173,15 +178,22 @@ def apply_rope(
     Returns:
         The rotated tensor: a new contiguous tensor, ``out``, or ``values``.
 
-    On CUDA the fused result is bitwise equal to :func:`~dsfuse.text_rope.reference.rope_reference`
-    (forward and backward, signed zeros, NaN and Inf included). ``angles`` gets no
-    gradient on the fused path; when it requires one, ``"auto"`` takes the
-    reference path.
+    Examples:
+        The queries of one 4096-token sequence (64 heads of 512 channels, the last 64
+        rotated), the de-rotation of the attention output, and the in-place form:
 
-    Example:
-        >>> q = torch.randn(1, 4096, 64, 512, device="cuda", dtype=torch.bfloat16)
-        >>> angles = torch.arange(4096, device="cuda")[None, :, None] * inv_freq  # [1, 4096, 32]
-        >>> q_rot = apply_rope(q, angles.float())
+        ```python
+        import torch
+        from dsfuse.text_rope import apply_rope, rope_angles, yarn_inv_freq
+
+        q = torch.randn(1, 4096, 64, 512, device="cuda", dtype=torch.bfloat16)
+        positions = torch.arange(4096, device="cuda")[None]       # [1, 4096]
+        inv_freq = yarn_inv_freq(64, 10000.0)                      # fp32 [32]
+        angles = rope_angles(positions, inv_freq)                  # [1, 4096, 32]
+        q_rot = apply_rope(q, angles)
+        q_back = apply_rope(q_rot, angles, inverse=True)           # q, rounded
+        apply_rope(q, angles, inplace=True)                        # q's tail only
+        ```
     """
     _validate(values, angles, inplace, out)
     grad_needed = torch.is_grad_enabled() and values.requires_grad

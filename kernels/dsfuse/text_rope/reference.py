@@ -6,14 +6,14 @@ broadcast over the batch) with ``P`` rotary pairs. The LAST ``2 * P`` channels
 are rotated as adjacent pairs ``(x[2i], x[2i+1])`` read as complex numbers; the
 leading channels are copied.
 
-:func:`rope_reference` is the out-of-place training form, operation for
+``rope_reference`` is the out-of-place training form, operation for
 operation: ``float()`` upcast, ``torch.polar`` frequencies, complex multiply,
 ``to(dtype)`` (round to nearest even), ``clone`` + slice assignment. The one
 addition, a dense copy before ``view_as_complex`` when the tail has odd strides or
 an odd storage offset (``view_as_complex`` needs even ones), moves no value and
 lets odd widths and strided views through; the model's tensors never need it. Its autograd
 graph is the eager backward that the fused backward reproduces bit for bit on
-CUDA. :func:`apply_rotary_emb_` is the model's in-place form on a channel slice.
+CUDA. ``apply_rotary_emb_`` is the model's in-place form on a channel slice.
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ def rope_reference(values: torch.Tensor, angles: torch.Tensor, inverse: bool = F
 
 
 def rope_reference_inplace(values: torch.Tensor, angles: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-    """In-place RoPE on ``values`` through the model's :func:`apply_rotary_emb_`."""
+    """In-place RoPE on ``values`` through the model's ``apply_rotary_emb_``."""
     rd = 2 * angles.shape[-1]
     apply_rotary_emb_(values[..., -rd:], rope_freqs(angles), inverse)
     return values

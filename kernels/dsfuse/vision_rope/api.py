@@ -1,7 +1,7 @@
 """Public API of the vision RoPE.
 
-Layers, bottom up: the launchers (:mod:`dsfuse.vision_rope.triton`); declared ops
-(:func:`dsfuse._common.declare_op`) ``dsfuse::vision_rope_bwd`` (dQ, dK, dV or dQ, dK
+Layers, bottom up: the launchers (``dsfuse.vision_rope.triton``); declared ops
+(``dsfuse._common.declare_op``) ``dsfuse::vision_rope_bwd`` (dQ, dK, dV or dQ, dK
 alone -> packed dQKV), ``dsfuse::vision_rope_bwd_out`` (into a caller's buffer) and
 ``dsfuse::vision_rope_fwd`` (differentiable: rotated q, k and the v view of ``qkv``;
 eagerly its backward packs dQKV in one kernel); and the functions below.
@@ -128,13 +128,17 @@ def vision_rope_backward(
 ) -> torch.Tensor:
     """Split-half rotary backward of Q and K plus V packing: native layouts in, packed dQKV out.
 
+    The three gradients share a dtype (bf16, fp16 or fp32 fused) and 16-byte aligned
+    storage; ``D`` is even. ``T`` changes without recompiling. On CUDA the result
+    is bitwise equal to eager autograd of the model's rotary.
+
     Args:
         dq_htd: gradient of the rotated queries, contiguous ``[H, T, D]``.
         dk_hdt: gradient of the rotated keys in the storage 3D math SDPA gives it:
             a contiguous ``[H, D, T]`` tensor (``dk.transpose(1, 2)`` of the
             ``[H, T, D]`` gradient).
         dv_htd: gradient of the values, contiguous ``[H, T, D]``.
-        cos: fp32 ``[T, D/2]`` or ``[T, 1, D/2]`` (:func:`~dsfuse.vision_rope.vision_cos_sin`).
+        cos: fp32 ``[T, D/2]`` or ``[T, 1, D/2]`` ([vision_cos_sin][dsfuse.vision_rope.vision_cos_sin]).
         sin: fp32, the shape of ``cos``.
         out: caller-owned contiguous ``[T, 3 * H * D]`` output in the gradients'
             dtype; must not overlap any input.
@@ -142,12 +146,25 @@ def vision_rope_backward(
         backend: ``"auto"``, ``"triton"`` or ``"reference"``.
 
     Returns:
-        ``dqkv`` ``[T, 3 * H * D]``: the gradient of the ``qkv`` projection output,
-        q columns then k columns then v columns, head-major within each.
+        ``dqkv`` ``[T, 3 * H * D]``, the gradient of the ``qkv`` projection output (q columns
+            then k columns then v columns, head-major within each).
 
-    The three gradients share a dtype (bf16, fp16 or fp32 fused) and 16-byte aligned
-    storage; ``D`` is even. ``T`` changes without recompiling. On CUDA the result
-    is bitwise equal to eager autograd of the model's rotary.
+    Examples:
+        The gradients as 3D math SDPA returns them for 16 heads of 64 channels over a
+        39 x 39 patch grid (dK arrives as the transpose of a contiguous ``[H, D, T]``
+        buffer):
+
+        ```python
+        import torch
+        from dsfuse.vision_rope import vision_cos_sin, vision_rope_backward
+
+        cos, sin = vision_cos_sin(39, 39, device="cuda")  # fp32 [1521, 32]
+        grad = dict(device="cuda", dtype=torch.bfloat16)
+        dq = torch.randn(16, 1521, 64, **grad)
+        dk_hdt = torch.randn(16, 64, 1521, **grad)
+        dv = torch.randn(16, 1521, 64, **grad)
+        dqkv = vision_rope_backward(dq, dk_hdt, dv, cos, sin)  # [1521, 3072]
+        ```
     """
     for name, t in (("dq_htd", dq_htd), ("dk_hdt", dk_hdt), ("dv_htd", dv_htd)):
         check_tensor(name, t)
@@ -215,10 +232,23 @@ def vision_rope_attention_front(qkv: torch.Tensor, cos: torch.Tensor, sin: torch
         backend: ``"auto"``, ``"triton"`` or ``"reference"``.
 
     Returns:
-        ``q, k, v`` as ``[H, T, D]`` views: q and k rotated (split-half pairs ``(i, i + D/2)``)
-        in ``[T, H, D]`` storage, v a view of ``qkv``, exactly as the model hands them to SDPA.
-        Forward and backward are bitwise equal to the model's; the backward writes
-        ``qkv``'s gradient in one kernel.
+        The tuple ``(q, k, v)`` of ``[H, T, D]`` views, exactly as the model hands them to
+            SDPA: q and k rotated (split-half pairs ``(i, i + D/2)``) in ``[T, H, D]``
+            storage, v a view of ``qkv``. Forward and backward are bitwise equal to the
+            model's; the backward writes ``qkv``'s gradient in one kernel.
+
+    Examples:
+        The attention of one vision block with the fused front end:
+
+        ```python
+        import torch
+        from dsfuse.vision_rope import vision_cos_sin, vision_rope_attention_front
+
+        cos, sin = vision_cos_sin(39, 39, device="cuda")  # T = 1521
+        qkv = wqkv(x)                                     # [1521, 3 * 16 * 64]
+        q, k, v = vision_rope_attention_front(qkv, cos, sin, heads=16)
+        o = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+        ```
     """
     cos, sin, extra = _check_front(qkv, cos, sin, heads)
     which = BACKENDS.choose(backend, qkv.device, qkv.dtype, extra)
@@ -229,6 +259,6 @@ def vision_rope_attention_front(qkv: torch.Tensor, cos: torch.Tensor, sin: torch
 
 def vision_rope_forward(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, *,
                         stream: torch.cuda.Stream | None = None, backend: str = "auto"):
-    """Non-differentiable fused forward: ``q, k, v`` ``[H, T, D]`` views (see :func:`vision_rope_attention_front`)."""
+    """Non-differentiable fused forward: ``q, k, v`` ``[H, T, D]`` views (see ``vision_rope_attention_front``)."""
     with torch.no_grad(), on_stream(stream, qkv.device):
         return vision_rope_attention_front(qkv, cos, sin, heads, backend=backend)

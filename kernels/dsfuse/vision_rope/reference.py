@@ -1,11 +1,13 @@
 """DeepSeek-V4.1 vision RoPE: the math contract in plain PyTorch (the oracle).
 
-The vision encoder's attention front end, as the source model computes it::
+The vision encoder's attention front end, as the source model computes it:
 
-    qkv = wqkv(x)                                   # [T, 3 * H * D]: q | k | v column blocks
-    q, k, v = (t.view(T, H, D) for t in qkv.chunk(3, -1))
-    q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)   # split-half pairs (i, i + D/2)
-    o = sdpa(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1))   # 3D [H, T, D]: math path
+```python
+qkv = wqkv(x)                                   # [T, 3 * H * D]: q | k | v column blocks
+q, k, v = (t.view(T, H, D) for t in qkv.chunk(3, -1))
+q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)   # split-half pairs (i, i + D/2)
+o = sdpa(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1))   # 3D [H, T, D]: math path
+```
 
 With 3D inputs SDPA runs its math path, so the gradients reaching the front end
 arrive as dq and dv in ``[H, T, D]`` storage (contiguous) and dk as the
@@ -82,7 +84,7 @@ def vision_rope_backward_reference(dq_htd: torch.Tensor, dk_hdt: torch.Tensor, d
 
 def vision_rope_backward_autograd(dq_htd: torch.Tensor, dk_hdt: torch.Tensor, dv_htd: torch.Tensor,
                                   cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """``dqkv`` through eager autograd of :func:`attention_front` (the model's own backward)."""
+    """``dqkv`` through eager autograd of ``attention_front`` (the model's own backward)."""
     heads, tokens, dim = dq_htd.shape
     qkv = torch.zeros(tokens, 3 * heads * dim, dtype=dq_htd.dtype, device=dq_htd.device, requires_grad=True)
     q, k, v = attention_front(qkv, cos, sin, heads)
