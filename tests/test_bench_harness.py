@@ -73,7 +73,7 @@ def test_run_records_failures_and_never_baselines_them(tmp_path):
     assert len(samples[samples["case"] == "copy"]) == 4  # 2 blocks x 2 samples, wall clock
 
     written = report.render("fake", tmp_path, tmp_path / "results", tmp_path / "plots", smoke=True)
-    table = (tmp_path / "results" / "fake.md").read_text()
+    table = (tmp_path / "results" / "cpu" / "fake.md").read_text()  # a CPU run: the results of GPU "cpu"
     assert "SMOKE RUN" in table and "| bad" in table and "fail" in table
     summary = report.summarize(report.load_run(run_dir))[1]
     assert set(summary["control"]) == {"control"}  # the faster-looking "bad" is never the baseline

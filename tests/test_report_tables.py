@@ -51,15 +51,16 @@ def test_target_rows_state_each_goal_and_verdict():
                dict(case="c", provider="dsfuse", clock="wall", regime="hot", max_us=12)]
     rows = _rows(tables.markdown(tables.target_table(targets, med, ratios, floors)))
     assert rows[0] == ["c", "dsfuse", "graph/evicted",
-                       "<= 12 us and >= 95% of copy and >= 2x eager and <= 0.25x the fastest valid control",
-                       "10.0", "90%", "8", "latency met, bandwidth MISSED, 3.00x eager met, 0.33x eager MISSED"]
+                       "<= 12 us and >= 95% of copy and >= 2x eager and >= 4.00x the fastest valid control "
+                       "(latency <= 0.25x)",
+                       "10.0", "90%", "8", "latency met, bandwidth MISSED, 3.00x eager met, 3.00x eager MISSED"]
     assert rows[1][2:] == ["eager/evicted", "<= 12 us", "20.0", "45%", "8", "latency MISSED"]
     assert rows[2][2:] == ["wall/hot", "<= 12 us", "n/a", "n/a%", "8", "not measured"]
 
 
 def test_fastest_goal_without_a_ratio():
     goal, verdict = tables.fastest_goal(dict(case="c", provider="dsfuse", max_of_fastest=1.0), 5.0, pd.DataFrame())
-    assert goal == "<= 1.00x the fastest valid control" and verdict == "n/ax n/a MISSED"
+    assert goal == ">= 1.00x the fastest valid control (latency <= 1.00x)" and verdict == "n/ax n/a MISSED"
 
 
 def test_latency_table_has_a_column_per_present_regime_in_fixed_order():
@@ -147,16 +148,20 @@ def _write_run(run_dir, targets):
 def test_render_composes_the_sections_in_order(tmp_path):
     _write_run(tmp_path / "raw" / "r1", [dict(case="c_fwd", provider="dsfuse", max_us=5)])
     written = report.render("fake", tmp_path / "raw", tmp_path / "results", tmp_path / "plots", smoke=True)
-    assert [p.name for p in written] == ["fake.md", "fake_fwd.png"]
+    gpu = tmp_path / "results" / "gpu-x"  # the GPU folder: from env.json's gpu_name "GPU X"
+    assert written[:4] == [gpu / "fake.md", tmp_path / "plots" / "gpu-x" / "fake_fwd.png", gpu / "fake_runs.md",
+                           gpu / "fake.json"]
     lines = written[0].read_text().splitlines()
-    assert lines[2].startswith("**SMOKE RUN")
-    assert lines[4] == ("Run `r1`: GPU X (7 SMs, driver 1.2), torch 2.x, triton 3.x, commit `0123456789`, today.")
-    assert lines[5].startswith("Same-run device-to-device copy bandwidth (bytes read + written): graph 2.00 TB/s;")
-    assert [line for line in lines if line.startswith("### ")] == [
-        "### dsfuse against the fastest valid control", "### Targets", "### Median latency of every provider (us)",
-        "### Correctness checks of the benchmark providers (before and after timing)"]
+    assert lines[2] == '<a id="run-r1"></a>' and lines[4] == "### GPU X" and lines[6].startswith("**SMOKE RUN")
+    assert any(line.startswith("| `r1`") and "`0123456789`" in line and "2.x" in line for line in lines)
+    assert any(line.startswith("Same-run device-to-device copy bandwidth (bytes read + written): graph 2.00 TB/s;")
+               for line in lines)
+    assert [line for line in lines if line.startswith("#### ")] == [
+        "#### dsfuse against the fastest valid control", "#### Targets", "#### Median latency of every provider (us)",
+        "#### Plots", "#### Correctness checks of the benchmark providers (before and after timing)"]
     assert "| c_fwd  | dsfuse     | graph/evicted | <= 5 us  |           4 | 25%       |          1 | latency met |" \
         in lines
+    assert (tmp_path / "results" / "fake_all_gpus.md").read_text().count('--8<-- "') == 2  # tables and runs
 
 
 def test_report_keeps_its_public_names():

@@ -1,8 +1,15 @@
-"""``python -m dsfuse.bench``: run experiments and render their tables and plots.
+"""``python -m dsfuse.bench``: run experiments and render their tables and plots, per GPU.
 
-    python -m dsfuse.bench run text_rope                 # GPU config on a GPU, smoke config otherwise
+    python -m dsfuse.bench run text_rope                 # the config of the GPU found; smoke config without one
     python -m dsfuse.bench run text_rope --config experiments/text_rope/configs/h200.yaml
-    python -m dsfuse.bench report text_rope              # results/ and experiments/<op>/plots/ from raw data
+    python -m dsfuse.bench report text_rope              # results/<gpu>/ and plots/<gpu>/ of every GPU's runs
+    python -m dsfuse.bench report --gpu h200             # only that GPU's files (and the all-GPU indexes)
+    python -m dsfuse.bench report --this-gpu             # only the GPU of this machine
+
+The config of a GPU run is chosen by the device's name: ``experiments/<op>/configs/<gpu>.yaml``,
+``<gpu>`` being :func:`dsfuse.bench.env.gpu_key` of the name (``NVIDIA H200`` -> ``h200.yaml``,
+``NVIDIA B200`` -> ``b200.yaml``; a variant such as ``NVIDIA H200 NVL`` falls back to its family's
+``h200.yaml``). A GPU without a config stops the run with an error naming ``--config``.
 
 A smoke run (no GPU) runs the Triton kernels in the interpreter on tiny shapes
 and writes under ``build/smoke/`` so it never mixes with measured raw data.
@@ -20,20 +27,49 @@ import os
 import sys
 from pathlib import Path
 
-from dsfuse.bench import EXPERIMENTS, host_time
-from dsfuse.bench.paths import cli_path, repo_root, smoke_root
+from dsfuse.bench import EXPERIMENTS
+from dsfuse.bench.env import gpu_key
+from dsfuse.bench.paths import cli_path, relative, repo_root, smoke_root
+
+FLUSH_OVER_L2 = 2  # the evicted regime's overwritten buffer must hold at least this many L2s
 
 
 def _op_paths(op: str, smoke: bool) -> dict[str, Path]:
-    """Absolute paths of an op's raw data, plots, result tables and default config."""
-    repo = repo_root()
-    out = smoke_root() if smoke else repo
+    """Absolute paths of an op's raw data, plots root and results root (``<gpu>/`` folders below both)."""
+    out = smoke_root() if smoke else repo_root()
     return dict(
         raw=out / "experiments" / op / "raw",
         plots=out / "experiments" / op / "plots",
         results=out / "results",
-        config=repo / "experiments" / op / "configs" / ("smoke.yaml" if smoke else "h200.yaml"),
     )
+
+
+def config_for(op: str, gpu_name: str | None) -> Path:
+    """The op's config for a GPU named ``gpu_name`` (``None``: the CPU smoke config).
+
+    ``configs/<gpu_key>.yaml``, else the family's (the key's first part: ``h200-nvl`` -> ``h200``);
+    a GPU with neither raises :class:`SystemExit` naming ``--config`` and the configs there are.
+    """
+    configs = repo_root() / "experiments" / op / "configs"
+    if gpu_name is None:
+        return configs / "smoke.yaml"
+    key = gpu_key(gpu_name)
+    for name in dict.fromkeys([key, key.split("-")[0]]):
+        if (configs / f"{name}.yaml").is_file():
+            return configs / f"{name}.yaml"
+    have = sorted(p.stem for p in configs.glob("*.yaml") if p.stem != "smoke")
+    raise SystemExit(f"{op}: no config for this GPU ({gpu_name}): {relative(configs)}/{key}.yaml does not exist "
+                     f"(configs there: {', '.join(have)}). Pass one with --config FILE (in a notebook: CONFIG), "
+                     f"e.g. a copy of the closest GPU's with this GPU's L2 size in timing.flush_bytes.")
+
+
+def check_flush(config: dict, l2_bytes: int, gpu_name: str) -> None:
+    """The evicted regime overwrites ``timing.flush_bytes`` before each timed call: it must exceed the
+    GPU's L2 (by :data:`FLUSH_OVER_L2` times), or "evicted" would time a warm cache."""
+    flush = int(config.get("timing", {}).get("flush_bytes", 256 << 20))
+    if l2_bytes and flush < FLUSH_OVER_L2 * l2_bytes:
+        raise SystemExit(f"timing.flush_bytes = {flush} is less than {FLUSH_OVER_L2} x the L2 of this {gpu_name} "
+                         f"({l2_bytes} bytes): the evicted regime would not evict; use a config for this GPU")
 
 
 def run(op: str, config_path: str | None, smoke: bool | None) -> Path:
@@ -48,7 +84,13 @@ def run(op: str, config_path: str | None, smoke: bool | None) -> Path:
     from dsfuse.bench.harness import load_config, run_experiment
 
     paths = _op_paths(op, smoke)
-    config = load_config(cli_path(config_path) if config_path else paths["config"])
+    gpu_name = None if smoke else torch.cuda.get_device_name()
+    chosen = cli_path(config_path) if config_path else config_for(op, gpu_name)
+    config = load_config(chosen)
+    if not smoke:
+        props = torch.cuda.get_device_properties(0)
+        check_flush(config, int(getattr(props, "L2_cache_size", 0)), gpu_name)
+    print(f"{op}: config {relative(chosen)}" + ("" if smoke else f" for the {gpu_name}"))
     experiment = importlib.import_module(EXPERIMENTS[op])
     device = torch.device("cpu" if smoke else "cuda")
     run_dir = run_experiment(experiment, config, paths["raw"], device)
@@ -58,18 +100,22 @@ def run(op: str, config_path: str | None, smoke: bool | None) -> Path:
     return run_dir
 
 
-def report(op: str, smoke: bool) -> list[Path]:
-    from dsfuse.bench.report import latest_run, render
+def this_gpu() -> str:
+    """The folder name of this machine's GPU (``cpu`` without one)."""
+    import torch
+
+    return gpu_key(torch.cuda.get_device_name() if torch.cuda.is_available() else None)
+
+
+def report(op: str, smoke: bool, gpus: set[str] | None = None) -> list[Path]:
+    """Render ``op``'s results per GPU (only ``gpus`` when given) from its raw runs; return the paths written."""
+    from dsfuse.bench.report import render, runs_by_gpu
 
     paths = _op_paths(op, smoke)
-    try:
-        latest_run(paths["raw"])
-    except FileNotFoundError:
+    if not runs_by_gpu(paths["raw"]) and not runs_by_gpu(paths["raw"] / "host-time", marker="host_time.csv"):
         print(f"{op}: no raw run under {paths['raw']} yet; nothing to render (run the experiment first)")
         return []
-    written = render(op, paths["raw"], paths["results"], paths["plots"], smoke=smoke)
-    if not smoke:
-        written += host_time.write_report(op)
+    written = render(op, paths["raw"], paths["results"], paths["plots"], smoke=smoke, gpus=gpus)
     for path in written:
         print(f"wrote {path}")
     return written
@@ -80,13 +126,18 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     p_run = sub.add_parser("run", help="check and time an op's providers; write raw data")
     p_run.add_argument("ops", nargs="*", default=sorted(EXPERIMENTS), help="ops (default: all)")
-    p_run.add_argument("--config", help="config YAML (default: the op's h200.yaml, or smoke.yaml without GPU)")
+    p_run.add_argument("--config", help="config YAML (default: the op's configs/<gpu>.yaml for the GPU found, "
+                                        "or smoke.yaml without GPU)")
     mode = p_run.add_mutually_exclusive_group()
     mode.add_argument("--smoke", dest="smoke", action="store_true", default=None, help="force a CPU smoke run")
     mode.add_argument("--gpu", dest="smoke", action="store_false", help="require the GPU run")
-    p_rep = sub.add_parser("report", help="render results/ tables and plots from raw data")
+    p_rep = sub.add_parser("report", help="render results/<gpu>/ tables and plots from raw data")
     p_rep.add_argument("ops", nargs="*", default=sorted(EXPERIMENTS))
     p_rep.add_argument("--smoke", action="store_true", help="render the smoke run under build/smoke/")
+    which = p_rep.add_mutually_exclusive_group()
+    which.add_argument("--gpu", dest="gpus", action="append", metavar="GPU",
+                       help="only this GPU's results (a folder name under results/, e.g. h200; repeatable)")
+    which.add_argument("--this-gpu", action="store_true", help="only the results of this machine's GPU")
     args = parser.parse_args(argv)
     unknown = [op for op in args.ops if op not in EXPERIMENTS]
     if unknown:
@@ -95,7 +146,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "run":
             run(op, args.config, args.smoke)
         else:
-            report(op, args.smoke)
+            gpus = {this_gpu()} if args.this_gpu else (set(args.gpus) if args.gpus else None)
+            report(op, args.smoke, gpus)
     return 0
 
 

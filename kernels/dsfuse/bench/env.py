@@ -1,15 +1,29 @@
-"""env.json: what a run ran on."""
+"""env.json: what a run ran on, and whether the kernels it measured are still the current source.
+
+* :func:`collect`: the run's environment (GPU, driver, CUDA, package versions, commit, date) and,
+  for an op, ``kernel_sources``: the sha256 of the files that determine its kernels
+  (:func:`kernel_files`).
+* :func:`gpu_key`: the folder name of a GPU, derived from its device name (``"NVIDIA H200"`` ->
+  ``h200``); results, plots and configs are found per GPU by this name, never typed.
+* :func:`source_state`: whether an op's kernel source changed since a run (by the recorded hash,
+  else by ``git diff`` from the run's commit; ``unknown`` without either).
+"""
 
 from __future__ import annotations
 
+import ast
 import datetime as dt
+import hashlib
 import importlib.metadata
 import os
 import platform
+import re
 import subprocess
 from pathlib import Path
 
 import torch
+
+PACKAGE_DIR = Path(__file__).resolve().parents[1]  # <repo>/kernels/dsfuse
 
 PACKAGES = ("torch", "triton", "nvidia-cutlass-dsl", "fla-core", "liger-kernel", "numpy")
 
@@ -21,9 +35,9 @@ def _version(name: str) -> str | None:
         return None
 
 
-def _git(*args: str) -> str | None:
+def _git(*args: str, root: Path | None = None) -> str | None:
     try:
-        root = Path(__file__).resolve().parents[3]
+        root = root or Path(__file__).resolve().parents[3]
         return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return None
@@ -40,7 +54,8 @@ def _driver() -> str | None:
         return None
 
 
-def collect(device: torch.device) -> dict:
+def collect(device: torch.device, op: str | None = None) -> dict:
+    """The environment of a run on ``device``; with ``op``, also the hash of its kernel sources."""
     env = {
         "date_utc": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "python": platform.python_version(),
@@ -69,4 +84,118 @@ def collect(device: torch.device) -> dict:
         )
     else:
         env.update(gpu_name=None, cpu=platform.processor() or platform.machine())
+    if op is not None and kernel_files(op):
+        env["kernel_sources"] = kernel_sources(op)
     return env
+
+
+# -- the GPU's folder name -------------------------------------------------------------------
+
+
+def gpu_key(gpu_name: str | None) -> str:
+    """Folder name of a GPU from its device name: ``"NVIDIA H200"`` -> ``h200``, ``"NVIDIA B200"`` ->
+    ``b200``, ``"NVIDIA H200 NVL"`` -> ``h200-nvl``; no GPU (``None``: a CPU smoke run) -> ``cpu``."""
+    if not gpu_name:
+        return "cpu"
+    name = re.sub(r"^nvidia\s+", "", gpu_name.strip(), flags=re.IGNORECASE).lower()
+    return re.sub(r"[^a-z0-9]+", "-", name).strip("-") or "unknown-gpu"
+
+
+# -- the kernel sources of an op and whether they changed since a run ------------------------
+
+
+def _module_file(module: str, package_dir: Path) -> Path | None:
+    """The file of module ``dsfuse.<...>``, if it is a module of the package (packages themselves,
+    their ``__init__.py``, are not followed: they gather the API, not the kernels)."""
+    parts = module.split(".")
+    if parts[0] != "dsfuse" or len(parts) < 2:
+        return None
+    path = package_dir.joinpath(*parts[1:]).with_suffix(".py")
+    return path if path.is_file() else None
+
+
+def _imported_files(path: Path, package_dir: Path) -> set[Path]:
+    """Package files named by the module-level imports of ``path`` (``from dsfuse.x import y`` names
+    ``x`` and, when ``y`` is a module, ``x/y.py``; relative imports resolved from ``path``)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    here = ".".join(("dsfuse",) + path.relative_to(package_dir).with_suffix("").parts[:-1])
+    found: set[Path] = set()
+    for node in tree.body:
+        if isinstance(node, ast.Import):
+            modules = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = here.split(".")[: len(here.split(".")) - (node.level - 1)]
+                base = ".".join(anchor + ([base] if base else []))
+            modules = [base] + [f"{base}.{alias.name}" for alias in node.names]
+        else:
+            continue
+        found |= {f for f in (_module_file(m, package_dir) for m in modules if m) if f is not None}
+    return found
+
+
+def kernel_files(op: str, package_dir: Path = PACKAGE_DIR) -> list[Path]:
+    """The files that determine ``op``'s kernels: ``dsfuse/<op>/triton.py`` or every ``.py`` under
+    ``dsfuse/<op>/triton/``, and, transitively, the package modules they import at module level
+    (not the packages' ``__init__.py`` that Python runs on the way). Sorted; empty for an unknown op."""
+    op_dir = package_dir / op
+    todo = sorted(op_dir.glob("triton/**/*.py")) + ([op_dir / "triton.py"] if (op_dir / "triton.py").is_file() else [])
+    files: set[Path] = set()
+    while todo:
+        path = todo.pop()
+        if path in files:
+            continue
+        files.add(path)
+        todo += sorted(_imported_files(path, package_dir) - files)
+    return sorted(files)
+
+
+def kernel_sources(op: str, package_dir: Path = PACKAGE_DIR) -> dict:
+    """``{"sha256": ..., "files": [...]}`` of :func:`kernel_files` (paths relative to the repository)."""
+    root = package_dir.parents[1]
+    digest = hashlib.sha256()
+    names = []
+    for path in kernel_files(op, package_dir):
+        name = path.relative_to(root).as_posix()
+        names.append(name)
+        digest.update(name.encode() + b"\0" + path.read_bytes() + b"\0")
+    return {"sha256": digest.hexdigest(), "files": names}
+
+
+def source_state(op: str, env: dict, package_dir: Path = PACKAGE_DIR) -> dict:
+    """Whether the kernels a run measured are the current source.
+
+    Returns ``state`` (``current``, ``changed`` or ``unknown``), ``how`` (``hash`` or ``git``),
+    ``commit`` (the run's), ``files`` (the kernel files compared) and ``since`` (for ``git``: the
+    commits that touched them after the run's commit, newest first, and ``uncommitted`` when the
+    working tree differs from HEAD). A run that recorded ``kernel_sources`` is compared by its hash
+    (no git needed); an older one by ``git diff <its commit> -- <kernel files>`` against the working
+    tree, ``unknown`` when git, the commit or the files are not available.
+    """
+    root = package_dir.parents[1]
+    commit = env.get("git_commit")
+    now = kernel_sources(op, package_dir)
+    out = dict(state="unknown", how=None, commit=commit, files=now["files"], since=[], uncommitted=False)
+    recorded = (env.get("kernel_sources") or {}).get("sha256")
+    if recorded:
+        out.update(how="hash", state="current" if recorded == now["sha256"] else "changed")
+        return out
+    if not commit or not now["files"] or _git("cat-file", "-e", f"{commit}^{{commit}}", root=root) is None:
+        return out
+    out["how"] = "git"
+    try:
+        diff = subprocess.run(["git", "diff", "--quiet", commit, "--", *now["files"]], cwd=root,
+                              capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return out
+    if diff.returncode not in (0, 1):
+        return out
+    if diff.returncode == 0:
+        out["state"] = "unknown" if env.get("git_dirty") else "current"  # a dirty tree: the commit is not all
+        return out
+    out["state"] = "changed"
+    log = _git("log", "--format=%h", f"{commit}..HEAD", "--", *now["files"], root=root)
+    out["since"] = log.split() if log else []
+    out["uncommitted"] = bool(_git("status", "--porcelain", "--", *now["files"], root=root))
+    return out

@@ -307,6 +307,13 @@ def _try(fn: Callable[[], Any]) -> tuple[Any, str]:
         return None, f"{type(exc).__name__}: {exc}".strip()[:500] + "\n" + traceback.format_exc(limit=3)[-800:]
 
 
+def new_run_id(env: dict, smoke: bool = False) -> str:
+    """``<UTC stamp>-<gpu>`` (``-smoke`` appended for a CPU smoke run), the GPU named by
+    :func:`dsfuse.bench.env.gpu_key` of ``env['gpu_name']``: ``20261129-101731-h200``."""
+    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%d-%H%M%S")
+    return f"{stamp}-{env_mod.gpu_key(env.get('gpu_name'))}" + ("-smoke" if smoke else "")
+
+
 def run_experiment(experiment, config: dict, raw_root: Path, device: torch.device, run_id: str | None = None) -> Path:
     """Check and time every provider of ``experiment`` on every case; write the raw data.
 
@@ -315,11 +322,9 @@ def run_experiment(experiment, config: dict, raw_root: Path, device: torch.devic
     Returns the run directory.
     """
     settings = RunSettings.from_config(config, device)
-    env = env_mod.collect(device)
+    env = env_mod.collect(device, op=getattr(experiment, "OP", None))  # with the hash of the op's kernel sources
     if run_id is None:
-        stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%d-%H%M%S")
-        tag = (env.get("gpu_name") or "cpu").split()[-1].lower()
-        run_id = f"{stamp}-{tag}" + ("" if device.type == "cuda" else "-smoke")
+        run_id = new_run_id(env, smoke=device.type != "cuda")
     run_dir = Path(raw_root) / run_id
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
@@ -465,7 +470,9 @@ def sweep(settings, build: Callable[[dict], Any], measure: Callable[[Any, dict],
     falls on all settings alike), ``sample`` and ``value``. A setting whose build or measure
     raises is recorded as one row with an empty sample and the exception in ``error``; the sweep
     goes on. The CSV is rewritten after every setting (a sweep stopped half way keeps what it
-    measured). Prints each setting's median (or its error) above a progress bar; returns the rows.
+    measured). ``<out>.env.json`` beside it records the environment (GPU, versions, commit), so the
+    report files the sweep's table under its GPU. Prints each setting's median (or its error) above a
+    progress bar; returns the rows.
     """
     import itertools
     import statistics
@@ -477,6 +484,9 @@ def sweep(settings, build: Callable[[dict], Any], measure: Callable[[Any, dict],
     else:
         settings = [dict(s) for s in settings]
     rows: list[dict] = []
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(f"{Path(out).with_suffix('')}.env.json").write_text(json.dumps(env_mod.collect(device), indent=2) + "\n")
     with tqdm(total=rounds * len(settings), desc=desc, unit="setting") as bar:
         for rnd in range(rounds):
             for setting in settings:

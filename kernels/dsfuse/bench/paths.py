@@ -23,9 +23,11 @@ repository root (:func:`cli_path`).
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 ENV_VAR = "DSFUSE_ROOT"
+DEFAULT_REPO_URL = "https://github.com/dsfuse/dsfuse"  # when mkdocs.yml names none
 _PACKAGE_ROOT = Path(__file__).resolve().parents[3]  # <repo>/kernels/dsfuse/bench/paths.py -> <repo>
 
 
@@ -67,3 +69,18 @@ def relative(path: str | os.PathLike) -> str:
         return path.resolve().relative_to(repo_root()).as_posix()
     except ValueError:
         return path.as_posix()
+
+
+def repo_url() -> str:
+    """The repository's web address (``repo_url`` of mkdocs.yml, else :data:`DEFAULT_REPO_URL`), no trailing slash."""
+    try:
+        text = (repo_root() / "mkdocs.yml").read_text()
+    except OSError:
+        text = ""
+    found = re.search(r"^repo_url:\s*['\"]?([^'\"\s#]+)", text, flags=re.MULTILINE)
+    return (found.group(1) if found else DEFAULT_REPO_URL).rstrip("/")
+
+
+def raw_url(path: str | os.PathLike, branch: str = "main") -> str:
+    """Web address of a repository folder (a raw run): ``<repo_url>/tree/<branch>/<path from the root>``."""
+    return f"{repo_url()}/tree/{branch}/{relative(path)}"

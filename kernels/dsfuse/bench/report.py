@@ -1,24 +1,41 @@
-"""Result tables and plots generated from raw run data (never typed by hand).
+"""Result tables, plots and figures generated from raw run data (never typed by hand), per GPU.
 
-``render(op, raw_root, results_dir, plots_dir)`` reads the newest run under
-``raw_root`` and writes ``results/<op>.md`` (included by the docs) and
-``<plots_dir>/<op>_<mode>.png``; each section and table is its own small function
-(the tables' DataFrames in :mod:`dsfuse.bench.tables`). Definitions:
+``render(op, raw_root, results_root, plots_root)`` files every run under ``raw_root`` by the GPU
+it ran on (:func:`dsfuse.bench.env.gpu_key` of its env.json ``gpu_name``: ``NVIDIA H200`` ->
+``h200``) and writes, per GPU:
+
+* ``results/<gpu>/<op>.md``: the tables of that GPU's newest run, under the run's anchor
+  (``<a id="run-<run-id>">``) with its date, commit, versions, a link to its raw folder and, where
+  the op's kernel source changed since the run, a mark saying so;
+* ``results/<gpu>/<op>_runs.md``: every run of the op on that GPU (anchor, date, commit, what it
+  measured, whether its kernels are still the current source), so any run can be cited;
+* ``results/<gpu>/<op>.json``: the figures of every run, by name, for the pages' prose
+  (``docs/macros.py``);
+* ``results/<gpu>/<op>_host_time.md`` and ``results/<gpu>/<op>_tuning.md`` where the GPU has
+  host-time runs or tuning sweeps; ``<plots_root>/<gpu>/<op>_<mode>.png``;
+
+and, for every GPU that has results, the indexes the op's page includes once:
+``results/<op>_all_gpus.md`` (each GPU's tables, host time and runs) and
+``results/<op>_tuning_all_gpus.md``. A new GPU's results appear on the page without editing it.
+Files whose content did not change are not rewritten.
+
+Definitions (stated once in docs/method.md):
 
 * latency: median of all samples of a (case, provider, clock, regime);
-* achieved bandwidth: the case's byte floor over the median, and its fraction
-  of the fastest median device-to-device copy bandwidth of the same run;
-* ratio: per block, median of the fastest valid control over the median of the
-  candidate (> 1: dsfuse is faster); the table quotes the median over blocks and
-  the range. The fastest valid control is the same-contract provider with the
-  lowest overall median that passed every check before and after timing;
-  anchors (other contracts) are shown but never used as the baseline.
+* achieved bandwidth: the case's byte floor over the median, and its fraction of the fastest
+  median device-to-device copy bandwidth of the same run;
+* ratio: the fastest valid control's median latency over dsfuse's median latency (ratio of
+  medians, > 1: dsfuse is faster), with the range of the same ratio taken per paired block.
+  The fastest valid control is the same-contract provider with the lowest overall median that
+  passed every check before and after timing; anchors (other contracts) are shown but never
+  used as the baseline.
 """
 
 from __future__ import annotations
 
 import importlib
 import json
+import math
 from pathlib import Path
 
 import matplotlib
@@ -28,7 +45,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 import yaml  # noqa: E402
 
-from dsfuse.bench.paths import relative  # noqa: E402
+from dsfuse.bench.env import gpu_key, source_state  # noqa: E402
+from dsfuse.bench.paths import raw_url, relative  # noqa: E402
 from dsfuse.bench.tables import (  # noqa: E402
     CLOCK_REGIMES,  # noqa: F401  (part of this module's interface)
     REPEATS,
@@ -37,6 +55,7 @@ from dsfuse.bench.tables import (  # noqa: E402
     host_table,
     latency_table,
     markdown,
+    probe_keys,
     probe_table,
     ratio_table,
     target_table,
@@ -46,13 +65,62 @@ from dsfuse.bench.tables import fmt as _fmt  # noqa: E402, F401  (used by the op
 SMOKE_BANNER = "**SMOKE RUN on CPU (Triton interpreter, tiny shapes): these numbers measure nothing.**"
 TARGETS_INTRO = ("Each target as set for this op, the measured median (graph clock unless stated), the bytes "
                  "floor at the run's copy bandwidth, and whether it was met.")
+RATIO_INTRO = ("ratio = the fastest valid control's median latency / dsfuse's median latency (> 1: dsfuse is "
+               "faster); [min, max]: the same ratio per paired block.")
 
 
-def latest_run(raw_root: Path) -> Path:
-    runs = sorted(p for p in Path(raw_root).iterdir() if (p / "samples.csv").exists()) if Path(raw_root).exists() else []
+def anchor(run_id: str, kind: str = "run") -> str:
+    """The stable HTML id of a run on its op's page: ``run-<run-id>`` (``host-time-<run-id>`` for host time)."""
+    return f"{kind}-{run_id}"
+
+
+# -- runs and their GPUs ---------------------------------------------------------------------
+
+
+def _env(run_dir: Path) -> dict:
+    path = Path(run_dir) / "env.json"
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def run_gpu(run_dir: Path) -> str:
+    """The GPU folder name of a run (``cpu`` for a smoke run)."""
+    return gpu_key(_env(run_dir).get("gpu_name"))
+
+
+def runs_of(raw_root: Path, marker: str = "samples.csv") -> list[Path]:
+    """Run folders under ``raw_root`` holding ``marker``, oldest first (run ids start with their UTC stamp)."""
+    raw_root = Path(raw_root)
+    return sorted(p for p in raw_root.iterdir() if (p / marker).exists()) if raw_root.exists() else []
+
+
+def runs_by_gpu(raw_root: Path, marker: str = "samples.csv") -> dict[str, list[Path]]:
+    """``{gpu: [run folders, oldest first]}``."""
+    groups: dict[str, list[Path]] = {}
+    for run_dir in runs_of(raw_root, marker):
+        groups.setdefault(run_gpu(run_dir), []).append(run_dir)
+    return groups
+
+
+def latest_run(raw_root: Path, gpu: str | None = None) -> Path:
+    """The newest run under ``raw_root`` (of ``gpu`` when given)."""
+    runs = runs_by_gpu(raw_root).get(gpu, []) if gpu else runs_of(raw_root)
     if not runs:
-        raise FileNotFoundError(f"no run with samples.csv under {raw_root}")
+        raise FileNotFoundError(f"no run with samples.csv under {raw_root}" + (f" on GPU {gpu}" if gpu else ""))
     return runs[-1]
+
+
+def tuning_by_gpu(tuning_dir: Path) -> dict[str, list[Path]]:
+    """Sweep CSVs under ``raw/tuning/`` by GPU: from ``<stem>.env.json`` beside a file (written by
+    :func:`dsfuse.bench.harness.sweep`), else from the folder's ``env.json`` (the environment of the
+    files measured before sweeps recorded theirs), else ``unknown-gpu``."""
+    tuning_dir = Path(tuning_dir)
+    folder = _env(tuning_dir).get("gpu_name") if (tuning_dir / "env.json").exists() else None
+    groups: dict[str, list[Path]] = {}
+    for path in sorted(tuning_dir.glob("*.csv")):
+        side = tuning_dir / f"{path.stem}.env.json"
+        name = json.loads(side.read_text()).get("gpu_name") if side.exists() else folder
+        groups.setdefault(gpu_key(name) if name else "unknown-gpu", []).append(path)
+    return groups
 
 
 def load_run(run_dir: Path) -> dict:
@@ -64,6 +132,9 @@ def load_run(run_dir: Path) -> dict:
         env=json.loads((run_dir / "env.json").read_text()),
         config=yaml.safe_load((run_dir / "config.yaml").read_text()) or {},
     )
+
+
+# -- medians, bandwidth, ratios --------------------------------------------------------------
 
 
 def valid_providers(validation: pd.DataFrame) -> dict[str, set[str]]:
@@ -109,9 +180,15 @@ def provider_bytes(cases: pd.DataFrame):
     return nbytes
 
 
+def ratio_of_medians(control_us: float, dsfuse_us: float) -> float:
+    """The one ratio of the project: control latency / dsfuse latency (> 1: dsfuse is faster)."""
+    return control_us / dsfuse_us if dsfuse_us > 0 else float("nan")
+
+
 def candidate_ratios(med: pd.DataFrame, timed: pd.DataFrame, validation: pd.DataFrame, nbytes, ceiling: float
                      ) -> pd.DataFrame:
-    """Per candidate, case, clock and regime: the fastest valid same-form control and the per-block ratio."""
+    """Per candidate, case, clock and regime: the fastest valid same-form control, the ratio of the two
+    medians, and the range of the same ratio per paired block."""
     roles = dict(zip(validation["provider"], validation["role"]))
     forms = dict(zip(validation["provider"], validation["form"]))
     valid = valid_providers(validation)
@@ -129,7 +206,7 @@ def candidate_ratios(med: pd.DataFrame, timed: pd.DataFrame, validation: pd.Data
             ratio_rows.append(dict(
                 case=case, mode=mode, clock=clock, regime=regime, candidate=cand.provider,
                 candidate_us=cand.us, control=best.provider, control_us=best.us,
-                ratio=per_block.median(), ratio_min=per_block.min(), ratio_max=per_block.max(),
+                ratio=ratio_of_medians(best.us, cand.us), ratio_min=per_block.min(), ratio_max=per_block.max(),
                 candidate_valid=cand.provider in valid.get(case, set()),
                 tbps=cand.tbps, of_copy=cand.of_copy,
                 floor_us=nbytes(case, cand.provider) / (ceiling * 1e6),
@@ -144,55 +221,163 @@ def bytes_floors(cases: pd.DataFrame, providers: set[str], ceiling: float) -> di
             for case in cases["case"] for provider in providers}
 
 
-def render(op: str, raw_root: Path, results_dir: Path, plots_dir: Path, smoke: bool = False) -> list[Path]:
-    """Write ``<results_dir>/<op>.md``, the tuning tables and the plots of the newest run; return their paths."""
-    run_dir = latest_run(raw_root)
-    run = load_run(run_dir)
-    med, ratios, copy_bw = summarize(run)
-    floors = bytes_floors(run["cases"], set(med["provider"]), max(copy_bw.values()))
-    results_dir, plots_dir = Path(results_dir), Path(plots_dir)
-    results_dir.mkdir(parents=True, exist_ok=True)
-    plots_dir.mkdir(parents=True, exist_ok=True)
+# -- rendering -------------------------------------------------------------------------------
 
-    lines = header_lines(op, run_dir, run, copy_bw, smoke)
-    lines += ratio_section(ratios)
-    lines += targets_section(run["config"].get("targets", []), med, ratios, floors)
-    lines += latency_section(med)
-    lines += junit_section(run_dir, op)
-    lines += extra_section(op, run_dir)
-    lines += checks_section(run["validation"])
-    table_path = results_dir / f"{op}.md"
-    table_path.write_text("\n".join(lines))
 
-    written = [table_path]
-    tuning = write_tuning(op, raw_root, results_dir)
-    if tuning:
-        written.append(tuning)
-    return written + plot_modes(op, med, floors, plots_dir, smoke)
+def _write(path: Path, text: str) -> Path:
+    """Write ``text`` unless the file already holds it (a rerun on another GPU leaves this one's files alone)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if not path.exists() or path.read_text() != text:
+        path.write_text(text)
+    return path
+
+
+def render(op: str, raw_root: Path, results_dir: Path, plots_dir: Path, smoke: bool = False,
+           gpus: list[str] | set[str] | None = None) -> list[Path]:
+    """Render every GPU's results of ``op`` (only those in ``gpus`` when given) and the all-GPU
+    indexes; return the paths written (per GPU: tables, plots, runs, figures, host time, tuning)."""
+    raw_root, results_dir, plots_dir = Path(raw_root), Path(results_dir), Path(plots_dir)
+    runs = runs_by_gpu(raw_root)
+    host = runs_by_gpu(raw_root / "host-time", marker="host_time.csv")
+    tuning = tuning_by_gpu(raw_root / "tuning")
+    written: list[Path] = []
+    for gpu in sorted(set(runs) | set(host) | set(tuning)):
+        if gpus is not None and gpu not in gpus:
+            continue
+        written += render_gpu(op, gpu, runs.get(gpu, []), results_dir / gpu, plots_dir / gpu, smoke,
+                              host_runs=host.get(gpu, []), tuning_files=tuning.get(gpu, []))
+    return written + write_indexes(op, results_dir)
+
+
+def render_gpu(op: str, gpu: str, runs: list[Path], results_dir: Path, plots_dir: Path, smoke: bool = False,
+               host_runs: list[Path] = (), tuning_files: list[Path] = ()) -> list[Path]:
+    """One GPU's files (see the module docstring) from its runs (oldest first)."""
+    written: list[Path] = []
+    figures: dict = dict(op=op, gpu=gpu, runs={}, host_time={}, tuning={})
+    if runs:
+        newest = runs[-1]
+        run = load_run(newest)
+        med, ratios, copy_bw = summarize(run)
+        floors = bytes_floors(run["cases"], set(med["provider"]), max(copy_bw.values()))
+        plots = plot_modes(op, med, floors, plots_dir, smoke)
+        state = source_state(op, run["env"])
+        lines = header_lines(op, newest, run, copy_bw, smoke, state)
+        lines += ratio_section(ratios)
+        lines += targets_section(run["config"].get("targets", []), med, ratios, floors)
+        lines += latency_section(med)
+        lines += plots_section(op, plots)
+        lines += junit_section(newest, op)
+        lines += [demote(line) for line in extra_section(op, newest)]
+        lines += checks_section(run["validation"])
+        written.append(_write(results_dir / f"{op}.md", "\n".join(lines)))
+        written += plots
+        written.append(_write(results_dir / f"{op}_runs.md", runs_index(op, runs)))
+        figures.update(gpu_name=run["env"].get("gpu_name"), newest=newest.name)
+        for run_dir in runs:
+            figures["runs"][run_dir.name] = run_figures(op, run_dir)
+    if host_runs:
+        from dsfuse.bench import host_time
+
+        written.append(_write(results_dir / f"{op}_host_time.md", host_time.render(op, host_runs[-1])))
+        figures["host_time"] = {r.name: host_time.figures(r) for r in host_runs}
+        figures.setdefault("gpu_name", _env(host_runs[-1]).get("gpu_name"))
+    if tuning_files:
+        written.append(write_tuning(op, tuning_files[0].parent, results_dir, files=tuning_files))
+        figures["tuning"] = {path.stem: tuning_figures(path) for path in tuning_files}
+    if not smoke or runs:
+        written.append(_write(results_dir / f"{op}.json", dump_figures(figures) + "\n"))
+    return written
+
+
+def demote(line: str) -> str:
+    """A level-3 heading of an op's own section one level down, under the GPU's heading."""
+    return "#" + line if line.startswith("### ") else line
 
 
 def section(title: str, *blocks: str) -> list[str]:
-    """A level-3 heading, then each block (a paragraph or a table) followed by a blank line."""
-    lines = [f"### {title}", ""]
+    """A level-4 heading (under the GPU's level-3 one), then each block followed by a blank line."""
+    lines = [f"#### {title}", ""]
     for block in blocks:
         lines += [block, ""]
     return lines
 
 
-def header_lines(op: str, run_dir: Path, run: dict, copy_bw: dict[str, float], smoke: bool) -> list[str]:
-    lines = [f"<!-- generated by `python -m dsfuse.bench report {op}` from {relative(run_dir)}; do not edit -->", ""]
+def gpu_title(env: dict) -> str:
+    return env.get("gpu_name") or "CPU (smoke run)"
+
+
+def header_lines(op: str, run_dir: Path, run: dict, copy_bw: dict[str, float], smoke: bool,
+                 state: dict | None = None) -> list[str]:
+    """The generated-file comment, the run's anchor and GPU heading, the smoke banner, the source
+    state, the run table (id, date, commit, versions, raw folder) and the copy bandwidth."""
+    lines = [f"<!-- generated by `python -m dsfuse.bench report {op}` from {relative(run_dir)}; do not edit -->", "",
+             f'<a id="{anchor(run["run_id"])}"></a>', "", f"### {gpu_title(run['env'])}", ""]
     if smoke:
         lines += [SMOKE_BANNER, ""]
-    return lines + [run_line(run["run_id"], run["env"]), copy_line(copy_bw), ""]
+    if state is not None:
+        lines += state_lines(state)
+    return lines + [markdown(run_table(run["run_id"], run["env"], run_dir), disable_numparse=True), "",
+                    copy_line(copy_bw), ""]
+
+
+def short(commit: str | None) -> str:
+    return (commit or "?")[:10]
+
+
+def state_lines(state: dict) -> list[str]:
+    """The staleness mark: a warning where the kernel source changed since the run, a note where
+    that cannot be told, one line where it did not."""
+    files = ", ".join(f"`{f}`" for f in state["files"])
+    if state["state"] == "changed":
+        since = ""
+        if state.get("since"):
+            since = f" (commits since: {', '.join(state['since'])}" + ("; uncommitted changes too" if
+                                                                        state.get("uncommitted") else "") + ")"
+        elif state.get("uncommitted"):
+            since = " (uncommitted changes)"
+        how = "its recorded hash differs from the current files" if state["how"] == "hash" else \
+            f"`git diff {short(state['commit'])}` is not empty{since}"
+        return [f'!!! warning "Measured at commit {short(state["commit"])}; the kernel source has changed since"',
+                f"    The kernels these tables measured differ from the current source ({files}: {how}). "
+                "They describe the kernels of that commit; a rerun measures the current ones.", ""]
+    if state["state"] == "unknown":
+        why = ("the run's tree had uncommitted changes" if state.get("how") == "git"
+               else "the run recorded no kernel hash and git cannot compare its commit here")
+        return [f'!!! note "Kernel source since this run: unknown"',
+                f"    Whether the kernel source ({files}) changed since commit {short(state['commit'])} cannot be "
+                f"told: {why}.", ""]
+    how = "same hash" if state["how"] == "hash" else f"`git diff {short(state['commit'])}` empty"
+    return [f"Kernel source unchanged since this run ({files}: {how}).", ""]
+
+
+def run_table(run_id: str, env: dict, run_dir: Path) -> pd.DataFrame:
+    """One row: run, date, commit, GPU, torch, triton, CUDA, driver, raw folder (a link)."""
+    pk = env.get("packages", {})
+    device = gpu_title(env)
+    if env.get("gpu_name"):
+        device += f" ({env.get('sm_count')} SMs, sm_{str(env.get('compute_capability', '?')).replace('.', '')})"
+    commit = f"`{short(env.get('git_commit'))}`" + (" (dirty tree)" if env.get("git_dirty") else "")
+    raw = raw_link(run_dir, relative(run_dir))
+    return pd.DataFrame([[f"`{run_id}`", env.get("date_utc", "?"), commit, device, pk.get("torch"), pk.get("triton"),
+                          env.get("torch_cuda") or "n/a", env.get("driver") or "n/a", raw]],
+                        columns=["run", "date (UTC)", "commit", "device", "torch", "triton", "CUDA", "driver",
+                                 "raw data"]).astype(str)
+
+
+def raw_link(run_dir: Path, label: str) -> str:
+    """A link to the run's folder on the repository (``repo_url``), or its path where it is not one of
+    the repository's committed folders (smoke runs under build/, folders outside the checkout)."""
+    where = relative(run_dir)
+    return f"`{where}`" if where.startswith(("build/", "/")) else f"[{label}]({raw_url(run_dir)})"
 
 
 def run_line(run_id: str, env: dict) -> str:
-    """The run: device, torch and triton versions, commit, date."""
+    """The run in one line: device, torch and triton versions, commit, date."""
     pk = env.get("packages", {})
     device = env.get("gpu_name") or "CPU"
     if env.get("gpu_name"):
         device += f" ({env.get('sm_count')} SMs, driver {env.get('driver')})"
-    commit = f"`{(env.get('git_commit') or '?')[:10]}`" + (" (dirty tree)" if env.get("git_dirty") else "")
+    commit = f"`{short(env.get('git_commit'))}`" + (" (dirty tree)" if env.get("git_dirty") else "")
     return (f"Run `{run_id}`: {device}, torch {pk.get('torch')}, triton {pk.get('triton')}, commit {commit}, "
             f"{env.get('date_utc')}.")
 
@@ -204,7 +389,8 @@ def copy_line(copy_bw: dict[str, float]) -> str:
 
 
 def ratio_section(ratios: pd.DataFrame) -> list[str]:
-    return [] if ratios.empty else section("dsfuse against the fastest valid control", markdown(ratio_table(ratios)))
+    return [] if ratios.empty else section("dsfuse against the fastest valid control", RATIO_INTRO,
+                                           markdown(ratio_table(ratios)))
 
 
 def targets_section(targets: list[dict], med: pd.DataFrame, ratios: pd.DataFrame,
@@ -216,6 +402,13 @@ def targets_section(targets: list[dict], med: pd.DataFrame, ratios: pd.DataFrame
 
 def latency_section(med: pd.DataFrame) -> list[str]:
     return section("Median latency of every provider (us)", markdown(latency_table(med)))
+
+
+def plots_section(op: str, plots: list[Path]) -> list[str]:
+    """The plots, linked from the op's page (``docs/ops/<op>.md``: one folder below the site root)."""
+    if not plots:
+        return []
+    return section("Plots", *[f"![{p.stem}](../{relative(p)})" for p in plots])
 
 
 def junit_section(run_dir: Path, op: str) -> list[str]:
@@ -237,15 +430,168 @@ def checks_section(validation: pd.DataFrame) -> list[str]:
                    markdown(check_table(validation)))
 
 
+# -- every run of a GPU, and the indexes the page includes ----------------------------------
+
+
+def measured(run_dir: Path) -> str:
+    """What a run measured, from its cases.csv and config.yaml."""
+    cases = pd.read_csv(run_dir / "cases.csv", keep_default_na=False)
+    cases = cases[cases["case"] != "copy"]
+    config = yaml.safe_load((run_dir / "config.yaml").read_text()) or {}
+    timing = config.get("timing", {})
+    providers = ", ".join(config.get("providers", [])) or "?"
+    modes = ", ".join(dict.fromkeys(cases["mode"]))
+    return (f"{len(cases)} cases ({modes}); providers {providers}; {timing.get('blocks', '?')} blocks x "
+            f"{timing.get('samples', '?')} samples")
+
+
+def _junit_counts(run_dir: Path, op: str) -> str:
+    import xml.etree.ElementTree as ET
+
+    sessions = sorted(run_dir.glob("junit-gpu*.xml"), key=_junit_stamp)
+    if not sessions:
+        return "none stored"
+    failed = 0
+    for path in sessions:
+        cases = [c for c in ET.parse(path).getroot().iter("testcase") if op in c.get("classname", "")]
+        failed += sum(1 for c in cases if c.find("failure") is not None or c.find("error") is not None)
+    return f"{len(sessions)} session{'s' if len(sessions) > 1 else ''}, " + (
+        "all passed" if not failed else f"{failed} failed")
+
+
+def runs_index(op: str, runs: list[Path]) -> str:
+    """Every run of ``op`` on one GPU, newest first, each under its anchor (the newest links to its tables)."""
+    env = _env(runs[-1])
+    rows = []
+    for run_dir in reversed(runs):
+        e = _env(run_dir)
+        state = source_state(op, e)["state"]
+        name = (f"[`{run_dir.name}`](#{anchor(run_dir.name)}) (tables above)" if run_dir == runs[-1]
+                else f'<a id="{anchor(run_dir.name)}"></a>`{run_dir.name}`')
+        rows.append([name, e.get("date_utc", "?"), f"`{short(e.get('git_commit'))}`",
+                     {"current": "current", "changed": "changed since", "unknown": "unknown"}[state],
+                     measured(run_dir), _junit_counts(run_dir, op), raw_link(run_dir, "raw")])
+    table = pd.DataFrame(rows, columns=["run", "date (UTC)", "commit", "kernel source", "measured",
+                                        "GPU test sessions", "raw data"])
+    return "\n".join([
+        f"<!-- generated by `python -m dsfuse.bench report {op}` from {relative(runs[-1].parent)}; do not edit -->",
+        "", f"#### Every {gpu_title(env)} run of this op", "",
+        "Each raw run, newest first, under its anchor on this page (cite a run by it, with the raw folder and "
+        "the commit); the tables above render the newest. 'kernel source': whether the op's kernel files are "
+        "still those the run measured.", "",
+        markdown(table), ""])
+
+
+GPU_FILES = ("{op}.md", "{op}_host_time.md", "{op}_runs.md")
+
+
+def write_indexes(op: str, results_dir: Path) -> list[Path]:
+    """``<op>_all_gpus.md`` and ``<op>_tuning_all_gpus.md``: a snippet include of every GPU folder's files."""
+    results_dir = Path(results_dir)
+    gpus = sorted(p for p in results_dir.iterdir() if p.is_dir()) if results_dir.exists() else []
+    head = (f"<!-- generated by `python -m dsfuse.bench report {op}`: every GPU with results of this op "
+            f"(results/<gpu>/); do not edit -->")
+
+    def include(files: list[Path], none: str) -> str:
+        lines = [head, ""]
+        lines += [f'--8<-- "{relative(p)}"\n' for p in files] or [none, ""]
+        return "\n".join(lines)
+
+    main = [g / name.format(op=op) for g in gpus for name in GPU_FILES if (g / name.format(op=op)).exists()]
+    tuning = [g / f"{op}_tuning.md" for g in gpus if (g / f"{op}_tuning.md").exists()]
+    return [_write(results_dir / f"{op}_all_gpus.md", include(main, "No measured run of this op yet.")),
+            _write(results_dir / f"{op}_tuning_all_gpus.md", include(tuning, "No tuning sweep of this op yet."))]
+
+
+# -- figures for the pages' prose (results/<gpu>/<op>.json) ---------------------------------
+
+
+def dump_figures(obj, depth: int = 0, open_levels: int = 4) -> str:
+    """JSON with keys sorted, one key per line down to ``open_levels`` levels, deeper values on one line
+    (small diffs when a rerun changes some figures, a compact file)."""
+    if not isinstance(obj, dict) or not obj or depth >= open_levels:
+        return json.dumps(obj, sort_keys=True)
+    pad = " " * (depth + 1)
+    items = [f"{pad}{json.dumps(str(k))}: {dump_figures(obj[k], depth + 1, open_levels)}" for k in sorted(obj)]
+    return "{\n" + ",\n".join(items) + "\n" + " " * depth + "}"
+
+
+def _num(x) -> float | None:
+    x = float(x)
+    return None if math.isnan(x) else round(x, 4)
+
+
+def run_figures(op: str, run_dir: Path) -> dict:
+    """Every figure of one run, by name: medians, bandwidth fractions, floors, ratios, target verdicts."""
+    run = load_run(run_dir)
+    med, ratios, copy_bw = summarize(run)
+    floors = bytes_floors(run["cases"], set(med["provider"]), max(copy_bw.values()))
+    state = source_state(op, run["env"])
+    out: dict = dict(run_id=run_dir.name, date_utc=run["env"].get("date_utc"), commit=run["env"].get("git_commit"),
+                     kernel_source=state["state"], copy_tbps={k: _num(v) for k, v in copy_bw.items()},
+                     us={}, of_copy={}, floor_us={}, ratio={}, targets=[], extra={})
+    for r in med.itertuples():
+        at = f"{r.clock}/{r.regime}"
+        out["us"].setdefault(r.case, {}).setdefault(r.provider, {})[at] = _num(r.us)
+        out["of_copy"].setdefault(r.case, {}).setdefault(r.provider, {})[at] = _num(r.of_copy)
+    for (case, provider), us in floors.items():
+        if case != "copy":
+            out["floor_us"].setdefault(case, {})[provider] = _num(us)
+    for r in ratios.itertuples():
+        out["ratio"].setdefault(r.case, {}).setdefault(r.candidate, {})[f"{r.clock}/{r.regime}"] = dict(
+            control=r.control, control_us=_num(r.control_us), us=_num(r.candidate_us), ratio=_num(r.ratio),
+            min=_num(r.ratio_min), max=_num(r.ratio_max), valid=bool(r.candidate_valid))
+    targets = run["config"].get("targets", [])
+    if targets:
+        out["targets"] = target_table(targets, med, ratios, floors).to_dict("records")
+    if (run_dir / "tower_samples.csv").exists():
+        out["extra"]["tower"] = tower_figures(pd.read_csv(run_dir / "tower_samples.csv"))
+    return out
+
+
+def tower_figures(samples: pd.DataFrame) -> dict:
+    """Whole-tower timing (vision RoPE): per geometry, eager over dsfuse as a ratio of medians, with
+    the per-block range, on the GPU clock and the wall clock."""
+    out = {}
+    for geometry, grp in samples.groupby("geometry", sort=False):
+        med = grp.groupby("provider")[["gpu_ms", "wall_ms"]].median()
+        blocks = grp.groupby(["block", "provider"])["gpu_ms"].median().unstack("provider")
+        per_block = blocks["eager"] / blocks["dsfuse"]
+        out[geometry] = dict(tokens=int(grp["tokens"].iloc[0]), eager_ms=_num(med.loc["eager", "gpu_ms"]),
+                             dsfuse_ms=_num(med.loc["dsfuse", "gpu_ms"]),
+                             ratio=_num(ratio_of_medians(med.loc["eager", "gpu_ms"], med.loc["dsfuse", "gpu_ms"])),
+                             min=_num(per_block.min()), max=_num(per_block.max()),
+                             wall_ratio=_num(ratio_of_medians(med.loc["eager", "wall_ms"],
+                                                              med.loc["dsfuse", "wall_ms"])))
+    return out
+
+
+def tuning_figures(path: Path) -> list[dict]:
+    """The medians of a sweep, one dict per setting (its columns and ``us`` or ``host_us``)."""
+    df = pd.read_csv(path)
+    value = "host_us" if "host_us" in df else "us"
+    keys = [c for c in df.columns if c not in ("sample", "rep", *REPEATS, value, "error")] if value == "host_us" \
+        else [c for c in probe_keys(df) if c != "error"]
+    if value not in df or not keys:
+        return []
+    table = df.groupby(keys, sort=False, dropna=False)[value].median().reset_index()
+    return [{k: (None if pd.isna(v) else (v.item() if hasattr(v, "item") else v)) for k, v in row.items()}
+            for row in table.to_dict("records")]
+
+
+# -- plots -----------------------------------------------------------------------------------
+
+
 def plot_modes(op: str, med: pd.DataFrame, floors: dict[tuple[str, str], float], plots_dir: Path,
                smoke: bool) -> list[Path]:
     """One bar chart per mode: CUDA Graph replay with L2 evicted where the run has it, else wall clock."""
     clock, regime = ("graph", "evicted") if "graph" in set(med["clock"]) else ("wall", "hot")
     colors = {p: plt.get_cmap("tab10")(i % 10) for i, p in enumerate(sorted(set(med["provider"])))}
+    Path(plots_dir).mkdir(parents=True, exist_ok=True)
     written = []
     for mode, grp in med[(med["clock"] == clock) & (med["regime"] == regime)].groupby("mode"):
         floor = {case: floors[(case, "dsfuse")] for case in set(grp["case"]) if (case, "dsfuse") in floors}
-        written.append(_plot(op, mode, grp, clock, regime, plots_dir, smoke, floor, colors))
+        written.append(_plot(op, mode, grp, clock, regime, Path(plots_dir), smoke, floor, colors))
     return written
 
 
@@ -271,22 +617,32 @@ def _junit_summary(path: Path, op: str) -> list[str]:
             f"{len(cases) - failed - skipped} passed, {failed} failed, {skipped} skipped ({', '.join(files)})."]
 
 
-def write_tuning(op: str, raw_root: Path, results_dir: Path) -> Path | None:
-    """Medians of every launch-constant sweep under ``raw/tuning/`` (one table per file)."""
-    tuning = Path(raw_root) / "tuning"
-    files = sorted(tuning.glob("blocks-*.csv"))
-    host_files = sorted(tuning.glob("host-overhead-*.csv"))
-    probe_files = sorted(set(tuning.glob("*.csv")) - set(files) - set(host_files))
-    if not files and not host_files and not probe_files:
+# -- tuning sweeps ---------------------------------------------------------------------------
+
+
+def write_tuning(op: str, raw_root: Path, results_dir: Path, files: list[Path] | None = None) -> Path | None:
+    """Medians of the launch-constant sweeps (``files``, default every CSV under ``<raw_root>/tuning``,
+    or under ``raw_root`` itself when it is the tuning folder), one table per file, into
+    ``<results_dir>/<op>_tuning.md``."""
+    raw_root = Path(raw_root)
+    tuning = raw_root if raw_root.name == "tuning" else raw_root / "tuning"
+    files = sorted(files) if files is not None else sorted(tuning.glob("*.csv"))
+    blocks = [p for p in files if p.name.startswith("blocks-")]
+    host_files = [p for p in files if p.name.startswith("host-overhead-")]
+    probe_files = [p for p in files if p not in blocks and p not in host_files]
+    if not files:
         return None
-    lines = [f"<!-- generated by `python -m dsfuse.bench report {op}` from {relative(raw_root)}/tuning; "
-             "do not edit -->", ""]
-    lines += [line for path in files for line in blocks_block(path)]
+    gpu_names = {json.loads(s.read_text()).get("gpu_name") for p in files
+                 for s in [p.with_name(f"{p.stem}.env.json")] if s.exists()}
+    if (tuning / "env.json").exists() and len(gpu_names) < len(files):
+        gpu_names.add(_env(tuning).get("gpu_name"))
+    lines = [f"<!-- generated by `python -m dsfuse.bench report {op}` from {relative(tuning)}; do not edit -->", ""]
+    if gpu_names - {None}:
+        lines += [f"**{', '.join(sorted(gpu_names - {None}))}**: sweeps under `{relative(tuning)}/`.", ""]
+    lines += [line for path in blocks for line in blocks_block(path)]
     lines += [line for path in host_files for line in host_block(path)]
     lines += [line for path in probe_files for line in probe_block(path)]
-    out = Path(results_dir) / f"{op}_tuning.md"
-    out.write_text("\n".join(lines))
-    return out
+    return _write(Path(results_dir) / f"{op}_tuning.md", "\n".join(lines))
 
 
 def tuning_block(path: Path, caption: str, table: str) -> list[str]:
@@ -333,6 +689,6 @@ def _plot(op: str, mode: str, grp: pd.DataFrame, clock: str, regime: str, plots_
     ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
     fig.tight_layout()
     path = plots_dir / f"{op}_{mode.replace('+', '_')}.png"
-    fig.savefig(path)
+    fig.savefig(path, metadata={"Software": None})
     plt.close(fig)
     return path

@@ -1,0 +1,229 @@
+"""Results per GPU: folders named from env.json, citable runs, the staleness mark, the config
+chosen by the GPU's name, the one ratio definition, and the figures the pages' prose quotes."""
+
+import importlib.util
+import json
+import shutil
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import yaml
+
+from dsfuse.bench import env, report, tables
+from dsfuse.bench.__main__ import check_flush, config_for
+
+REPO = Path(__file__).resolve().parents[1]
+H200_RUN = REPO / "experiments" / "text_rope" / "raw" / "20261129-073943-h200"
+B200_L2 = 126 * 10**6
+
+
+def _files(folder: Path) -> dict[str, tuple[bytes, int]]:
+    return {p.relative_to(folder).as_posix(): (p.read_bytes(), p.stat().st_mtime_ns)
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def _simulated_b200(raw: Path) -> str:
+    """A copy of the committed H200 run, its env.json rewritten as a B200's (the B200 run of the tests)."""
+    run_id = H200_RUN.name.replace("-h200", "-b200").replace("20261129", "20261130")
+    shutil.copytree(H200_RUN, raw / run_id)
+    path = raw / run_id / "env.json"
+    data = json.loads(path.read_text())
+    data["gpu_name"] = "NVIDIA B200"
+    path.write_text(json.dumps(data))
+    return run_id
+
+
+def test_gpu_key_from_the_device_name():
+    assert env.gpu_key("NVIDIA H200") == "h200" and env.gpu_key("NVIDIA B200") == "b200"
+    assert env.gpu_key("NVIDIA H200 NVL") == "h200-nvl" and env.gpu_key("NVIDIA GeForce RTX 4090") == "geforce-rtx-4090"
+    assert env.gpu_key(None) == "cpu"
+
+
+def test_a_b200_run_renders_into_its_own_folder_and_leaves_the_h200_files_alone(tmp_path):
+    raw, results, plots = tmp_path / "raw", tmp_path / "results", tmp_path / "plots"
+    shutil.copytree(H200_RUN, raw / H200_RUN.name)
+    report.render("text_rope", raw, results, plots, gpus={"h200"})
+    h200_before = _files(results / "h200") | {f"plots/{k}": v for k, v in _files(plots / "h200").items()}
+    assert set(h200_before) >= {"text_rope.md", "text_rope_runs.md", "text_rope.json", "plots/text_rope_fwd.png"}
+
+    b200_run = _simulated_b200(raw)
+    written = report.render("text_rope", raw, results, plots, gpus={"b200"})
+    assert all("h200" not in p.relative_to(tmp_path).as_posix() for p in written)
+    h200_after = _files(results / "h200") | {f"plots/{k}": v for k, v in _files(plots / "h200").items()}
+    assert h200_after == h200_before  # same bytes, not even rewritten
+
+    table = (results / "b200" / "text_rope.md").read_text()
+    assert f'<a id="run-{b200_run}"></a>' in table and "### NVIDIA B200" in table and "NVIDIA H200" not in table
+    assert f"raw/{b200_run}`" in table  # its raw folder (outside the checkout here: the path, not a link)
+    assert (plots / "b200" / "text_rope_fwd.png").exists()
+    assert json.loads((results / "b200" / "text_rope.json").read_text())["newest"] == b200_run
+    index = (results / "text_rope_all_gpus.md").read_text()
+    assert index.index("b200/text_rope.md") < index.index("h200/text_rope.md")  # every GPU, one include each
+    assert "b200/text_rope_runs.md" in index and "h200/text_rope_runs.md" in index
+
+    report.render("text_rope", raw, results, plots)  # all GPUs again: the H200's files do not change
+    assert _files(results / "h200") == {k: v for k, v in h200_before.items() if not k.startswith("plots/")}
+
+
+def test_committed_runs_link_their_raw_folder_on_the_repository():
+    from dsfuse.bench.paths import raw_url
+
+    url = "https://github.com/dsfuse/dsfuse/tree/main/experiments/text_rope/raw/" + H200_RUN.name
+    assert raw_url(H200_RUN) == url
+    assert report.raw_link(H200_RUN, "raw") == f"[raw]({url})"
+    assert report.raw_link(REPO / "build" / "smoke" / "x", "raw") == "`build/smoke/x`"
+
+
+def test_every_run_of_a_gpu_is_listed_under_its_anchor(tmp_path):
+    raw = tmp_path / "raw"
+    shutil.copytree(H200_RUN, raw / H200_RUN.name)
+    shutil.copytree(H200_RUN, raw / "20261201-000000-h200")  # a newer run of the same GPU
+    report.render("text_rope", raw, tmp_path / "results", tmp_path / "plots")
+    runs = (tmp_path / "results" / "h200" / "text_rope_runs.md").read_text()
+    assert f'<a id="run-{H200_RUN.name}"></a>' in runs  # the older run: its anchor is in the index
+    assert "[`20261201-000000-h200`](#run-20261201-000000-h200) (tables above)" in runs
+    assert '<a id="run-20261201-000000-h200"></a>' in (tmp_path / "results" / "h200" / "text_rope.md").read_text()
+
+
+# staleness
+
+
+def _tiny_run(run_dir: Path, env_extra: dict) -> None:
+    run_dir.mkdir(parents=True)
+    samples = [dict(case="copy", mode="copy", provider="copy", regime="evicted", clock="graph", block=0, sample=0,
+                    us=2.0)]
+    samples += [dict(case="c_fwd", mode="fwd", provider=p, regime="evicted", clock="graph", block=b, sample=0, us=us)
+                for b, times in enumerate([(10, 20), (10, 40), (20, 30)])
+                for p, us in zip(("dsfuse", "eager"), times)]
+    pd.DataFrame(samples).to_csv(run_dir / "samples.csv", index=False)
+    pd.DataFrame([dict(case="copy", mode="copy", bytes=4_000_000, params="{}"),
+                  dict(case="c_fwd", mode="fwd", bytes=2_000_000, params="{}")]).to_csv(run_dir / "cases.csv",
+                                                                                          index=False)
+    pd.DataFrame([dict(case="c_fwd", mode="fwd", provider=p, role=r, form="", check="bitwise", stage="before",
+                       status="pass", mismatches=0, max_abs_diff=0.0, error="")
+                  for p, r in (("dsfuse", "candidate"), ("eager", "control"))]).to_csv(run_dir / "validation.csv",
+                                                                                        index=False)
+    (run_dir / "env.json").write_text(json.dumps(dict(gpu_name="NVIDIA B200", sm_count=148, driver="1.2",
+                                                      packages=dict(torch="2.x", triton="3.x"),
+                                                      date_utc="today", **env_extra)))
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(dict(
+        targets=[dict(case="c_fwd", provider="dsfuse", max_of_fastest=0.5)])))
+
+
+STALE = "the kernel source has changed since"
+
+
+@pytest.mark.parametrize("same", [True, False])
+def test_the_staleness_mark_follows_the_recorded_kernel_hash(tmp_path, same):
+    sources = env.kernel_sources("text_rope")
+    if not same:
+        sources = dict(sources, sha256="0" * 64)
+    _tiny_run(tmp_path / "raw" / "r1", dict(git_commit="f" * 40, kernel_sources=sources))
+    report.render("text_rope", tmp_path / "raw", tmp_path / "results", tmp_path / "plots")
+    table = (tmp_path / "results" / "b200" / "text_rope.md").read_text()
+    runs = (tmp_path / "results" / "b200" / "text_rope_runs.md").read_text()
+    assert (STALE in table) is not same
+    assert ("Kernel source unchanged since this run" in table) is same
+    assert ("| changed since" in runs) is not same
+
+
+def test_runs_without_a_hash_are_compared_by_commit():
+    if shutil.which("git") is None or not (REPO / ".git").exists():
+        pytest.skip("needs the git checkout")
+    old = json.loads((REPO / "experiments" / "engram_gate" / "raw" / "20261129-101731-h200" / "env.json").read_text())
+    state = env.source_state("engram_gate", old)  # 3048aae: the Engram kernels changed after it
+    assert state["how"] == "git" and state["state"] == "changed" and state["since"]
+    assert any(line.startswith('!!! warning "Measured at commit 3048aaeca3') for line in report.state_lines(state))
+    assert env.source_state("engram_gate", dict(git_commit="0" * 40))["state"] == "unknown"  # not a commit here
+    assert env.source_state("engram_gate", {})["state"] == "unknown"
+
+
+def test_the_kernel_hash_covers_the_op_kernels_and_their_package_imports(tmp_path):
+    package = tmp_path / "dsfuse"
+    shutil.copytree(REPO / "kernels" / "dsfuse", package, ignore=shutil.ignore_patterns("__pycache__"))
+    files = [p.relative_to(package).as_posix() for p in env.kernel_files("text_rope", package)]
+    assert files == ["_common/aot.py", "text_rope/triton.py"]  # not api.py, not the package __init__
+    before = env.kernel_sources("text_rope", package)["sha256"]
+    (package / "text_rope" / "api.py").write_text("# changed\n")
+    assert env.kernel_sources("text_rope", package)["sha256"] == before
+    with (package / "_common" / "aot.py").open("a") as f:
+        f.write("# changed\n")
+    assert env.kernel_sources("text_rope", package)["sha256"] != before
+
+
+def test_a_new_run_records_the_kernel_hash():
+    import torch
+
+    assert env.collect(torch.device("cpu"), op="engram_gate")["kernel_sources"] == env.kernel_sources("engram_gate")
+
+
+# the config chosen by the GPU found
+
+
+def test_the_config_follows_the_gpu_name():
+    configs = REPO / "experiments" / "text_rope" / "configs"
+    assert config_for("text_rope", "NVIDIA H200") == configs / "h200.yaml"
+    assert config_for("text_rope", "NVIDIA B200") == configs / "b200.yaml"
+    assert config_for("text_rope", "NVIDIA H200 NVL") == configs / "h200.yaml"  # the family's
+    assert config_for("text_rope", None) == configs / "smoke.yaml"
+    with pytest.raises(SystemExit, match="--config"):
+        config_for("text_rope", "NVIDIA A100-SXM4-80GB")
+
+
+@pytest.mark.parametrize("op", ["text_rope", "vision_rope", "engram_gate"])
+def test_b200_configs_evict_the_b200_l2_and_keep_the_model_geometry(op):
+    configs = REPO / "experiments" / op / "configs"
+    b200, h200 = (yaml.safe_load((configs / f"{g}.yaml").read_text()) for g in ("b200", "h200"))
+    assert b200["timing"]["flush_bytes"] >= 2 * B200_L2
+    check_flush(b200, B200_L2, "NVIDIA B200")
+    with pytest.raises(SystemExit, match="flush_bytes"):
+        check_flush(dict(timing=dict(flush_bytes=B200_L2)), B200_L2, "NVIDIA B200")
+    assert {k: v for k, v in b200.items() if k not in ("timing", "targets")} == \
+        {k: v for k, v in h200.items() if k not in ("timing", "targets")}
+    assert "copy_bytes" in b200["timing"]  # the bandwidth is measured in the run, never typed
+
+
+# one ratio: control / dsfuse, of the medians
+
+
+def test_every_table_states_the_ratio_as_control_over_dsfuse(tmp_path):
+    """Blocks (dsfuse, eager): (10, 20), (10, 40), (20, 30). Medians 10 and 30: the ratio is 3.00;
+    the median of the per-block ratios (2, 4, 1.5) would be 2.00 and the inverse 0.33."""
+    _tiny_run(tmp_path / "raw" / "r1", dict(git_commit="f" * 40))
+    report.render("text_rope", tmp_path / "raw", tmp_path / "results", tmp_path / "plots")
+    text = (tmp_path / "results" / "b200" / "text_rope.md").read_text()
+    ratio_row = next(line for line in text.splitlines() if line.startswith("| c_fwd") and "eager 30.0" in line)
+    assert "3.00 [1.50, 4.00]" in ratio_row
+    target_row = next(line for line in text.splitlines() if "the fastest valid control (latency" in line)
+    assert ">= 2.00x the fastest valid control" in target_row and "3.00x eager met" in target_row
+    figures = json.loads((tmp_path / "results" / "b200" / "text_rope.json").read_text())
+    assert figures["runs"]["r1"]["ratio"]["c_fwd"]["dsfuse"]["graph/evicted"]["ratio"] == 3.0
+
+
+def test_medians_print_as_plain_decimals():
+    table = pd.DataFrame(dict(case=["a", "b"], us=[tables.fmt(1234567.8), tables.fmt(12.0)]))
+    assert "1234567.8" in tables.markdown(table) and "e+" not in tables.markdown(table)
+
+
+# the figures the prose quotes (docs/macros.py)
+
+
+def _macros():
+    spec = importlib.util.spec_from_file_location("docs_macros", REPO / "docs" / "macros.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_prose_figures_are_the_tables_figures(tmp_path):
+    _tiny_run(tmp_path / "raw" / "r1", dict(git_commit="f" * 40))
+    report.render("text_rope", tmp_path / "raw", tmp_path / "results", tmp_path / "plots")
+    figures = _macros().Figures(tmp_path, "text_rope", "b200")
+    assert figures.us("c_fwd") == "10.0 us" and figures.us("c_fwd", "eager") == "30.0 us"
+    assert figures.ratio("c_fwd", spread=True) == "3.00x [1.50, 4.00]" and figures.control("c_fwd") == "`eager`"
+    assert figures.run == "[`r1`](#run-r1)" and figures.met("c_fwd") == "met"
+    with pytest.raises(KeyError):
+        figures.us("no_such_case")
+    with pytest.raises(FileNotFoundError):
+        _macros().Figures(tmp_path, "text_rope", "h200")
