@@ -1,0 +1,207 @@
+"""mkdocs-macros module: measured figures for the pages' prose, read from the report's data.
+
+``python -m dsfuse.bench report`` writes ``results/<gpu>/<op>.json`` (every run's medians,
+bandwidth fractions, floors, ratios, target verdicts, tuning medians and host times). A page that
+sets ``render_macros: true`` in its front matter quotes them instead of typing numbers:
+
+    {% set h200 = results("engram_gate", "h200") %}          the newest H200 run of the op
+    {{ h200.us("gate_N4096_fwd") }}                           139.4 us  (dsfuse, graph/evicted)
+    {{ h200.ratio("consumer_N4096_fwd+bwd", spread=True) }}   1.14x [1.07, 1.25]
+    {{ h200.run }}                                            a link to the run's anchor
+    {% set old = results("engram_gate", "h200", "20261129-094157-h200") %}   a cited older run
+
+Every figure is formatted as the tables format it (us to 0.1, ratios to 0.01, fractions of copy in
+whole percent). The ratio is the project's one ratio: control latency / dsfuse latency, medians
+over all samples of the run (docs/method.md). A figure that the data does not hold raises, and the
+strict build fails (``on_error_fail``): prose never quotes a number the data lacks.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+GRAPH_EVICTED = "graph/evicted"
+
+
+def _us(x: float) -> str:
+    return f"{x:.1f} us"
+
+
+def _x(x: float) -> str:
+    return f"{x:.2f}x"
+
+
+def _span(values: list[str]) -> str:
+    """``a to b`` of already formatted values (one value when they agree)."""
+    lo, hi = values[0], values[-1]
+    return lo if lo == hi else f"{lo} to {hi}"
+
+
+class Figures:
+    """The figures of one run of one op on one GPU (the newest unless ``run`` names another)."""
+
+    def __init__(self, root: Path, op: str, gpu: str, run: str | None = None):
+        path = root / "results" / gpu / f"{op}.json"
+        if not path.exists():
+            raise FileNotFoundError(f"{path}: no results of {op} on {gpu} (python -m dsfuse.bench report {op})")
+        self.data = json.loads(path.read_text())
+        self.op, self.gpu = op, gpu
+        self.run_id = run or self.data.get("newest")
+        if self.run_id not in self.data["runs"]:
+            raise KeyError(f"{op} on {gpu}: no run {self.run_id!r} (runs: {sorted(self.data['runs'])})")
+        self.fig = self.data["runs"][self.run_id]
+
+    # the run
+
+    @property
+    def run(self) -> str:
+        """The run id, linked to its anchor on the op's page."""
+        return f"[`{self.run_id}`](#run-{self.run_id})"
+
+    @property
+    def commit(self) -> str:
+        return f"`{(self.fig.get('commit') or '?')[:10]}`"
+
+    def copy(self, clock: str | None = None) -> str:
+        """The run's device-to-device copy bandwidth (the fastest clock's unless ``clock``)."""
+        rates = self.fig["copy_tbps"]
+        return f"{(rates[clock] if clock else max(rates.values())):.2f} TB/s"
+
+    # one case
+
+    def _get(self, table: str, case: str, provider: str, at: str | None = None):
+        try:
+            entry = self.fig[table][case][provider]
+            return entry[at] if at is not None else entry
+        except KeyError:
+            raise KeyError(f"{self.op} run {self.run_id}: no {table} for case {case!r}, provider {provider!r}"
+                           + (f", {at}" if at else "")) from None
+
+    def us(self, case: str, provider: str = "dsfuse", at: str = GRAPH_EVICTED) -> str:
+        """Median latency, e.g. ``139.4 us``."""
+        return _us(self._get("us", case, provider, at))
+
+    def value_us(self, case: str, provider: str = "dsfuse", at: str = GRAPH_EVICTED) -> float:
+        return self._get("us", case, provider, at)
+
+    def of_copy(self, case: str, provider: str = "dsfuse", at: str = GRAPH_EVICTED) -> str:
+        """Achieved bandwidth as a fraction of the run's copy bandwidth, e.g. ``92%``."""
+        return f"{100 * self._get('of_copy', case, provider, at):.0f}%"
+
+    def floor(self, case: str, provider: str = "dsfuse") -> str:
+        """The bytes floor at the run's copy bandwidth, e.g. ``345.7 us``."""
+        return _us(self._get("floor_us", case, provider))
+
+    def time_at(self, case: str, fraction: float, provider: str = "dsfuse") -> str:
+        """The latency at which ``provider`` would reach ``fraction`` of the copy bandwidth (its bytes
+        floor / ``fraction``), e.g. the time a ``>= 80% of copy`` goal allows."""
+        return _us(self._get("floor_us", case, provider) / fraction)
+
+    def share(self, case: str, stem: str, provider: str = "dsfuse", **setting) -> str:
+        """The case's bytes floor over a sweep setting's median: that setting's fraction of the copy
+        bandwidth, e.g. ``84%`` for an elementwise kernel moving the case's bytes."""
+        return f"{100 * self._get('floor_us', case, provider) / self._tuned(stem, 'us', setting):.0f}%"
+
+    def _ratio(self, case: str, at: str, candidate: str) -> dict:
+        return self._get("ratio", case, candidate, at)
+
+    def ratio(self, case: str, at: str = GRAPH_EVICTED, candidate: str = "dsfuse", spread: bool = False) -> str:
+        """Fastest valid control / dsfuse (ratio of medians), e.g. ``1.14x`` or ``1.14x [1.07, 1.25]``."""
+        r = self._ratio(case, at, candidate)
+        return _x(r["ratio"]) + (f" [{r['min']:.2f}, {r['max']:.2f}]" if spread else "")
+
+    def control(self, case: str, at: str = GRAPH_EVICTED, candidate: str = "dsfuse") -> str:
+        """The fastest valid control of a case, e.g. ```compile-max-autotune```."""
+        return f"`{self._ratio(case, at, candidate)['control']}`"
+
+    def ratios(self, cases: list[str], at: str | list[str] = GRAPH_EVICTED, candidate: str = "dsfuse") -> str:
+        """The lowest to the highest ratio over ``cases`` (and clocks/caches ``at``): ``1.47x to 1.55x``."""
+        ats = [at] if isinstance(at, str) else at
+        return _span([_x(v) for v in sorted(self._ratio(c, a, candidate)["ratio"] for c in cases for a in ats)])
+
+    def met(self, case: str, at: str = GRAPH_EVICTED, provider: str = "dsfuse") -> str:
+        """The targets table's verdict for a case: ``met``, or ``**missed**`` where any goal was missed."""
+        rows = [t for t in self.fig.get("targets", [])
+                if t["case"] == case and t["provider"] == provider and t["clock/cache"] == at]
+        if not rows:
+            raise KeyError(f"{self.op} run {self.run_id}: no target for {case}, {provider}, {at}")
+        return "**missed**" if any("MISSED" in t["verdict"] for t in rows) else "met"
+
+    def _ceiling(self) -> float:
+        return max(self.fig["copy_tbps"].values())
+
+    def floor_plus(self, case: str, extra_bytes: float, provider: str = "dsfuse") -> str:
+        """The bytes floor with ``extra_bytes`` more moved at the run's copy bandwidth (a design's own floor)."""
+        return _us(self._get("floor_us", case, provider) + extra_bytes / (self._ceiling() * 1e6))
+
+    def copy_needed(self, case: str, limit_us: float, extra_bytes: float = 0, provider: str = "dsfuse") -> str:
+        """The fraction of the copy bandwidth a design moving the floor's bytes plus ``extra_bytes`` needs
+        to finish within ``limit_us``, e.g. ``96%``."""
+        floor = self._get("floor_us", case, provider) + extra_bytes / (self._ceiling() * 1e6)
+        return f"{100 * floor / limit_us:.0f}%"
+
+    def at_gate_floor(self, consumer: str, gate: str, at: str = GRAPH_EVICTED) -> str:
+        """Consumer ratio if its gate ran at the bytes floor: the fastest control's consumer time over
+        that time with the control's gate alone (device time, graph clock) replaced by dsfuse's gate
+        floor (an additive estimate, as in the op's consumer table)."""
+        r = self._ratio(consumer, at, "dsfuse")
+        gate_us = self._get("us", gate, r["control"], "graph/" + at.split("/")[1])
+        return _x(r["control_us"] / (r["control_us"] - gate_us + self._get("floor_us", gate, "dsfuse")))
+
+    def speedup(self, case: str, other: str, provider: str = "dsfuse", at: str = GRAPH_EVICTED) -> str:
+        """``other``'s median over ``provider``'s (the same ratio against a named provider), e.g. ``3.65x``."""
+        return _x(self._get("us", case, other, at) / self._get("us", case, provider, at))
+
+    def over(self, case: str, limit_us: float, provider: str = "dsfuse", at: str = GRAPH_EVICTED) -> str:
+        """How far the median is above ``limit_us``, in percent of it, e.g. ``4%``."""
+        return f"{100 * (self._get('us', case, provider, at) / limit_us - 1):.0f}%"
+
+    # whole-model and host figures
+
+    def tower(self, geometries: list[str], field: str = "ratio") -> str:
+        """Whole-tower ratios (eager / dsfuse) over ``geometries``: ``1.02x to 1.03x``; ``field`` may be
+        ``ratio``, ``min`` or ``max`` (the per-block range) or ``wall_ratio``."""
+        tower = self.fig.get("extra", {}).get("tower")
+        if not tower:
+            raise KeyError(f"{self.op} run {self.run_id}: no whole-tower timing")
+        return _span([_x(v) for v in sorted(tower[g][field] for g in geometries)])
+
+    def tower_blocks(self, geometries: list[str]) -> str:
+        """The lowest to the highest per-block tower ratio over ``geometries``: ``1.03x to 1.33x``."""
+        tower = self.fig["extra"]["tower"]
+        return _span([_x(min(tower[g]["min"] for g in geometries)), _x(max(tower[g]["max"] for g in geometries))])
+
+    def tower_gain(self, geometries: list[str]) -> str:
+        """The tower's ratios as a time saved, in percent of the eager time: ``1.5% to 3.4%``."""
+        tower = self.fig["extra"]["tower"]
+        return _span([f"{100 * (1 - 1 / v):.1f}%" for v in sorted(tower[g]["ratio"] for g in geometries)])
+
+    def host(self, call: str, provider: str = "dsfuse", run: str | None = None) -> str:
+        """Median host time per call of the newest host-time run (or ``run``), e.g. ``34.2 us``."""
+        runs = self.data.get("host_time", {})
+        if not runs:
+            raise KeyError(f"{self.op} on {self.gpu}: no host-time run")
+        return _us(runs[run or max(runs)][call][provider])
+
+    def tuned(self, stem: str, value: str = "us", **setting) -> str:
+        """The median ``value`` of the setting of sweep ``stem`` matching ``setting``, e.g. ``30.4 us``."""
+        return _us(self._tuned(stem, value, setting))
+
+    def _tuned(self, stem: str, value: str, setting: dict) -> float:
+        rows = [r for r in self.data.get("tuning", {}).get(stem, [])
+                if all(str(r.get(k)) == str(v) for k, v in setting.items())]
+        values = [r[value] for r in rows if r.get(value) is not None]
+        if len(values) != 1:
+            raise KeyError(f"{self.op} on {self.gpu}: sweep {stem!r} has {len(values)} settings matching {setting}, "
+                           "not one")
+        return values[0]
+
+
+def define_env(env):
+    root = Path(env.conf["config_file_path"]).resolve().parent
+
+    @env.macro
+    def results(op: str, gpu: str, run: str | None = None) -> Figures:
+        """The figures of ``op`` on ``gpu`` (a folder under results/): the newest run, or ``run``."""
+        return Figures(root, op, gpu, run)
