@@ -19,7 +19,6 @@ from dsfuse._common import (
     REFERENCE,
     OpBackends,
     check_dtype,
-    check_no_internal_overlap,
     check_outputs_free,
     check_same_device,
     check_tensor,
