@@ -21,8 +21,10 @@ def make(op: str, title: str) -> nbformat.NotebookNode:
     cells = [
         new_markdown_cell(f"""# {title}: rerun the experiment
 
-Reruns `experiments/{op}/` on the GPU this kernel finds, writes a new raw run under
-`experiments/{op}/raw/<run-id>/`, regenerates `results/{op}.md` and the plots, and shows them.
+Reruns `experiments/{op}/` on the GPU this kernel finds, with that GPU's config
+(`experiments/{op}/configs/<gpu>.yaml`: `h200.yaml` on an H200, `b200.yaml` on a B200; another GPU
+needs `CONFIG`), writes a new raw run under `experiments/{op}/raw/<run-id>/`, regenerates this GPU's
+`results/<gpu>/{op}.md` and plots (no other GPU's files), and shows them.
 Without a CUDA GPU it runs the **smoke** configuration instead: Triton in its interpreter on tiny
 shapes, every provider still checked, outputs under `build/smoke/`. Smoke numbers measure nothing.
 
@@ -30,7 +32,7 @@ Run it after `bash scripts/setup.sh` (kernel: the `.venv` Python); it finds the 
 itself (`dsfuse.bench.paths.repo_root`), whatever the working directory."""),
         new_code_cell(f"""# Parameters
 SMOKE = None   # None: smoke run exactly when no CUDA GPU is present; True/False to force
-CONFIG = None  # None: experiments/{op}/configs/h200.yaml (GPU) or configs/smoke.yaml""",
+CONFIG = None  # None: the GPU's experiments/{op}/configs/<gpu>.yaml (h200.yaml, b200.yaml), or configs/smoke.yaml""",
                       metadata={"tags": ["parameters"]}),
         new_code_cell("""import os
 
@@ -44,12 +46,14 @@ if smoke:
     os.environ["TRITON_INTERPRET"] = "1"  # before any kernel is launched
 print(f"repository: {root}; mode: {'SMOKE (CPU interpreter)' if smoke else torch.cuda.get_device_name()}")"""),
         new_code_cell(f"""from dsfuse.bench.__main__ import report, run
+from dsfuse.bench.report import run_gpu
 
 run_dir = run("{op}", CONFIG, smoke)
-written = report("{op}", smoke)"""),
-        new_code_cell("""from IPython.display import Image, Markdown, display
+gpu = run_gpu(run_dir)  # results/<gpu>/: this GPU's folder, named from the run's env.json
+written = report("{op}", smoke, gpus={{gpu}})"""),
+        new_code_cell(f"""from IPython.display import Image, Markdown, display
 
-display(Markdown(next(p for p in written if p.suffix == ".md").read_text()))
+display(Markdown(next(p for p in written if p.name == "{op}.md").read_text()))
 for plot in (p for p in written if p.suffix == ".png"):
     display(Image(filename=str(plot)))"""),
     ]

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Set up (scripts/setup.sh), then reproduce every op experiment and render its tables and plots.
-# On a CUDA GPU: the full experiments (configs/h200.yaml), raw data under experiments/<op>/raw/,
-#   tables in results/, plots in experiments/<op>/plots/.
+# On a CUDA GPU: the full experiments with the GPU's config (configs/<gpu>.yaml, chosen by the
+#   device name: h200.yaml, b200.yaml; another GPU: pass --config FILE), raw data under
+#   experiments/<op>/raw/, this GPU's tables in results/<gpu>/ and plots in experiments/<op>/plots/<gpu>/
+#   (no other GPU's files are rewritten).
 # Without one: a SMOKE run (Triton interpreter, tiny shapes) that validates every provider and
 #   renders under build/smoke/; its numbers measure nothing.
 set -euo pipefail
@@ -10,7 +12,7 @@ bash scripts/setup.sh
 py="${DSFUSE_VENV:-.venv}/bin/python"
 if "$py" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
   "$py" -m dsfuse.bench run --gpu "$@"
-  "$py" -m dsfuse.bench report
+  "$py" -m dsfuse.bench report --this-gpu
 else
   echo "No CUDA GPU found: running the SMOKE experiment on CPU (validation + rendering only)."
   "$py" -m dsfuse.bench run --smoke "$@"
