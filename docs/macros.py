@@ -19,6 +19,7 @@ strict build fails (``on_error_fail``): prose never quotes a number the data lac
 from __future__ import annotations
 
 import json
+from fnmatch import fnmatchcase
 from pathlib import Path
 
 GRAPH_EVICTED = "graph/evicted"
@@ -189,13 +190,66 @@ class Figures:
         return _us(self._tuned(stem, value, setting))
 
     def _tuned(self, stem: str, value: str, setting: dict) -> float:
-        rows = [r for r in self.data.get("tuning", {}).get(stem, [])
-                if all(str(r.get(k)) == str(v) for k, v in setting.items())]
-        values = [r[value] for r in rows if r.get(value) is not None]
+        values = [r[value] for r in self._rows(stem, value, setting)]
         if len(values) != 1:
             raise KeyError(f"{self.op} on {self.gpu}: sweep {stem!r} has {len(values)} settings matching {setting}, "
                            "not one")
         return values[0]
+
+    def _rows(self, stems: str | list[str], value: str, setting: dict) -> list[dict]:
+        """The settings of the sweep(s) ``stems`` matching ``setting`` that hold ``value``. A setting's
+        value may be a list (any of them) and may hold ``*`` wildcards (``mode="bwd-onepass-*"``)."""
+        tuning = self.data.get("tuning", {})
+        rows = []
+        for stem in [stems] if isinstance(stems, str) else stems:
+            if stem not in tuning:
+                raise KeyError(f"{self.op} on {self.gpu}: no sweep {stem!r}")
+            rows += [dict(r, _stem=stem) for r in tuning[stem] if r.get(value) is not None and all(
+                any(fnmatchcase(str(r.get(k)), str(p)) for p in (v if isinstance(v, (list, tuple)) else [v]))
+                for k, v in setting.items())]
+        return rows
+
+    def _some(self, stems, value: str, setting: dict) -> list[float]:
+        values = sorted(r[value] for r in self._rows(stems, value, setting))
+        if not values:
+            raise KeyError(f"{self.op} on {self.gpu}: sweep {stems!r} has no setting matching {setting}")
+        return values
+
+    def tuned_best(self, stem: str | list[str], value: str = "us", **setting) -> str:
+        """The lowest median ``value`` over the settings of sweep(s) ``stem`` matching ``setting``, e.g. the
+        best setting of a design: ``501.8 us``."""
+        return _us(self._some(stem, value, setting)[0])
+
+    def tuned_span(self, stem: str | list[str], value: str = "us", **setting) -> str:
+        """The lowest to the highest median over the matching settings: ``424.2 us to 427.8 us``."""
+        return _span([_us(v) for v in self._some(stem, value, setting)])
+
+    def _pairs(self, stems, base: dict, by, value: str, setting: dict) -> list[tuple[float, float]]:
+        """Each matching setting with the one setting of its sweep that matches ``base`` and has the
+        same ``by`` knobs (the setting it is compared with)."""
+        pairs = []
+        for r in self._rows(stems, value, setting):
+            match = [b[value] for b in self._rows(r["_stem"], value, base) if all(b.get(k) == r.get(k) for k in by)]
+            if len(match) != 1:
+                raise KeyError(f"{self.op} on {self.gpu}: sweep {r['_stem']!r} has {len(match)} settings matching "
+                               f"{base} with the {list(by)} of {r}, not one")
+            pairs.append((r[value], match[0]))
+        if not pairs:
+            raise KeyError(f"{self.op} on {self.gpu}: sweep {stems!r} has no setting matching {setting}")
+        return pairs
+
+    def tuned_over(self, stem: str | list[str], base: dict, by: list[str] | tuple = (), value: str = "us",
+                   **setting) -> str:
+        """How far the matching settings are above the setting matching ``base`` (with the same ``by``
+        knobs, in the same sweep), in percent of it: the lowest to the highest, e.g. ``2% to 9%``."""
+        return _span([f"{v:.0f}%" for v in sorted(100 * (x / b - 1) for x, b in self._pairs(stem, base, by, value,
+                                                                                            setting))])
+
+    def tuned_apart(self, stem: str | list[str], base: dict, by: list[str] | tuple = (), value: str = "us",
+                    **setting) -> str:
+        """The largest difference between a matching setting and its ``base`` setting (as in
+        ``tuned_over``), either way: two orders ``within 0.9 us``."""
+        return _us(max(abs(x - b) for x, b in self._pairs(stem, base, by, value, setting)))
 
 
 def define_env(env):

@@ -227,3 +227,31 @@ def test_prose_figures_are_the_tables_figures(tmp_path):
         figures.us("no_such_case")
     with pytest.raises(FileNotFoundError):
         _macros().Figures(tmp_path, "text_rope", "h200")
+
+
+def test_tuning_figures_pick_settings_by_pattern_and_compare_them(tmp_path):
+    rows = [dict(mode="bwd-shipped", warps=4, us=300.0), dict(mode="bwd-a", warps=4, us=330.0),
+            dict(mode="bwd-a", warps=8, us=360.0), dict(mode="bwd-b", warps=4, us=600.0),
+            dict(mode="bwd-shipped", warps=8, us=310.0), dict(mode="bwd-c", warps=4, us=None)]
+    other = [dict(mode="bwd-shipped", warps=4, us=280.0), dict(mode="bwd-a", warps=4, us=281.5)]
+    folder = tmp_path / "results" / "b200"
+    folder.mkdir(parents=True)
+    (folder / "op.json").write_text(json.dumps(dict(newest="r1", runs=dict(r1={}),
+                                                    tuning=dict(sweep=rows, other=other))))
+    figures = _macros().Figures(tmp_path, "op", "b200")
+    assert figures.tuned("sweep", mode="bwd-a", warps=8) == "360.0 us"  # one setting, as before
+    with pytest.raises(KeyError):
+        figures.tuned("sweep", mode="bwd-a")  # two settings match
+    assert figures.tuned_best("sweep", mode="bwd-[ab]*") == "330.0 us"
+    assert figures.tuned_best(["sweep", "other"], mode=["bwd-a", "bwd-b"]) == "281.5 us"
+    assert figures.tuned_span("sweep", mode="bwd-*", warps=4) == "300.0 us to 600.0 us"  # no median: left out
+    assert figures.tuned_span("sweep", mode="bwd-a", warps=8) == "360.0 us"
+    # each setting against the base setting with the same warps: 330/300, 360/310, 600/300
+    assert figures.tuned_over("sweep", dict(mode="bwd-shipped"), by=["warps"], mode=["bwd-a", "bwd-b"]) == "10% to 100%"
+    assert figures.tuned_apart(["sweep", "other"], dict(mode="bwd-shipped"), by=["warps"], mode="bwd-a") == "50.0 us"
+    with pytest.raises(KeyError):
+        figures.tuned_over("sweep", dict(mode="bwd-shipped"), mode="bwd-a")  # two base settings, no `by`
+    with pytest.raises(KeyError):
+        figures.tuned_best("sweep", mode="bwd-z*")
+    with pytest.raises(KeyError):
+        figures.tuned_best("no-such-sweep", mode="bwd-a")
