@@ -1,0 +1,340 @@
+"""UT transform and WY representation of Gated DeltaNet, per chunk of ``BT = 64`` tokens.
+
+For a chunk with keys ``k`` ``[BT, K]`` (optionally L2-normalised here), ``beta`` and the
+chunk-local cumulative gate ``G`` (``g_cum``)::
+
+    L = strictly_lower(diag(beta) k k^T * Gamma),  Gamma_ij = exp(G_i - G_j)
+    A = (I + L)^-1                                   # fp32 [BT, BT], unit lower triangular
+    w = A (beta * exp(G) * k),  u = A (beta * v)     # input dtype, computed in fp32
+
+Two kernels, one program per (chunk, value head) each (grid ``(NC, HV)``; value head
+``i_hv`` reads qk head ``i_hv // (HV // H)``):
+
+* ``_ut_kernel``: ``k k^T`` as one ``[BT, K] x [K, BT]`` ``tl.dot`` on keys upcast to fp32
+  (16-bit keys: one tf32 pass, exact products; fp32 keys: ``tf32x3``), the L2 norm applied
+  to the product (``r_i r_j (k_i . k_j)``), ``beta`` and the decay applied with the exponent
+  masked to ``j < i`` before ``exp`` (``exp`` never sees a positive difference, padding rows
+  and columns are zero before any product). ``L`` is written to ``A``'s rows (upper part and
+  columns past the chunk's end as 0), then, after a CTA barrier, read back as 16x16 blocks:
+  the four diagonal blocks, batched ``[4, 16, 16]``, are inverted by forward substitution (a
+  loop over rows ``i = 1..15``: row ``i`` of ``X - I`` is row ``i`` of ``-L (I + Y)``, ``Y``
+  holding the rows already done; one batched fp32 ``tl.dot`` per row, the other rows masked
+  out) and merged with ``tl.dot`` in fp32 (``input_precision="ieee"``)::
+
+      X_ij = -X_ii sum_{m=j}^{i-1} L_im X_mj     (block forward substitution, i > j)
+
+  The lower blocks of ``A`` are overwritten after a second barrier (the upper blocks keep the
+  zeros written with ``L``), so every element of a chunk's valid rows is written.
+* ``_wy_kernel``: reloads ``A`` and computes ``w``, ``u`` as ``[BT, BT] x [BT, 64]`` dots
+  in ``tf32x3`` (fp32 accuracy: relative error about 2^-22 per product), rounded once
+  (round to nearest even) to the output dtype.
+
+No dot result is ever transposed (Triton 3.6 on Hopper miscompiles ``tl.trans`` of a wgmma
+accumulator); ``tl.trans`` is applied only to the loaded key tile. Token offsets are int64
+before they multiply a stride; there are no atomics and the launch constants are fixed, so a
+launch is deterministic. Rows of tokens in no chunk (past ``cu_seqlens[-1]``) are not written.
+
+Speed (H200, T = 32768 in five documents, (H, HV) = (16, 48), K = V = 128, bf16, L2 norm):
+both kernels together take 2.78 ms, about flash-linear-attention's whole forward; untuned
+(see the warps below). ``A`` in fp32 alone is 0.4 GB written and read back; the L round trip
+through ``A``, one program per value head (keys reloaded by every head of a group) and the
+three tf32 passes of ``w`` and ``u`` are the first things to measure.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from dsfuse._common.aot import AotSpec
+
+CHUNK = 64  # BT
+SUB = 16  # BC: diagonal block of the triangular solve
+MAX_BLOCK = 64  # BK, BV: channels of w / u per dot
+# Warps, from one H200 probe at the model's shape (T = 32768 in five documents, (H, HV) = (16, 48),
+# K = V = 128, bf16, L2 norm; no sweep file yet): _ut_kernel 1.33 ms with 2 warps, 1.63 ms with
+# 4, 2.09 ms with 8; _wy_kernel 1.48 ms with 4 warps, 2.57 ms with 8, 5.13 ms with 2.
+UT_WARPS = 2
+WY_WARPS = 4
+
+
+# ----------------------------------------------------------------------------- UT transform
+
+
+@triton.jit
+def _ut_kernel(
+    k_ptr,  # k [T, H, K], unit channel stride
+    beta_ptr,  # beta [T, HV]
+    gc_ptr,  # g_cum fp32 [T, HV]
+    ci_ptr,  # chunk_indices int32 [NC, 3] (sequence, start, end), contiguous
+    a_ptr,  # A fp32 [T, HV, BT] (out), unit column stride
+    s_kt, s_kh,
+    s_bt, s_bh,
+    s_gt, s_gh,
+    s_at, s_ah,
+    kv_group,  # HV // H
+    K: tl.constexpr,
+    BT: tl.constexpr,
+    BC: tl.constexpr,
+    USE_QK_L2NORM: tl.constexpr,
+    KK_PRECISION: tl.constexpr,  # input precision of k k^T ("tf32x3" for fp32 keys)
+):
+    tl.static_assert(BT == 4 * BC)
+    i_c = tl.program_id(0).to(tl.int64)
+    i_hv = tl.program_id(1)
+    i_h = (i_hv // kv_group).to(tl.int64)
+    start = tl.load(ci_ptr + i_c * 3 + 1).to(tl.int64)
+    end = tl.load(ci_ptr + i_c * 3 + 2).to(tl.int64)
+    n_rows = (end - start).to(tl.int32)
+
+    # ---- L = strictly_lower(diag(beta) k k^T * Gamma), written to A's rows
+    o_i = tl.arange(0, BT)
+    o_t = start + o_i  # int64 token offsets
+    m_t = o_t < end
+    o_k = tl.arange(0, K)
+    p_k = k_ptr + i_h * s_kh + o_t[:, None] * s_kt + o_k[None, :]
+    b_k = tl.load(p_k, mask=m_t[:, None], other=0.0).to(tl.float32)  # [BT, K]
+    # [BT, K] x [K, BT] -> [BT, BT]; the transpose is of the loaded tile, never of a dot result
+    b_kk = tl.dot(b_k, tl.trans(b_k), input_precision=KK_PRECISION)
+    if USE_QK_L2NORM:
+        b_r = tl.rsqrt(tl.sum(b_k * b_k, 1) + 1e-6)  # [BT]; eps as the reference's l2norm
+        b_kk = b_kk * b_r[:, None] * b_r[None, :]
+    b_beta = tl.load(beta_ptr + o_t * s_bt + i_hv * s_bh, mask=m_t, other=0.0).to(tl.float32)  # [BT]
+    b_g = tl.load(gc_ptr + o_t * s_gt + i_hv * s_gh, mask=m_t, other=0.0)  # [BT]
+    m_l = (o_i[:, None] > o_i[None, :]) & m_t[:, None]  # strictly lower, valid rows (so valid columns)
+    b_gamma = tl.exp(tl.where(m_l, b_g[:, None] - b_g[None, :], 0.0))  # [BT, BT], exponents <= 0
+    b_l = tl.where(m_l, b_kk * b_gamma * b_beta[:, None], 0.0)  # [BT, BT]
+    p_a = a_ptr + start * s_at + i_hv.to(tl.int64) * s_ah  # row 0 of the chunk's matrix
+    tl.store(p_a + o_i[:, None].to(tl.int64) * s_at + o_i[None, :], b_l, mask=m_t[:, None])
+    tl.debug_barrier()  # L visible to every thread of the program
+
+    # ---- inverses of the four diagonal [BC, BC] blocks, batched [4, BC, BC]: forward substitution
+    o_c = tl.arange(0, BC)
+    o_b = tl.arange(0, 4)
+    o_r3 = o_b[:, None, None] * BC + o_c[None, :, None]  # [4, BC, 1] row in chunk
+    p_d = p_a + o_r3.to(tl.int64) * s_at + (o_b[:, None, None] * BC + o_c[None, None, :])
+    b_r = -tl.load(p_d, mask=o_r3 < n_rows, other=0.0)  # [4, BC, BC] -L_bb (strictly lower)
+    b_eye = (o_c[:, None] == o_c[None, :]).to(tl.float32)[None, :, :]  # [1, BC, BC]
+    # Row i of Y = X - I is -L_i (I + Y) over the rows j < i already final (-L_i is 0 at
+    # j >= i): one [BC, BC] product per row, of which row i is kept.
+    b_y = b_r  # [4, BC, BC]: rows < i final
+    for i in range(1, BC):
+        b_z = tl.dot(b_r, b_y + b_eye, input_precision="ieee")  # [4, BC, BC]
+        b_y = tl.where((o_c == i)[None, :, None], b_z, b_y)
+    b_x = tl.reshape(tl.permute(b_y + b_eye, (1, 2, 0)), (BC, BC, 2, 2))  # [BC, BC, b // 2, b % 2]
+    b_x_even, b_x_odd = tl.split(b_x)
+    b_x11, b_x33 = tl.split(b_x_even)  # [BC, BC] each
+    b_x22, b_x44 = tl.split(b_x_odd)
+
+    # ---- merge: X_ij = -X_ii sum_{m=j}^{i-1} L_im X_mj (block forward substitution, fp32)
+    o_r = o_c[:, None].to(tl.int64) * s_at + o_c[None, :]  # [BC, BC] offsets in a block
+    m_1 = (BC + o_c < n_rows)[:, None]
+    m_2 = (2 * BC + o_c < n_rows)[:, None]
+    m_3 = (3 * BC + o_c < n_rows)[:, None]
+    p_1, p_2, p_3 = p_a + BC * s_at, p_a + 2 * BC * s_at, p_a + 3 * BC * s_at  # row blocks 1, 2, 3
+    b_l21 = tl.load(p_1 + o_r, mask=m_1, other=0.0)  # [BC, BC]
+    b_l31 = tl.load(p_2 + o_r, mask=m_2, other=0.0)
+    b_l32 = tl.load(p_2 + BC + o_r, mask=m_2, other=0.0)
+    b_l41 = tl.load(p_3 + o_r, mask=m_3, other=0.0)
+    b_l42 = tl.load(p_3 + BC + o_r, mask=m_3, other=0.0)
+    b_l43 = tl.load(p_3 + 2 * BC + o_r, mask=m_3, other=0.0)
+    b_x21 = -tl.dot(b_x22, tl.dot(b_l21, b_x11, input_precision="ieee"), input_precision="ieee")
+    b_x32 = -tl.dot(b_x33, tl.dot(b_l32, b_x22, input_precision="ieee"), input_precision="ieee")
+    b_x43 = -tl.dot(b_x44, tl.dot(b_l43, b_x33, input_precision="ieee"), input_precision="ieee")
+    b_s31 = tl.dot(b_l32, b_x21, tl.dot(b_l31, b_x11, input_precision="ieee"), input_precision="ieee")
+    b_x31 = -tl.dot(b_x33, b_s31, input_precision="ieee")
+    b_s42 = tl.dot(b_l43, b_x32, tl.dot(b_l42, b_x22, input_precision="ieee"), input_precision="ieee")
+    b_x42 = -tl.dot(b_x44, b_s42, input_precision="ieee")
+    b_s41 = tl.dot(b_l41, b_x11, input_precision="ieee")
+    b_s41 = tl.dot(b_l42, b_x21, b_s41, input_precision="ieee")
+    b_s41 = tl.dot(b_l43, b_x31, b_s41, input_precision="ieee")
+    b_x41 = -tl.dot(b_x44, b_s41, input_precision="ieee")
+
+    # ---- A's lower blocks over L (the upper blocks keep L's zeros)
+    tl.debug_barrier()  # every read of L done before A overwrites it
+    m_0 = (o_c < n_rows)[:, None]
+    tl.store(p_a + o_r, b_x11, mask=m_0)
+    tl.store(p_1 + o_r, b_x21, mask=m_1)
+    tl.store(p_1 + BC + o_r, b_x22, mask=m_1)
+    tl.store(p_2 + o_r, b_x31, mask=m_2)
+    tl.store(p_2 + BC + o_r, b_x32, mask=m_2)
+    tl.store(p_2 + 2 * BC + o_r, b_x33, mask=m_2)
+    tl.store(p_3 + o_r, b_x41, mask=m_3)
+    tl.store(p_3 + BC + o_r, b_x42, mask=m_3)
+    tl.store(p_3 + 2 * BC + o_r, b_x43, mask=m_3)
+    tl.store(p_3 + 3 * BC + o_r, b_x44, mask=m_3)
+
+
+# ----------------------------------------------------------------------------- WY representation
+
+
+@triton.jit
+def _wy_kernel(
+    k_ptr,  # k [T, H, K], unit channel stride
+    v_ptr,  # v [T, HV, V], unit channel stride
+    beta_ptr,  # beta [T, HV]
+    gc_ptr,  # g_cum fp32 [T, HV]
+    ci_ptr,  # chunk_indices int32 [NC, 3], contiguous
+    a_ptr,  # A fp32 [T, HV, BT], unit column stride
+    w_ptr,  # w [T, HV, K] (out), unit channel stride
+    u_ptr,  # u [T, HV, V] (out), unit channel stride
+    s_kt, s_kh,
+    s_vt, s_vh,
+    s_bt, s_bh,
+    s_gt, s_gh,
+    s_at, s_ah,
+    s_wt, s_wh,
+    s_ut, s_uh,
+    kv_group,  # HV // H
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BT: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    USE_QK_L2NORM: tl.constexpr,
+):
+    i_c = tl.program_id(0).to(tl.int64)
+    i_hv = tl.program_id(1)
+    i_hv64 = i_hv.to(tl.int64)
+    i_h = (i_hv // kv_group).to(tl.int64)
+    start = tl.load(ci_ptr + i_c * 3 + 1).to(tl.int64)
+    end = tl.load(ci_ptr + i_c * 3 + 2).to(tl.int64)
+
+    o_i = tl.arange(0, BT)
+    o_t = start + o_i  # int64 token offsets
+    m_t = o_t < end
+
+    p_a = a_ptr + o_t[:, None] * s_at + i_hv64 * s_ah + o_i[None, :]
+    b_a = tl.load(p_a, mask=m_t[:, None], other=0.0)  # [BT, BT]
+    b_beta = tl.load(beta_ptr + o_t * s_bt + i_hv64 * s_bh, mask=m_t, other=0.0).to(tl.float32)  # [BT]
+    b_g = tl.load(gc_ptr + o_t * s_gt + i_hv64 * s_gh, mask=m_t, other=0.0)  # [BT], <= 0 in a chunk
+    b_sk = b_beta * tl.exp(b_g)  # [BT] row scale of k
+
+    p_k = k_ptr + i_h * s_kh + o_t[:, None] * s_kt
+    if USE_QK_L2NORM:
+        b_ss = tl.zeros([BT], dtype=tl.float32)
+        for i_k in tl.static_range(K // BK):
+            o_k = i_k * BK + tl.arange(0, BK)
+            b_k = tl.load(p_k + o_k[None, :], mask=m_t[:, None], other=0.0).to(tl.float32)  # [BT, BK]
+            b_ss += tl.sum(b_k * b_k, 1)
+        b_sk = b_sk * tl.rsqrt(b_ss + 1e-6)
+
+    p_w = w_ptr + o_t[:, None] * s_wt + i_hv64 * s_wh
+    for i_k in tl.static_range(K // BK):
+        o_k = i_k * BK + tl.arange(0, BK)
+        b_k = tl.load(p_k + o_k[None, :], mask=m_t[:, None], other=0.0).to(tl.float32)  # [BT, BK]
+        b_w = tl.dot(b_a, b_k * b_sk[:, None], input_precision="tf32x3")  # [BT, BT] x [BT, BK]
+        tl.store(p_w + o_k[None, :], b_w.to(w_ptr.dtype.element_ty), mask=m_t[:, None])
+
+    p_v = v_ptr + i_hv64 * s_vh + o_t[:, None] * s_vt
+    p_u = u_ptr + o_t[:, None] * s_ut + i_hv64 * s_uh
+    for i_v in tl.static_range(V // BV):
+        o_v = i_v * BV + tl.arange(0, BV)
+        b_v = tl.load(p_v + o_v[None, :], mask=m_t[:, None], other=0.0).to(tl.float32)  # [BT, BV]
+        b_u = tl.dot(b_a, b_v * b_beta[:, None], input_precision="tf32x3")  # [BT, BT] x [BT, BV]
+        tl.store(p_u + o_v[None, :], b_u.to(u_ptr.dtype.element_ty), mask=m_t[:, None])
+
+
+# ----------------------------------------------------------------------------- launcher
+
+
+def kk_precision(dtype: torch.dtype) -> str:
+    """Input precision of the ``k k^T`` dot (keys upcast to fp32): bf16 and fp16 keys are exact
+    in tf32 (8 and 11 significant bits of tf32's 11), so one tf32 pass multiplies them exactly;
+    fp32 keys need ``tf32x3`` (about 2^-22 per product)."""
+    return "tf32x3" if dtype == torch.float32 else "tf32"
+
+
+def launch_wy(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    beta: torch.Tensor,
+    g_cum: torch.Tensor,
+    chunk_indices: torch.Tensor,
+    A: torch.Tensor,
+    w: torch.Tensor,
+    u: torch.Tensor,
+    *,
+    use_qk_l2norm: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """UT transform into ``A`` fp32 ``[T, HV, 64]``, then WY representation into ``w`` ``[T, HV, K]``, ``u`` ``[T, HV, V]``.
+
+    ``k`` ``[T, H, K]``, ``v`` ``[T, HV, V]`` (any token and head strides, unit channel
+    stride), ``beta`` ``[T, HV]``, ``g_cum`` fp32 ``[T, HV]`` (chunk-local cumulative gate),
+    ``chunk_indices`` int32 ``[NC, 3]`` contiguous; ``K``, ``V`` in {16, 32, 64, 128};
+    ``HV`` a multiple of ``H``. ``use_qk_l2norm`` normalises ``k`` on load (``k * rsqrt(sum
+    k^2 + 1e-6)``). Every valid row of a chunk is written in full (upper part 0). Returns
+    ``(A, w, u)``.
+    """
+    num_chunks = chunk_indices.shape[0]
+    heads, dim_k = k.shape[1], k.shape[2]
+    value_heads, dim_v = v.shape[1], v.shape[2]
+    if num_chunks == 0 or value_heads == 0:
+        return A, w, u
+    if any(t.stride(-1) != 1 for t in (k, v, A, w, u)):
+        raise ValueError("k, v, A, w, u: the channel (last) dim must have unit stride")
+    kv_group = value_heads // heads
+    _ut_kernel[(num_chunks, value_heads)](
+        k, beta, g_cum, chunk_indices, A,
+        k.stride(0), k.stride(1), *beta.stride(), *g_cum.stride(), A.stride(0), A.stride(1),
+        kv_group,
+        K=dim_k, BT=CHUNK, BC=SUB, USE_QK_L2NORM=use_qk_l2norm, KK_PRECISION=kk_precision(k.dtype),
+        num_warps=UT_WARPS,
+    )
+    _wy_kernel[(num_chunks, value_heads)](
+        k, v, beta, g_cum, chunk_indices, A, w, u,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1), *beta.stride(), *g_cum.stride(),
+        A.stride(0), A.stride(1), w.stride(0), w.stride(1), u.stride(0), u.stride(1),
+        kv_group,
+        K=dim_k, V=dim_v, BT=CHUNK, BK=min(dim_k, MAX_BLOCK), BV=min(dim_v, MAX_BLOCK),
+        USE_QK_L2NORM=use_qk_l2norm,
+        num_warps=WY_WARPS,
+    )
+    return A, w, u
+
+
+# ----------------------------------------------------------------------------- AOT
+
+
+def _aot_specs() -> list[AotSpec]:
+    """The model's launches: K = V = 128, H = 16, HV = 48 (group 3), bf16 q/k/v/beta, chunk 64,
+    q/k/v as head views of one packed row [T, (2H + HV) * 128] (token stride 10240), the
+    intermediates contiguous; L2 norm on and off."""
+    specs = []
+    dim, heads, value_heads = 128, 16, 48
+    for l2 in (True, False):
+        tag = "l2norm" if l2 else "plain"
+        specs.append(AotSpec(
+            name=f"gdn_ut_{tag}_bf16",
+            kernel=_ut_kernel,
+            signature={"k_ptr": "*bf16", "beta_ptr": "*bf16", "gc_ptr": "*fp32", "ci_ptr": "*i32",
+                       "a_ptr": "*fp32", "s_kt": "i32", "s_kh": "i32", "s_bt": "i32", "s_gt": "i32",
+                       "s_at": "i32", "s_ah": "i32", "kv_group": "i32"},
+            # beta and g_cum contiguous [T, HV]: head stride 1 (specialised to a constant at launch)
+            constexprs={"s_bh": 1, "s_gh": 1, "K": dim, "BT": CHUNK, "BC": SUB, "USE_QK_L2NORM": l2,
+                            "KK_PRECISION": kk_precision(torch.bfloat16)},
+            options={"num_warps": UT_WARPS},
+            divisible_by_16=("k_ptr", "beta_ptr", "gc_ptr", "ci_ptr", "a_ptr", "s_kt", "s_kh", "s_bt", "s_gt",
+                             "s_at", "s_ah"),
+        ))
+        specs.append(AotSpec(
+            name=f"gdn_wy_{tag}_bf16",
+            kernel=_wy_kernel,
+            signature={"k_ptr": "*bf16", "v_ptr": "*bf16", "beta_ptr": "*bf16", "gc_ptr": "*fp32",
+                       "ci_ptr": "*i32", "a_ptr": "*fp32", "w_ptr": "*bf16", "u_ptr": "*bf16",
+                       "s_kt": "i32", "s_kh": "i32", "s_vt": "i32", "s_vh": "i32", "s_bt": "i32", "s_gt": "i32",
+                       "s_at": "i32", "s_ah": "i32", "s_wt": "i32", "s_wh": "i32", "s_ut": "i32", "s_uh": "i32",
+                       "kv_group": "i32"},
+            constexprs={"s_bh": 1, "s_gh": 1, "K": dim, "V": dim, "BT": CHUNK, "BK": min(dim, MAX_BLOCK),
+                            "BV": min(dim, MAX_BLOCK), "USE_QK_L2NORM": l2},
+            options={"num_warps": WY_WARPS},
+            divisible_by_16=("k_ptr", "v_ptr", "beta_ptr", "gc_ptr", "ci_ptr", "a_ptr", "w_ptr", "u_ptr",
+                             "s_kt", "s_kh", "s_vt", "s_vh", "s_bt", "s_gt", "s_at", "s_ah", "s_wt", "s_wh",
+                             "s_ut", "s_uh"),
+        ))
+    assert (2 * heads + value_heads) * dim % 16 == 0
+    return specs
+
+
+AOT_SPECS = _aot_specs()
