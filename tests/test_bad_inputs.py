@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from dsfuse.engram_gate import engram_gate, engram_gate_backward, engram_gate_forward
+from dsfuse.gdn import chunk_gdn
 from dsfuse.text_rope import apply_rope
 from dsfuse.vision_rope import vision_cos_sin, vision_rope_attention_front, vision_rope_backward
 
@@ -72,6 +73,16 @@ def _gate(**change):
                                        backend=backend)
 
 
+def _gdn(**change):
+    gen = torch.Generator().manual_seed(4)
+    t, h, hv, d = 70, 2, 4, 16
+    args = dict(q=torch.randn(1, t, h, d, generator=gen), k=torch.randn(1, t, h, d, generator=gen),
+                v=torch.randn(1, t, hv, d, generator=gen), g=-torch.rand(1, t, hv, generator=gen),
+                beta=torch.rand(1, t, hv, generator=gen), cu_seqlens=torch.tensor([0, 30, 70], dtype=torch.int32))
+    args |= {k: v(args) if callable(v) else v for k, v in change.items()}
+    return lambda backend, a=args: chunk_gdn(backend=backend, **a)
+
+
 CASES = {
     # text RoPE
     "rope values int": (_rope(values=lambda a: a["values"].int()), TypeError, "values: expected a floating-point"),
@@ -125,6 +136,19 @@ CASES = {
     "gate dweight is weight": (_gate_bwd(dweight=lambda a: a["weight"]), ValueError, "dweight: must not overlap weight"),
     "gate workspace small": (_gate_bwd(workspace=torch.empty(10)), ValueError, "workspace: expected a contiguous fp32"),
     "gate saved wrong shape": (_gate_bwd(saved=torch.rand(6, 4, 3)), ValueError, r"saved: expected a float32 tensor"),
+    # Gated DeltaNet
+    "gdn heads not grouped": (_gdn(v=torch.randn(1, 70, 3, 16)), ValueError, "v: the value heads HV = 3 must be"),
+    "gdn k shape": (_gdn(k=torch.randn(1, 70, 2, 32)), ValueError, r"k: expected shape \[1, 70, 2, 16\]"),
+    "gdn g bf16": (_gdn(g=lambda a: a["g"].bfloat16()), TypeError, r"g: expected dtype in \(float32\)"),
+    "gdn v dtype": (_gdn(v=lambda a: a["v"].double()), TypeError, r"v: expected dtype float32 \(that of q\)"),
+    "gdn cu_seqlens from 1": (_gdn(cu_seqlens=torch.tensor([1, 30, 70])), ValueError, "cu_seqlens: expected non-decr"),
+    "gdn cu_seqlens short": (_gdn(cu_seqlens=torch.tensor([0, 30, 69])), ValueError, "from 0 to T = 70"),
+    "gdn cu_seqlens decreasing": (_gdn(cu_seqlens=torch.tensor([0, 40, 30, 70])), ValueError, "non-decreasing"),
+    "gdn cu_seqlens float": (_gdn(cu_seqlens=torch.tensor([0.0, 70.0])), TypeError, "cu_seqlens: expected dtype"),
+    "gdn cu_seqlens batch 2": (_gdn(**{n: (lambda a, n=n: a[n].expand(2, *a[n].shape[1:]))
+                                       for n in ("q", "k", "v", "g", "beta")}), ValueError, "expected B = 1"),
+    "gdn state shape": (_gdn(initial_state=torch.zeros(1, 4, 16, 16)), ValueError, r"initial_state: expected shape"),
+    "gdn scale": (_gdn(scale=-1.0), ValueError, "scale: expected a float > 0"),
     # Engram gate, differentiable
     "gate autograd x 2d": (_gate(x=torch.randn(6, 128)), ValueError, r"x: expected \[N, S, D\]"),
 }

@@ -1,4 +1,11 @@
-"""Gated DeltaNet (chunked, grouped value heads, variable-length documents): the references so far."""
+"""Gated DeltaNet (chunked, grouped value heads, variable-length documents).
+
+The references (the oracles), the forward as Triton stages (``dsfuse.gdn.triton``) strung together
+by ``dsfuse.gdn.schedule``, and :func:`chunk_gdn`. The Triton backward is not written yet: calls
+that need gradients are served by the reference.
+"""
+
+from dsfuse.gdn.api import chunk_gdn
 
 from dsfuse.gdn.reference import (
     CHUNK_SIZE,
@@ -24,6 +31,7 @@ from dsfuse.gdn.reference import (
 )
 
 __all__ = [
+    "chunk_gdn",
     "CHUNK_SIZE",
     "L2NORM_EPS",
     "ChunkStages",
