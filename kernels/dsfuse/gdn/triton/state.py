@@ -32,11 +32,13 @@ reads key head ``i_hv // (HV // H)``. ``h`` is the largest intermediate of the f
 
 Tokens in no chunk (past ``cu_seqlens[-1]``) get ``v_new = 0``: one extra program row
 (``i_n == N``) writes them, so every element of ``v_new`` is written without a host sync.
-No atomics: every element is written by one program, in a fixed order.
+No atomics: every element is written by one program, in a fixed order. Grid: one axis of
+``(N + 1) * HV * (V // BV)`` programs, value block fastest, then value head, then document.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -46,9 +48,18 @@ import triton.language as tl
 from dsfuse._common.aot import AotSpec
 
 CHUNK = 64  # BT: tokens per chunk (the chunk table's chunk size)
-BLOCK_V = 32  # BV: value channels per program (min(BLOCK_V, V))
-NUM_WARPS = 2  # 2 warps: FLA pins its Blackwell fwd_h to 2 warps (a tl.dot recurrence race before Triton 3.8)
-NUM_STAGES = 2
+# Launch constants (no autotuner) per GPU family: (BV value channels per program, warps).
+# Hopper and the CPU interpreter: 64 channels, 4 warps (wgmma). H200, Triton 3.6, the model's
+# shape (T = 32768 in five documents, (H, HV) = (16, 48), K = V = 128, bf16, L2 norm), median of
+# triton.testing.do_bench: 1.29 ms, against 1.34 ms for (32, 4), 1.58 (32, 2), 1.95 (64, 2),
+# 1.82 (64, 8); every setting gave bitwise the same h and v_new. Blackwell (compute capability
+# >= 10): 32 channels, 2 warps, flash-linear-attention's pin for its fwd_h there (a tl.dot
+# recurrence race on Blackwell before Triton 3.8); not measured here. AOT_SPECS compile both
+# for sm_90 and sm_100: Hopper's setting at 238-250 registers without spills, the 2-warp one at
+# 251-255 registers with up to 16 bytes of spill in the initial/final-state variants.
+CONFIG_HOPPER = (64, 4)
+CONFIG_BLACKWELL = (32, 2)
+NUM_STAGES = 2  # the chunk loop is a while loop (runtime bounds), which Triton does not pipeline
 L2NORM_EPS = tl.constexpr(1e-6)  # the reference's l2norm eps
 
 
@@ -182,8 +193,17 @@ def _state_pass_kernel(
             i_t += BT
 
 
-def block_v(V: int) -> int:
-    return min(BLOCK_V, V)
+@functools.lru_cache(maxsize=16)
+def _config(device_type: str, index: int | None) -> tuple[int, int]:
+    if device_type == "cuda" and torch.cuda.get_device_capability(index)[0] >= 10:
+        return CONFIG_BLACKWELL
+    return CONFIG_HOPPER
+
+
+def launch_config(device: torch.device, V: int) -> tuple[int, int]:
+    """``(BV, num_warps)`` of a launch on ``device`` with ``V`` value channels."""
+    block_v, num_warps = _config(device.type, device.index)
+    return min(block_v, V), num_warps
 
 
 def dot_precision(dtype: torch.dtype) -> str:
@@ -222,7 +242,7 @@ def launch_state_pass(
     T, H, K = k.shape
     HV, V = u.shape[1], u.shape[2]
     N = chunk_offsets.shape[0] - 1
-    BV = block_v(V)
+    BV, num_warps = launch_config(w.device, V)
     programs = (N + 1) * HV * (V // BV)
     if programs >= 2**31:
         raise ValueError(f"chunk_offsets: at most 2**31 - 1 programs (sequences x heads x value blocks), got {programs}")
@@ -240,7 +260,7 @@ def launch_state_pass(
         USE_QK_L2NORM=use_qk_l2norm,
         DOT_PRECISION=dot_precision(w.dtype),
         EMULATE_BF16=emulate_bf16(w.dtype),
-        num_warps=NUM_WARPS,
+        num_warps=num_warps,
         num_stages=NUM_STAGES,
     )
     return h, v_new, final_state
@@ -251,42 +271,41 @@ def _aot_specs() -> list[AotSpec]:
 
     k is a head view of the packed row ``[T, (2H + HV) * 128]``: token stride 14336, head
     stride 128; w, u, v_new ``[T, 48, 128]`` dense; g_cum ``[T, 48]`` dense (head stride 1).
-    With and without the in-kernel L2 norm, with and without initial/final state.
+    With and without the in-kernel L2 norm, with and without initial/final state, in both launch
+    settings (Hopper's, and Blackwell's ``_2w``).
     """
     specs = []
     K = V = 128
     H, HV = 16, 48
-    for l2 in (True, False):
-        for states in (False, True):
-            signature = {
-                "k_ptr": "*bf16", "w_ptr": "*bf16", "u_ptr": "*bf16", "g_ptr": "*fp32",
-                "ci_ptr": "*i32", "co_ptr": "*i32", "h0_ptr": "*fp32", "h_ptr": "*bf16",
-                "vn_ptr": "*bf16", "ht_ptr": "*fp32",
-                "T": "i32", "N": "i32",
-                "s_kt": "i32", "s_kh": "i32", "s_wt": "i32", "s_wh": "i32", "s_ut": "i32", "s_uh": "i32",
-                "s_gt": "i32", "s_vt": "i32", "s_vh": "i32",
-            }
-            constexprs = {
-                "s_gh": 1, "HV": HV, "GROUP": HV // H, "K": K, "V": V, "BT": CHUNK, "BV": block_v(V),
-                "USE_INITIAL_STATE": states, "STORE_FINAL_STATE": states, "USE_QK_L2NORM": l2,
-                "DOT_PRECISION": dot_precision(torch.bfloat16), "EMULATE_BF16": False,
-            }
-            if not states:
-                del signature["h0_ptr"], signature["ht_ptr"]
-                constexprs.update(h0_ptr=None, ht_ptr=None)
-            specs.append(
-                AotSpec(
-                    name=f"gdn_state_pass{'_l2' if l2 else ''}{'_states' if states else ''}_bf16",
-                    kernel=_state_pass_kernel,
-                    signature=signature,
-                    constexprs=constexprs,
-                    options={"num_warps": NUM_WARPS, "num_stages": NUM_STAGES},
-                    divisible_by_16=tuple(
-                        name for name in signature
-                        if name.endswith("_ptr") or name.startswith("s_")
-                    ),
+    for (block_v, num_warps), tag in ((CONFIG_HOPPER, ""), (CONFIG_BLACKWELL, "_2w")):
+        for l2 in (True, False):
+            for states in (False, True):
+                signature = {
+                    "k_ptr": "*bf16", "w_ptr": "*bf16", "u_ptr": "*bf16", "g_ptr": "*fp32",
+                    "ci_ptr": "*i32", "co_ptr": "*i32", "h0_ptr": "*fp32", "h_ptr": "*bf16",
+                    "vn_ptr": "*bf16", "ht_ptr": "*fp32",
+                    "T": "i32", "N": "i32",
+                    "s_kt": "i32", "s_kh": "i32", "s_wt": "i32", "s_wh": "i32", "s_ut": "i32", "s_uh": "i32",
+                    "s_gt": "i32", "s_vt": "i32", "s_vh": "i32",
+                }
+                constexprs = {
+                    "s_gh": 1, "HV": HV, "GROUP": HV // H, "K": K, "V": V, "BT": CHUNK, "BV": min(block_v, V),
+                    "USE_INITIAL_STATE": states, "STORE_FINAL_STATE": states, "USE_QK_L2NORM": l2,
+                    "DOT_PRECISION": dot_precision(torch.bfloat16), "EMULATE_BF16": False,
+                }
+                if not states:
+                    del signature["h0_ptr"], signature["ht_ptr"]
+                    constexprs.update(h0_ptr=None, ht_ptr=None)
+                specs.append(
+                    AotSpec(
+                        name=f"gdn_state_pass{'_l2' if l2 else ''}{'_states' if states else ''}_bf16{tag}",
+                        kernel=_state_pass_kernel,
+                        signature=signature,
+                        constexprs=constexprs,
+                        options={"num_warps": num_warps, "num_stages": NUM_STAGES},
+                        divisible_by_16=tuple(n for n in signature if n.endswith("_ptr") or n.startswith("s_")),
+                    )
                 )
-            )
     return specs
 
 
