@@ -13,5 +13,7 @@ Shared layout (packed tokens, documents by ``cu_seqlens``, each chunked from its
 ``chunk_indices`` int32 ``[NC, 3]`` = (sequence, start token, end token); ``g_cum`` fp32
 ``[T, HV]``; ``A`` fp32 ``[T, HV, BT]`` (row ``i`` of a chunk's matrix at token
 ``start + i``); ``w`` ``[T, HV, K]`` and ``u`` ``[T, HV, V]`` in the input dtype.
-Tokens in no chunk (past ``cu_seqlens[-1]``) are never written by these stages.
+Tokens in no chunk (past ``cu_seqlens[-1]``: the public function refuses such a ``cu_seqlens``,
+the stages are tested with one) are left unwritten by ``cumsum`` and ``wy``; ``state`` and
+``output`` write zeros there in ``v_new`` and ``o``.
 """
