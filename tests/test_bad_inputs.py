@@ -149,6 +149,9 @@ CASES = {
                                        for n in ("q", "k", "v", "g", "beta")}), ValueError, "expected B = 1"),
     "gdn state shape": (_gdn(initial_state=torch.zeros(1, 4, 16, 16)), ValueError, r"initial_state: expected shape"),
     "gdn scale": (_gdn(scale=-1.0), ValueError, "scale: expected a float > 0"),
+    "gdn state strided": (_gdn(initial_state=torch.zeros(2, 4, 16, 16).transpose(-1, -2)), ValueError,
+                          r"initial_state: expected contiguous \[N, HV, K, V\] storage"),
+    "gdn state not a tensor": (_gdn(initial_state=[0.0]), TypeError, "initial_state: expected a torch.Tensor"),
     # Engram gate, differentiable
     "gate autograd x 2d": (_gate(x=torch.randn(6, 128)), ValueError, r"x: expected \[N, S, D\]"),
 }
@@ -179,6 +182,28 @@ def _outcome(call, backend):
     except (TypeError, ValueError) as exc:
         return type(exc), re.sub(r"0x[0-9a-f]+", "0x..", str(exc))  # fresh inputs per call: other addresses
     return None, "accepted"
+
+
+# Inputs valid for the op that a fused kernel cannot read: auto falls back (on CUDA), the reference
+# serves them, and backend="triton" refuses naming the reason, never a launcher error.
+KERNEL_LIMITS = {
+    "vision strided cos": (_vision_bwd(cos=lambda a: torch.randn(9, 8)[:, ::2], sin=lambda a: torch.randn(9, 8)[:, ::2]),
+                           "cos has frequency stride 2"),
+    "front strided cos": (_vision_front(cos=lambda a: torch.randn(9, 8)[:, ::2], sin=lambda a: torch.randn(9, 8)[:, ::2]),
+                          "cos has frequency stride 2"),
+    "gate wider than the kernels": (_gate_fwd(x=torch.randn(2, 1, 16385), kv=torch.randn(2, 2 * 16385),
+                                              weight=torch.rand(1, 16385), token_mask=torch.ones(2, dtype=torch.bool)),
+                                    "D = 16385 is above the kernels' limit"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(KERNEL_LIMITS))
+def test_kernel_limits_are_backend_reasons(name):
+    call, reason = KERNEL_LIMITS[name]
+    call("reference")
+    call("auto")
+    with pytest.raises(ValueError, match=f"backend='triton' cannot serve this .* call: .*{reason}"):
+        call("triton")
 
 
 @pytest.mark.parametrize("name", sorted(CASES))

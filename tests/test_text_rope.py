@@ -243,3 +243,23 @@ def test_reference_compiles_fullgraph():
     out = compiled(leaf, angles, True)
     assert_bitwise(out, rope_reference(values, angles, True), "compiled reference")
     torch.autograd.grad(out, leaf, torch.ones_like(out))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_compiled_inplace_under_autograd_takes_the_reference(device):
+    """A mutating custom op carries no gradient formula under torch.compile: auto takes the reference
+    there (right gradient), backend="triton" refuses rather than return a gradient that skips the rotation."""
+    values, angles = make((2, 5, 3, 12), 3, torch.float32, device, seed=11)
+    grad = torch.randn_like(values)
+
+    def f(v, a, backend):
+        y = v * 1.0
+        return apply_rope(y, a, inplace=True, backend=backend)
+
+    leaf = values.clone().requires_grad_()
+    torch.compile(f, fullgraph=True, backend="aot_eager")(leaf, angles, "auto").backward(grad)
+    want_leaf = values.clone().requires_grad_()
+    rope_reference(want_leaf * 1.0, angles).backward(grad)
+    assert_bitwise(leaf.grad, want_leaf.grad, "compiled in-place gradient")
+    with pytest.raises(Exception, match="in-place rotation under autograd while torch.compile traces"):
+        torch.compile(f, fullgraph=True, backend="aot_eager")(values.clone().requires_grad_(), angles, "triton")

@@ -54,6 +54,7 @@ class DeclaredOp:
             raise ValueError(f"{name}: setup and backward come together")
         self.name = f"dsfuse::{name}"
         self.launch = launch
+        self._untraceable_grad = bool(mutates) and backward is not None
         self.views = views
         params = list(inspect.signature(launch).parameters)
         dirty_index = params.index(dirty) if dirty is not None else None
@@ -75,6 +76,10 @@ class DeclaredOp:
 
     def __call__(self, *args):
         if _tracing(args):
+            if self._untraceable_grad and torch.is_grad_enabled() and any(
+                    isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+                raise RuntimeError(f"{self.name}: writes into its arguments, so torch.compile cannot carry its "
+                                   "gradient formula; call it eagerly or without autograd")
             out = self.custom_op(*args)
             return out if self.views is None else (*out, *self.views(*args))
         if self.function is not None and torch.is_grad_enabled() and any(
@@ -102,6 +107,8 @@ def _padded(backward: Callable, n_inputs: int) -> Callable:
 
     def run(ctx, *grads):
         result = backward(ctx, *grads)
+        if not isinstance(result, tuple) or len(result) > n_inputs:
+            raise TypeError(f"a backward formula returns a tuple of at most {n_inputs} gradients, got {type(result)}")
         return (*result, *(None,) * (n_inputs - len(result)))
 
     return run

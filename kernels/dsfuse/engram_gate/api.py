@@ -30,7 +30,7 @@ from dsfuse._common import (
     register,
 )
 from dsfuse.engram_gate.reference import engram_gate_reference
-from dsfuse.engram_gate.triton import launch_backward, launch_forward, workspace_elements
+from dsfuse.engram_gate.triton import MAX_DIM, launch_backward, launch_forward, workspace_elements
 
 __all__ = ["EngramGatePlan", "engram_gate", "engram_gate_backward", "engram_gate_forward"]
 
@@ -116,6 +116,12 @@ def _check_backward_args(dout, x, kv, weight, token_mask, saved, dx, dkv, dweigh
                        {"dout": dout, "x": x, "kv": kv, "weight": weight, "token_mask": token_mask, "saved": saved})
 
 
+def _fused_reasons(x: torch.Tensor) -> list[str]:
+    """Why the kernels cannot serve a gate of this width (the forward keeps a row in registers)."""
+    dim = x.shape[-1]
+    return [f"D = {dim} is above the kernels' limit of {MAX_DIM} channels per row"] if dim > MAX_DIM else []
+
+
 # -- functional ------------------------------------------------------------------------------
 
 
@@ -167,7 +173,7 @@ def engram_gate_forward(
     """
     n, streams, dim = _check_inputs(x, kv, weight, token_mask, eps, clamp)
     _check_forward_outputs(x, kv, weight, token_mask, out, saved)
-    which = BACKENDS.choose(backend, x.device, x.dtype)
+    which = BACKENDS.choose(backend, x.device, x.dtype, _fused_reasons(x))
     with on_stream(stream, x.device):
         if which == REFERENCE:
             ref_out, ref_saved = engram_gate_reference(x, kv, weight, token_mask, eps=eps, clamp=clamp)
@@ -222,7 +228,7 @@ def engram_gate_backward(
     """
     n, streams, dim = _check_inputs(x, kv, weight, token_mask, eps, clamp)
     _check_backward_args(dout, x, kv, weight, token_mask, saved, dx, dkv, dweight, workspace)
-    which = BACKENDS.choose(backend, x.device, x.dtype)
+    which = BACKENDS.choose(backend, x.device, x.dtype, _fused_reasons(x))
     with on_stream(stream, x.device):
         if which == REFERENCE:
             grads = _reference_backward(dout, x, kv, weight, token_mask, eps, clamp)
@@ -450,7 +456,7 @@ def engram_gate(x: torch.Tensor, kv: torch.Tensor, weight: torch.Tensor, token_m
         ```
     """
     _check_inputs(x, kv, weight, token_mask, eps, clamp)
-    which = BACKENDS.choose(backend, x.device, x.dtype)
+    which = BACKENDS.choose(backend, x.device, x.dtype, _fused_reasons(x))
     if which == REFERENCE:
         return engram_gate_reference(x, kv, weight, token_mask, eps=eps, clamp=clamp)[0]
     return forward_op(x, kv, weight, token_mask, float(eps), float(clamp))[0]

@@ -15,6 +15,7 @@ from dsfuse._common import (
     REFERENCE,
     OpBackends,
     check_dtype,
+    check_contiguous,
     check_same_device,
     check_same_dtype,
     check_shape,
@@ -39,7 +40,7 @@ TRITON_FORWARD = schedule.ForwardStages(cumsum=cumsum.launch_chunk_cumsum, wy=wy
                                         state=state.launch_state_pass, output=output.launch_output)
 
 
-def _document_bounds(cu_seqlens, batch: int, tokens: int) -> None:
+def _document_bounds(cu_seqlens, batch: int, tokens: int) -> list[int]:
     """``cu_seqlens``: int32/int64 ``[N + 1]``, non-decreasing from 0 to ``T``, with ``B = 1``."""
     check_tensor("cu_seqlens", cu_seqlens)
     check_dtype("cu_seqlens", cu_seqlens, (torch.int32, torch.int64))
@@ -50,10 +51,11 @@ def _document_bounds(cu_seqlens, batch: int, tokens: int) -> None:
     bounds = cu_seqlens.tolist()  # one device-to-host copy for a CUDA tensor
     if bounds[0] != 0 or bounds[-1] != tokens or any(b < a for a, b in zip(bounds, bounds[1:])):
         raise ValueError(f"cu_seqlens: expected non-decreasing offsets from 0 to T = {tokens}, got {bounds}")
+    return bounds
 
 
-def _validate(q, k, v, g, beta, scale, initial_state, cu_seqlens) -> tuple[int, int]:
-    """Every argument; returns ``(N, HV)`` (sequences, value heads)."""
+def _validate(q, k, v, g, beta, scale, initial_state, cu_seqlens) -> list[int] | None:
+    """Every argument; returns the document bounds read from ``cu_seqlens`` (None without it)."""
     for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
         check_tensor(name, t)
     if q.ndim != 4:
@@ -74,19 +76,18 @@ def _validate(q, k, v, g, beta, scale, initial_state, cu_seqlens) -> tuple[int, 
     if beta.dtype not in (q.dtype, torch.float32):
         raise TypeError(f"beta: expected dtype {str(q.dtype).removeprefix('torch.')} (that of q) or float32, "
                         f"got {str(beta.dtype).removeprefix('torch.')}")
-    check_same_device(q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state)
-    if cu_seqlens is not None:
-        _document_bounds(cu_seqlens, batch, tokens)
-        num_seqs = cu_seqlens.numel() - 1
-    else:
-        num_seqs = batch
     if initial_state is not None:
         check_tensor("initial_state", initial_state)
+    check_same_device(q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state)
+    bounds = _document_bounds(cu_seqlens, batch, tokens) if cu_seqlens is not None else None
+    num_seqs = batch if bounds is None else len(bounds) - 1
+    if initial_state is not None:
         check_dtype("initial_state", initial_state, (torch.float32,))
         check_shape("initial_state", initial_state, (num_seqs, heads_v, dim_k, v.shape[3]), "[N, HV, K, V]")
+        check_contiguous("initial_state", initial_state, "[N, HV, K, V]")
     if scale is not None and not (isinstance(scale, (int, float)) and scale > 0):
         raise ValueError(f"scale: expected a float > 0 or None (K ** -0.5), got {scale!r}")
-    return num_seqs, heads_v
+    return bounds
 
 
 def _reasons_against_fused(q, k, v, g, beta, initial_state) -> list[str]:
@@ -129,10 +130,12 @@ def chunk_gdn(
         g: fp32 ``[B, T, HV]`` log decay (``g <= 0``).
         beta: ``[B, T, HV]``, the dtype of ``q`` (or fp32: served by the reference).
         scale: the output scale, default ``K ** -0.5``.
-        initial_state: fp32 ``[N, HV, K, V]`` or None (zeros).
-        output_final_state: also return the fp32 final state ``[N, HV, K, V]``.
+        initial_state: fp32 contiguous ``[N, HV, K, V]`` or None (zeros).
+        output_final_state: also return the final state ``[N, HV, K, V]`` (fp32; fp64 for fp64
+            inputs, which only the reference serves).
         cu_seqlens: int32/int64 ``[N + 1]`` document offsets in one packed row (``B = 1``),
-            non-decreasing from 0 to ``T``; a CPU tensor avoids a device-to-host copy.
+            non-decreasing from 0 to ``T``; read on the host once per call (a CUDA tensor costs
+            one device-to-host copy, so the call cannot be captured in a CUDA Graph).
         use_qk_l2norm_in_kernel: normalise q and k over the head dim first
             (``x * rsqrt(sum(x^2) + 1e-6)``).
         backend: ``"auto"``, ``"triton"`` or ``"reference"``.
@@ -145,7 +148,7 @@ def chunk_gdn(
     ``"auto"`` takes the reference (the chunked algorithm in eager fp32, differentiable) and
     ``"triton"`` raises.
     """
-    _validate(q, k, v, g, beta, scale, initial_state, cu_seqlens)
+    bounds = _validate(q, k, v, g, beta, scale, initial_state, cu_seqlens)
     which = BACKENDS.choose(backend, v.device, v.dtype, _reasons_against_fused(q, k, v, g, beta, initial_state))
     if scale is None:
         scale = q.shape[-1] ** -0.5
@@ -154,5 +157,5 @@ def chunk_gdn(
         return chunk_gdn_reference(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
                                    use_qk_l2norm_in_kernel, compute_dtype=compute)
     return schedule.forward(TRITON_FORWARD, q, k, v, g, beta, scale=float(scale), initial_state=initial_state,
-                            output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+                            output_final_state=output_final_state, cu_seqlens=bounds,
                             use_qk_l2norm=use_qk_l2norm_in_kernel)

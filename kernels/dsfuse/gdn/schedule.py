@@ -10,8 +10,8 @@ intermediates once per call and strings the stages together in the packed token 
    chunk's start) ``[NC, HV, K, V]``, ``v_new = u - w h``, the final state;
 4. ``output``: ``o = scale [(q exp(G)) h + tril(q k^T Gamma) v_new]``.
 
-The chunk table comes from ``cu_seqlens`` on the host (each document chunked from its own
-start): a CUDA ``cu_seqlens`` costs one device-to-host copy per call, a CPU one (or a list) none.
+The chunk table comes from the document bounds on the host (each document chunked from its
+own start): the public function reads them from ``cu_seqlens`` once and passes the list.
 """
 
 from __future__ import annotations

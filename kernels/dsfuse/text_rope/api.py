@@ -26,7 +26,7 @@ from dsfuse._common import (
     on_stream,
     register,
 )
-from dsfuse.text_rope.reference import rope_reference, rope_reference_inplace
+from dsfuse.text_rope.reference import rope_freqs, rope_reference, rope_reference_inplace
 from dsfuse.text_rope.triton import FUSED_DTYPES, launch_rope
 
 __all__ = ["apply_rope"]
@@ -38,18 +38,11 @@ BACKENDS = register(OpBackends("text_rope", kernels={"triton": ("dsfuse.text_rop
 # -- declared ops ----------------------------------------------------------------------------
 
 
-_ONES: dict[torch.device, torch.Tensor] = {}
-
-
 def _freqs(angles: torch.Tensor) -> torch.Tensor:
     """fp32 ``[B, S, P, 2]`` (cos, sin): the model's ``torch.polar(ones_like(angles), angles)`` (same
-    trig bits) in one launch, the modulus 1.0 broadcast from a constant instead of filled per call."""
-    one = _ONES.get(angles.device)
-    if one is None:
-        if angles.is_cuda and torch.cuda.is_current_stream_capturing():  # a fill captured, not run: no cache
-            return torch.view_as_real(torch.polar(torch.ones_like(angles), angles))
-        one = _ONES[angles.device] = torch.ones((), dtype=torch.float32, device=angles.device)
-    return torch.view_as_real(torch.polar(one.expand(angles.shape), angles))
+    trig bits). The modulus is filled per call: a cached device constant would be unordered against
+    other streams and could live in a CUDA-graph pool that is later reused."""
+    return torch.view_as_real(rope_freqs(angles))
 
 
 freqs_op = declare_op("text_rope_freqs", _freqs, fake=lambda angles: angles.new_empty((*angles.shape, 2)))
@@ -82,7 +75,7 @@ def _rotate_into(values: torch.Tensor, freqs: torch.Tensor, conj: bool, out: tor
 
 
 rotate_into_op = declare_op("text_rope_out", _rotate_into, mutates=("out",),
-                            aliasing=lambda values, freqs, conj, out: ({"out": out}, {"values": values, "angles": freqs}))
+                            aliasing=lambda values, freqs, conj, out: ({"out": out}, {"values": values, "freqs": freqs}))
 
 
 def _rotate_inplace(values: torch.Tensor, freqs: torch.Tensor, conj: bool) -> torch.Tensor:
@@ -91,7 +84,7 @@ def _rotate_inplace(values: torch.Tensor, freqs: torch.Tensor, conj: bool) -> to
 
 rotate_inplace_op = declare_op("text_rope_", _rotate_inplace, mutates=("values",), dirty="values",
                                setup=_save_freqs, backward=_rotate_back,
-                               aliasing=lambda values, freqs, conj: ({"values": values}, {"angles": freqs}))
+                               aliasing=lambda values, freqs, conj: ({"values": values}, {"freqs": freqs}))
 
 
 # -- public function -------------------------------------------------------------------------
@@ -198,8 +191,15 @@ def apply_rope(
     grad_needed = torch.is_grad_enabled() and values.requires_grad
     if out is not None and grad_needed:
         raise ValueError("out: apply_rope with out= does not support autograd (values requires grad)")
-    extra = ("angles requires grad (the fused kernels give angles no gradient)",) if (
-        angles.requires_grad and torch.is_grad_enabled()) else ()
+    extra = []
+    if angles.requires_grad and torch.is_grad_enabled():
+        extra.append("angles requires grad (the fused kernels give angles no gradient)")
+    if inplace and grad_needed and torch.compiler.is_compiling():
+        extra.append("an in-place rotation under autograd while torch.compile traces (a mutating custom op "
+                     "carries no gradient formula)")
+    rows = values.numel() // max(values.shape[-1], 1)
+    if rows >= 2**31:
+        extra.append(f"{rows} rows (batch x seq x heads): the kernel indexes rows in 32 bits")
     which = BACKENDS.choose(backend, values.device, values.dtype, extra)
     with on_stream(stream, values.device):
         if which == REFERENCE:

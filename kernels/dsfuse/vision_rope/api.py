@@ -100,6 +100,12 @@ forward_op = declare_op("vision_rope_fwd", _forward, setup=_save_tables, backwar
 # -- public functions ------------------------------------------------------------------------
 
 
+def _table_reasons(cos: torch.Tensor, sin: torch.Tensor) -> list[str]:
+    """Why the kernels cannot read the tables (they load a row of frequencies as one vector)."""
+    return [f"{name} has frequency stride {t.stride(-1)} (the kernels read unit-stride rows)"
+            for name, t in (("cos", cos), ("sin", sin)) if t.stride(-1) != 1]
+
+
 def _tables(name_cos, cos, name_sin, sin, tokens, half):
     """Accept ``[T, D/2]`` or ``[T, 1, D/2]`` fp32 tables; return them as ``[T, D/2]``."""
     out = []
@@ -192,7 +198,7 @@ def vision_rope_backward(
         check_aligned("out", out)
         check_outputs_free({"out": out}, {"dq_htd": dq_htd, "dk_hdt": dk_hdt, "dv_htd": dv_htd, "cos": cos,
                                           "sin": sin})
-    which = BACKENDS.choose(backend, dq_htd.device, dq_htd.dtype)
+    which = BACKENDS.choose(backend, dq_htd.device, dq_htd.dtype, _table_reasons(cos, sin))
     dk_htd = dk_hdt.transpose(1, 2)
     with on_stream(stream, dq_htd.device):
         if which == REFERENCE:
@@ -215,8 +221,9 @@ def _check_front(qkv, cos, sin, heads):
         raise ValueError(f"qkv: expected unit channel stride, got strides {list(qkv.stride())}")
     cos, sin = _tables("cos", cos, "sin", sin, qkv.shape[0], qkv.shape[1] // (6 * heads))
     check_same_device(qkv=qkv, cos=cos, sin=sin)
-    extra = ("cos/sin require grad (the fused kernels give the tables no gradient)",) if (
-        torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad)) else ()
+    extra = _table_reasons(cos, sin)
+    if torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad):
+        extra.append("cos/sin require grad (the fused kernels give the tables no gradient)")
     return cos, sin, extra
 
 

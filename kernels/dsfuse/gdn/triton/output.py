@@ -189,7 +189,7 @@ def launch_output(
 def _aot_specs() -> list[AotSpec]:
     """The model's specialisations: K = V = 128, H = 16, HV = 48, bf16, BT = 64; packed q/k/v row.
 
-    q, k are head views of the packed row ``[T, (2H + HV) * 128]`` (token stride 14336, head
+    q, k are head views of the packed row ``[T, (2H + HV) * 128]`` (token stride 10240, head
     stride 128); v_new, o ``[T, 48, 128]``; g_cum ``[T, 48]`` dense (head stride 1).
     With and without the in-kernel L2 norm.
     """

@@ -269,7 +269,7 @@ def launch_state_pass(
 def _aot_specs() -> list[AotSpec]:
     """The model's specialisations: K = V = 128, H = 16, HV = 48, bf16, BT = 64; packed q/k/v row.
 
-    k is a head view of the packed row ``[T, (2H + HV) * 128]``: token stride 14336, head
+    k is a head view of the packed row ``[T, (2H + HV) * 128]``: token stride 10240, head
     stride 128; w, u, v_new ``[T, 48, 128]`` dense; g_cum ``[T, 48]`` dense (head stride 1).
     With and without the in-kernel L2 norm, with and without initial/final state, in both launch
     settings (Hopper's, and Blackwell's ``_2w``).
