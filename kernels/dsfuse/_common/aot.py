@@ -53,6 +53,7 @@ def spec_modules(backend: str = "triton") -> list[str]:
 
 
 def all_specs(backend: str = "triton") -> list[AotSpec]:
+    """Every registered kernel module's ``AOT_SPECS`` of ``backend``."""
     import importlib
 
     return [spec for module in spec_modules(backend) for spec in importlib.import_module(module).AOT_SPECS]
@@ -66,6 +67,8 @@ def main() -> int:
     interpreter replaces kernels by Python functions that cannot be compiled.
     """
     import json
+
+    from dsfuse._common.backends import BACKENDS
     import re
     from collections import Counter
 
@@ -73,7 +76,7 @@ def main() -> int:
         raise SystemExit("unset TRITON_INTERPRET: interpreted kernels cannot be compiled")
     failures = 0
     for spec in all_specs():
-        for arch in ARCHS:
+        for arch in BACKENDS["triton"].aot_archs:
             row = dict(spec=spec.name, arch=arch)
             try:
                 compiled = compile_for(spec, arch)

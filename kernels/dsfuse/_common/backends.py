@@ -153,6 +153,11 @@ def register(entry: OpBackends) -> OpBackends:
     for name in entry.kernels:
         if name not in BACKENDS:
             raise ValueError(f"{entry.op}: unknown backend {name!r}; known: {sorted(BACKENDS)}")
+    if set(entry.dtypes) != set(entry.kernels):
+        raise ValueError(f"{entry.op}: dtypes name backends {sorted(entry.dtypes)}, kernels {sorted(entry.kernels)}")
+    for family, order in entry.preference.items():
+        if not set(order) <= set(entry.kernels):
+            raise ValueError(f"{entry.op}: the {family} preference {order} names a backend without kernels")
     OPS[entry.op] = entry
     return entry
 
