@@ -1,5 +1,7 @@
 """Comparison helpers of the tests (bit patterns, ulps)."""
 
+import math
+
 import torch
 
 from dsfuse.bench.harness import bits
@@ -39,3 +41,24 @@ def assert_within_ulp(got: torch.Tensor, want: torch.Tensor, ulps: float = 1, wh
     err = (g[fin] - w[fin]).abs() / spacing(want)[fin]
     worst = err.max().item() if err.numel() else 0.0
     assert worst <= ulps, f"{what}: max error {worst:.2f} ulp > {ulps}"
+
+
+def model_like_gates(shape, gen: torch.Generator, kind: str = "model"):
+    """Gated DeltaNet ``(g, beta)`` of ``shape`` ``[B, T, HV]`` as the model makes them
+    (``dsfuse.gdn.gdn_gates``): ``"model"`` with its initialisation (A ~ U(0, 16), softplus(dt_bias)
+    ~ dt in [1e-3, 1e-1]); ``"strong"`` with softplus ~ 4 + |noise| (g down to about -100 per token)."""
+    from dsfuse.gdn import gdn_gates
+
+    hv = shape[-1]
+    a = torch.randn(*shape, generator=gen)
+    b = torch.randn(*shape, generator=gen)
+    a_log = torch.empty(hv).uniform_(1, 16, generator=gen).log()
+    if kind == "model":
+        dt = torch.exp(torch.rand(hv, generator=gen) * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3))
+        dt_bias = dt + torch.log(-torch.expm1(-dt))
+    elif kind == "strong":
+        dt_bias = torch.full((hv,), 4.0)
+        a = a * 2
+    else:
+        raise ValueError(kind)
+    return gdn_gates(a, b, a_log, dt_bias)

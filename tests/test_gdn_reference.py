@@ -41,6 +41,7 @@ import itertools
 import math
 
 import pytest
+from helpers import model_like_gates
 import torch
 from dsfuse.gdn import (
     chunk_gdn_reference,
@@ -83,18 +84,7 @@ def make_inputs(layout, heads, *, seed=0, gates="model", dtype=torch.float32, wi
     q = torch.randn(batch, tokens, h, dk, generator=gen)
     k = torch.randn(batch, tokens, h, dk, generator=gen) * dk**-0.5  # |k| ~ 1 without the L2 norm
     v = torch.randn(batch, tokens, hv, dv, generator=gen)
-    a = torch.randn(batch, tokens, hv, generator=gen)
-    b = torch.randn(batch, tokens, hv, generator=gen)
-    a_log = torch.empty(hv).uniform_(1, 16, generator=gen).log()  # Qwen3-Next: A ~ U(0, 16)
-    if gates == "model":  # softplus(dt_bias) ~ dt in [1e-3, 1e-1], as the model initialises it
-        dt = torch.exp(torch.rand(hv, generator=gen) * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3))
-        dt_bias = dt + torch.log(-torch.expm1(-dt))
-    elif gates == "strong":  # softplus ~ 4 + |noise|: g down to about -100 per token
-        dt_bias = torch.full((hv,), 4.0)
-        a = a * 2
-    else:
-        raise ValueError(gates)
-    g, beta = gdn_gates(a, b, a_log, dt_bias)
+    g, beta = model_like_gates((batch, tokens, hv), gen, gates)
     h0 = torch.randn(num_seqs, hv, dk, dv, generator=gen) if with_h0 else None
     do = torch.randn(batch, tokens, hv, dv, generator=gen)
     dht = torch.randn(num_seqs, hv, dk, dv, generator=gen)

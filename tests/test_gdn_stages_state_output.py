@@ -41,14 +41,13 @@ them (``gdn_gates``), mild and strongly decaying.
 
 from __future__ import annotations
 
-import math
 
 import pytest
+from helpers import model_like_gates
 import torch
 from conftest import DEVICES
 from dsfuse.gdn import (
     chunk_gdn_stages,
-    gdn_gates,
     naive_recurrent_gdn,
     prepare_chunk_offsets,
 )
@@ -102,18 +101,7 @@ def make_inputs(layout, heads, *, l2, with_h0, gates, dtype, seed=0, dk=DK, dv=D
     if not l2:
         k = k * dk**-0.5  # |k| ~ 1 without the L2 norm: the delta rule stays stable
     v = torch.randn(1, tokens, hv, dv, generator=gen)
-    a = torch.randn(1, tokens, hv, generator=gen)
-    b = torch.randn(1, tokens, hv, generator=gen)
-    a_log = torch.empty(hv).uniform_(1, 16, generator=gen).log()  # Qwen3-Next: A ~ U(0, 16)
-    if gates == "model":  # softplus(dt_bias) ~ dt in [1e-3, 1e-1], as the model initialises it
-        dt = torch.exp(torch.rand(hv, generator=gen) * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3))
-        dt_bias = dt + torch.log(-torch.expm1(-dt))
-    elif gates == "strong":  # softplus ~ 4 + |noise|: g down to about -100 per token
-        dt_bias = torch.full((hv,), 4.0)
-        a = a * 2
-    else:
-        raise ValueError(gates)
-    g, beta = gdn_gates(a, b, a_log, dt_bias)
+    g, beta = model_like_gates((1, tokens, hv), gen, gates)
     h0 = torch.randn(len(cu) - 1, hv, dk, dv, generator=gen) if with_h0 else None
     q, k, v, beta = (x.to(dtype).float() for x in (q, k, v, beta))
     return {"q": q, "k": k, "v": v, "g": g, "beta": beta, "initial_state": h0, "cu_seqlens": cu}
