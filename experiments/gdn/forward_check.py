@@ -46,7 +46,9 @@ def inputs(tokens: int, docs: int, device, seed: int = 0):
     def randn(*shape):
         return torch.randn(*shape, generator=gen)
 
-    q, k = randn(1, tokens, HEADS, DIM), randn(1, tokens, HEADS, DIM)
+    # keys of norm about 1 (as the model's normalised keys): with the L2 norm off, raw randn keys
+    # (norm ~ 11) make the delta rule diverge in the reference too
+    q, k = randn(1, tokens, HEADS, DIM), randn(1, tokens, HEADS, DIM) * DIM**-0.5
     v = randn(1, tokens, VALUE_HEADS, DIM)
     g, beta = gdn_gates(randn(1, tokens, VALUE_HEADS), randn(1, tokens, VALUE_HEADS),
                         torch.rand(VALUE_HEADS, generator=gen) * 3, randn(VALUE_HEADS))

@@ -17,16 +17,16 @@ Two kernels, one program per (chunk, value head) each (grid ``(NC, HV)``; value 
   and columns are zero before any product). ``L`` is written to ``A``'s rows (upper part and
   columns past the chunk's end as 0), then, after a CTA barrier, read back as 16x16 blocks:
   the four diagonal blocks, batched ``[4, 16, 16]``, are inverted by forward substitution (a
-  loop over rows ``i = 1..15``: row ``i`` of ``X - I`` is row ``i`` of ``-L (I + Y)``, ``Y``
-  holding the rows already done; one batched fp32 ``tl.dot`` per row, the other rows masked
-  out) and merged with ``tl.dot`` in fp32 (``input_precision="ieee"``)::
+  loop over rows ``i = 1..15``: row ``i`` of ``Y = X - I`` is ``r_i + r_i Y`` with ``r_i = -L_i``
+  read back from ``A``'s rows, one fp32 broadcast-multiply-and-sum per row, no dot) and merged
+  with ``tl.dot`` in fp32 (``input_precision="ieee"``)::
 
       X_ij = -X_ii sum_{m=j}^{i-1} L_im X_mj     (block forward substitution, i > j)
 
   The lower blocks of ``A`` are overwritten after a second barrier (the upper blocks keep the
   zeros written with ``L``), so every element of a chunk's valid rows is written.
 * ``_wy_kernel``: reloads ``A`` and computes ``w``, ``u`` as ``[BT, BT] x [BT, 64]`` dots
-  in ``tf32x3`` (fp32 accuracy: relative error about 2^-22 per product), rounded once
+  (:func:`wy_precision`: one tf32 pass for 16-bit data, ``tf32x3`` for fp32), rounded once
   (round to nearest even) to the output dtype.
 
 No dot result is ever transposed (Triton 3.6 on Hopper miscompiles ``tl.trans`` of a wgmma
@@ -34,11 +34,10 @@ accumulator); ``tl.trans`` is applied only to the loaded key tile. Token offsets
 before they multiply a stride; there are no atomics and the launch constants are fixed, so a
 launch is deterministic. Rows of tokens in no chunk (past ``cu_seqlens[-1]``) are not written.
 
-Speed (H200, T = 32768 in five documents, (H, HV) = (16, 48), K = V = 128, bf16, L2 norm):
-both kernels together take 2.78 ms, about flash-linear-attention's whole forward; untuned
-(see the warps below). ``A`` in fp32 alone is 0.4 GB written and read back; the L round trip
-through ``A``, one program per value head (keys reloaded by every head of a group) and the
-three tf32 passes of ``w`` and ``u`` are the first things to measure.
+Speed (H200, T = 32768 in five documents, (H, HV) = (16, 48), K = V = 128, bf16): the stage
+times of the current kernels are in the experiment's per-stage table (``experiments/gdn/``).
+``A`` in fp32 is 0.4 GB written and read back; one program per value head reloads the keys for
+every head of a group.
 """
 
 from __future__ import annotations
@@ -110,18 +109,19 @@ def _ut_kernel(
     tl.debug_barrier()  # L visible to every thread of the program
 
     # ---- inverses of the four diagonal [BC, BC] blocks, batched [4, BC, BC]: forward substitution
+    # row by row. Row i of Y = X - I is r_i + r_i Y with r_i = -L_i (zero at j >= i, so only the
+    # rows j < i, already final, contribute): a [4, BC] x [4, BC, BC] broadcast-and-sum in fp32
+    # (exact fp32 products, no dot), the row of -L read back from A's rows written above.
     o_c = tl.arange(0, BC)
     o_b = tl.arange(0, 4)
-    o_r3 = o_b[:, None, None] * BC + o_c[None, :, None]  # [4, BC, 1] row in chunk
-    p_d = p_a + o_r3.to(tl.int64) * s_at + (o_b[:, None, None] * BC + o_c[None, None, :])
-    b_r = -tl.load(p_d, mask=o_r3 < n_rows, other=0.0)  # [4, BC, BC] -L_bb (strictly lower)
     b_eye = (o_c[:, None] == o_c[None, :]).to(tl.float32)[None, :, :]  # [1, BC, BC]
-    # Row i of Y = X - I is -L_i (I + Y) over the rows j < i already final (-L_i is 0 at
-    # j >= i): one [BC, BC] product per row, of which row i is kept.
-    b_y = b_r  # [4, BC, BC]: rows < i final
+    b_y = tl.zeros([4, BC, BC], dtype=tl.float32)  # rows < i final
     for i in range(1, BC):
-        b_z = tl.dot(b_r, b_y + b_eye, input_precision="ieee")  # [4, BC, BC]
-        b_y = tl.where((o_c == i)[None, :, None], b_z, b_y)
+        o_row = o_b * BC + i  # [4] the row i of each diagonal block, in chunk rows
+        p_row = p_a + o_row[:, None].to(tl.int64) * s_at + (o_b[:, None] * BC + o_c[None, :])
+        b_row = -tl.load(p_row, mask=(o_row < n_rows)[:, None], other=0.0)  # [4, BC] -L_i (0 at j >= i)
+        b_row = b_row + tl.sum(b_row[:, :, None] * b_y, 1)  # [4, BC]
+        b_y = tl.where((o_c == i)[None, :, None], b_row[:, None, :], b_y)
     b_x = tl.reshape(tl.permute(b_y + b_eye, (1, 2, 0)), (BC, BC, 2, 2))  # [BC, BC, b // 2, b % 2]
     b_x_even, b_x_odd = tl.split(b_x)
     b_x11, b_x33 = tl.split(b_x_even)  # [BC, BC] each
@@ -193,6 +193,7 @@ def _wy_kernel(
     BK: tl.constexpr,
     BV: tl.constexpr,
     USE_QK_L2NORM: tl.constexpr,
+    WY_PRECISION: tl.constexpr,  # input precision of the A products (see wy_precision)
 ):
     i_c = tl.program_id(0).to(tl.int64)
     i_hv = tl.program_id(1)
@@ -224,7 +225,7 @@ def _wy_kernel(
     for i_k in tl.static_range(K // BK):
         o_k = i_k * BK + tl.arange(0, BK)
         b_k = tl.load(p_k + o_k[None, :], mask=m_t[:, None], other=0.0).to(tl.float32)  # [BT, BK]
-        b_w = tl.dot(b_a, b_k * b_sk[:, None], input_precision="tf32x3")  # [BT, BT] x [BT, BK]
+        b_w = tl.dot(b_a, b_k * b_sk[:, None], input_precision=WY_PRECISION)  # [BT, BT] x [BT, BK]
         tl.store(p_w + o_k[None, :], b_w.to(w_ptr.dtype.element_ty), mask=m_t[:, None])
 
     p_v = v_ptr + i_hv64 * s_vh + o_t[:, None] * s_vt
@@ -232,7 +233,7 @@ def _wy_kernel(
     for i_v in tl.static_range(V // BV):
         o_v = i_v * BV + tl.arange(0, BV)
         b_v = tl.load(p_v + o_v[None, :], mask=m_t[:, None], other=0.0).to(tl.float32)  # [BT, BV]
-        b_u = tl.dot(b_a, b_v * b_beta[:, None], input_precision="tf32x3")  # [BT, BT] x [BT, BV]
+        b_u = tl.dot(b_a, b_v * b_beta[:, None], input_precision=WY_PRECISION)  # [BT, BT] x [BT, BV]
         tl.store(p_u + o_v[None, :], b_u.to(u_ptr.dtype.element_ty), mask=m_t[:, None])
 
 
@@ -243,6 +244,14 @@ def kk_precision(dtype: torch.dtype) -> str:
     """Input precision of the ``k k^T`` dot (keys upcast to fp32): bf16 and fp16 keys are exact
     in tf32 (8 and 11 significant bits of tf32's 11), so one tf32 pass multiplies them exactly;
     fp32 keys need ``tf32x3`` (about 2^-22 per product)."""
+    return "tf32x3" if dtype == torch.float32 else "tf32"
+
+
+def wy_precision(dtype: torch.dtype) -> str:
+    """Input precision of ``w = A x``, ``u = A y`` (``A`` fp32): one tf32 pass for bf16/fp16 data
+    (``x``, ``y`` are 16-bit values scaled in fp32; tf32 rounds ``A`` and the scaled rows to 11
+    significant bits, 2^-11 relative, below the 2^-9 / 2^-11 of the bf16 / fp16 rounding of ``w``
+    and ``u`` that follows); ``tf32x3`` (about 2^-22) for fp32 data."""
     return "tf32x3" if dtype == torch.float32 else "tf32"
 
 
@@ -288,7 +297,7 @@ def launch_wy(
         A.stride(0), A.stride(1), w.stride(0), w.stride(1), u.stride(0), u.stride(1),
         kv_group,
         K=dim_k, V=dim_v, BT=CHUNK, BK=min(dim_k, MAX_BLOCK), BV=min(dim_v, MAX_BLOCK),
-        USE_QK_L2NORM=use_qk_l2norm,
+        USE_QK_L2NORM=use_qk_l2norm, WY_PRECISION=wy_precision(k.dtype),
         num_warps=WY_WARPS,
     )
     return A, w, u
@@ -327,7 +336,8 @@ def _aot_specs() -> list[AotSpec]:
                        "s_at": "i32", "s_ah": "i32", "s_wt": "i32", "s_wh": "i32", "s_ut": "i32", "s_uh": "i32",
                        "kv_group": "i32"},
             constexprs={"s_bh": 1, "s_gh": 1, "K": dim, "V": dim, "BT": CHUNK, "BK": min(dim, MAX_BLOCK),
-                            "BV": min(dim, MAX_BLOCK), "USE_QK_L2NORM": l2},
+                            "BV": min(dim, MAX_BLOCK), "USE_QK_L2NORM": l2,
+                        "WY_PRECISION": wy_precision(torch.bfloat16)},
             options={"num_warps": WY_WARPS},
             divisible_by_16=("k_ptr", "v_ptr", "beta_ptr", "gc_ptr", "ci_ptr", "a_ptr", "w_ptr", "u_ptr",
                              "s_kt", "s_kh", "s_vt", "s_vh", "s_bt", "s_gt", "s_at", "s_ah", "s_wt", "s_wh",
