@@ -2,7 +2,7 @@
 
 from dsfuse._common.backends import AUTO, BACKENDS, REFERENCE, OpBackends, gpu_family, interpreting, register
 from dsfuse._common.launch import on_stream
-from dsfuse._common.op import DeclaredOp, declare_op
+from dsfuse._common.op import DeclaredOp, declare_op, tracing
 from dsfuse._common.validation import (
     FLOAT_DTYPES,
     addresses_known,
@@ -38,6 +38,7 @@ __all__ = [
     "check_same_device",
     "check_same_dtype",
     "check_shape",
+    "tracing",
     "check_tensor",
     "declare_op",
     "gpu_family",

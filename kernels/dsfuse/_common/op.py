@@ -97,6 +97,11 @@ def _tracing(args) -> bool:
     return torch.compiler.is_compiling() or any(isinstance(a, (FakeTensor, FunctionalTensor)) for a in args)
 
 
+def tracing(*args) -> bool:
+    """True while torch.compile traces these arguments (see :func:`_tracing`): no data, no addresses."""
+    return _tracing(args)
+
+
 def declare_op(name: str, launch: Callable, **kwargs) -> DeclaredOp:
     """Declare ``launch`` as the op ``dsfuse::<name>`` (see the module docstring)."""
     return DeclaredOp(name, launch, **kwargs)

@@ -46,6 +46,7 @@ import triton
 import triton.language as tl
 
 from dsfuse._common.aot import AotSpec
+from dsfuse._common.backends import interpreting
 
 CHUNK = 64  # BT: tokens per chunk (the chunk table's chunk size)
 # Launch constants (no autotuner) per GPU family: (BV value channels per program, warps).
@@ -59,7 +60,10 @@ CHUNK = 64  # BT: tokens per chunk (the chunk table's chunk size)
 # 251-255 registers with up to 16 bytes of spill in the initial/final-state variants.
 CONFIG_HOPPER = (64, 4)
 CONFIG_BLACKWELL = (32, 2)
-NUM_STAGES = 2  # the chunk loop is a while loop (runtime bounds), which Triton does not pipeline
+NUM_STAGES = 2  # the kernel's default pipelining depth
+# The chunk loop on the GPU: a for loop with runtime bounds, software-pipelined this deep (the next
+# chunk's loads issued before this chunk's dots finish); the interpreter runs a while loop instead.
+LOOP_STAGES = 2
 L2NORM_EPS = tl.constexpr(1e-6)  # the reference's l2norm eps
 
 
@@ -86,6 +90,52 @@ def _round(x, dtype: tl.constexpr, EMULATE_BF16: tl.constexpr):
         b_bits = ((b_bits + 0x7FFF + ((b_bits >> 16) & 1)) >> 16) << 16
         x = b_bits.to(tl.float32, bitcast=True)
     return x.to(dtype)
+
+
+@triton.jit
+def _state_step(b_h, i_c, k_ptr, w_ptr, u_ptr, g_ptr, ci_ptr, h_ptr, vn_ptr, s_kt, s_kh, s_wt, s_wh, s_ut, s_uh,
+                s_gt, s_gh, s_vt, s_vh, i_hv, i_h, o_k, o_v, o_i, HV: tl.constexpr, K: tl.constexpr,
+                V: tl.constexpr, USE_QK_L2NORM: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                EMULATE_BF16: tl.constexpr):
+    """One chunk of the state pass: store ``h`` and ``v_new``, return the next state (fp32)."""
+    dtype = w_ptr.dtype.element_ty
+    i_c64 = i_c.to(tl.int64)
+    bos = tl.load(ci_ptr + i_c64 * 3 + 1).to(tl.int64)
+    eos = tl.load(ci_ptr + i_c64 * 3 + 2).to(tl.int64)
+    o_t = bos + o_i  # [BT] int64 token offsets
+    m_t = o_t < eos
+
+    # the state at the chunk's start
+    b_hc = _round(b_h, dtype, EMULATE_BF16)
+    p_h = h_ptr + (i_c64 * HV + i_hv) * (K * V) + o_k[:, None] * V + o_v[None, :]
+    tl.store(p_h, b_hc)
+
+    # v_new = u - w @ h
+    p_w = w_ptr + o_t[:, None] * s_wt + i_hv * s_wh + o_k[None, :]
+    b_w = tl.load(p_w, mask=m_t[:, None], other=0.0)  # [BT, K]
+    b_wh = _dot(b_w, b_hc, None, DOT_PRECISION, EMULATE_BF16)  # [BT, K] @ [K, BV] -> [BT, BV]
+    p_u = u_ptr + o_t[:, None] * s_ut + i_hv * s_uh + o_v[None, :]
+    b_v = tl.load(p_u, mask=m_t[:, None], other=0.0).to(tl.float32) - b_wh  # [BT, BV]
+    p_vn = vn_ptr + o_t[:, None] * s_vt + i_hv * s_vh + o_v[None, :]
+    tl.store(p_vn, _round(b_v, vn_ptr.dtype.element_ty, EMULATE_BF16), mask=m_t[:, None])
+
+    # decays: G_last - G_i <= 0 for tokens in the chunk, masked to 0 before exp
+    b_g = tl.load(g_ptr + o_t * s_gt + i_hv * s_gh, mask=m_t, other=0.0)  # [BT]
+    b_g_last = tl.load(g_ptr + (eos - 1) * s_gt + i_hv * s_gh)
+    b_d = tl.where(m_t, tl.exp(tl.where(m_t, b_g_last - b_g, 0.0)), 0.0)  # [BT]
+    b_vd = _round(b_v * b_d[:, None], dtype, EMULATE_BF16)  # [BT, BV]
+
+    # k transposed from memory: [K, BT]
+    p_k = k_ptr + o_t[None, :] * s_kt + i_h * s_kh + o_k[:, None]
+    b_k = tl.load(p_k, mask=m_t[None, :], other=0.0)  # [K, BT]
+    if USE_QK_L2NORM:
+        b_kf = b_k.to(tl.float32)
+        b_k = _round(b_kf * tl.rsqrt(tl.sum(b_kf * b_kf, axis=0) + L2NORM_EPS)[None, :], dtype, EMULATE_BF16)
+
+    # h = exp(G_last) h + (k * exp(G_last - G))^T v_new
+    b_h = b_h * tl.exp(b_g_last)
+    b_h = _dot(b_k, b_vd, b_h, DOT_PRECISION, EMULATE_BF16)  # [K, BT] @ [BT, BV] -> [K, BV]
+    return b_h
 
 
 @triton.jit(do_not_specialize=["T", "N"])
@@ -118,6 +168,8 @@ def _state_pass_kernel(
     USE_QK_L2NORM: tl.constexpr,
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs (no TF32); ignored for bf16/fp16
     EMULATE_BF16: tl.constexpr,  # CPU interpreter with bf16 data only (see _dot, _round)
+    PIPELINED: tl.constexpr,  # the chunk loop as a pipelined for loop (GPU) or a while loop (interpreter)
+    NUM_STAGES_LOOP: tl.constexpr,
 ):
     NV: tl.constexpr = V // BV
     i_p = tl.program_id(0)
@@ -139,44 +191,17 @@ def _state_pass_kernel(
 
         i_c = tl.load(co_ptr + i_n)  # the document's chunks [i_c, i_c1)
         i_c1 = tl.load(co_ptr + i_n + 1)
-        while i_c < i_c1:  # a while loop: runtime bounds, also in the interpreter
-            i_c64 = i_c.to(tl.int64)
-            bos = tl.load(ci_ptr + i_c64 * 3 + 1).to(tl.int64)
-            eos = tl.load(ci_ptr + i_c64 * 3 + 2).to(tl.int64)
-            o_t = bos + o_i  # [BT] int64 token offsets
-            m_t = o_t < eos
-
-            # the state at the chunk's start
-            b_hc = _round(b_h, dtype, EMULATE_BF16)
-            p_h = h_ptr + (i_c64 * HV + i_hv) * (K * V) + o_k[:, None] * V + o_v[None, :]
-            tl.store(p_h, b_hc)
-
-            # v_new = u - w @ h
-            p_w = w_ptr + o_t[:, None] * s_wt + i_hv * s_wh + o_k[None, :]
-            b_w = tl.load(p_w, mask=m_t[:, None], other=0.0)  # [BT, K]
-            b_wh = _dot(b_w, b_hc, None, DOT_PRECISION, EMULATE_BF16)  # [BT, K] @ [K, BV] -> [BT, BV]
-            p_u = u_ptr + o_t[:, None] * s_ut + i_hv * s_uh + o_v[None, :]
-            b_v = tl.load(p_u, mask=m_t[:, None], other=0.0).to(tl.float32) - b_wh  # [BT, BV]
-            p_vn = vn_ptr + o_t[:, None] * s_vt + i_hv * s_vh + o_v[None, :]
-            tl.store(p_vn, _round(b_v, vn_ptr.dtype.element_ty, EMULATE_BF16), mask=m_t[:, None])
-
-            # decays: G_last - G_i <= 0 for tokens in the chunk, masked to 0 before exp
-            b_g = tl.load(g_ptr + o_t * s_gt + i_hv * s_gh, mask=m_t, other=0.0)  # [BT]
-            b_g_last = tl.load(g_ptr + (eos - 1) * s_gt + i_hv * s_gh)
-            b_d = tl.where(m_t, tl.exp(tl.where(m_t, b_g_last - b_g, 0.0)), 0.0)  # [BT]
-            b_vd = _round(b_v * b_d[:, None], dtype, EMULATE_BF16)  # [BT, BV]
-
-            # k transposed from memory: [K, BT]
-            p_k = k_ptr + o_t[None, :] * s_kt + i_h * s_kh + o_k[:, None]
-            b_k = tl.load(p_k, mask=m_t[None, :], other=0.0)  # [K, BT]
-            if USE_QK_L2NORM:
-                b_kf = b_k.to(tl.float32)
-                b_k = _round(b_kf * tl.rsqrt(tl.sum(b_kf * b_kf, axis=0) + L2NORM_EPS)[None, :], dtype, EMULATE_BF16)
-
-            # h = exp(G_last) h + (k * exp(G_last - G))^T v_new
-            b_h = b_h * tl.exp(b_g_last)
-            b_h = _dot(b_k, b_vd, b_h, DOT_PRECISION, EMULATE_BF16)  # [K, BT] @ [BT, BV] -> [K, BV]
-            i_c += 1
+        if PIPELINED:  # a for loop the compiler software-pipelines (loads of the next chunk early)
+            for i_c in tl.range(i_c, i_c1, num_stages=NUM_STAGES_LOOP):
+                b_h = _state_step(b_h, i_c, k_ptr, w_ptr, u_ptr, g_ptr, ci_ptr, h_ptr, vn_ptr, s_kt, s_kh, s_wt, s_wh,
+                                  s_ut, s_uh, s_gt, s_gh, s_vt, s_vh, i_hv, i_h, o_k, o_v, o_i, HV, K, V,
+                                  USE_QK_L2NORM, DOT_PRECISION, EMULATE_BF16)
+        else:  # the interpreter cannot take runtime bounds in a for loop
+            while i_c < i_c1:
+                b_h = _state_step(b_h, i_c, k_ptr, w_ptr, u_ptr, g_ptr, ci_ptr, h_ptr, vn_ptr, s_kt, s_kh, s_wt, s_wh,
+                                  s_ut, s_uh, s_gt, s_gh, s_vt, s_vh, i_hv, i_h, o_k, o_v, o_i, HV, K, V,
+                                  USE_QK_L2NORM, DOT_PRECISION, EMULATE_BF16)
+                i_c += 1
 
         if STORE_FINAL_STATE:
             tl.store(ht_ptr + o_state, b_h)
@@ -260,6 +285,7 @@ def launch_state_pass(
         USE_QK_L2NORM=use_qk_l2norm,
         DOT_PRECISION=dot_precision(w.dtype),
         EMULATE_BF16=emulate_bf16(w.dtype),
+        PIPELINED=not interpreting(), NUM_STAGES_LOOP=LOOP_STAGES,
         num_warps=num_warps,
         num_stages=NUM_STAGES,
     )
@@ -292,6 +318,7 @@ def _aot_specs() -> list[AotSpec]:
                     "s_gh": 1, "HV": HV, "GROUP": HV // H, "K": K, "V": V, "BT": CHUNK, "BV": min(block_v, V),
                     "USE_INITIAL_STATE": states, "STORE_FINAL_STATE": states, "USE_QK_L2NORM": l2,
                     "DOT_PRECISION": dot_precision(torch.bfloat16), "EMULATE_BF16": False,
+                    "PIPELINED": True, "NUM_STAGES_LOOP": LOOP_STAGES,
                 }
                 if not states:
                     del signature["h0_ptr"], signature["ht_ptr"]
