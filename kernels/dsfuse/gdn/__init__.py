@@ -1,11 +1,11 @@
 """Gated DeltaNet (chunked, grouped value heads, variable-length documents).
 
-The references (the oracles), the forward as Triton stages (``dsfuse.gdn.triton``) strung together
-by ``dsfuse.gdn.schedule``, and :func:`chunk_gdn`. The Triton backward is not written yet: calls
-that need gradients are served by the reference.
+The references (the oracles), the forward and backward as Triton stages (``dsfuse.gdn.triton``)
+strung together by ``dsfuse.gdn.schedule``, :func:`chunk_gdn` and :func:`packed_qkv_views`.
 """
 
 from dsfuse.gdn.api import chunk_gdn
+from dsfuse.gdn.packed import packed_qkv_views
 
 from dsfuse.gdn.reference import (
     CHUNK_SIZE,
@@ -32,6 +32,7 @@ from dsfuse.gdn.reference import (
 
 __all__ = [
     "chunk_gdn",
+    "packed_qkv_views",
     "CHUNK_SIZE",
     "L2NORM_EPS",
     "ChunkStages",

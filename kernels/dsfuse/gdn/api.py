@@ -1,9 +1,10 @@
 """Public API of Gated DeltaNet: :func:`chunk_gdn`.
 
 Keyword-compatible with flash-linear-attention's ``chunk_gated_delta_rule``. The Triton backend
-runs the chunked forward as four stage kernels (:mod:`dsfuse.gdn.schedule`); its backward is not
-written yet, so a call that needs gradients is served by the reference (``backend="auto"``) or
-refused (``backend="triton"``), never given wrong or missing gradients.
+runs the chunked forward and backward as stage kernels (:mod:`dsfuse.gdn.schedule`), declared
+(``dsfuse._common.declare_op``) as ``dsfuse::gdn_fwd`` and ``dsfuse::gdn_bwd``: one opaque node
+each under ``torch.compile``, an ``autograd.Function`` eagerly. The forward keeps ``g_cum`` and
+``A`` for the backward, which recomputes ``w``, ``u``, ``h`` and ``v_new``.
 """
 
 from __future__ import annotations
@@ -20,38 +21,50 @@ from dsfuse._common import (
     check_same_dtype,
     check_shape,
     check_tensor,
+    declare_op,
     register,
+    tracing,
 )
 from dsfuse.gdn import schedule
-from dsfuse.gdn.reference import chunk_gdn_reference
-from dsfuse.gdn.triton import cumsum, output, state, wy
+from dsfuse.gdn.packed import packed_grad_row
+from dsfuse.gdn.reference import CHUNK_SIZE, chunk_gdn_reference
+from dsfuse.gdn.triton import cumsum, dqkwg, finalize, output, state, state_bwd, wy, wy_bwd
 
 __all__ = ["chunk_gdn"]
 
 FUSED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 HEAD_DIMS = (16, 32, 64, 128)  # the head dims the Triton stages are written for
+STAGE_MODULES = ("cumsum", "wy", "state", "output", "state_bwd", "dqkwg", "wy_bwd", "finalize")
 BACKENDS = register(OpBackends(
     "gdn",
-    kernels={"triton": ("dsfuse.gdn.triton.cumsum", "dsfuse.gdn.triton.wy", "dsfuse.gdn.triton.state",
-                        "dsfuse.gdn.triton.output")},
+    kernels={"triton": tuple(f"dsfuse.gdn.triton.{m}" for m in STAGE_MODULES)},
     dtypes={"triton": FUSED_DTYPES},
 ))
 TRITON_FORWARD = schedule.ForwardStages(cumsum=cumsum.launch_chunk_cumsum, wy=wy.launch_wy,
                                         state=state.launch_state_pass, output=output.launch_output)
+TRITON_BACKWARD = schedule.BackwardStages(w_u=wy.launch_w_u, state=state.launch_state_pass,
+                                          dv_local=state_bwd.launch_dv_local,
+                                          state_backward=state_bwd.launch_state_backward,
+                                          dqkwg=dqkwg.launch_dqkwg, wy_backward=wy_bwd.launch_wy_backward,
+                                          finalize=finalize.launch_qk_finalize)
 
 
 def _document_bounds(cu_seqlens, batch: int, tokens: int) -> list[int]:
     """``cu_seqlens``: int32/int64 ``[N + 1]``, non-decreasing from 0 to ``T``, with ``B = 1``."""
+    _check_cu_seqlens_shape(cu_seqlens, batch)
+    bounds = cu_seqlens.tolist()  # one device-to-host copy for a CUDA tensor
+    if bounds[0] != 0 or bounds[-1] != tokens or any(b < a for a, b in zip(bounds, bounds[1:])):
+        raise ValueError(f"cu_seqlens: expected non-decreasing offsets from 0 to T = {tokens}, got {bounds}")
+    return bounds
+
+
+def _check_cu_seqlens_shape(cu_seqlens, batch: int) -> None:
     check_tensor("cu_seqlens", cu_seqlens)
     check_dtype("cu_seqlens", cu_seqlens, (torch.int32, torch.int64))
     if cu_seqlens.ndim != 1 or cu_seqlens.numel() < 2:
         raise ValueError(f"cu_seqlens: expected a 1-D tensor [N + 1] with N >= 1, got shape {list(cu_seqlens.shape)}")
     if batch != 1:
         raise ValueError(f"cu_seqlens: documents are packed in one row, expected B = 1, got B = {batch}")
-    bounds = cu_seqlens.tolist()  # one device-to-host copy for a CUDA tensor
-    if bounds[0] != 0 or bounds[-1] != tokens or any(b < a for a, b in zip(bounds, bounds[1:])):
-        raise ValueError(f"cu_seqlens: expected non-decreasing offsets from 0 to T = {tokens}, got {bounds}")
-    return bounds
 
 
 def _validate(q, k, v, g, beta, scale, initial_state, cu_seqlens) -> list[int] | None:
@@ -79,8 +92,14 @@ def _validate(q, k, v, g, beta, scale, initial_state, cu_seqlens) -> list[int] |
     if initial_state is not None:
         check_tensor("initial_state", initial_state)
     check_same_device(q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state)
-    bounds = _document_bounds(cu_seqlens, batch, tokens) if cu_seqlens is not None else None
-    num_seqs = batch if bounds is None else len(bounds) - 1
+    if cu_seqlens is None:
+        bounds, num_seqs = None, batch
+    elif tracing(cu_seqlens):  # no values while torch.compile traces: the op checks them when it runs
+        _check_cu_seqlens_shape(cu_seqlens, batch)
+        bounds, num_seqs = None, cu_seqlens.shape[0] - 1
+    else:
+        bounds = _document_bounds(cu_seqlens, batch, tokens)
+        num_seqs = len(bounds) - 1
     if initial_state is not None:
         check_dtype("initial_state", initial_state, (torch.float32,))
         check_shape("initial_state", initial_state, (num_seqs, heads_v, dim_k, v.shape[3]), "[N, HV, K, V]")
@@ -92,9 +111,6 @@ def _validate(q, k, v, g, beta, scale, initial_state, cu_seqlens) -> list[int] |
 
 def _reasons_against_fused(q, k, v, g, beta, initial_state) -> list[str]:
     reasons = []
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, g, beta, initial_state)):
-        reasons.append("an input requires grad and the Triton backward is not written yet (the reference's "
-                       "autograd serves gradients)")
     for name, dim in (("K", q.shape[-1]), ("V", v.shape[-1])):
         if dim not in HEAD_DIMS:
             reasons.append(f"head dim {name} = {dim} is not one of {HEAD_DIMS}")
@@ -134,8 +150,10 @@ def chunk_gdn(
         output_final_state: also return the final state ``[N, HV, K, V]`` (fp32; fp64 for fp64
             inputs, which only the reference serves).
         cu_seqlens: int32/int64 ``[N + 1]`` document offsets in one packed row (``B = 1``),
-            non-decreasing from 0 to ``T``; read on the host once per call (a CUDA tensor costs
-            one device-to-host copy, so the call cannot be captured in a CUDA Graph).
+            non-decreasing from 0 to ``T``, on any device; read on the host once per call (a
+            CUDA tensor costs one device-to-host copy). Each new document layout's chunk table
+            is copied to the GPU once and cached, so a call can be captured in a CUDA Graph when
+            ``cu_seqlens`` is a CPU tensor (or absent) and the same layout was called before.
         use_qk_l2norm_in_kernel: normalise q and k over the head dim first
             (``x * rsqrt(sum(x^2) + 1e-6)``).
         backend: ``"auto"``, ``"triton"`` or ``"reference"``.
@@ -144,9 +162,10 @@ def chunk_gdn(
         The pair ``(o, final_state)``: ``o`` ``[B, T, HV, V]`` in ``v``'s dtype, and the final
         state (or None).
 
-    Gradients: the Triton backward is not written yet. Under autograd (an input requiring grad),
-    ``"auto"`` takes the reference (the chunked algorithm in eager fp32, differentiable) and
-    ``"triton"`` raises.
+    Gradients: ``q``, ``k``, ``v``, ``g``, ``beta`` and ``initial_state`` (through ``o`` and the
+    final state), deterministic (fixed reduction orders, no atomics). When ``q``, ``k``, ``v`` are
+    head views of one packed row (:func:`dsfuse.gdn.packed_qkv_views`, or plain split views of
+    such a row), the backward writes ``dq``, ``dk``, ``dv`` into one packed gradient row.
     """
     bounds = _validate(q, k, v, g, beta, scale, initial_state, cu_seqlens)
     which = BACKENDS.choose(backend, v.device, v.dtype, _reasons_against_fused(q, k, v, g, beta, initial_state))
@@ -156,6 +175,100 @@ def chunk_gdn(
         compute = torch.float64 if v.dtype == torch.float64 else torch.float32
         return chunk_gdn_reference(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
                                    use_qk_l2norm_in_kernel, compute_dtype=compute)
-    return schedule.forward(TRITON_FORWARD, q, k, v, g, beta, scale=float(scale), initial_state=initial_state,
-                            output_final_state=output_final_state, cu_seqlens=bounds,
-                            use_qk_l2norm=use_qk_l2norm_in_kernel)
+    if bounds is not None:  # validated on the host: the op reads this copy (no second device read)
+        cu_seqlens = torch.tensor(bounds, dtype=torch.int64)
+    o, final_state, _, _ = forward_op(q, k, v, g, beta, initial_state, cu_seqlens, float(scale), output_final_state,
+                                      use_qk_l2norm_in_kernel)
+    return o, final_state if output_final_state else None
+
+
+# -- declared ops ---------------------------------------------------------------------------------------
+
+
+def _bounds(cu_seqlens: torch.Tensor | None, batch: int, tokens: int) -> list[int] | None:
+    """The document bounds inside an op (a host copy when the API validated them; checked here
+    when the op runs after torch.compile traced it without values)."""
+    return None if cu_seqlens is None else _document_bounds(cu_seqlens, batch, tokens)
+
+
+def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+             initial_state: torch.Tensor | None, cu_seqlens: torch.Tensor | None, scale: float,
+             output_final_state: bool, use_qk_l2norm: bool
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(o, final_state or an empty tensor, g_cum, A)`` of validated inputs."""
+    out = schedule.forward(TRITON_FORWARD, q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                           output_final_state=output_final_state, cu_seqlens=_bounds(cu_seqlens, *q.shape[:2]),
+                           use_qk_l2norm=use_qk_l2norm)
+    final_state = out.final_state if out.final_state is not None else v.new_empty(0, dtype=torch.float32)
+    return out.o, final_state, out.g_cum, out.A
+
+
+def _forward_fake(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state, use_qk_l2norm):
+    batch, tokens, heads_v, dim_v = v.shape
+    num_seqs = batch if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    state_shape = (num_seqs, heads_v, k.shape[-1], dim_v) if output_final_state else (0,)
+    return (v.new_empty(v.shape), v.new_empty(state_shape, dtype=torch.float32),
+            v.new_empty((batch * tokens, heads_v), dtype=torch.float32),
+            v.new_empty((batch * tokens, heads_v, CHUNK_SIZE), dtype=torch.float32))
+
+
+def _run_backward(q, k, v, beta, g_cum, A, do, dht, initial_state, cu_seqlens, scale, use_qk_l2norm,
+                  packed: bool) -> schedule.Gradients:
+    """The Triton backward; ``packed``: write ``dq``, ``dk``, ``dv`` into one gradient row when
+    ``q``, ``k``, ``v`` are head views of one packed row (eager only: a custom op's outputs may
+    not alias each other)."""
+    if do.stride(-1) != 1:
+        do = do.contiguous()
+    if dht is not None:
+        dht = dht.contiguous() if dht.numel() else None
+    views = packed_grad_row(q, k, v) if packed else None
+    dq, dk, dv = (None, None, None) if views is None else views[1:]
+    return schedule.backward(TRITON_BACKWARD, q, k, v, beta, g_cum, A, do, dht, scale=scale,
+                             initial_state=initial_state, cu_seqlens=_bounds(cu_seqlens, *q.shape[:2]),
+                             use_qk_l2norm=use_qk_l2norm, dq=dq, dk=dk, dv=dv)
+
+
+def _backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, g_cum: torch.Tensor,
+              A: torch.Tensor, do: torch.Tensor, dht: torch.Tensor | None, initial_state: torch.Tensor | None,
+              cu_seqlens: torch.Tensor | None, scale: float, use_qk_l2norm: bool
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dv, dg, dbeta, dh0 or an empty tensor)`` in new tensors."""
+    grads = _run_backward(q, k, v, beta, g_cum, A, do, dht, initial_state, cu_seqlens, scale, use_qk_l2norm,
+                          packed=False)
+    dh0 = grads.dh0 if grads.dh0 is not None else v.new_empty(0, dtype=torch.float32)
+    return grads.dq, grads.dk, grads.dv, grads.dg, grads.dbeta, dh0
+
+
+def _backward_fake(q, k, v, beta, g_cum, A, do, dht, initial_state, cu_seqlens, scale, use_qk_l2norm):
+    f32 = torch.float32
+    dh0 = initial_state.new_empty(initial_state.shape) if initial_state is not None else v.new_empty(0, dtype=f32)
+    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), v.new_empty(beta.shape, dtype=f32),
+            beta.new_empty(beta.shape), dh0)
+
+
+backward_op = declare_op("gdn_bwd", _backward, fake=_backward_fake)
+
+
+def _save(ctx, inputs, output):
+    q, k, v, _, beta, initial_state, cu_seqlens, scale, _, use_qk_l2norm = inputs
+    ctx.save_for_backward(q, k, v, beta, initial_state, cu_seqlens, output[2], output[3])
+    ctx.scale, ctx.use_qk_l2norm = scale, use_qk_l2norm
+
+
+def _forward_grad(ctx, do, dht, *_):
+    """``q``, ``k``, ``v``, ``g``, ``beta`` and ``initial_state`` get gradients; ``o``'s and the
+    final state's gradients come in (``g_cum`` and ``A`` are internal)."""
+    q, k, v, beta, initial_state, cu_seqlens, g_cum, A = ctx.saved_tensors
+    if dht is not None and dht.numel() == 0:
+        dht = None
+    if tracing(q, do):
+        dq, dk, dv, dg, dbeta, dh0 = backward_op(q, k, v, beta, g_cum, A, do, dht, initial_state, cu_seqlens,
+                                                 ctx.scale, ctx.use_qk_l2norm)
+    else:
+        dq, dk, dv, dg, dbeta, dh0 = _run_backward(q, k, v, beta, g_cum, A, do, dht, initial_state, cu_seqlens,
+                                                   ctx.scale, ctx.use_qk_l2norm, packed=True)
+    return dq, dk, dv, dg, dbeta, dh0 if initial_state is not None else None
+
+
+forward_op = declare_op("gdn_fwd", _forward, fake=_forward_fake, setup=_save, backward=_forward_grad,
+                        non_differentiable=(2, 3))

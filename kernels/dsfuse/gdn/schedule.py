@@ -10,15 +10,27 @@ intermediates once per call and strings the stages together in the packed token 
    chunk's start) ``[NC, HV, K, V]``, ``v_new = u - w h``, the final state;
 4. ``output``: ``o = scale [(q exp(G)) h + tril(q k^T Gamma) v_new]``.
 
+The backward (:class:`BackwardStages`, :func:`backward_calls`) recomputes what the forward
+did not keep (``w``, ``u`` from the saved ``A``; ``h``, ``v_new`` by a second state pass) and
+runs, in order: ``dv_local`` (the intra-chunk part of ``v_new``'s gradient), the reverse state
+pass (``dh``, the total ``dv_new``, ``dh0``), ``dqkwg`` (``dq`` and part of ``dk`` per value
+head, ``dw``, the gate terms), the WY backward (the rest of ``dk``, ``dv``, ``dbeta``, ``dg``)
+and ``finalize`` (``dq``, ``dk`` summed over each qk head's value heads in head order, then the
+L2-norm backward). Per-value-head ``dq``, ``dk`` are fp32; nothing is accumulated atomically.
+
 The chunk table comes from the document bounds on the host (each document chunked from its
-own start): the public function reads them from ``cu_seqlens`` once and passes the list.
+own start): the public function reads them from ``cu_seqlens`` once and passes the list. The
+device copy of a table is cached per (bounds, device), so a call whose documents were seen
+before launches no copy and can be captured in a CUDA Graph.
 """
 
 from __future__ import annotations
 
 import functools
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -36,6 +48,42 @@ class ForwardStages:
 
 
 @dataclass(frozen=True)
+class BackwardStages:
+    """A backend's launchers of the backward stages (each writes into given outputs)."""
+
+    w_u: Callable  # (k, v, beta, g_cum, chunk_indices, A, w, u, *, use_qk_l2norm)
+    state: Callable  # as ForwardStages.state
+    dv_local: Callable  # (q, k, do, g_cum, chunk_indices, scale, dv_local, *, use_qk_l2norm)
+    state_backward: Callable  # (q, k, w, do, dv_local, g_cum, chunk_indices, chunk_offsets, dht, dh, dv_new, dh0,
+    #                            scale, *, use_qk_l2norm)
+    dqkwg: Callable  # (q, k, v_new, h, dh, do, dv_new, g_cum, chunk_indices, scale, dq, dk, dw, dg, *, use_qk_l2norm)
+    wy_backward: Callable  # (k, v, beta, A, g_cum, dw, du, dg_in, chunk_indices, dk, dv, dbeta, dg, *, use_qk_l2norm)
+    finalize: Callable  # (q, k, dq_hv, dk_hv, dq, dk, *, use_qk_l2norm)
+
+
+class ForwardOutputs(NamedTuple):
+    """``o`` ``[B, T, HV, V]``, ``final_state`` (or None), and what the backward reads: ``g_cum``
+    fp32 ``[B*T, HV]`` and ``A`` fp32 ``[B*T, HV, 64]``."""
+
+    o: torch.Tensor
+    final_state: torch.Tensor | None
+    g_cum: torch.Tensor
+    A: torch.Tensor
+
+
+class Gradients(NamedTuple):
+    """``dq``, ``dk`` ``[B, T, H, K]``, ``dv`` ``[B, T, HV, V]`` (input dtype), ``dg`` fp32 and
+    ``dbeta`` (beta's dtype) ``[B, T, HV]``, ``dh0`` fp32 ``[N, HV, K, V]`` (or None)."""
+
+    dq: torch.Tensor
+    dk: torch.Tensor
+    dv: torch.Tensor
+    dg: torch.Tensor
+    dbeta: torch.Tensor
+    dh0: torch.Tensor | None
+
+
+@dataclass(frozen=True)
 class ChunkTable:
     """The chunks of a packed batch: int32 ``indices`` ``[NC, 3]`` (sequence, start, end) and
     ``offsets`` ``[N + 1]`` (each sequence's first chunk), on the tensors' device."""
@@ -45,26 +93,49 @@ class ChunkTable:
     num_seqs: int
 
 
-def chunk_table(cu_seqlens, batch: int, tokens: int, device: torch.device) -> ChunkTable:
-    """Documents of ``cu_seqlens`` (or ``batch`` sequences of ``tokens``) chunked by ``CHUNK_SIZE``."""
-    bounds = packed_cu_seqlens(cu_seqlens, batch, tokens)
+TABLE_CACHE_SIZE = 64
+_tables: OrderedDict[tuple, ChunkTable] = OrderedDict()
+
+
+def chunk_table(bounds: list[int], device: torch.device) -> ChunkTable:
+    """Documents ``bounds`` (``[N + 1]`` python ints) chunked by ``CHUNK_SIZE``, on ``device``.
+
+    Cached (least recently used, ``TABLE_CACHE_SIZE`` entries): the first call with given bounds
+    copies the table to the device and waits for the copy (so any stream may read it later);
+    later calls reuse it without a copy. A table first needed while a CUDA Graph is being
+    captured cannot be copied: ``RuntimeError`` (call once with the same documents before the
+    capture)."""
+    key = (tuple(bounds), str(device))
+    table = _tables.get(key)
+    if table is not None:
+        _tables.move_to_end(key)
+        return table
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("gdn: these documents' chunk table is not on the GPU yet, and it cannot be copied while "
+                           "a CUDA Graph is captured; call chunk_gdn once with the same cu_seqlens (or B, T) before "
+                           "capturing")
     indices = prepare_chunk_indices(bounds, CHUNK_SIZE).to(device=device, dtype=torch.int32)
     offsets = prepare_chunk_offsets(bounds, CHUNK_SIZE).to(device=device, dtype=torch.int32)
-    return ChunkTable(indices, offsets, len(bounds) - 1)
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+    table = _tables[key] = ChunkTable(indices, offsets, len(bounds) - 1)
+    if len(_tables) > TABLE_CACHE_SIZE:
+        _tables.popitem(last=False)
+    return table
 
 
 def stage_calls(stages: ForwardStages, q, k, v, g, beta, *, scale: float, initial_state, output_final_state: bool,
                 cu_seqlens, use_qk_l2norm: bool):
-    """The forward of validated inputs as ``(calls, (o, final_state))``: ``calls`` lists
+    """The forward of validated inputs as ``(calls, ForwardOutputs)``: ``calls`` lists
     ``(stage name, zero-argument launch)`` in order over buffers allocated here, once; running
-    them fills ``o`` ``[B, T, HV, V]`` and ``final_state`` (or None). Experiments time the calls
-    one by one; :func:`forward` runs them."""
+    them fills the outputs. ``cu_seqlens``: the document bounds (python ints) or None (``B``
+    sequences of ``T``). Experiments time the calls one by one; :func:`forward` runs them."""
     batch, tokens, heads_v, dim_v = v.shape
     dim_k = k.shape[-1]
     n = batch * tokens
     q_, k_, v_ = (t.reshape(n, *t.shape[2:]) for t in (q, k, v))  # views for the layouts the API accepts
     g_, beta_ = g.reshape(n, heads_v), beta.reshape(n, heads_v)
-    table = chunk_table(cu_seqlens, batch, tokens, v.device)
+    table = chunk_table(packed_cu_seqlens(cu_seqlens, batch, tokens), v.device)
     chunks = table.indices.shape[0]
     new = functools.partial(torch.empty, device=v.device)
     g_cum = new((n, heads_v), dtype=torch.float32)
@@ -81,13 +152,67 @@ def stage_calls(stages: ForwardStages, q, k, v, g, beta, *, scale: float, initia
                                        final_state, **l2)),
         ("output", lambda: stages.output(q_, k_, v_new, h, g_cum, table.indices, scale, o, **l2)),
     ]
-    return calls, (o.view(batch, tokens, heads_v, dim_v), final_state)
+    return calls, ForwardOutputs(o.view(batch, tokens, heads_v, dim_v), final_state, g_cum, a)
 
 
-def forward(stages: ForwardStages, q, k, v, g, beta, **kwargs):
-    """``(o, final_state)`` of validated inputs ``q, k [B, T, H, K]``, ``v [B, T, HV, V]``, ``g, beta [B, T, HV]``
+def forward(stages: ForwardStages, q, k, v, g, beta, **kwargs) -> ForwardOutputs:
+    """The forward of validated inputs ``q, k [B, T, H, K]``, ``v [B, T, HV, V]``, ``g, beta [B, T, HV]``
     (keyword arguments as :func:`stage_calls`)."""
     calls, outputs = stage_calls(stages, q, k, v, g, beta, **kwargs)
     for _, launch in calls:
         launch()
     return outputs
+
+
+def backward_calls(stages: BackwardStages, q, k, v, beta, g_cum, A, do, dht, *, scale: float, initial_state,
+                   cu_seqlens, use_qk_l2norm: bool, dq=None, dk=None, dv=None):
+    """The backward of a forward's inputs as ``(calls, Gradients)`` (see :func:`stage_calls`).
+
+    ``g_cum``, ``A``: the forward's (:class:`ForwardOutputs`); ``do`` ``[B, T, HV, V]`` (unit
+    channel stride); ``dht`` fp32 ``[N, HV, K, V]`` or None (the final state's gradient);
+    ``dh0`` is computed when ``initial_state`` is given. ``dq``, ``dk``, ``dv`` may be given
+    (e.g. head views of one packed gradient row) and are then written in place."""
+    batch, tokens, heads_v, dim_v = v.shape
+    heads, dim_k = k.shape[2], k.shape[3]
+    n = batch * tokens
+    q_, k_, v_, do_ = (t.reshape(n, *t.shape[2:]) for t in (q, k, v, do))
+    beta_ = beta.reshape(n, heads_v)
+    table = chunk_table(packed_cu_seqlens(cu_seqlens, batch, tokens), v.device)
+    chunks = table.indices.shape[0]
+    new = functools.partial(torch.empty, device=v.device)
+    w, u = new((n, heads_v, dim_k), dtype=k.dtype), new((n, heads_v, dim_v), dtype=v.dtype)
+    h, dh = (new((chunks, heads_v, dim_k, dim_v), dtype=v.dtype) for _ in range(2))
+    v_new, dv_local, dv_new = (new((n, heads_v, dim_v), dtype=v.dtype) for _ in range(3))
+    dq_hv, dk_hv = (new((n, heads_v, dim_k), dtype=torch.float32) for _ in range(2))
+    dw = new((n, heads_v, dim_k), dtype=k.dtype)
+    dg_cum, dg = new((n, heads_v), dtype=torch.float32), new((batch, tokens, heads_v), dtype=torch.float32)
+    dbeta = new((batch, tokens, heads_v), dtype=beta.dtype)
+    dq = new((batch, tokens, heads, dim_k), dtype=q.dtype) if dq is None else dq
+    dk = new((batch, tokens, heads, dim_k), dtype=k.dtype) if dk is None else dk
+    dv = new((batch, tokens, heads_v, dim_v), dtype=v.dtype) if dv is None else dv
+    dh0 = None if initial_state is None else new(initial_state.shape, dtype=torch.float32)
+    dq_, dk_, dv_ = dq.view(n, heads, dim_k), dk.view(n, heads, dim_k), dv.view(n, heads_v, dim_v)
+    dg_, dbeta_ = dg.view(n, heads_v), dbeta.view(n, heads_v)
+    ci, co = table.indices, table.offsets
+    l2 = dict(use_qk_l2norm=use_qk_l2norm)
+    calls = [
+        ("recompute w, u", lambda: stages.w_u(k_, v_, beta_, g_cum, ci, A, w, u, **l2)),
+        ("recompute h", lambda: stages.state(k_, w, u, g_cum, ci, co, initial_state, h, v_new, None, **l2)),
+        ("dv_local", lambda: stages.dv_local(q_, k_, do_, g_cum, ci, scale, dv_local, **l2)),
+        ("state backward", lambda: stages.state_backward(q_, k_, w, do_, dv_local, g_cum, ci, co, dht, dh, dv_new,
+                                                         dh0, scale, **l2)),
+        ("dqkwg", lambda: stages.dqkwg(q_, k_, v_new, h, dh, do_, dv_new, g_cum, ci, scale, dq_hv, dk_hv, dw,
+                                       dg_cum, **l2)),
+        ("wy backward", lambda: stages.wy_backward(k_, v_, beta_, A, g_cum, dw, dv_new, dg_cum, ci, dk_hv, dv_,
+                                                   dbeta_, dg_, **l2)),
+        ("finalize", lambda: stages.finalize(q_, k_, dq_hv, dk_hv, dq_, dk_, **l2)),
+    ]
+    return calls, Gradients(dq, dk, dv, dg, dbeta, dh0)
+
+
+def backward(stages: BackwardStages, *args, **kwargs) -> Gradients:
+    """The gradients of a forward (arguments as :func:`backward_calls`)."""
+    calls, grads = backward_calls(stages, *args, **kwargs)
+    for _, launch in calls:
+        launch()
+    return grads

@@ -276,31 +276,46 @@ def launch_wy(
     k^2 + 1e-6)``). Every valid row of a chunk is written in full (upper part 0). Returns
     ``(A, w, u)``.
     """
-    num_chunks = chunk_indices.shape[0]
-    heads, dim_k = k.shape[1], k.shape[2]
-    value_heads, dim_v = v.shape[1], v.shape[2]
-    if num_chunks == 0 or value_heads == 0:
-        return A, w, u
     if any(t.stride(-1) != 1 for t in (k, v, A, w, u)):
         raise ValueError("k, v, A, w, u: the channel (last) dim must have unit stride")
-    kv_group = value_heads // heads
+    launch_ut(k, beta, g_cum, chunk_indices, A, v.shape[1], use_qk_l2norm=use_qk_l2norm)
+    return (A, *launch_w_u(k, v, beta, g_cum, chunk_indices, A, w, u, use_qk_l2norm=use_qk_l2norm))
+
+
+def launch_ut(k: torch.Tensor, beta: torch.Tensor, g_cum: torch.Tensor, chunk_indices: torch.Tensor,
+              A: torch.Tensor, value_heads: int, *, use_qk_l2norm: bool = False) -> torch.Tensor:
+    """The UT transform alone into ``A`` fp32 ``[T, HV, 64]`` (arguments as :func:`launch_wy`)."""
+    num_chunks = chunk_indices.shape[0]
+    if num_chunks == 0 or value_heads == 0:
+        return A
     _ut_kernel[(num_chunks, value_heads)](
         k, beta, g_cum, chunk_indices, A,
         k.stride(0), k.stride(1), *beta.stride(), *g_cum.stride(), A.stride(0), A.stride(1),
-        kv_group,
-        K=dim_k, BT=CHUNK, BC=SUB, USE_QK_L2NORM=use_qk_l2norm, KK_PRECISION=kk_precision(k.dtype),
+        value_heads // k.shape[1],
+        K=k.shape[2], BT=CHUNK, BC=SUB, USE_QK_L2NORM=use_qk_l2norm, KK_PRECISION=kk_precision(k.dtype),
         num_warps=UT_WARPS,
     )
+    return A
+
+
+def launch_w_u(k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, g_cum: torch.Tensor,
+               chunk_indices: torch.Tensor, A: torch.Tensor, w: torch.Tensor, u: torch.Tensor, *,
+               use_qk_l2norm: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """``w``, ``u`` from a given ``A`` (the backward's recomputation; arguments as :func:`launch_wy`)."""
+    num_chunks, value_heads = chunk_indices.shape[0], v.shape[1]
+    if num_chunks == 0 or value_heads == 0:
+        return w, u
+    dim_k, dim_v = k.shape[2], v.shape[2]
     _wy_kernel[(num_chunks, value_heads)](
         k, v, beta, g_cum, chunk_indices, A, w, u,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), *beta.stride(), *g_cum.stride(),
         A.stride(0), A.stride(1), w.stride(0), w.stride(1), u.stride(0), u.stride(1),
-        kv_group,
+        value_heads // k.shape[1],
         K=dim_k, V=dim_v, BT=CHUNK, BK=min(dim_k, MAX_BLOCK), BV=min(dim_v, MAX_BLOCK),
         USE_QK_L2NORM=use_qk_l2norm, WY_PRECISION=wy_precision(k.dtype),
         num_warps=WY_WARPS,
     )
-    return A, w, u
+    return w, u
 
 
 # ----------------------------------------------------------------------------- AOT

@@ -1,0 +1,507 @@
+"""Gated DeltaNet backward through the state: ``dv_local`` per chunk, then the reverse state pass.
+
+Two kernels (:func:`dsfuse.gdn.reference_backward.chunk_dv_local` and
+:func:`~dsfuse.gdn.reference_backward.chunk_state_backward` are the math; chunks of
+``C = BT = 64`` tokens from the chunk table, a document's last chunk possibly short):
+
+* ``_dv_local_kernel``, one program per (chunk, value head, block of ``BV`` value channels)::
+
+      dv_local = scale * (q k^T * Gamma)^T @ do,   Gamma_ij = exp(G_i - G_j), j <= i
+
+  The transposed attention is computed as it is used: ``A^T = (k @ q^T) * Gamma^T``
+  (``[BT, K] @ [K, BT]``, ``q`` loaded transposed from memory, rows ``j`` = keys, columns
+  ``i`` = queries, kept where ``j <= i``), so no dot result is transposed. Rounded once to
+  the input dtype, it multiplies ``do`` ``[BT, BV]``; ``scale`` multiplies the fp32 result.
+
+* ``_state_backward_kernel``, one program per (document, value head, block of ``BV`` value
+  channels): ``b_dh`` ``[K, BV]`` (fp32 registers, as one block of ``K`` rows or, for
+  ``K = 128``, two of 64: ``b_dh1``, ``b_dh2``) starts from ``dht`` (or 0) and visits the
+  document's chunks last to first::
+
+      dh[c]     = b_dh                                        # stored in the input dtype
+      dv_new[c] = dv_local[c] + exp(G_last - G) * (k @ b_dh)  # [BT, K] @ [K, BV], rows scaled
+      b_dh      = exp(G_last) * b_dh + q^T @ (scale * exp(G) * do) - w^T @ dv_new[c]
+
+  and at the document's end ``dh0 = b_dh`` (fp32, optional; ``dht`` or 0 bit for bit for an
+  empty document). ``dv_new`` reads ``b_dh`` before the chunk's update. ``q`` and ``w`` are
+  loaded transposed (``[K, BT]`` tiles, swapped strides), so the update is two
+  ``[K, BT] @ [BT, BV]`` dots accumulated onto the decayed ``b_dh``; no dot result is ever
+  transposed (Triton 3.6 on Hopper miscompiles ``tl.trans`` of a wgmma accumulator). Only
+  ``G_last - G_i``, ``G_i`` (tokens in the chunk; masked to 0 before ``exp`` elsewhere) and
+  ``G_last`` are exponentiated, all ``<= 0``.
+
+Precision: bf16/fp16 inputs multiply bf16/fp16 operands with fp32 accumulation; fp32 inputs
+multiply in full fp32 (``input_precision="ieee"``, not TF32). Every row or column factor
+(decay, ``scale``, the L2 norm's ``r = rsqrt(sum x^2 + 1e-6)``) is applied in fp32, to the
+dot's result where it scales a row or column of it, else to the operand that is rounded
+anyway, so each 16-bit dot operand is an input as read or one rounding of an fp32 value:
+
+* ``dv_local``: ``k`` and ``q`` as read; ``r_k r_q``, the mask and ``Gamma^T`` scale the fp32
+  ``k @ q^T``, which is rounded once; ``do`` as read.
+* ``dv_new``: ``k`` as read and ``b_dh`` rounded to the input dtype, the very value stored in
+  ``dh``; ``exp(G_last - G) r_k`` scales the rows of the fp32 product. ``dv_local`` (input
+  dtype) is added in fp32 and the sum rounded once to ``dv_new``'s dtype.
+* ``b_dh`` update: ``q`` and ``w`` as read; ``scale exp(G) r_q`` varies along the summed tokens,
+  so it scales the rows of ``do`` (fp32, then one rounding: the pass's only rounding of an input
+  by a factor; scaling ``q`` instead would round a [K, BT] tile rather than a [BT, BV] one, at
+  the same error); ``-dv_new`` exactly as stored (rounding to nearest commutes with negation),
+  so ``b_dh`` carries the ``dv_new`` the later stages read. ``b_dh`` itself stays fp32 across
+  chunks; only the dot operand and ``dh`` are rounded.
+
+``USE_QK_L2NORM`` normalises ``q`` and ``k`` (``x * rsqrt(sum x^2 + 1e-6)``, the norm taken
+in fp32 from the values as read) through the factors ``r`` above; the results are those of the
+normalised ``q`` and ``k`` (the L2-norm backward comes later).
+
+Layouts (packed tokens, batch flattened, documents by ``cu_seqlens``): ``q``, ``k``
+``[T, H, K]``, ``w`` ``[T, HV, K]``, ``do``, ``dv_local``, ``dv_new`` ``[T, HV, V]`` with any
+token and head strides and unit channel stride; ``g_cum`` fp32 ``[T, HV]`` (any strides); ``dh``
+``[NC, HV, K, V]`` contiguous (the gradient of the state AFTER each chunk), input dtype;
+``dht`` and ``dh0`` fp32 ``[N, HV, K, V]`` contiguous. Value head ``i_hv`` reads qk head
+``i_hv // (HV // H)``. Tokens in no chunk (past ``cu_seqlens[-1]``; the public API requires
+none) are not written.
+
+No atomics: every element is written by one program, in a fixed order; fixed launch
+constants, so two launches give the same bits. Grids, one axis each, value block fastest,
+then value head: ``NC * HV * (V // BV)`` programs (then chunk) for ``dv_local``,
+``N * HV * (V // BV)`` (then document) for the state pass.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from dsfuse._common.aot import AotSpec
+from dsfuse.gdn.triton.state import (
+    CHUNK,
+    L2NORM_EPS,
+    _dot,
+    _round,
+    dot_precision,
+    emulate_bf16,
+)
+
+# Launch constants (no autotuner).
+# dv_local: all value channels of the model (min(128, V)) per program, 4 warps: the output stage's
+# shape of work (a [BT, K] x [K, BT] product, masked, then [BT, BT] x [BT, BV]); not measured.
+DV_BLOCK_V = 128
+DV_NUM_WARPS = 4
+DV_NUM_STAGES = 2
+# State pass: (BV value channels, warps) per GPU family, and the state gradient's K rows in blocks
+# of at most 64 (two fp32 accumulators for K = 128), which keeps every compiled variant below
+# 255 registers without spills (AOT_SPECS, the model's K = V = 128): Hopper and the CPU
+# interpreter 64 channels / 4 warps (the forward state pass's setting; 214-233 registers);
+# Blackwell (compute capability >= 10) 2 warps, the precaution of the forward state pass for a
+# tl.dot recurrence race there before Triton 3.8 (this loop has the same shape: a dot of the
+# carried dH feeds the dots that update it), at 16 channels (196-208 registers; 32 channels
+# spill 40-96 bytes). Not measured on a GPU.
+CONFIG_HOPPER = (64, 4)
+CONFIG_BLACKWELL = (16, 2)
+MAX_BLOCK_K = 64
+NUM_STAGES = 2  # the chunk loop is a while loop (runtime bounds), which Triton does not pipeline
+
+
+# ----------------------------------------------------------------------------- dv_local
+
+
+@triton.jit
+def _dv_local_kernel(
+    q_ptr,  # [T, H, K], unit channel stride
+    k_ptr,  # [T, H, K]
+    do_ptr,  # [T, HV, V]
+    g_ptr,  # g_cum fp32 [T, HV]
+    ci_ptr,  # chunk_indices int32 [NC, 3] (sequence, start, end)
+    dv_ptr,  # dv_local [T, HV, V] (out), do's dtype
+    scale,  # fp32
+    s_qt, s_qh,
+    s_kt, s_kh,
+    s_dot, s_doh,
+    s_gt, s_gh,
+    s_dvt, s_dvh,
+    HV: tl.constexpr,
+    GROUP: tl.constexpr,  # HV // H
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BT: tl.constexpr,
+    BV: tl.constexpr,
+    USE_QK_L2NORM: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs (no TF32); ignored for bf16/fp16
+    EMULATE_BF16: tl.constexpr,  # CPU interpreter with bf16 data only (see state._dot, state._round)
+):
+    NV: tl.constexpr = V // BV
+    i_p = tl.program_id(0)
+    i_v = i_p % NV
+    i_hv = (i_p // NV) % HV
+    i_c = i_p // (NV * HV)  # in [0, NC)
+    i_h = i_hv // GROUP
+
+    o_k = tl.arange(0, K)
+    o_v = i_v * BV + tl.arange(0, BV)
+    o_i = tl.arange(0, BT)
+    dtype = q_ptr.dtype.element_ty
+
+    i_c64 = i_c.to(tl.int64)
+    bos = tl.load(ci_ptr + i_c64 * 3 + 1).to(tl.int64)
+    eos = tl.load(ci_ptr + i_c64 * 3 + 2).to(tl.int64)
+    o_t = bos + o_i  # [BT] int64 token offsets
+    m_t = o_t < eos
+
+    p_k = k_ptr + o_t[:, None] * s_kt + i_h * s_kh + o_k[None, :]
+    b_k = tl.load(p_k, mask=m_t[:, None], other=0.0)  # [BT, K]
+    p_q = q_ptr + o_t[None, :] * s_qt + i_h * s_qh + o_k[:, None]
+    b_q = tl.load(p_q, mask=m_t[None, :], other=0.0)  # [K, BT]: q transposed from memory
+
+    # A^T[j, i] = (k_j . q_i) exp(G_i - G_j) for j <= i, both tokens in the chunk
+    b_at = _dot(b_k, b_q, None, DOT_PRECISION, EMULATE_BF16)  # [BT, K] @ [K, BT] -> [BT, BT]
+    if USE_QK_L2NORM:  # the norms scale the product's rows (k) and columns (q)
+        b_kf = b_k.to(tl.float32)
+        b_qf = b_q.to(tl.float32)
+        b_rk = tl.rsqrt(tl.sum(b_kf * b_kf, axis=1) + L2NORM_EPS)  # [BT]
+        b_rq = tl.rsqrt(tl.sum(b_qf * b_qf, axis=0) + L2NORM_EPS)  # [BT]
+        b_at = b_at * b_rk[:, None] * b_rq[None, :]
+    b_g = tl.load(g_ptr + o_t * s_gt + i_hv * s_gh, mask=m_t, other=0.0)  # [BT]
+    m_a = (o_i[:, None] <= o_i[None, :]) & m_t[:, None] & m_t[None, :]  # [BT, BT] rows j, columns i
+    b_at = tl.where(m_a, b_at * tl.exp(tl.where(m_a, b_g[None, :] - b_g[:, None], 0.0)), 0.0)
+
+    p_do = do_ptr + o_t[:, None] * s_dot + i_hv * s_doh + o_v[None, :]
+    b_do = tl.load(p_do, mask=m_t[:, None], other=0.0)  # [BT, BV]
+    b_dv = _dot(_round(b_at, dtype, EMULATE_BF16), b_do, None, DOT_PRECISION, EMULATE_BF16)  # [BT, BV]
+    b_dv = b_dv * scale
+
+    p_dv = dv_ptr + o_t[:, None] * s_dvt + i_hv * s_dvh + o_v[None, :]
+    tl.store(p_dv, _round(b_dv, dv_ptr.dtype.element_ty, EMULATE_BF16), mask=m_t[:, None])
+
+
+def dv_block_v(V: int) -> int:
+    return min(DV_BLOCK_V, V)
+
+
+def launch_dv_local(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    do: torch.Tensor,
+    g_cum: torch.Tensor,
+    chunk_indices: torch.Tensor,
+    scale: float,
+    dv_local: torch.Tensor,
+    *,
+    use_qk_l2norm: bool = False,
+) -> torch.Tensor:
+    """Write ``scale * (q k^T * Gamma)^T do`` per chunk into ``dv_local`` and return it.
+
+    ``q``, ``k`` ``[T, H, K]``; ``do``, ``dv_local`` ``[T, HV, V]`` (``dv_local`` in ``do``'s
+    dtype; unit channel stride); ``g_cum`` fp32 ``[T, HV]``; ``chunk_indices`` int32 ``[NC, 3]``;
+    ``use_qk_l2norm`` normalises q and k in the kernel. Arguments are validated by the public API.
+    """
+    H, K = q.shape[1], q.shape[2]
+    HV, V = do.shape[1], do.shape[2]
+    NC = chunk_indices.shape[0]
+    BV = dv_block_v(V)
+    programs = NC * HV * (V // BV)
+    if programs >= 2**31:
+        raise ValueError(f"chunk_indices: at most 2**31 - 1 programs (chunks x heads x value blocks), got {programs}")
+    if programs == 0:
+        return dv_local
+    _dv_local_kernel[(programs,)](
+        q, k, do, g_cum, chunk_indices, dv_local,
+        float(scale),
+        q.stride(0), q.stride(1),
+        k.stride(0), k.stride(1),
+        do.stride(0), do.stride(1),
+        g_cum.stride(0), g_cum.stride(1),
+        dv_local.stride(0), dv_local.stride(1),
+        HV=HV, GROUP=HV // H, K=K, V=V, BT=CHUNK, BV=BV,
+        USE_QK_L2NORM=use_qk_l2norm,
+        DOT_PRECISION=dot_precision(q.dtype),
+        EMULATE_BF16=emulate_bf16(q.dtype),
+        num_warps=DV_NUM_WARPS,
+        num_stages=DV_NUM_STAGES,
+    )
+    return dv_local
+
+
+# ----------------------------------------------------------------------------- reverse state pass
+
+
+@triton.jit(do_not_specialize=["N"])
+def _state_backward_kernel(
+    q_ptr,  # [T, H, K], unit channel stride
+    k_ptr,  # [T, H, K]
+    w_ptr,  # [T, HV, K]
+    do_ptr,  # [T, HV, V]
+    dvl_ptr,  # dv_local [T, HV, V]
+    g_ptr,  # g_cum fp32 [T, HV] chunk-local cumulative log decay
+    ci_ptr,  # chunk_indices int32 [NC, 3] (sequence, start, end)
+    co_ptr,  # chunk_offsets int32 [N + 1]
+    dht_ptr,  # dht fp32 [N, HV, K, V] contiguous (read if USE_DHT)
+    dh_ptr,  # dh [NC, HV, K, V] contiguous, input dtype (out)
+    dvn_ptr,  # dv_new [T, HV, V] (out)
+    dh0_ptr,  # dh0 fp32 [N, HV, K, V] contiguous (written if STORE_DH0)
+    scale,  # fp32
+    N,  # sequences
+    s_qt, s_qh,
+    s_kt, s_kh,
+    s_wt, s_wh,
+    s_dot, s_doh,
+    s_lt, s_lh,
+    s_gt, s_gh,
+    s_vt, s_vh,
+    HV: tl.constexpr,
+    GROUP: tl.constexpr,  # HV // H: value heads per qk head
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BT: tl.constexpr,
+    BK: tl.constexpr,  # rows of K per block: K, or K / 2 (two blocks, b_dh1 and b_dh2)
+    BV: tl.constexpr,
+    USE_DHT: tl.constexpr,
+    STORE_DH0: tl.constexpr,
+    USE_QK_L2NORM: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs (no TF32); ignored for bf16/fp16
+    EMULATE_BF16: tl.constexpr,  # CPU interpreter with bf16 data only (see state._dot, state._round)
+):
+    tl.static_assert(K == BK or K == 2 * BK)
+    NV: tl.constexpr = V // BV
+    i_p = tl.program_id(0)
+    i_v = i_p % NV
+    i_hv = (i_p // NV) % HV
+    i_n = i_p // (NV * HV)  # in [0, N)
+    i_h = i_hv // GROUP
+
+    o_k = tl.arange(0, BK)  # rows of the first K block; the second's are BK + o_k
+    o_v = i_v * BV + tl.arange(0, BV)
+    o_i = tl.arange(0, BT)
+    dtype = q_ptr.dtype.element_ty
+    o_kv = o_k[:, None] * V + o_v[None, :]  # [BK, BV] offsets in a [K, V] state
+
+    # b_dh = [b_dh1; b_dh2]: the state gradient's K rows in (up to) two fp32 blocks; dht as
+    # loaded (not added to zeros, which would turn -0.0 into +0.0)
+    p_state = (i_n.to(tl.int64) * HV + i_hv) * (K * V) + o_kv  # [BK, BV]
+    if USE_DHT:
+        b_dh1 = tl.load(dht_ptr + p_state).to(tl.float32)
+        if K > BK:
+            b_dh2 = tl.load(dht_ptr + p_state + BK * V).to(tl.float32)
+    else:
+        b_dh1 = tl.zeros([BK, BV], dtype=tl.float32)
+        if K > BK:
+            b_dh2 = tl.zeros([BK, BV], dtype=tl.float32)
+
+    i_c0 = tl.load(co_ptr + i_n)  # the document's chunks [i_c0, i_c1), visited last to first
+    i_c = tl.load(co_ptr + i_n + 1) - 1
+    while i_c >= i_c0:  # a while loop: runtime bounds, also in the interpreter
+        i_c64 = i_c.to(tl.int64)
+        bos = tl.load(ci_ptr + i_c64 * 3 + 1).to(tl.int64)
+        eos = tl.load(ci_ptr + i_c64 * 3 + 2).to(tl.int64)
+        o_t = bos + o_i  # [BT] int64 token offsets
+        m_t = o_t < eos
+
+        # dh[c] = dH (input dtype) and k @ dH [BT, K] @ [K, BV], one K block at a time
+        p_dh = dh_ptr + (i_c64 * HV + i_hv) * (K * V) + o_kv
+        p_k = k_ptr + o_t[:, None] * s_kt + i_h * s_kh + o_k[None, :]
+        b_dhc = _round(b_dh1, dtype, EMULATE_BF16)
+        tl.store(p_dh, b_dhc)
+        b_k = tl.load(p_k, mask=m_t[:, None], other=0.0)  # [BT, BK]
+        b_kh = _dot(b_k, b_dhc, None, DOT_PRECISION, EMULATE_BF16)  # [BT, BV]
+        if USE_QK_L2NORM:
+            b_kf = b_k.to(tl.float32)
+            b_ss = tl.sum(b_kf * b_kf, axis=1)  # [BT]
+        if K > BK:
+            b_dhc = _round(b_dh2, dtype, EMULATE_BF16)
+            tl.store(p_dh + BK * V, b_dhc)
+            b_k = tl.load(p_k + BK, mask=m_t[:, None], other=0.0)
+            b_kh = _dot(b_k, b_dhc, b_kh, DOT_PRECISION, EMULATE_BF16)
+            if USE_QK_L2NORM:
+                b_kf = b_k.to(tl.float32)
+                b_ss += tl.sum(b_kf * b_kf, axis=1)
+
+        # dv_new = dv_local + exp(G_last - G) (k @ dH): the decay (and k's norm) on the product's rows
+        b_g = tl.load(g_ptr + o_t * s_gt + i_hv * s_gh, mask=m_t, other=0.0)  # [BT]
+        b_g_last = tl.load(g_ptr + (eos - 1) * s_gt + i_hv * s_gh)
+        # exponents <= 0: masked to 0 for tokens past the chunk's end before exp
+        b_rk = tl.where(m_t, tl.exp(tl.where(m_t, b_g_last - b_g, 0.0)), 0.0)  # [BT] exp(G_last - G)
+        if USE_QK_L2NORM:
+            b_rk = b_rk * tl.rsqrt(b_ss + L2NORM_EPS)
+        p_l = dvl_ptr + o_t[:, None] * s_lt + i_hv * s_lh + o_v[None, :]
+        b_dv = tl.load(p_l, mask=m_t[:, None], other=0.0).to(tl.float32) + b_kh * b_rk[:, None]  # [BT, BV]
+        p_vn = dvn_ptr + o_t[:, None] * s_vt + i_hv * s_vh + o_v[None, :]
+        tl.store(p_vn, _round(b_dv, dvn_ptr.dtype.element_ty, EMULATE_BF16), mask=m_t[:, None])
+
+        # dH = exp(G_last) dH + q^T (scale exp(G) do) - w^T dv_new; q, w transposed from memory
+        p_q = q_ptr + o_t[None, :] * s_qt + i_h * s_qh + o_k[:, None]
+        b_q1 = tl.load(p_q, mask=m_t[None, :], other=0.0)  # [BK, BT]
+        if K > BK:
+            b_q2 = tl.load(p_q + BK, mask=m_t[None, :], other=0.0)
+        b_rq = tl.where(m_t, tl.exp(b_g), 0.0) * scale  # [BT] scale exp(G), exponents <= 0
+        if USE_QK_L2NORM:
+            b_qf = b_q1.to(tl.float32)
+            b_ss = tl.sum(b_qf * b_qf, axis=0)
+            if K > BK:
+                b_qf = b_q2.to(tl.float32)
+                b_ss += tl.sum(b_qf * b_qf, axis=0)
+            b_rq = b_rq * tl.rsqrt(b_ss + L2NORM_EPS)
+        p_do = do_ptr + o_t[:, None] * s_dot + i_hv * s_doh + o_v[None, :]
+        b_do = tl.load(p_do, mask=m_t[:, None], other=0.0).to(tl.float32)  # [BT, BV]
+        b_do = _round(b_do * b_rq[:, None], dtype, EMULATE_BF16)  # rounded once
+        b_dvn = _round(-b_dv, dtype, EMULATE_BF16)  # -dv_new as stored (rounding commutes with negation)
+        p_w = w_ptr + o_t[None, :] * s_wt + i_hv * s_wh + o_k[:, None]
+        b_decay = tl.exp(b_g_last)
+        b_dh1 = _dot(b_q1, b_do, b_dh1 * b_decay, DOT_PRECISION, EMULATE_BF16)  # [BK, BT] @ [BT, BV]
+        b_w = tl.load(p_w, mask=m_t[None, :], other=0.0)  # [BK, BT]
+        b_dh1 = _dot(b_w, b_dvn, b_dh1, DOT_PRECISION, EMULATE_BF16)
+        if K > BK:
+            b_dh2 = _dot(b_q2, b_do, b_dh2 * b_decay, DOT_PRECISION, EMULATE_BF16)
+            b_w = tl.load(p_w + BK, mask=m_t[None, :], other=0.0)
+            b_dh2 = _dot(b_w, b_dvn, b_dh2, DOT_PRECISION, EMULATE_BF16)
+        i_c -= 1
+
+    if STORE_DH0:
+        tl.store(dh0_ptr + p_state, b_dh1)
+        if K > BK:
+            tl.store(dh0_ptr + p_state + BK * V, b_dh2)
+
+
+@functools.lru_cache(maxsize=16)
+def _config(device_type: str, index: int | None) -> tuple[int, int]:
+    if device_type == "cuda" and torch.cuda.get_device_capability(index)[0] >= 10:
+        return CONFIG_BLACKWELL
+    return CONFIG_HOPPER
+
+
+def launch_config(device: torch.device, V: int) -> tuple[int, int]:
+    """``(BV, num_warps)`` of a state-backward launch on ``device`` with ``V`` value channels."""
+    block_v, num_warps = _config(device.type, device.index)
+    return min(block_v, V), num_warps
+
+
+def block_k(K: int) -> int:
+    """Rows of the state gradient per block: ``K`` up to 64, two blocks of ``K / 2`` above."""
+    return K if K <= MAX_BLOCK_K else K // 2
+
+
+def launch_state_backward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    w: torch.Tensor,
+    do: torch.Tensor,
+    dv_local: torch.Tensor,
+    g_cum: torch.Tensor,
+    chunk_indices: torch.Tensor,
+    chunk_offsets: torch.Tensor,
+    dht: torch.Tensor | None,
+    dh: torch.Tensor,
+    dv_new: torch.Tensor,
+    dh0: torch.Tensor | None,
+    scale: float,
+    *,
+    use_qk_l2norm: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Run the reverse state pass into ``dh``, ``dv_new`` and (if given) ``dh0``; returns them.
+
+    ``q``, ``k`` ``[T, H, K]``; ``w`` ``[T, HV, K]``; ``do``, ``dv_local``, ``dv_new``
+    ``[T, HV, V]`` (unit channel stride; ``dv_new`` in the input dtype); ``g_cum`` fp32
+    ``[T, HV]``; ``chunk_indices`` int32 ``[NC, 3]``; ``chunk_offsets`` int32 ``[N + 1]``;
+    ``dht`` fp32 ``[N, HV, K, V]`` or None (zeros); ``dh`` ``[NC, HV, K, V]`` (input dtype,
+    the gradient of the state after each chunk); ``dh0`` fp32 ``[N, HV, K, V]`` or None.
+    States and ``dh`` contiguous. ``use_qk_l2norm`` normalises q and k in the kernel.
+    Arguments are validated by the public API.
+    """
+    H, K = q.shape[1], q.shape[2]
+    HV, V = do.shape[1], do.shape[2]
+    N = chunk_offsets.shape[0] - 1
+    BV, num_warps = launch_config(q.device, V)
+    programs = N * HV * (V // BV)
+    if programs >= 2**31:
+        raise ValueError(f"chunk_offsets: at most 2**31 - 1 programs (sequences x heads x value blocks), got {programs}")
+    if programs == 0:
+        return dh, dv_new, dh0
+    _state_backward_kernel[(programs,)](
+        q, k, w, do, dv_local, g_cum, chunk_indices, chunk_offsets, dht, dh, dv_new, dh0,
+        float(scale), N,
+        q.stride(0), q.stride(1),
+        k.stride(0), k.stride(1),
+        w.stride(0), w.stride(1),
+        do.stride(0), do.stride(1),
+        dv_local.stride(0), dv_local.stride(1),
+        g_cum.stride(0), g_cum.stride(1),
+        dv_new.stride(0), dv_new.stride(1),
+        HV=HV, GROUP=HV // H, K=K, V=V, BT=CHUNK, BK=block_k(K), BV=BV,
+        USE_DHT=dht is not None,
+        STORE_DH0=dh0 is not None,
+        USE_QK_L2NORM=use_qk_l2norm,
+        DOT_PRECISION=dot_precision(q.dtype),
+        EMULATE_BF16=emulate_bf16(q.dtype),
+        num_warps=num_warps,
+        num_stages=NUM_STAGES,
+    )
+    return dh, dv_new, dh0
+
+
+# ----------------------------------------------------------------------------- AOT
+
+
+def _aot_specs() -> list[AotSpec]:
+    """The model's specialisations: K = V = 128, H = 16, HV = 48, bf16, BT = 64; packed q/k row.
+
+    q, k are head views of the packed row ``[T, (2H + HV) * 128]`` (token stride 10240, head
+    stride 128); w, do, dv_local, dv_new ``[T, 48, 128]`` dense; g_cum ``[T, 48]`` dense (head
+    stride 1). dv_local with and without the in-kernel L2 norm; the state pass also with and
+    without dht/dh0, in both launch settings (Hopper's, and Blackwell's ``_2w``).
+    """
+    K = V = 128
+    H, HV = 16, 48
+    specs = []
+    signature = {
+        "q_ptr": "*bf16", "k_ptr": "*bf16", "do_ptr": "*bf16", "g_ptr": "*fp32", "ci_ptr": "*i32",
+        "dv_ptr": "*bf16", "scale": "fp32",
+        "s_qt": "i32", "s_qh": "i32", "s_kt": "i32", "s_kh": "i32", "s_dot": "i32", "s_doh": "i32",
+        "s_gt": "i32", "s_dvt": "i32", "s_dvh": "i32",
+    }
+    for l2 in (True, False):
+        specs.append(
+            AotSpec(
+                name=f"gdn_dv_local{'_l2' if l2 else ''}_bf16",
+                kernel=_dv_local_kernel,
+                signature=signature,
+                constexprs={
+                    "s_gh": 1, "HV": HV, "GROUP": HV // H, "K": K, "V": V, "BT": CHUNK, "BV": dv_block_v(V),
+                    "USE_QK_L2NORM": l2, "DOT_PRECISION": dot_precision(torch.bfloat16), "EMULATE_BF16": False,
+                },
+                options={"num_warps": DV_NUM_WARPS, "num_stages": DV_NUM_STAGES},
+                divisible_by_16=tuple(n for n in signature if n.endswith("_ptr") or n.startswith("s_")),
+            )
+        )
+    for (block_v, num_warps), tag in ((CONFIG_HOPPER, ""), (CONFIG_BLACKWELL, "_2w")):
+        for l2 in (True, False):
+            for states in (False, True):
+                signature = {
+                    "q_ptr": "*bf16", "k_ptr": "*bf16", "w_ptr": "*bf16", "do_ptr": "*bf16", "dvl_ptr": "*bf16",
+                    "g_ptr": "*fp32", "ci_ptr": "*i32", "co_ptr": "*i32", "dht_ptr": "*fp32", "dh_ptr": "*bf16",
+                    "dvn_ptr": "*bf16", "dh0_ptr": "*fp32", "scale": "fp32", "N": "i32",
+                    "s_qt": "i32", "s_qh": "i32", "s_kt": "i32", "s_kh": "i32", "s_wt": "i32", "s_wh": "i32",
+                    "s_dot": "i32", "s_doh": "i32", "s_lt": "i32", "s_lh": "i32", "s_gt": "i32",
+                    "s_vt": "i32", "s_vh": "i32",
+                }
+                constexprs = {
+                    "s_gh": 1, "HV": HV, "GROUP": HV // H, "K": K, "V": V, "BT": CHUNK, "BK": block_k(K),
+                    "BV": min(block_v, V), "USE_DHT": states, "STORE_DH0": states, "USE_QK_L2NORM": l2,
+                    "DOT_PRECISION": dot_precision(torch.bfloat16), "EMULATE_BF16": False,
+                }
+                if not states:
+                    del signature["dht_ptr"], signature["dh0_ptr"]
+                    constexprs.update(dht_ptr=None, dh0_ptr=None)
+                specs.append(
+                    AotSpec(
+                        name=f"gdn_state_bwd{'_l2' if l2 else ''}{'_states' if states else ''}_bf16{tag}",
+                        kernel=_state_backward_kernel,
+                        signature=signature,
+                        constexprs=constexprs,
+                        options={"num_warps": num_warps, "num_stages": NUM_STAGES},
+                        divisible_by_16=tuple(n for n in signature if n.endswith("_ptr") or n.startswith("s_")),
+                    )
+                )
+    return specs
+
+
+AOT_SPECS = _aot_specs()

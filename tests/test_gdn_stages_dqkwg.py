@@ -1,0 +1,258 @@
+"""Gated DeltaNet backward stage in Triton: dq, dk, dw and the gate gradient from o and the state update.
+
+The launcher (``launch_dqkwg``) is fed the fp64 reference's own intermediates: the forward
+stages (:func:`chunk_gdn_stages`: ``h``, ``v_new``, ``w``), then :func:`chunk_dv_local` and
+:func:`chunk_state_backward` for ``dh`` and ``dv_new`` from a random ``do`` (and a random
+``dht`` in some cases), each cast to the test dtype. The oracle is :func:`chunk_dqkwg` in fp64
+on those same dtype-rounded values (``h``, ``dh``, ``v_new``, ``dv_new``, ``do``; q and k are
+dtype values normalised in fp64), so the error measured is the stage's own. Its padded gate
+is ``chunk_local_cumsum(to_chunks(g))`` (flat past a chunk's end, as
+``chunk_gdn_backward_reference`` makes it); the kernel reads the packed fp32 ``g_cum``. The
+reference puts ``G_last``'s gradient at position ``C - 1`` of a padded chunk; the kernel at the
+chunk's last token: the test folds the padding positions (which hold only that term) into the
+last valid one before ``from_chunks``.
+
+Tolerances (relative RMS over the whole tensor, which must be finite: outputs are allocated
+NaN-poisoned by the conftest, so an unwritten element fails):
+
+* fp32 inputs (full fp32 dots, ``input_precision="ieee"``): ``<= max(1e-5, 2^-24 * max|G|)``
+  for every output, as the forward stages: the kernel reads ``G`` rounded to fp32 (each value
+  off by up to ``2^-24 |G|``) and exponentiates differences of it. Observed on the CPU:
+  ``dq``, ``dk``, ``dw`` <= 4.8e-7; ``dg`` <= 3.0e-7 with the model's gates and up to 2.1e-5
+  with the strong ones (``max|G|`` ~ 700 .. 3800, bounds 4.3e-5 .. 2.3e-4).
+* bf16 inputs: ``dq``, ``dk``, ``dw`` ``<= 5e-3``. ``dw`` is an fp32 product of bf16 values
+  rounded once to bf16 (at most 2^-9 relative per element); ``dq`` and ``dk`` lose the
+  rounding of the masked ``dA_o`` (and its transpose, times the L2 norms) to bf16 where it
+  enters a dot. Observed: ``dq`` <= 1.8e-3, ``dk`` <= 1.7e-3, ``dw`` <= 1.8e-3. ``dg`` keeps
+  the fp32 bound: every term is reduced in fp32 from fp32 values (products of bf16 inputs
+  are exact in fp32; ``ds`` uses the unrounded ``dA_o``), so the bf16 inputs cost it nothing
+  beyond fp32 arithmetic. Observed: <= 2.5e-7 with the model's gates, 2.1e-5 with the strong.
+
+On the CPU, Triton's interpreter would multiply bf16 dot operands as integer bit patterns and
+truncate fp32 -> bf16 conversions; the launcher then widens bf16 dot operands to fp32 (exact)
+and rounds to nearest even on the bits (``state._dot``, ``state._round``), so the CPU tests
+check the GPU's numerics. The same tests run on the GPU (``device`` "cuda") with the same bounds.
+
+Also: two launches give the same bits; a launch with no chunk writes nothing.
+
+Sizes: K = 32, V = 64 (K != V) in the main tests, K = V = 128 (the model's: two key and two
+value blocks) once. Layouts: one sequence of T = 150 (not a multiple of 64) and packed
+documents of 1, 45, 0 and 130 tokens (T = 176: every token in a document, as the public API
+requires), (H, HV) = (2, 2), (2, 6), (1, 3); q and k as head views of a wider packed buffer,
+``v_new``, ``do``, ``dv_new`` as head views of wider buffers (token stride != HV * V). Gates as
+the model makes them (``gdn_gates``), mild and strongly decaying.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import DEVICES
+from dsfuse.gdn import chunk_gdn_stages, chunk_local_cumsum, from_chunks, to_chunks
+from dsfuse.gdn.reference_backward import (
+    chunk_dqkwg,
+    chunk_dv_local,
+    chunk_state_backward,
+)
+from dsfuse.gdn.triton.dqkwg import launch_dqkwg
+from helpers import assert_bitwise, model_like_gates
+
+F64 = torch.float64
+DK, DV = 32, 64
+# name: (T, cu_seqlens); the packed layout is batch 1
+LAYOUTS = {
+    "one_seq_T150": (150, [0, 150]),
+    "docs_1_45_0_130": (176, [0, 1, 46, 46, 176]),
+}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+FP32_RMS = 1e-5
+BF16_RMS = 5e-3
+
+# (layout, (H, HV), l2 norm, dht, gates): every flag on and off, every head group in both layouts
+CASES = [
+    ("one_seq_T150", (2, 2), False, False, "model"),
+    ("one_seq_T150", (2, 6), True, True, "strong"),
+    ("one_seq_T150", (1, 3), True, False, "model"),
+    ("docs_1_45_0_130", (2, 2), True, True, "strong"),
+    ("docs_1_45_0_130", (2, 6), False, True, "model"),
+    ("docs_1_45_0_130", (1, 3), True, False, "strong"),
+]
+
+
+def case_id(case):
+    layout, (h, hv), l2, dht, gates = case
+    return f"{layout.split('_')[0]}-H{h}_HV{hv}-{'l2' if l2 else 'raw'}-{'dht' if dht else 'nodht'}-{gates}"
+
+
+# ----------------------------------------------------------------------------- inputs
+
+
+def make_inputs(layout, heads, *, l2, with_dht, gates, dtype, seed=0, dk=DK, dv=DV):
+    """Forward inputs (q, k ``[1, T, H, K]``, v ``[1, T, HV, V]``, model-made gates), ``do`` ``[T, HV, V]``
+    and ``dht`` ``[N, HV, K, V]`` (or None).
+
+    Held in fp32, q, k, v, beta and do with values of ``dtype``, so the fp64 reference starts from
+    the very values the kernel reads; g stays fp32."""
+    tokens, cu = LAYOUTS[layout]
+    h, hv = heads
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, tokens, h, dk, generator=gen)
+    k = torch.randn(1, tokens, h, dk, generator=gen)
+    if not l2:
+        k = k * dk**-0.5  # |k| ~ 1 without the L2 norm: the delta rule stays stable
+    v = torch.randn(1, tokens, hv, dv, generator=gen)
+    g, beta = model_like_gates((1, tokens, hv), gen, gates)
+    do = torch.randn(tokens, hv, dv, generator=gen)
+    dht = torch.randn(len(cu) - 1, hv, dk, dv, generator=gen) if with_dht else None
+    q, k, v, beta, do = (x.to(dtype).float() for x in (q, k, v, beta, do))
+    return {"q": q, "k": k, "v": v, "g": g, "beta": beta, "cu_seqlens": cu}, do, dht
+
+
+def qk_views(q, k, device, dtype):
+    """q and k ``[T, H, K]`` as head views of one buffer ``[T, 2H + 3, K]`` (token stride (2H + 3) K)."""
+    tokens, heads, dk = q.shape
+    buf = torch.zeros(tokens, 2 * heads + 3, dk, dtype=dtype, device=device)
+    buf[:, :heads] = q.to(dtype)
+    buf[:, heads:2 * heads] = k.to(dtype)
+    return buf[:, :heads], buf[:, heads:2 * heads]
+
+
+def head_view(x, device, dtype):
+    """``x`` ``[T, HV, V]`` as the first HV heads of a buffer ``[T, HV + 1, V]`` (token stride (HV + 1) V)."""
+    tokens, heads, dv = x.shape
+    buf = torch.zeros(tokens, heads + 1, dv, dtype=dtype, device=device)
+    buf[:, :heads] = x.to(dtype)
+    return buf[:, :heads]
+
+
+def fold_padding(dg_c, chunk_indices):
+    """Padded ``dG`` ``[NC, HV, C]``: each chunk's padding positions added to its last valid one."""
+    dg_c = dg_c.clone()
+    for c, (_, start, end) in enumerate(chunk_indices.tolist()):
+        n = end - start
+        dg_c[c, :, n - 1] += dg_c[c, :, n:].sum(-1)
+        dg_c[c, :, n:] = 0
+    return dg_c
+
+
+class Prepared:
+    """The fp64 reference of one case and the kernel's inputs on ``device`` in ``dtype``."""
+
+    def __init__(self, inputs, do, dht, l2, device, dtype, scale=None):
+        self.device, self.dtype, self.l2 = device, dtype, l2
+        cu = inputs["cu_seqlens"]
+        st = chunk_gdn_stages(**inputs, scale=scale, use_qk_l2norm_in_kernel=l2, compute_dtype=F64)
+        self.scale = inputs["q"].shape[-1] ** -0.5 if scale is None else scale
+        ci = st.chunk_indices
+        tokens = st.q.shape[0]
+        # the fp64 backward up to this stage: dh and dv_new from do (and dht)
+        gcum = chunk_local_cumsum(to_chunks(inputs["g"][0].to(F64), ci))  # flat past each chunk's end
+        qc, kc, wc = (to_chunks(x, ci) for x in (st.q, st.k, st.w))
+        do_c = to_chunks(do.to(F64), ci)
+        dv_local = chunk_dv_local(qc, kc, do_c, gcum, self.scale)
+        dh, dv_new, _ = chunk_state_backward(qc, kc, wc, do_c, dv_local, gcum, ci, len(cu) - 1, self.scale,
+                                             None if dht is None else dht.to(F64))
+        dv_new = from_chunks(dv_new, ci, tokens)
+
+        # the kernel's inputs, in the test dtype
+        self.chunk_indices = ci.to(torch.int32).to(device)
+        self.q, self.k = qk_views(inputs["q"][0], inputs["k"][0], device, dtype)
+        self.v_new, self.do, self.dv_new = (head_view(x, device, dtype) for x in (st.v_new, do, dv_new))
+        self.h, self.dh = (x.to(dtype).to(device).contiguous() for x in (st.h, dh))
+        self.g_cum = st.g_cum.float().to(device)
+        self.max_g = gcum.abs().max().item() if gcum.numel() else 0.0
+
+        # the oracle on the same rounded values
+        v_new_c, dv_new_c = (to_chunks(x.cpu().to(F64), ci) for x in (self.v_new, self.dv_new))
+        h64, dh64 = (x.cpu().to(F64) for x in (self.h, self.dh))
+        do_c = to_chunks(self.do.cpu().to(F64), ci)
+        dq, dk, dw, dg = chunk_dqkwg(qc, kc, v_new_c, h64, dh64, do_c, dv_new_c, gcum, self.scale)
+        self.want = {"dq": from_chunks(dq, ci, tokens), "dk": from_chunks(dk, ci, tokens),
+                     "dw": from_chunks(dw, ci, tokens), "dg": from_chunks(fold_padding(dg, ci), ci, tokens)}
+
+    def tol(self, name):
+        """``dg``'s bound is fp32 arithmetic's for every input dtype (its sums are fp32 throughout)."""
+        if self.dtype == torch.bfloat16 and name != "dg":
+            return BF16_RMS
+        return max(FP32_RMS, 2.0**-24 * self.max_g)
+
+    def run(self):
+        tokens, hv, dk = self.v_new.shape[0], self.v_new.shape[1], self.q.shape[-1]
+        dq = torch.empty(tokens, hv, dk, dtype=torch.float32, device=self.device)
+        dk_ = torch.empty(tokens, hv, dk, dtype=torch.float32, device=self.device)
+        dw = torch.empty(tokens, hv, dk, dtype=self.dtype, device=self.device)
+        dg = torch.empty(tokens, hv, dtype=torch.float32, device=self.device)
+        out = launch_dqkwg(self.q, self.k, self.v_new, self.h, self.dh, self.do, self.dv_new, self.g_cum,
+                           self.chunk_indices, self.scale, dq, dk_, dw, dg, use_qk_l2norm=self.l2)
+        return dict(zip(("dq", "dk", "dw", "dg"), out, strict=True))
+
+
+# ----------------------------------------------------------------------------- comparisons
+
+
+def rel_rms(got, want):
+    got, want = got.double().cpu(), want.double().cpu()
+    return ((got - want).norm() / want.norm().clamp_min(1e-300)).item()
+
+
+def assert_rel_rms(got, want, tol, what):
+    assert torch.isfinite(got).all(), f"{what}: non-finite values (an element left unwritten?)"
+    err = rel_rms(got, want)
+    assert err <= tol, f"{what}: relative RMS error {err:.2e} > {tol:.1e}"
+    return err
+
+
+def check(p: Prepared) -> dict:
+    got = p.run()
+    assert got["dq"].dtype == got["dk"].dtype == got["dg"].dtype == torch.float32
+    assert got["dw"].dtype == p.dtype
+    return {name: assert_rel_rms(got[name], p.want[name], p.tol(name), name) for name in ("dq", "dk", "dw", "dg")}
+
+
+# ----------------------------------------------------------------------------- tests
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", list(DTYPES), ids=list(DTYPES))
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_dqkwg(case, dtype, device):
+    layout, heads, l2, with_dht, gates = case
+    inputs, do, dht = make_inputs(layout, heads, l2=l2, with_dht=with_dht, gates=gates, dtype=DTYPES[dtype],
+                                  seed=CASES.index(case))
+    check(Prepared(inputs, do, dht, l2, device, DTYPES[dtype], scale=0.3 if l2 else None))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", list(DTYPES), ids=list(DTYPES))
+def test_head_dims_128(dtype, device):
+    """The model's K = V = 128: two key blocks and two value blocks per program."""
+    inputs, do, dht = make_inputs("docs_1_45_0_130", (1, 3), l2=True, with_dht=True, gates="model",
+                                  dtype=DTYPES[dtype], seed=11, dk=128, dv=128)
+    check(Prepared(inputs, do, dht, True, device, DTYPES[dtype]))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", list(DTYPES), ids=list(DTYPES))
+def test_deterministic(dtype, device):
+    """Two launches give the same bits."""
+    inputs, do, dht = make_inputs("docs_1_45_0_130", (1, 3), l2=True, with_dht=True, gates="strong",
+                                  dtype=DTYPES[dtype], seed=5)
+    p = Prepared(inputs, do, dht, True, device, DTYPES[dtype])
+    first, second = p.run(), p.run()
+    for name in ("dq", "dk", "dw", "dg"):
+        assert_bitwise(first[name], second[name], f"{name}: second launch")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_no_chunks(device):
+    """No chunk at all (every document empty): the launch writes nothing."""
+    tokens, h, hv = 5, 1, 3
+    q = k = torch.zeros(tokens, h, DK, device=device)
+    v = torch.zeros(tokens, hv, DV, device=device)
+    states = torch.zeros(0, hv, DK, DV, device=device)
+    g_cum = torch.zeros(tokens, hv, device=device)
+    chunk_indices = torch.zeros(0, 3, dtype=torch.int32, device=device)
+    outs = [torch.full((tokens, hv, DK), 7.0, device=device) for _ in range(3)] + [torch.full_like(g_cum, 7.0)]
+    got = launch_dqkwg(q, k, v, states, states, v, v, g_cum, chunk_indices, 0.5, *outs)
+    for x in got:
+        assert (x == 7.0).all()
