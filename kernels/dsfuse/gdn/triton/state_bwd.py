@@ -75,6 +75,7 @@ import triton
 import triton.language as tl
 
 from dsfuse._common.aot import AotSpec
+from dsfuse._common.backends import interpreting
 from dsfuse.gdn.triton.state import (
     CHUNK,
     L2NORM_EPS,
@@ -101,7 +102,8 @@ DV_NUM_STAGES = 2
 CONFIG_HOPPER = (64, 4)
 CONFIG_BLACKWELL = (16, 2)
 MAX_BLOCK_K = 64
-NUM_STAGES = 2  # the chunk loop is a while loop (runtime bounds), which Triton does not pipeline
+NUM_STAGES = 2
+LOOP_STAGES = 2  # software-pipelining depth of the chunk loop on the GPU (as the forward state pass)
 
 
 # ----------------------------------------------------------------------------- dv_local
@@ -226,6 +228,81 @@ def launch_dv_local(
 # ----------------------------------------------------------------------------- reverse state pass
 
 
+@triton.jit
+def _state_backward_step(b_dh1, b_dh2, i_c, q_ptr, k_ptr, w_ptr, do_ptr, dvl_ptr, g_ptr, ci_ptr, dh_ptr, dvn_ptr,
+                         scale, s_qt, s_qh, s_kt, s_kh, s_wt, s_wh, s_dot, s_doh, s_lt, s_lh, s_gt, s_gh, s_vt, s_vh,
+                         i_hv, i_h, o_k, o_v, o_i, o_kv, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                         BK: tl.constexpr, USE_QK_L2NORM: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                         EMULATE_BF16: tl.constexpr):
+    """One chunk of the reverse pass: store ``dh[c]`` and ``dv_new``, return the state gradient at
+    the chunk's start (``b_dh2`` is carried unused when ``K == BK``)."""
+    dtype = q_ptr.dtype.element_ty
+    i_c64 = i_c.to(tl.int64)
+    bos = tl.load(ci_ptr + i_c64 * 3 + 1).to(tl.int64)
+    eos = tl.load(ci_ptr + i_c64 * 3 + 2).to(tl.int64)
+    o_t = bos + o_i  # [BT] int64 token offsets
+    m_t = o_t < eos
+
+    # dh[c] = dH (input dtype) and k @ dH [BT, K] @ [K, BV], one K block at a time
+    p_dh = dh_ptr + (i_c64 * HV + i_hv) * (K * V) + o_kv
+    p_k = k_ptr + o_t[:, None] * s_kt + i_h * s_kh + o_k[None, :]
+    b_dhc = _round(b_dh1, dtype, EMULATE_BF16)
+    tl.store(p_dh, b_dhc)
+    b_k = tl.load(p_k, mask=m_t[:, None], other=0.0)  # [BT, BK]
+    b_kh = _dot(b_k, b_dhc, None, DOT_PRECISION, EMULATE_BF16)  # [BT, BV]
+    if USE_QK_L2NORM:
+        b_kf = b_k.to(tl.float32)
+        b_ss = tl.sum(b_kf * b_kf, axis=1)  # [BT]
+    if K > BK:
+        b_dhc = _round(b_dh2, dtype, EMULATE_BF16)
+        tl.store(p_dh + BK * V, b_dhc)
+        b_k = tl.load(p_k + BK, mask=m_t[:, None], other=0.0)
+        b_kh = _dot(b_k, b_dhc, b_kh, DOT_PRECISION, EMULATE_BF16)
+        if USE_QK_L2NORM:
+            b_kf = b_k.to(tl.float32)
+            b_ss += tl.sum(b_kf * b_kf, axis=1)
+
+    # dv_new = dv_local + exp(G_last - G) (k @ dH): the decay (and k's norm) on the product's rows
+    b_g = tl.load(g_ptr + o_t * s_gt + i_hv * s_gh, mask=m_t, other=0.0)  # [BT]
+    b_g_last = tl.load(g_ptr + (eos - 1) * s_gt + i_hv * s_gh)
+    # exponents <= 0: masked to 0 for tokens past the chunk's end before exp
+    b_rk = tl.where(m_t, tl.exp(tl.where(m_t, b_g_last - b_g, 0.0)), 0.0)  # [BT] exp(G_last - G)
+    if USE_QK_L2NORM:
+        b_rk = b_rk * tl.rsqrt(b_ss + L2NORM_EPS)
+    p_l = dvl_ptr + o_t[:, None] * s_lt + i_hv * s_lh + o_v[None, :]
+    b_dv = tl.load(p_l, mask=m_t[:, None], other=0.0).to(tl.float32) + b_kh * b_rk[:, None]  # [BT, BV]
+    p_vn = dvn_ptr + o_t[:, None] * s_vt + i_hv * s_vh + o_v[None, :]
+    tl.store(p_vn, _round(b_dv, dvn_ptr.dtype.element_ty, EMULATE_BF16), mask=m_t[:, None])
+
+    # dH = exp(G_last) dH + q^T (scale exp(G) do) - w^T dv_new; q, w transposed from memory
+    p_q = q_ptr + o_t[None, :] * s_qt + i_h * s_qh + o_k[:, None]
+    b_q1 = tl.load(p_q, mask=m_t[None, :], other=0.0)  # [BK, BT]
+    if K > BK:
+        b_q2 = tl.load(p_q + BK, mask=m_t[None, :], other=0.0)
+    b_rq = tl.where(m_t, tl.exp(b_g), 0.0) * scale  # [BT] scale exp(G), exponents <= 0
+    if USE_QK_L2NORM:
+        b_qf = b_q1.to(tl.float32)
+        b_ss = tl.sum(b_qf * b_qf, axis=0)
+        if K > BK:
+            b_qf = b_q2.to(tl.float32)
+            b_ss += tl.sum(b_qf * b_qf, axis=0)
+        b_rq = b_rq * tl.rsqrt(b_ss + L2NORM_EPS)
+    p_do = do_ptr + o_t[:, None] * s_dot + i_hv * s_doh + o_v[None, :]
+    b_do = tl.load(p_do, mask=m_t[:, None], other=0.0).to(tl.float32)  # [BT, BV]
+    b_do = _round(b_do * b_rq[:, None], dtype, EMULATE_BF16)  # rounded once
+    b_dvn = _round(-b_dv, dtype, EMULATE_BF16)  # -dv_new as stored (rounding commutes with negation)
+    p_w = w_ptr + o_t[None, :] * s_wt + i_hv * s_wh + o_k[:, None]
+    b_decay = tl.exp(b_g_last)
+    b_dh1 = _dot(b_q1, b_do, b_dh1 * b_decay, DOT_PRECISION, EMULATE_BF16)  # [BK, BT] @ [BT, BV]
+    b_w = tl.load(p_w, mask=m_t[None, :], other=0.0)  # [BK, BT]
+    b_dh1 = _dot(b_w, b_dvn, b_dh1, DOT_PRECISION, EMULATE_BF16)
+    if K > BK:
+        b_dh2 = _dot(b_q2, b_do, b_dh2 * b_decay, DOT_PRECISION, EMULATE_BF16)
+        b_w = tl.load(p_w + BK, mask=m_t[None, :], other=0.0)
+        b_dh2 = _dot(b_w, b_dvn, b_dh2, DOT_PRECISION, EMULATE_BF16)
+    return b_dh1, b_dh2
+
+
 @triton.jit(do_not_specialize=["N"])
 def _state_backward_kernel(
     q_ptr,  # [T, H, K], unit channel stride
@@ -261,6 +338,8 @@ def _state_backward_kernel(
     USE_QK_L2NORM: tl.constexpr,
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs (no TF32); ignored for bf16/fp16
     EMULATE_BF16: tl.constexpr,  # CPU interpreter with bf16 data only (see state._dot, state._round)
+    PIPELINED: tl.constexpr,  # the chunk loop as a pipelined for loop (GPU) or a while loop (interpreter)
+    NUM_STAGES_LOOP: tl.constexpr,
 ):
     tl.static_assert(K == BK or K == 2 * BK)
     NV: tl.constexpr = V // BV
@@ -287,74 +366,24 @@ def _state_backward_kernel(
         b_dh1 = tl.zeros([BK, BV], dtype=tl.float32)
         if K > BK:
             b_dh2 = tl.zeros([BK, BV], dtype=tl.float32)
+    if K == BK:
+        b_dh2 = tl.zeros([BK, BV], dtype=tl.float32)  # a placeholder the step carries unused
 
     i_c0 = tl.load(co_ptr + i_n)  # the document's chunks [i_c0, i_c1), visited last to first
     i_c = tl.load(co_ptr + i_n + 1) - 1
-    while i_c >= i_c0:  # a while loop: runtime bounds, also in the interpreter
-        i_c64 = i_c.to(tl.int64)
-        bos = tl.load(ci_ptr + i_c64 * 3 + 1).to(tl.int64)
-        eos = tl.load(ci_ptr + i_c64 * 3 + 2).to(tl.int64)
-        o_t = bos + o_i  # [BT] int64 token offsets
-        m_t = o_t < eos
-
-        # dh[c] = dH (input dtype) and k @ dH [BT, K] @ [K, BV], one K block at a time
-        p_dh = dh_ptr + (i_c64 * HV + i_hv) * (K * V) + o_kv
-        p_k = k_ptr + o_t[:, None] * s_kt + i_h * s_kh + o_k[None, :]
-        b_dhc = _round(b_dh1, dtype, EMULATE_BF16)
-        tl.store(p_dh, b_dhc)
-        b_k = tl.load(p_k, mask=m_t[:, None], other=0.0)  # [BT, BK]
-        b_kh = _dot(b_k, b_dhc, None, DOT_PRECISION, EMULATE_BF16)  # [BT, BV]
-        if USE_QK_L2NORM:
-            b_kf = b_k.to(tl.float32)
-            b_ss = tl.sum(b_kf * b_kf, axis=1)  # [BT]
-        if K > BK:
-            b_dhc = _round(b_dh2, dtype, EMULATE_BF16)
-            tl.store(p_dh + BK * V, b_dhc)
-            b_k = tl.load(p_k + BK, mask=m_t[:, None], other=0.0)
-            b_kh = _dot(b_k, b_dhc, b_kh, DOT_PRECISION, EMULATE_BF16)
-            if USE_QK_L2NORM:
-                b_kf = b_k.to(tl.float32)
-                b_ss += tl.sum(b_kf * b_kf, axis=1)
-
-        # dv_new = dv_local + exp(G_last - G) (k @ dH): the decay (and k's norm) on the product's rows
-        b_g = tl.load(g_ptr + o_t * s_gt + i_hv * s_gh, mask=m_t, other=0.0)  # [BT]
-        b_g_last = tl.load(g_ptr + (eos - 1) * s_gt + i_hv * s_gh)
-        # exponents <= 0: masked to 0 for tokens past the chunk's end before exp
-        b_rk = tl.where(m_t, tl.exp(tl.where(m_t, b_g_last - b_g, 0.0)), 0.0)  # [BT] exp(G_last - G)
-        if USE_QK_L2NORM:
-            b_rk = b_rk * tl.rsqrt(b_ss + L2NORM_EPS)
-        p_l = dvl_ptr + o_t[:, None] * s_lt + i_hv * s_lh + o_v[None, :]
-        b_dv = tl.load(p_l, mask=m_t[:, None], other=0.0).to(tl.float32) + b_kh * b_rk[:, None]  # [BT, BV]
-        p_vn = dvn_ptr + o_t[:, None] * s_vt + i_hv * s_vh + o_v[None, :]
-        tl.store(p_vn, _round(b_dv, dvn_ptr.dtype.element_ty, EMULATE_BF16), mask=m_t[:, None])
-
-        # dH = exp(G_last) dH + q^T (scale exp(G) do) - w^T dv_new; q, w transposed from memory
-        p_q = q_ptr + o_t[None, :] * s_qt + i_h * s_qh + o_k[:, None]
-        b_q1 = tl.load(p_q, mask=m_t[None, :], other=0.0)  # [BK, BT]
-        if K > BK:
-            b_q2 = tl.load(p_q + BK, mask=m_t[None, :], other=0.0)
-        b_rq = tl.where(m_t, tl.exp(b_g), 0.0) * scale  # [BT] scale exp(G), exponents <= 0
-        if USE_QK_L2NORM:
-            b_qf = b_q1.to(tl.float32)
-            b_ss = tl.sum(b_qf * b_qf, axis=0)
-            if K > BK:
-                b_qf = b_q2.to(tl.float32)
-                b_ss += tl.sum(b_qf * b_qf, axis=0)
-            b_rq = b_rq * tl.rsqrt(b_ss + L2NORM_EPS)
-        p_do = do_ptr + o_t[:, None] * s_dot + i_hv * s_doh + o_v[None, :]
-        b_do = tl.load(p_do, mask=m_t[:, None], other=0.0).to(tl.float32)  # [BT, BV]
-        b_do = _round(b_do * b_rq[:, None], dtype, EMULATE_BF16)  # rounded once
-        b_dvn = _round(-b_dv, dtype, EMULATE_BF16)  # -dv_new as stored (rounding commutes with negation)
-        p_w = w_ptr + o_t[None, :] * s_wt + i_hv * s_wh + o_k[:, None]
-        b_decay = tl.exp(b_g_last)
-        b_dh1 = _dot(b_q1, b_do, b_dh1 * b_decay, DOT_PRECISION, EMULATE_BF16)  # [BK, BT] @ [BT, BV]
-        b_w = tl.load(p_w, mask=m_t[None, :], other=0.0)  # [BK, BT]
-        b_dh1 = _dot(b_w, b_dvn, b_dh1, DOT_PRECISION, EMULATE_BF16)
-        if K > BK:
-            b_dh2 = _dot(b_q2, b_do, b_dh2 * b_decay, DOT_PRECISION, EMULATE_BF16)
-            b_w = tl.load(p_w + BK, mask=m_t[None, :], other=0.0)
-            b_dh2 = _dot(b_w, b_dvn, b_dh2, DOT_PRECISION, EMULATE_BF16)
-        i_c -= 1
+    if PIPELINED:  # a for loop the compiler software-pipelines (loads of the previous chunk early)
+        for j in tl.range(0, i_c + 1 - i_c0, num_stages=NUM_STAGES_LOOP):
+            b_dh1, b_dh2 = _state_backward_step(b_dh1, b_dh2, i_c - j, q_ptr, k_ptr, w_ptr, do_ptr, dvl_ptr, g_ptr, ci_ptr, dh_ptr,
+                                                  dvn_ptr, scale, s_qt, s_qh, s_kt, s_kh, s_wt, s_wh, s_dot, s_doh,
+                                                  s_lt, s_lh, s_gt, s_gh, s_vt, s_vh, i_hv, i_h, o_k, o_v, o_i, o_kv,
+                                                  HV, K, V, BK, USE_QK_L2NORM, DOT_PRECISION, EMULATE_BF16)
+    else:  # the interpreter cannot take runtime bounds in a for loop
+        while i_c >= i_c0:
+            b_dh1, b_dh2 = _state_backward_step(b_dh1, b_dh2, i_c, q_ptr, k_ptr, w_ptr, do_ptr, dvl_ptr, g_ptr, ci_ptr, dh_ptr,
+                                                  dvn_ptr, scale, s_qt, s_qh, s_kt, s_kh, s_wt, s_wh, s_dot, s_doh,
+                                                  s_lt, s_lh, s_gt, s_gh, s_vt, s_vh, i_hv, i_h, o_k, o_v, o_i, o_kv,
+                                                  HV, K, V, BK, USE_QK_L2NORM, DOT_PRECISION, EMULATE_BF16)
+            i_c -= 1
 
     if STORE_DH0:
         tl.store(dh0_ptr + p_state, b_dh1)
@@ -432,6 +461,7 @@ def launch_state_backward(
         USE_QK_L2NORM=use_qk_l2norm,
         DOT_PRECISION=dot_precision(q.dtype),
         EMULATE_BF16=emulate_bf16(q.dtype),
+        PIPELINED=not interpreting(), NUM_STAGES_LOOP=LOOP_STAGES,
         num_warps=num_warps,
         num_stages=NUM_STAGES,
     )
@@ -487,6 +517,7 @@ def _aot_specs() -> list[AotSpec]:
                     "s_gh": 1, "HV": HV, "GROUP": HV // H, "K": K, "V": V, "BT": CHUNK, "BK": block_k(K),
                     "BV": min(block_v, V), "USE_DHT": states, "STORE_DH0": states, "USE_QK_L2NORM": l2,
                     "DOT_PRECISION": dot_precision(torch.bfloat16), "EMULATE_BF16": False,
+                    "PIPELINED": True, "NUM_STAGES_LOOP": LOOP_STAGES,
                 }
                 if not states:
                     del signature["dht_ptr"], signature["dh0_ptr"]
