@@ -14,9 +14,9 @@ out="${1:-${OUT:-build/gpu-job}}"; shift || true
 ops=("$@")
 mkdir -p "$out"
 export PYTHONPATH="$PWD/kernels:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
-if compgen -G ".carry/wheels/fla_core-*.whl" > /dev/null; then
-  python3 -m pip install -q --no-index --no-deps --target /tmp/dsfuse-site .carry/wheels/fla_core-*.whl \
-    .carry/wheels/liger_kernel-*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/dsfuse-site"
+if compgen -G ".carry/wheels/*.whl" > /dev/null; then  # whichever anchors travelled (FLA, Liger, pytest-xdist)
+  python3 -m pip install -q --no-index --no-deps --target /tmp/dsfuse-site .carry/wheels/*.whl \
+    && export PYTHONPATH="$PYTHONPATH:/tmp/dsfuse-site"
 fi
 nvidia-smi > "$out/nvidia-smi.txt" 2>&1
 stamp=$(mktemp); sleep 1

@@ -32,6 +32,29 @@ def test_compare_bitwise_and_allclose():
     assert not compare((want[0][:2],), want, exact, case).ok  # shape
 
 
+def test_compare_relrms_one_bound_per_output():
+    """``rtol`` as a tuple bounds each output by its own entry (a float keeps bounding every output);
+    a longer tuple applies its first bounds, a shorter one or a non-relrms check fails clearly."""
+    case = Case("c", "fwd", {}, bytes=0)
+    want = (torch.ones(100), torch.ones(100))
+    got = (torch.ones(100) * 1.004, torch.ones(100) * 1.015)  # relative RMS errors 0.004 and 0.015
+    assert compare(got, want, Provider("p", build=None, check="relrms", rtol=(0.005, 0.02)), case).ok
+    assert not compare(got, want, Provider("p", build=None, check="relrms", rtol=0.005), case).ok  # one float
+    assert compare(got, want, Provider("p", build=None, check="relrms", rtol=0.02), case).ok
+    swapped = compare(got, want, Provider("p", build=None, check="relrms", rtol=(0.02, 0.005)), case)
+    assert not swapped.ok and "output 1" in swapped.detail and "bound 0.005" in swapped.detail
+    assert abs(swapped.max_abs_diff - 0.015) < 1e-6
+    # a prefix: the forward's (o,) with the bounds of (o, grad)
+    assert compare(got[:1], want[:1], Provider("p", build=None, check="relrms", rtol=(0.005, 0.001)), case).ok
+    short = compare(got, want, Provider("p", build=None, check="relrms", rtol=(0.02,)), case)
+    assert not short.ok and "1 bounds for 2 outputs" in short.detail
+    wrong_check = compare(got, want, Provider("p", build=None, check="allclose", rtol=(0.02, 0.02)), case)
+    assert not wrong_check.ok and "relrms" in wrong_check.detail
+    # a non-finite output fails whatever its bound
+    assert not compare((torch.full((100,), float("nan")), got[1]), want,
+                       Provider("p", build=None, check="relrms", rtol=(1.0, 1.0)), case).ok
+
+
 def _fake_experiment():
     """Two providers: a correct one and one that is off by one ulp (must be excluded)."""
 

@@ -65,7 +65,12 @@ class Provider:
     A callable may carry ``reset()`` to restore state it mutates (in-place ops).
     ``check``: ``"bitwise"`` (bit patterns equal to the reference), ``"allclose"``
     (``rtol``/``atol`` per element) or ``"relrms"`` (each output's relative RMS
-    error against the reference at most ``rtol``). ``role``: ``"candidate"`` (dsfuse),
+    error against the reference at most ``rtol``). For ``"relrms"``, ``rtol`` may also
+    be a tuple: one bound per output, in order (output ``i`` at most ``rtol[i]``); a
+    tuple longer than a case's outputs applies its first bounds (an op whose modes
+    return prefixes of one output list, e.g. ``(o,)`` forward and ``(o, dx, dw)``
+    with the backward, shares one tuple), one shorter fails the check.
+    ``role``: ``"candidate"`` (dsfuse),
     ``"control"`` (same contract; the fastest valid one is the ratio baseline),
     ``"anchor"`` (a related public kernel with a different contract: reported,
     never a ratio baseline).
@@ -75,7 +80,7 @@ class Provider:
     build: Callable[[Case, dict], Callable[[], Outputs]]
     role: str = "control"
     check: str = "bitwise"
-    rtol: float = 0.0
+    rtol: float | tuple[float, ...] = 0.0  # a tuple (one bound per output): "relrms" only
     atol: float = 0.0
     applies: Callable[[Case], str | None] = lambda case: None  # reason it does not apply
     expect: Callable[[Case, Outputs], Outputs] | None = None  # reference outputs -> this provider's outputs
@@ -96,6 +101,11 @@ def compare(outputs: Outputs, expected: Outputs, provider: Provider, case: Case)
         expected = provider.expect(case, expected)
     if len(outputs) != len(expected):
         return CheckResult(False, detail=f"{len(outputs)} outputs, expected {len(expected)}")
+    bounds = provider.rtol if isinstance(provider.rtol, (tuple, list)) else None
+    if bounds is not None and provider.check != "relrms":
+        return CheckResult(False, detail=f"rtol: one bound per output needs check 'relrms', not {provider.check!r}")
+    if bounds is not None and len(bounds) < len(expected):
+        return CheckResult(False, detail=f"rtol: {len(bounds)} bounds for {len(expected)} outputs")
     total, worst = 0, 0.0
     for i, (got, want) in enumerate(zip(outputs, expected)):
         if got.shape != want.shape or (got.dtype != want.dtype and provider.check != "relrms"):
@@ -103,11 +113,14 @@ def compare(outputs: Outputs, expected: Outputs, provider: Provider, case: Case)
         got, want = got.detach(), want.detach()
         if provider.check == "bitwise":
             bad = bits(got) != bits(want)
-        elif provider.check == "relrms":  # relative RMS error of the whole output <= rtol
+        elif provider.check == "relrms":  # relative RMS error of the whole output <= its bound
+            bound = provider.rtol if bounds is None else bounds[i]
             err = (got.double() - want.double()).norm() / want.double().norm().clamp_min(1e-30)
-            bad = torch.full((1,), bool(err > provider.rtol) or not bool(torch.isfinite(err)))
+            bad = torch.full((1,), bool(err > bound) or not bool(torch.isfinite(err)))
             if bad.any():
-                return CheckResult(False, int(got.numel()), float(err), f"output {i}: relative RMS error {float(err):.3g}")
+                limit = "" if bounds is None else f" (bound {bound:.3g})"
+                return CheckResult(False, int(got.numel()), float(err),
+                                   f"output {i}: relative RMS error {float(err):.3g}{limit}")
             continue
         else:
             bad = ~torch.isclose(got.float(), want.float(), rtol=provider.rtol, atol=provider.atol, equal_nan=True)

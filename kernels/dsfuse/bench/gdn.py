@@ -1,0 +1,538 @@
+"""Gated DeltaNet experiment: chunk_gdn's forward, backward, checkpointed step and layer step.
+
+Geometry (``experiments/gdn/model.yaml``, the op brief's "Qwen3.5/3.6 linear-attention layer"):
+``H`` = 16 qk heads, ``HV`` = 48 value heads, head dim ``D`` = K = V = 128, hidden width 2048 for
+the layer step; ``T`` = 32,768 tokens in ``N`` = 5 documents of unequal lengths, none a multiple
+of the chunk (64), bf16, with an initial state and the final state, the in-kernel L2 norm of q
+and k on and off (config ``l2norm``). Every provider reads q, k, v from ONE packed projection
+row ``[T, (2H + HV) D]`` (q heads, then k heads, then v heads), as the model's layer hands them.
+
+Modes (config ``modes``; case names ``T<T>_<l2|nol2>_<mode>``):
+
+* ``fwd``: ``(o, final_state)``;
+* ``bwd``: the backward alone: the forward runs once when the provider is built, the timed call
+  is ``torch.autograd.grad((o, final_state), leaves, (do, dht), retain_graph=True)``;
+* ``fwd+bwd``: forward and that backward in one call;
+* ``ckpt``: the checkpointed step: ``torch.utils.checkpoint`` (non-reentrant) around the
+  forward, then the backward: two forwards, one backward;
+* ``layer``: the layer step: hidden ``[T, 2048]`` bf16 -> bias-free ``Linear`` to the packed row
+  -> the q, k, v views -> the op -> ``autograd.grad`` with the fixed ``do``, ``dht``, including
+  the projection's weight and input gradients: the concatenation cost of split views in context.
+
+The leaves are the packed row (or, in the layer step, the hidden state and the projection
+weight), ``g``, ``beta`` and the initial state.
+
+Providers (config ``providers``):
+
+* ``fla`` (control): flash-linear-attention's ``chunk_gated_delta_rule`` on plain split views of
+  the row (see :func:`fla_gdn` for its Hopper guard); ``cu_seqlens`` int64 on the device;
+* ``dsfuse-packed`` (candidate): :func:`dsfuse.gdn.chunk_gdn` on
+  :func:`dsfuse.gdn.packed.packed_qkv_views` of the row: the backward hands over one packed
+  gradient row, no concatenation;
+* ``dsfuse-split`` (candidate): ``chunk_gdn`` on plain split views (``row.split`` then
+  ``unflatten``/``unsqueeze``): torch's split backward concatenates dq, dk, dv into a new row.
+
+Without gradients (``fwd``) the packed and split views are both plain views: the same call.
+
+Outputs, in this order (each mode's a prefix of one list, so one tuple of bounds serves them all,
+see :data:`TOLERANCES`): ``o``, ``final_state``, then the gradients ``d_row`` as its three parts
+(``[T, H D]``, ``[T, H D]``, ``[T, HV D]``: views of the packed row's gradient, which is what the
+step produces; the reference's ``dq``, ``dk``, ``dv`` are put in that layout by
+``Provider.expect``), ``dg``, ``dbeta``, ``dh0``. The layer step: ``o``, ``final_state``, the
+projection weight's gradient as its q, k, v row blocks (checked at dq's, dk's, dv's bounds),
+``dg``, ``dbeta``, ``dh0``, and the hidden state's gradient ``d_hidden``.
+
+Correctness: against the FP64 reference (:func:`dsfuse.gdn.chunk_gdn_reference` and
+:func:`dsfuse.gdn.reference_backward.chunk_gdn_backward_reference` with ``compute_dtype=float64``
+on the same bf16 inputs; in the layer step on the same bf16 projection row, its weight and input
+gradients in FP64 from the FP64 row gradient) by relative RMS error, per output:
+``o`` and the final state 0.005; dq, dk, dv, dh0 (and the layer's weight and input gradients)
+0.008; dg, dbeta 0.02 (the op brief's contract, flash-linear-attention's test tolerances). A
+provider whose check fails is still timed but flagged, and the report never takes it as the
+baseline (:func:`dsfuse.bench.report.valid_providers`: only providers whose every check before
+and after timing passed are candidates for "fastest valid control"); in particular FLA's
+backward counts as a control only where its gradients pass the same FP64 checks in the same run.
+
+Inputs (:func:`make_inputs`): the row ~ N(0, 1) (q and k channels scaled by ``D**-0.5`` when
+the L2 norm is off: keys of norm about 1, as the model's normalised keys; raw ones make the
+delta rule diverge in the reference too); gates as the model makes them
+(:func:`dsfuse.gdn.gdn_gates` with ``A = exp(A_log)`` ~ U(1, 16) and ``softplus(dt_bias)``
+log-uniform in [1e-3, 1e-1], the model's initialisation); initial state and ``dht`` ~ 0.1 N(0, 1);
+``do`` ~ N(0, 1). Layer step: hidden ~ N(0, 1), weight rows ~ N(0, 1/hidden) (q and k rows also
+scaled by ``D**-0.5`` without the L2 norm).
+
+Byte floors (``Case.bytes``), with ``e`` the element size (2 for bf16), ``S = N HV D D`` the
+state's elements (fp32, 4 bytes) and ``W = (2H + HV) D`` the row width::
+
+    inputs   = T (2H D + HV D) e  [q, k, v]  +  4 T HV  [g]  +  e T HV  [beta]  +  4 S  [h0]
+    fwd      = inputs + T HV D e  [o]  +  4 S  [final state]
+    bwd      = inputs + T HV D e  [do]  +  4 S  [dht]
+               + T (2H D + HV D) e  [dq, dk, dv]  +  4 T HV  [dg]  +  e T HV  [dbeta]  +  4 S  [dh0]
+    fwd+bwd  = fwd + bwd
+    ckpt     = 2 fwd + bwd            (the forward runs twice, each with its reads and writes)
+    layer    = proj_fwd + fwd + bwd + proj_bwd, with
+               proj_fwd = T Hd e [hidden] + W Hd e [weight] + T W e [the row]
+               proj_bwd = T W e [d_row] + T Hd e + W Hd e [hidden, weight] + T Hd e [d_hidden] + W Hd e [dW]
+
+(each op of the layer step at its own floor: the row and its gradient stored once, no fusion
+across the projection).
+
+FLOPs (``Case.flops``): the matmul FLOPs of the chunked algorithm, per chunk of ``C`` = 64 tokens
+and value head (q k^T and k k^T are computed per value head, as the stages do; a partial chunk at
+a document's end costs a whole one, as the kernels compute whole tiles), stage by stage
+(:mod:`dsfuse.gdn.schedule`)::
+
+    forward   wy       L = k k^T: 2C^2 K;  A = (I + L)^-1 (triangular): C^3/3;
+                       w = A (beta e^G k): 2C^2 K;  u = A (beta v): 2C^2 V
+              state    v_new = u - w h: 2CKV;  h_next += (k e^(G_C - G))^T v_new: 2CKV
+              output   (q e^G) h: 2CKV;  q k^T: 2C^2 K;  (q k^T * Gamma) v_new: 2C^2 V
+              total    6C^2 K + 4C^2 V + 6CKV + C^3/3
+    backward  recompute w, u: 2C^2 K + 2C^2 V (A is saved);  recompute h: 4CKV
+              dv_local   q k^T: 2C^2 K;  (.)^T do: 2C^2 V
+              state bwd  (k e^(G_C - G)) dH: 2CKV;  (q e^G)^T do: 2CKV;  w^T dv_new: 2CKV
+              dqkwg      do v_new^T: 2C^2 V;  do h^T: 2CKV;  dA k: 2C^2 K;  dA^T q: 2C^2 K;
+                         v_new dH^T: 2CKV;  dv_new h^T: 2CKV
+              wy bwd     A^T dw: 2C^2 K;  A^T du: 2C^2 V;  dw X^T + du Y^T: 2C^2 K + 2C^2 V;
+                         A^T dA A^T: 4C^3;  k k^T: 2C^2 K;  (dL * ..) k and its transpose: 4C^2 K
+              total      18C^2 K + 10C^2 V + 16CKV + 4C^3
+
+At C = 64, K = V = 128: 11.62 MFLOP forward and 32.51 MFLOP backward per (chunk, value head); the
+brief's shape has 516 chunks x 48 value heads: 288 GFLOP forward, 805 GFLOP backward. ``ckpt``
+counts two forwards and a backward; ``layer`` adds the projection, ``2 T Hd W`` forward and twice
+that backward. The report (:func:`report_extra`) gives the achieved TFLOP/s and, where the config
+names the GPU's ``peak_tflops``, the time those FLOPs take at that peak (the FLOPs floor).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import itertools
+import math
+import os
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import yaml
+
+from dsfuse.bench.harness import Case, Provider, select_providers
+from dsfuse.bench.paths import repo_path
+
+OP = "gdn"
+CHUNK = 64
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+MODES = ("fwd", "bwd", "fwd+bwd", "ckpt", "layer")
+GRAD_MODES = ("bwd", "fwd+bwd", "ckpt")  # the op's own gradients (the layer step: its own outputs)
+DOC_WEIGHTS = (0.27, 0.09, 0.34, 0.18, 0.12)  # document lengths as fractions of T (as experiments/gdn/forward_check.py)
+TOLERANCES = {  # relative RMS against FP64, per output (the op brief's contract)
+    "o": 0.005, "final_state": 0.005, "dq": 0.008, "dk": 0.008, "dv": 0.008, "dg": 0.02, "dbeta": 0.02,
+    "dh0": 0.008, "d_hidden": 0.008,
+}
+# The bounds' order. The layer step's outputs 2-4 are the projection weight's gradient blocks dW_q,
+# dW_k, dW_v, checked at dq's, dk's, dv's bounds; its last is d_hidden.
+OUTPUTS = ("o", "final_state", "dq", "dk", "dv", "dg", "dbeta", "dh0", "d_hidden")
+
+
+# -- geometry, cases, floors ------------------------------------------------------------------
+
+
+def model_config(config: dict) -> dict:
+    """The model geometry the config names (``model_config``), with its ``model_overrides``."""
+    model = yaml.safe_load(repo_path(config["model_config"]).read_text())
+    return model | config.get("model_overrides", {})
+
+
+def document_bounds(tokens: int, documents: int | list[int]) -> list[int]:
+    """Documents of unequal lengths filling ``tokens``, none a multiple of the chunk (64): ``cu_seqlens``
+    as python ints. ``documents``: their lengths (summing to ``tokens``), or their number: then lengths
+    ``DOC_WEIGHTS`` (cycled) of ``tokens``, all but the last made odd, the last taking the rest (two
+    tokens move to the first if the rest is a multiple of 64)."""
+    if isinstance(documents, (list, tuple)):
+        lengths = [int(n) for n in documents]
+        if sum(lengths) != tokens:
+            raise ValueError(f"documents: lengths {lengths} sum to {sum(lengths)}, not tokens = {tokens}")
+    else:
+        if documents < 1:
+            raise ValueError(f"documents: expected at least 1, got {documents}")
+        weights = [DOC_WEIGHTS[i % len(DOC_WEIGHTS)] for i in range(documents)]
+        lengths = [int(w / sum(weights) * tokens) | 1 for w in weights[:-1]]
+        lengths.append(tokens - sum(lengths))
+        if documents > 1 and lengths[-1] % CHUNK == 0:
+            lengths[0], lengths[-1] = lengths[0] + 2, lengths[-1] - 2
+    if any(n <= 0 or n % CHUNK == 0 for n in lengths):
+        raise ValueError(f"tokens = {tokens} in documents of {lengths} tokens: each must be > 0 and not a multiple "
+                         f"of {CHUNK}; use more tokens or fewer documents")
+    bounds = [0]
+    for n in lengths:
+        bounds.append(bounds[-1] + n)
+    return bounds
+
+
+def num_chunks(bounds: list[int]) -> int:
+    return sum(math.ceil((b - a) / CHUNK) for a, b in itertools.pairwise(bounds))
+
+
+def chunk_flops(dim_k: int, dim_v: int, c: int = CHUNK) -> tuple[int, int]:
+    """Matmul FLOPs of the forward and of the backward per (chunk, value head) (module docstring)."""
+    fwd = 6 * c * c * dim_k + 4 * c * c * dim_v + 6 * c * dim_k * dim_v + c**3 // 3
+    bwd = 18 * c * c * dim_k + 10 * c * c * dim_v + 16 * c * dim_k * dim_v + 4 * c**3
+    return fwd, bwd
+
+
+def floors(p: dict) -> dict[str, tuple[int, int]]:
+    """``{mode: (bytes, flops)}`` of a case's parameters (module docstring)."""
+    t, n, h, hv, d, hd = p["tokens"], p["documents"], p["heads"], p["value_heads"], p["head_dim"], p["hidden"]
+    e = torch.empty((), dtype=DTYPES[p["dtype"]]).element_size()
+    width = (2 * h + hv) * d
+    qkv, state, gate = t * width * e, 4 * n * hv * d * d, 4 * t * hv + e * t * hv  # g fp32, beta in dtype
+    o = t * hv * d * e
+    inputs = qkv + gate + state
+    fwd = inputs + o + state
+    bwd = inputs + o + state + qkv + gate + state
+    proj_fwd = t * hd * e + width * hd * e + t * width * e
+    proj_bwd = t * width * e + t * hd * e + width * hd * e + t * hd * e + width * hd * e
+    per_fwd, per_bwd = chunk_flops(d, d)
+    heads_chunks = num_chunks(p["bounds"]) * hv
+    f_fwd, f_bwd = per_fwd * heads_chunks, per_bwd * heads_chunks
+    gemm = 2 * t * hd * width
+    return {"fwd": (fwd, f_fwd), "bwd": (bwd, f_bwd), "fwd+bwd": (fwd + bwd, f_fwd + f_bwd),
+            "ckpt": (2 * fwd + bwd, 2 * f_fwd + f_bwd),
+            "layer": (proj_fwd + fwd + bwd + proj_bwd, f_fwd + f_bwd + 3 * gemm)}
+
+
+def cases(config: dict) -> list[Case]:
+    model = model_config(config)
+    tokens = int(config["tokens"])
+    bounds = document_bounds(tokens, config.get("documents", 5))
+    dtype = config.get("dtype", "bfloat16")
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype: expected one of {sorted(DTYPES)}, got {dtype!r}")
+    out = []
+    for l2 in config.get("l2norm", [True]):
+        for mode in config["modes"]:
+            if mode not in MODES:
+                raise ValueError(f"modes: expected some of {MODES}, got {mode!r}")
+            params = dict(tokens=tokens, documents=len(bounds) - 1, bounds=bounds, heads=model["num_k_heads"],
+                          value_heads=model["num_v_heads"], head_dim=model["head_dim"], hidden=model["hidden_size"],
+                          dtype=dtype, l2norm=bool(l2), backend=config.get("backend", "triton"))
+            nbytes, flops = floors(params)[mode]
+            out.append(Case(f"T{tokens}_{'l2' if l2 else 'nol2'}_{mode}", mode, params, bytes=nbytes, flops=flops))
+    return out
+
+
+# -- inputs and reference ---------------------------------------------------------------------
+
+
+def make_inputs(case: Case, device: torch.device, seed: int) -> dict:
+    """The row (or the layer's hidden state and weight), gates, states and output gradients (module docstring)."""
+    p = case.params
+    t, h, hv, d, hd = p["tokens"], p["heads"], p["value_heads"], p["head_dim"], p["hidden"]
+    n = len(p["bounds"]) - 1
+    dtype = DTYPES[p["dtype"]]
+    gen = torch.Generator(device=device).manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(shape, generator=gen, device=device)
+
+    def uniform(lo, hi, *shape):
+        return torch.rand(shape, generator=gen, device=device) * (hi - lo) + lo
+
+    qk_scale = 1.0 if p["l2norm"] else d**-0.5
+    width = (2 * h + hv) * d
+    inputs: dict = {}
+    if case.mode == "layer":
+        weight = randn(width, hd) * hd**-0.5
+        weight[: 2 * h * d] *= qk_scale
+        inputs.update(hidden=randn(t, hd).to(dtype), weight=weight.to(dtype))
+    else:
+        row = randn(t, width)
+        row[:, : 2 * h * d] *= qk_scale
+        inputs["row"] = row.to(dtype)
+    from dsfuse.gdn import gdn_gates
+
+    a_log = uniform(1.0, 16.0, hv).log()
+    dt = uniform(math.log(1e-3), math.log(1e-1), hv).exp()
+    dt_bias = dt + torch.log(-torch.expm1(-dt))  # softplus(dt_bias) = dt
+    g, beta = gdn_gates(randn(1, t, hv), randn(1, t, hv), a_log, dt_bias)
+    inputs.update(g=g.float(), beta=beta.to(dtype), initial_state=randn(n, hv, d, d) * 0.1,
+                  do=randn(1, t, hv, d).to(dtype), dht=randn(n, hv, d, d) * 0.1,
+                  cu_seqlens=torch.tensor(p["bounds"], dtype=torch.int32))  # on the host: read without a sync
+    return inputs
+
+
+def split_views(row: torch.Tensor, heads: int, value_heads: int) -> tuple[torch.Tensor, ...]:
+    """Plain split views ``[1, T, H, D]``, ``[1, T, H, D]``, ``[1, T, HV, D]`` of a packed row ``[T, W]``."""
+    d = row.shape[-1] // (2 * heads + value_heads)
+    return tuple(t.unflatten(-1, (-1, d)).unsqueeze(0) for t in row.split([heads * d, heads * d, value_heads * d], -1))
+
+
+def packed_views(row: torch.Tensor, heads: int, value_heads: int) -> tuple[torch.Tensor, ...]:
+    """:func:`dsfuse.gdn.packed.packed_qkv_views`: one autograd node, one packed row gradient."""
+    from dsfuse.gdn.packed import packed_qkv_views
+
+    return packed_qkv_views(row, heads, value_heads)
+
+
+def row_parts(d_row: torch.Tensor, heads: int, value_heads: int) -> tuple[torch.Tensor, ...]:
+    """The q, k, v parts (views) ``[T, H D]``, ``[T, H D]``, ``[T, HV D]`` of a row (gradient) ``[T, W]``."""
+    d = d_row.shape[-1] // (2 * heads + value_heads)
+    return d_row.split([heads * d, heads * d, value_heads * d], -1)
+
+
+def weight_parts(d_weight: torch.Tensor, heads: int, value_heads: int) -> tuple[torch.Tensor, ...]:
+    """The q, k, v row blocks (views) of the projection weight's gradient ``[W, Hd]``."""
+    d = d_weight.shape[0] // (2 * heads + value_heads)
+    return d_weight.split([heads * d, heads * d, value_heads * d], 0)
+
+
+def reference(case: Case, inputs: dict) -> tuple[torch.Tensor, ...]:
+    """The FP64 chunked reference on the same bf16 inputs (the layer step: on the same bf16 row)."""
+    from dsfuse.gdn import chunk_gdn_reference
+    from dsfuse.gdn.reference_backward import chunk_gdn_backward_reference
+
+    p = case.params
+    h, hv = p["heads"], p["value_heads"]
+    with torch.no_grad():
+        row = F.linear(inputs["hidden"], inputs["weight"]) if case.mode == "layer" else inputs["row"]
+        q, k, v = split_views(row, h, hv)
+        args = dict(q=q, k=k, v=v, g=inputs["g"], beta=inputs["beta"], initial_state=inputs["initial_state"],
+                    cu_seqlens=inputs["cu_seqlens"], use_qk_l2norm_in_kernel=p["l2norm"], compute_dtype=torch.float64)
+        o, ht = chunk_gdn_reference(**args, output_final_state=True)
+        if case.mode == "fwd":
+            return o, ht
+        dq, dk, dv, dg, dbeta, dh0 = chunk_gdn_backward_reference(**args, do=inputs["do"], dht=inputs["dht"])
+        if case.mode != "layer":
+            return o, ht, dq, dk, dv, dg, dbeta, dh0
+        d_row = torch.cat([dq.flatten(2), dk.flatten(2), dv.flatten(2)], -1)[0]  # [T, W] fp64
+        d_weight = d_row.T @ inputs["hidden"].double()
+        d_hidden = d_row @ inputs["weight"].double()
+        return (o, ht, *weight_parts(d_weight, h, hv), dg, dbeta, dh0, d_hidden)
+
+
+def as_row_parts(case: Case, expected: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """``Provider.expect``: the reference's dq, dk, dv ``[1, T, H|HV, D]`` as the row gradient's parts ``[T, H|HV D]``."""
+    if case.mode not in GRAD_MODES:
+        return expected
+    o, ht, dq, dk, dv, *rest = expected
+    return (o, ht, *(t.reshape(t.shape[1], -1) for t in (dq, dk, dv)), *rest)
+
+
+# -- providers --------------------------------------------------------------------------------
+
+
+def _capture_stream_forward(device: torch.device):
+    """Where the ``bwd`` mode's build-time forward runs: on CUDA, the stream CUDA Graph capture uses.
+
+    Autograd runs each backward node on the stream its forward ran on. A forward run on the
+    default (legacy) stream would put the captured backward's kernels there, which a capture
+    refuses; on ``torch.cuda.graph``'s capture stream the whole backward is captured on it, and an
+    eager call syncs with it as autograd does for any stream."""
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    graph = torch.cuda.graph
+    if getattr(graph, "default_capture_stream", None) is None:
+        graph.default_capture_stream = torch.cuda.Stream(device)
+    stream = graph.default_capture_stream
+    stream.wait_stream(torch.cuda.current_stream(device))
+    return torch.cuda.stream(stream)
+
+
+def _build(views, make_gdn):
+    """A provider ``build``: ``views(row, H, HV) -> (q, k, v)`` and ``make_gdn(case, inputs)``, which
+    returns ``gdn(q, k, v, g, beta, h0) -> (o, final_state)``; one runner per mode (module docstring)."""
+
+    def build(case: Case, inputs: dict):
+        p = case.params
+        h, hv = p["heads"], p["value_heads"]
+        gdn = make_gdn(case, inputs)
+        do, dht = inputs["do"], inputs["dht"]
+        g, beta, h0 = inputs["g"], inputs["beta"], inputs["initial_state"]
+        if case.mode == "fwd":
+            row = inputs["row"]
+            return lambda: gdn(*views(row, h, hv), g, beta, h0)
+        if case.mode == "layer":
+            leaves = [t.detach().requires_grad_() for t in (inputs["weight"], g, beta, h0, inputs["hidden"])]
+
+            def layer():
+                row = F.linear(leaves[4], leaves[0])
+                o, ht = gdn(*views(row, h, hv), *leaves[1:4])
+                d_weight, *rest = torch.autograd.grad((o, ht), leaves, (do, dht))
+                return (o.detach(), ht.detach(), *weight_parts(d_weight, h, hv), *rest)
+
+            return layer
+        leaves = [t.detach().requires_grad_() for t in (inputs["row"], g, beta, h0)]
+
+        def forward(row, g_, beta_, h0_):
+            return gdn(*views(row, h, hv), g_, beta_, h0_)
+
+        def grads(o, ht, **kw):
+            d_row, *rest = torch.autograd.grad((o, ht), leaves, (do, dht), **kw)
+            return (o.detach(), ht.detach(), *row_parts(d_row, h, hv), *rest)
+
+        if case.mode == "bwd":
+            with _capture_stream_forward(do.device):
+                o, ht = forward(*leaves)
+            if do.device.type == "cuda":
+                torch.cuda.current_stream(do.device).wait_stream(torch.cuda.graph.default_capture_stream)
+            return lambda: grads(o, ht, retain_graph=True)
+        if case.mode == "fwd+bwd":
+            return lambda: grads(*forward(*leaves))
+        if case.mode == "ckpt":
+            from torch.utils.checkpoint import checkpoint
+
+            # no RNG in the op: nothing to stash (and reading the CUDA RNG state is not capturable)
+            return lambda: grads(*checkpoint(forward, *leaves, use_reentrant=False, preserve_rng_state=False))
+        raise ValueError(f"mode: expected one of {MODES}, got {case.mode!r}")
+
+    return build
+
+
+def dsfuse_gdn(case: Case, inputs: dict):
+    """``chunk_gdn`` with the case's backend (``triton`` unless the config says otherwise), ``cu_seqlens`` on the host."""
+    from dsfuse.gdn import chunk_gdn
+
+    p = case.params
+
+    def gdn(q, k, v, g, beta, h0):
+        return chunk_gdn(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=inputs["cu_seqlens"],
+                         use_qk_l2norm_in_kernel=p["l2norm"], backend=p["backend"])
+
+    return gdn
+
+
+@functools.cache
+def fla_import() -> tuple[object | None, str]:
+    """``(chunk_gated_delta_rule, note)``, or ``(None, why not)``. Bypasses FLA's Hopper guard: sets
+    ``fla.ops.common.chunk_o.IS_NVIDIA_HOPPER = False`` where that attribute exists (see :func:`fla_gdn`).
+    Keeps FLA on its own Triton kernels: ``FLA_FLASH_QLA=0`` unless the environment sets it (FLA 0.6
+    otherwise dispatches to FlashQLA's fused kernels wherever the ``flash_qla`` package is installed)."""
+    os.environ.setdefault("FLA_FLASH_QLA", "0")
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    except Exception as exc:  # not installed, or not importable with this torch/triton
+        return None, f"flash-linear-attention (fla) is not importable: {type(exc).__name__}: {exc}"
+    note = "no Hopper guard found"
+    try:
+        from fla.ops.common import chunk_o
+    except Exception:  # noqa: BLE001  (an FLA without that module has no such guard)
+        chunk_o = None
+    if chunk_o is not None and hasattr(chunk_o, "IS_NVIDIA_HOPPER"):
+        chunk_o.IS_NVIDIA_HOPPER = False
+        note = "Hopper guard bypassed (fla.ops.common.chunk_o.IS_NVIDIA_HOPPER = False)"
+    return chunk_gated_delta_rule, note
+
+
+def fla_gdn(case: Case, inputs: dict):
+    """flash-linear-attention's ``chunk_gated_delta_rule`` (imported on first use).
+
+    Its Hopper guard is bypassed: before first use, ``fla.ops.common.chunk_o.IS_NVIDIA_HOPPER`` is
+    set to False where that attribute exists. FLA refuses its backward on Hopper with Triton >= 3.4
+    and < 3.7.1 (its issue 640: wrong dq, dk, dg from a transposed wgmma accumulator); with the
+    guard bypassed FLA 0.6.0 matched the FP64 recurrence on the H200 test GPU at T = 4,096 (op
+    brief), so its backward is a control here only where its outputs and gradients pass the same
+    FP64 checks in the same run at the benchmark shape; otherwise the run records it as failing and
+    it is never the baseline. ``cu_seqlens`` int64 on the device (made once, when built). FLA's
+    Triton path (its FlashQLA backend off: :func:`fla_import`); q, k, v plain split views of the row,
+    which FLA makes contiguous (its ``input_guard``).
+    """
+    fn, _ = fla_import()
+    p = case.params
+    cu = inputs["cu_seqlens"].to(device=inputs["do"].device, dtype=torch.int64)
+
+    def gdn(q, k, v, g, beta, h0):
+        return fn(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu,
+                  use_qk_l2norm_in_kernel=p["l2norm"])
+
+    return gdn
+
+
+def _fla_applies(case: Case) -> str | None:
+    return fla_import()[1] if fla_import()[0] is None else None
+
+
+def tolerances(config: dict) -> tuple[float, ...]:
+    """One relative RMS bound per output, in :data:`OUTPUTS` order: the contract, updated by the config's
+    ``relrms`` (by output name)."""
+    override = config.get("relrms", {})
+    unknown = sorted(set(override) - set(TOLERANCES))
+    if unknown:
+        raise ValueError(f"relrms: unknown outputs {unknown}; expected names from {list(OUTPUTS)}")
+    bounds = TOLERANCES | {k: float(v) for k, v in override.items()}
+    return tuple(bounds[name] for name in OUTPUTS)
+
+
+def providers(config: dict) -> list[Provider]:
+    check = dict(check="relrms", rtol=tolerances(config), expect=as_row_parts)
+    table = {
+        "fla": lambda: Provider("fla", _build(split_views, fla_gdn), role="control", applies=_fla_applies, **check),
+        "dsfuse-packed": lambda: Provider("dsfuse-packed", _build(packed_views, dsfuse_gdn), role="candidate",
+                                          **check),
+        "dsfuse-split": lambda: Provider("dsfuse-split", _build(split_views, dsfuse_gdn), role="candidate", **check),
+    }
+    return select_providers(table, config)
+
+
+# -- report -----------------------------------------------------------------------------------
+
+
+def report_extra(run_dir: Path) -> list[str]:
+    """Packed against split views per case (the concatenation's cost), and the FLOPs: achieved TFLOP/s
+    per provider and, where the config names ``peak_tflops``, the FLOPs floor (graph clock, L2 evicted;
+    the wall clock of a smoke run)."""
+    from tabulate import tabulate
+
+    from dsfuse.bench.report import _fmt, load_run, summarize, valid_providers
+
+    run = load_run(Path(run_dir))
+    med, _, _ = summarize(run)
+    if med.empty:
+        return []
+    clock, regime = ("graph", "evicted") if "graph" in set(med["clock"]) else ("wall", "hot")
+    valid = valid_providers(run["validation"])
+    us = med.set_index(["case", "provider", "clock", "regime"])["us"]
+    cases = run["cases"][run["cases"]["case"] != "copy"]
+    lines: list[str] = []
+
+    rows = []
+    for case in cases["case"]:
+        for clk in dict.fromkeys([clock, "eager"]):
+            key_p, key_s = (case, "dsfuse-packed", clk, regime), (case, "dsfuse-split", clk, regime)
+            if key_p not in us.index or key_s not in us.index:
+                continue
+            packed, split = float(us[key_p]), float(us[key_s])
+            ok = all(p in valid.get(case, set()) for p in ("dsfuse-packed", "dsfuse-split"))
+            rows.append([case, f"{clk}/{regime}", _fmt(split), _fmt(packed), _fmt(split - packed),
+                         f"{_fmt(split / packed, 2)}x", "yes" if ok else "NO"])
+    if rows:
+        lines += ["### Packed views against plain split views", "",
+                  "The same kernels; the split views' backward goes through torch's split backward, which "
+                  "concatenates dq, dk, dv into a new row (the forward alone has no gradient: the same call). "
+                  "'split - packed': that concatenation's cost in the step, in us.", "",
+                  tabulate(rows, headers=["case", "clock/cache", "split us", "packed us", "split - packed",
+                                          "split / packed", "checks pass"], tablefmt="github", floatfmt=".12g"), ""]
+
+    peak = run["config"].get("peak_tflops")
+    rows = []
+    for r in cases.itertuples():
+        flops = float(r.flops)
+        sel = med[(med["case"] == r.case) & (med["clock"] == clock) & (med["regime"] == regime)]
+        achieved = ", ".join(f"{row.provider} {_fmt(flops / row.us / 1e6)}" for row in sel.itertuples())
+        floor = _fmt(flops / (float(peak) * 1e6)) if peak else "n/a"
+        rows.append([r.case, _fmt(flops / 1e9, 1), floor, achieved or "n/a"])
+    if rows:
+        rate = f"{peak} TFLOP/s (the config's `peak_tflops`, a datasheet figure)" if peak else "no peak given"
+        lines += ["### FLOPs", "",
+                  f"Matmul FLOPs of the chunked algorithm (module docstring of `dsfuse.bench.gdn`); floor: at {rate}; "
+                  f"achieved: TFLOP/s at each provider's median, {clock} clock, {regime} cache.", "",
+                  tabulate(rows, headers=["case", "GFLOP", "FLOPs floor us", "achieved TFLOP/s"], tablefmt="github",
+                           floatfmt=".12g"), ""]
+
+    if "fla" in run["config"].get("providers", []):
+        checks = run["validation"][run["validation"]["provider"] == "fla"]
+        failing = sorted(set(checks.loc[checks["status"] == "fail", "case"]))
+        note = ("flash-linear-attention (`fla`) ran with its Hopper guard bypassed "
+                "(`fla.ops.common.chunk_o.IS_NVIDIA_HOPPER = False` where FLA has it; `dsfuse.bench.gdn.fla_gdn`). "
+                "It is a baseline only in the cases where every one of its checks against FP64 passed in this run")
+        lines += [note + (f"; it failed in {', '.join(failing)}." if failing else "."), ""]
+    return lines

@@ -1,0 +1,109 @@
+"""The Gated DeltaNet experiment (``dsfuse.bench.gdn``): cases and floors, the providers' plumbing,
+and the CPU smoke run of ``experiments/gdn/configs/smoke.yaml``.
+
+The smoke run (``test_smoke_config_on_cpu``) runs the Triton forward AND backward stages in the
+interpreter, through every mode and both views: minutes on a CPU (marked ``slow``). It has no
+``importorskip``: if the Triton backward stages do not import or run, it fails, loudly, instead of
+skipping. ``test_every_mode_with_the_reference_backend`` covers the same plumbing in seconds with
+``chunk_gdn(backend="reference")``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+
+from dsfuse.bench import gdn, harness, report
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIGS = REPO / "experiments" / "gdn" / "configs"
+
+
+def test_cases_and_floors_at_the_brief_shape():
+    """32,768 tokens in five documents (none a multiple of 64), (16, 48), 128; floors by hand."""
+    config = harness.load_config(CONFIGS / "h200.yaml")
+    cases = gdn.cases(config)
+    assert [c.name for c in cases] == [f"T32768_{l2}_{m}" for l2 in ("l2", "nol2")
+                                       for m in ("fwd", "bwd", "fwd+bwd", "ckpt", "layer")]
+    p = cases[0].params
+    bounds = p["bounds"]
+    lengths = [b - a for a, b in itertools.pairwise(bounds)]
+    assert len(lengths) == 5 and bounds[-1] == 32768 and all(n % 64 for n in lengths)
+    assert (p["heads"], p["value_heads"], p["head_dim"], p["hidden"]) == (16, 48, 128, 2048)
+    t, n, hv, d = 32768, 5, 48, 128
+    qkv, o, state, gates = t * (2 * 16 + 48) * d * 2, t * hv * d * 2, n * hv * d * d * 4, t * hv * (4 + 2)
+    fwd = qkv + gates + state + o + state
+    bwd = qkv + gates + state + o + state + qkv + gates + state
+    by_mode = {c.mode: c for c in cases if c.params["l2norm"]}
+    assert by_mode["fwd"].bytes == fwd and by_mode["bwd"].bytes == bwd
+    assert by_mode["fwd+bwd"].bytes == fwd + bwd and by_mode["ckpt"].bytes == 2 * fwd + bwd
+    chunks = sum(math.ceil(m / 64) for m in lengths)
+    assert gdn.chunk_flops(128, 128) == (11_621_717, 32_505_856)
+    assert by_mode["fwd"].flops == 11_621_717 * chunks * hv
+    assert by_mode["layer"].flops == by_mode["fwd+bwd"].flops + 3 * 2 * t * 2048 * (2 * 16 + 48) * d
+    assert gdn.tolerances(config) == (0.005, 0.005, 0.008, 0.008, 0.008, 0.02, 0.02, 0.008, 0.008)
+    with pytest.raises(ValueError, match="multiple of 64"):
+        gdn.document_bounds(300, [64, 236])
+
+
+def test_fla_applies_only_where_installed():
+    case = gdn.cases(harness.load_config(CONFIGS / "smoke.yaml"))[0]
+    (fla,) = gdn.providers({"providers": ["fla"]})
+    reason = fla.applies(case)
+    try:
+        import fla as _  # noqa: F401
+    except ImportError:
+        assert reason and "flash-linear-attention" in reason
+    else:
+        assert reason is None
+
+
+def _tiny_config(**changes) -> dict:
+    """The smoke config at an even smaller shape (two documents of 33 and 37 tokens, H = 1, HV = 2)."""
+    config = harness.load_config(CONFIGS / "smoke.yaml")
+    return config | dict(tokens=70, documents=[33, 37], l2norm=[False],
+                         model_overrides={"num_k_heads": 1, "num_v_heads": 2, "head_dim": 16, "hidden_size": 8},
+                         **changes)
+
+
+def test_every_mode_with_the_reference_backend(tmp_path):
+    """Every mode and both views through the harness (chunk_gdn's reference backend: seconds); the
+    packed provider's gradients are the three parts of one packed row."""
+    config = _tiny_config(backend="reference")
+    run_dir = harness.run_experiment(gdn, config, tmp_path, torch.device("cpu"), run_id="r1")
+    validation = pd.read_csv(run_dir / "validation.csv", keep_default_na=False)
+    assert set(validation["status"]) == {"pass"}, validation[validation["status"] != "pass"].to_string()
+    samples = pd.read_csv(run_dir / "samples.csv")
+    timed = set(zip(samples["case"], samples["provider"]))
+    assert {(c.name, p) for c in gdn.cases(config) for p in config["providers"]} <= timed
+
+    case = next(c for c in gdn.cases(config) if c.mode == "fwd+bwd")
+    (packed,) = gdn.providers(config | {"providers": ["dsfuse-packed"]})
+    outputs = packed.build(case, gdn.make_inputs(case, torch.device("cpu"), seed=0))()
+    dq, dk, dv = outputs[2:5]
+    assert dq.untyped_storage().data_ptr() == dk.untyped_storage().data_ptr() == dv.untyped_storage().data_ptr()
+    assert dk.data_ptr() - dq.data_ptr() == dq.shape[1] * dq.element_size()
+
+
+@pytest.mark.slow
+def test_smoke_config_on_cpu(tmp_path):
+    """``experiments/gdn/configs/smoke.yaml`` through ``run_experiment`` on the CPU: the Triton stages in
+    the interpreter, every mode, both views, checked against FP64; then the report with its sections.
+    Minutes, not seconds (the interpreter); fails (never skips) if the Triton backward is missing."""
+    config = harness.load_config(CONFIGS / "smoke.yaml")
+    assert config["backend"] == "triton" and config["providers"] == ["dsfuse-packed", "dsfuse-split"]
+    run_dir = harness.run_experiment(gdn, config, tmp_path / "raw", torch.device("cpu"), run_id="smoke")
+    validation = pd.read_csv(run_dir / "validation.csv", keep_default_na=False)
+    assert set(validation["status"]) == {"pass"}, validation[validation["status"] != "pass"].to_string()
+    assert set(validation["stage"]) == {"before", "after-eager"}
+    samples = pd.read_csv(run_dir / "samples.csv")
+    assert set(samples["case"]) - {"copy"} == {c.name for c in gdn.cases(config)}
+    report.render("gdn", tmp_path / "raw", tmp_path / "results", tmp_path / "plots", smoke=True)
+    text = (tmp_path / "results" / "cpu" / "gdn.md").read_text()
+    assert "SMOKE RUN" in text  # and report_extra's sections, one level down under the GPU's heading:
+    assert "\n#### Packed views against plain split views\n" in text and "\n#### FLOPs\n" in text
