@@ -2,7 +2,7 @@
 and the CPU smoke run of ``experiments/gdn/configs/smoke.yaml``.
 
 The smoke run (``test_smoke_config_on_cpu``) runs the Triton forward AND backward stages in the
-interpreter, through every mode and both views: minutes on a CPU (marked ``slow``). It has no
+interpreter, through every mode and both views: about a minute on a CPU (marked ``slow``). It has no
 ``importorskip``: if the Triton backward stages do not import or run, it fails, loudly, instead of
 skipping. ``test_every_mode_with_the_reference_backend`` covers the same plumbing in seconds with
 ``chunk_gdn(backend="reference")``.

@@ -26,6 +26,11 @@ final state), L2 norm on and off (the config's ``l2norm``):
 
 Writes ``stage_times.csv``, ``peak_memory.csv`` and ``env.json`` (:func:`dsfuse.bench.env.collect`)
 under OUT_DIR, and prints both as tables. Needs a CUDA GPU (it refuses to run on the CPU).
+
+    python experiments/gdn/stage_times.py --render RAW_DIR OUT.md
+
+renders those raw files (on any machine) as the Markdown tables the docs include: each stage's
+median, its share of its pass, and the peak memory.
 """
 
 from __future__ import annotations
@@ -116,7 +121,46 @@ def memory_rows(config: dict, l2: bool, mode: str, device: torch.device) -> list
     return rows
 
 
+def render(raw: Path) -> str:
+    """Markdown tables of a raw folder's ``stage_times.csv`` and ``peak_memory.csv`` (medians)."""
+    import pandas as pd
+
+    env = json.loads((raw / "env.json").read_text())
+    stages = pd.read_csv(raw / "stage_times.csv")
+    med = stages.groupby(["pass", "stage", "l2norm"], sort=False)["us"].median().reset_index()
+    lines = [f"Run `{raw.name}` ({env.get('gpu_name', '?')}, commit `{str(env.get('git_commit', '?'))[:10]}`): "
+             f"median of {stages.groupby(['pass', 'stage', 'l2norm']).size().min()} CUDA Graph replays per "
+             "stage, L2 evicted before each; a pass's share is of the sum of its stages.", ""]
+    for l2, part in med.groupby("l2norm", sort=False):
+        lines += [f"**L2 norm {'on' if l2 else 'off'}**", "", "| pass | stage | median us | share of the pass |",
+                  "| --- | --- | ---: | ---: |"]
+        for pas, rows in part.groupby("pass", sort=False):
+            stage_rows_ = rows[~rows["stage"].str.contains("(all stages)", regex=False)]
+            total = stage_rows_["us"].sum()
+            for _, r in rows.iterrows():
+                share = "" if "(all stages)" in r["stage"] else f"{100 * r['us'] / total:.0f}%"
+                lines.append(f"| {pas} | {r['stage']} | {r['us']:.1f} | {share} |")
+        lines.append("")
+    memory = pd.read_csv(raw / "peak_memory.csv")
+    lines += ["**Peak memory** of one step (MiB allocated above what was allocated before the call; "
+              "outputs and gradients included)", "",
+              "| mode | L2 norm | provider | peak MiB | retained MiB | check |", "| --- | --- | --- | ---: | ---: | --- |"]
+    for _, r in memory.iterrows():
+        peak = "" if pd.isna(r["peak_mib"]) else f"{r['peak_mib']:.0f}"
+        kept = "" if pd.isna(r["retained_mib"]) else f"{r['retained_mib']:.0f}"
+        lines.append(f"| {r['mode']} | {'on' if r['l2norm'] else 'off'} | {r['provider']} | {peak} | {kept} | "
+                     f"{str(r['check']).splitlines()[0][:80]} |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
+    if argv is None:
+        argv = sys.argv[1:]
+    if argv[:1] == ["--render"]:
+        if len(argv) != 3:
+            raise SystemExit("usage: stage_times.py --render RAW_DIR OUT.md")
+        Path(argv[2]).write_text(render(Path(argv[1])))
+        return 0
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path, help="output folder (created)")
     parser.add_argument("--config", default=DEFAULT_CONFIG, help=f"experiment config (default {DEFAULT_CONFIG})")
