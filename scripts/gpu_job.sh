@@ -8,7 +8,9 @@
 # Wheels under .carry/wheels (flash-linear-attention, Liger: the anchors) are installed if present.
 # A tree copied to another machine (no .git, or a stale one) records DSFUSE_GIT_COMMIT, when set, as its commit (env.json).
 # Also the output fingerprints (scripts/output_hashes.py --check) and the host-time experiment.
-# TESTS=<paths> narrows the GPU tests; SKIP_TESTS, SKIP_BENCH, SKIP_HOST skip those parts.
+# TESTS=<paths> narrows the GPU tests, PYTEST_ARGS adds pytest arguments (e.g. "-n 8" with pytest-xdist);
+# SKIP_TESTS, SKIP_BENCH, SKIP_HOST, SKIP_FINGERPRINTS skip those parts. A Gated DeltaNet run also
+# gets its stage times and peak memory (experiments/gdn/stage_times.py) in its raw folder's stages/.
 set -uo pipefail
 out="${1:-${OUT:-build/gpu-job}}"; shift || true
 ops=("$@")
@@ -22,11 +24,13 @@ nvidia-smi > "$out/nvidia-smi.txt" 2>&1
 stamp=$(mktemp); sleep 1
 status=0
 if [ -z "${SKIP_TESTS:-}" ]; then
-  DSFUSE_REQUIRE_GPU=1 python3 -m pytest ${TESTS:-tests} -m gpu -q -p no:cacheprovider -W ignore::UserWarning \
+  DSFUSE_REQUIRE_GPU=1 python3 -m pytest ${TESTS:-tests} -m gpu -q -p no:cacheprovider -W ignore::UserWarning ${PYTEST_ARGS:-} \
     --junitxml "$out/junit-gpu.xml" 2>&1 | tee "$out/pytest-gpu.log" || status=1
 fi
-python3 scripts/output_hashes.py --check tests/golden/h200_output_fingerprints.json 2>&1 \
-  | tee "$out/fingerprints.txt" || status=1
+if [ -z "${SKIP_FINGERPRINTS:-}" ]; then
+  python3 scripts/output_hashes.py --check tests/golden/h200_output_fingerprints.json 2>&1 \
+    | tee "$out/fingerprints.txt" || status=1
+fi
 if [ -z "${SKIP_HOST:-}" ]; then
   python3 -m dsfuse.bench.host_time run "${ops[@]}" 2>&1 | tee "$out/host-time.log" || status=1
 fi
@@ -34,6 +38,12 @@ if [ -z "${SKIP_BENCH:-}" ]; then
   python3 -m dsfuse.bench run "${ops[@]}" --gpu 2>&1 | tee "$out/bench.log" || status=1
 fi
 new=$(find experiments -path '*/raw/*' \( -name samples.csv -o -name host_time.csv \) -newer "$stamp" -printf '%h\n')
+for run in $new; do
+  case "$run" in experiments/gdn/raw/*)
+    python3 experiments/gdn/stage_times.py "$run/stages" --samples "${STAGE_SAMPLES:-10}" 2>&1 \
+      | tee "$out/stage-times.log" || status=1 ;;
+  esac
+done
 for run in $new; do  # the GPU test evidence travels with the raw data it belongs to
   [ -f "$out/junit-gpu.xml" ] && cp "$out/junit-gpu.xml" "$run/"
 done
