@@ -20,23 +20,27 @@ NaN-poisoned by the conftest, so an unwritten element fails):
   off by up to ``2^-24 |G|``) and exponentiates differences of it. Observed on the CPU:
   ``dq``, ``dk``, ``dw`` <= 4.8e-7; ``dg`` <= 3.0e-7 with the model's gates and up to 2.1e-5
   with the strong ones (``max|G|`` ~ 700 .. 3800, bounds 4.3e-5 .. 2.3e-4).
-* bf16 inputs: ``dq``, ``dk``, ``dw`` ``<= 5e-3``. ``dw`` is an fp32 product of bf16 values
+* bf16 inputs (single-pass bf16 dots, fp32 accumulation): ``dq``, ``dk``, ``dw`` ``<= 3e-3``,
+  the observed error with a margin of about 1.7x. ``dw`` is an fp32 product of bf16 values
   rounded once to bf16 (at most 2^-9 relative per element); ``dq`` and ``dk`` lose the
   rounding of the masked ``dA_o`` (and its transpose, times the L2 norms) to bf16 where it
-  enters a dot. Observed: ``dq`` <= 1.8e-3, ``dk`` <= 1.7e-3, ``dw`` <= 1.8e-3. ``dg`` keeps
-  the fp32 bound: every term is reduced in fp32 from fp32 values (products of bf16 inputs
-  are exact in fp32; ``ds`` uses the unrounded ``dA_o``), so the bf16 inputs cost it nothing
-  beyond fp32 arithmetic. Observed: <= 2.5e-7 with the model's gates, 2.1e-5 with the strong.
+  enters a dot. Observed on the CPU: ``dq`` <= 1.8e-3, ``dk`` <= 1.7e-3, ``dw`` <= 1.8e-3
+  (K = V = 128: 1.6e-3, 9e-5, 1.7e-3). ``dg`` keeps the fp32 bound: every term is reduced in
+  fp32 from fp32 values (products of bf16 inputs are exact in fp32; ``ds`` uses the unrounded
+  ``dA_o``), so the bf16 inputs cost it nothing beyond fp32 arithmetic. Observed: <= 3.1e-7
+  with the model's gates, 2.1e-5 with the strong.
 
 On the CPU, Triton's interpreter would multiply bf16 dot operands as integer bit patterns and
 truncate fp32 -> bf16 conversions; the launcher then widens bf16 dot operands to fp32 (exact)
 and rounds to nearest even on the bits (``state._dot``, ``state._round``), so the CPU tests
 check the GPU's numerics. The same tests run on the GPU (``device`` "cuda") with the same bounds.
 
-Also: two launches give the same bits; a launch with no chunk writes nothing.
+Also: two launches give the same bits; a launch with no chunk writes nothing; every tensor
+with its own token stride gives the same results and writes only its own heads.
 
-Sizes: K = 32, V = 64 (K != V) in the main tests; K = V = 128 (the model's: four key and two
-value blocks per program) once, in bf16 (and in fp32 on the CPU only, see ``HEAD_DIMS_128``).
+Sizes: K = 32, V = 64 (K != V: one key and one value block per program) in the main tests;
+K = V = 128 (the model's: two key and two value blocks of 64 per program) once, in bf16 (and
+in fp32 on the CPU only, see ``HEAD_DIMS_128``).
 Layouts: one sequence of T = 150 (not a multiple of 64) and packed documents of 1, 45, 0 and
 130 tokens (T = 176: every token in a document, as the public API requires), (H, HV) = (2, 2),
 (2, 6), (1, 3); q and k as head views of a wider packed buffer, ``v_new``, ``do``, ``dv_new`` as
@@ -67,7 +71,7 @@ LAYOUTS = {
 }
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 FP32_RMS = 1e-5
-BF16_RMS = 5e-3
+BF16_RMS = 3e-3  # observed <= 1.8e-3 (module docstring)
 
 # (layout, (H, HV), l2 norm, dht, gates): every flag on and off, every head group in both layouts
 CASES = [
@@ -231,10 +235,40 @@ HEAD_DIMS_128 = [("bf16", "cpu"), pytest.param("bf16", "cuda", marks=pytest.mark
 
 @pytest.mark.parametrize("dtype,device", HEAD_DIMS_128)
 def test_head_dims_128(dtype, device):
-    """The model's K = V = 128: four key blocks and two value blocks per program."""
+    """The model's K = V = 128: two key blocks and two value blocks per program."""
     inputs, do, dht = make_inputs("docs_1_45_0_130", (1, 3), l2=True, with_dht=True, gates="model",
                                   dtype=DTYPES[dtype], seed=11, dk=128, dv=128)
     check(Prepared(inputs, do, dht, True, device, DTYPES[dtype]))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_distinct_token_strides(device):
+    """Every tensor with its own token stride: ``do`` dense, ``dv_new`` a view of a wider buffer
+    than ``v_new``'s, ``g_cum`` a column view, ``dq`` / ``dk`` / ``dw`` / ``dg`` views of wider
+    outputs."""
+    inputs, do, dht = make_inputs("docs_1_45_0_130", (2, 6), l2=True, with_dht=True, gates="strong",
+                                  dtype=torch.float32, seed=3)
+    p = Prepared(inputs, do, dht, True, device, torch.float32)
+    p.do = p.do.contiguous()
+    tokens, hv, dv = p.dv_new.shape
+    buf = torch.zeros(tokens, hv + 3, dv, device=device)
+    buf[:, 1:hv + 1] = p.dv_new
+    p.dv_new = buf[:, 1:hv + 1]
+    g_buf = torch.zeros(tokens, hv + 2, device=device)
+    g_buf[:, 2:] = p.g_cum
+    p.g_cum = g_buf[:, 2:]
+    dk_ = p.q.shape[-1]
+    bufs = [torch.empty(tokens, hv + n, dk_, device=device) for n in (1, 2, 3)]
+    bufs.append(torch.empty(tokens, hv + 1, device=device))
+    outs = [bufs[0][:, :hv], bufs[1][:, :hv], bufs[2][:, 3:], bufs[3][:, 1:]]
+    assert len({x.stride(0) for x in (p.q, p.v_new, p.do, p.dv_new, p.g_cum, *outs[1:])}) == 8
+    got = launch_dqkwg(p.q, p.k, p.v_new, p.h, p.dh, p.do, p.dv_new, p.g_cum, p.chunk_indices, p.scale, *outs,
+                       use_qk_l2norm=True)
+    for name, x in zip(("dq", "dk", "dw", "dg"), got, strict=True):
+        assert_rel_rms(x, p.want[name], p.tol(name), name)
+    # the other heads of the output buffers are left as allocated (NaN-poisoned by the conftest)
+    for rest in (bufs[0][:, hv:], bufs[1][:, hv:], bufs[2][:, :3], bufs[3][:, :1]):
+        assert torch.isnan(rest).all()
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -20,33 +20,50 @@ after it, ``do`` the gradient of o, ``dv_new`` the total gradient of ``v_new`` a
 that makes ``dg``); ``dq``, ``dk`` are per VALUE head (a later stage sums the value heads of
 each qk head and applies the L2-norm backward).
 
-Five phases per program, each a loop over blocks of ``BK`` key or ``BV`` value channels:
-(1) ``q k^T`` (k loaded transposed) and the rows' squared norms; (2) ``do v_new^T`` (v_new
-loaded transposed), masked and decayed into ``dA_o``, then ``ds`` and its row and column sums;
-(3) per key block, ``do h^T`` and ``dv_new h^T`` over value blocks (``h`` loaded as transposed
-``[BV, BK]`` tiles, swapped strides), then ``dq`` and ``dw`` of the block are stored; (4)
-``dA_o^T`` as its own dot ``v_new do^T`` (do loaded transposed) with the transposed mask and
-decay; (5) per key block, ``v_new dh^T`` and ``sum(dh * h)`` over value blocks, then ``dk``.
-No dot result is ever transposed (Triton 3.6 on Hopper miscompiles ``tl.trans`` of a wgmma
-accumulator). The causal mask is applied to the exponent before ``exp`` and to the product
-after it, so only ``G_i - G_j <= 0``, ``G_last - G_i <= 0`` and ``G_i <= 0`` are exponentiated.
-``dA_o^T`` is built after ``dq`` so that only one rounded ``[BT, BT]`` tile is live at a time.
-Tiles read by two phases carry a different eviction hint at each read (``evict_last`` when
-read again later, ``evict_first`` at the last read): besides the L2 hint, this keeps the
-compiler from merging the two reads into one value held in registers between the phases.
+Key and value channels in blocks of ``BK = BV = 64`` (K = V = 128: two of each), 4 warps. Five
+phases per program, each a loop over channel blocks with one fp32 accumulator tile:
+(1) ``q k^T`` over key blocks (k loaded transposed) and the rows' squared norms; (2)
+``do v_new^T`` over value blocks (v_new loaded transposed), masked and decayed into ``dA_o``,
+then ``ds`` and its row and column sums; ``dA_o`` is rounded once to the input dtype; (3) per
+key block, ``dv_new h^T`` over value blocks, ``dw`` stored, then ``do h^T`` over value blocks,
+``dq = dq_inter + dA_o k`` stored (``h`` loaded as transposed ``[BV, BK]`` tiles, swapped
+strides); (4) ``dA_o^T`` as its own dot ``v_new do^T`` (do loaded transposed) with the
+transposed mask and decay, rounded once; (5) per key block, ``v_new dh^T`` and ``sum(dh * h)``
+over value blocks, then ``dk = dk_state + dA_o^T q`` stored. At K = V = 128 that is 22
+``[64, 64] x [64, 64]`` dots per program, single-pass bf16 (fp32 accumulation) for 16-bit
+inputs. No dot result is ever transposed (Triton 3.6 on Hopper miscompiles ``tl.trans`` of a
+wgmma accumulator). The causal mask is applied to the exponent before ``exp`` and to the
+product after it, so only ``G_i - G_j <= 0``, ``G_last - G_i <= 0`` and ``G_i <= 0`` are
+exponentiated. ``dA_o^T`` is built after ``dq`` so that only one rounded ``[BT, BT]`` tile is
+live at a time.
+
+Registers: the tile loads of the channel loops are asynchronous copies to shared memory
+(software-pipelined ``range`` loops), so tiles do not sit in registers. Phases (3)-(5) read
+the chunk's start again from the chunk table in each loop body (``_zero``: a 0 the compiler
+cannot fold) and build their token and state offsets from it; otherwise the compiler keeps
+the 64-bit addresses and masks of every tile of the earlier phases, and those hoisted out of
+the key loops, in registers across the whole program (it merges equal offsets across phases).
+The row sums of phases (3) and (5) are carried through the key loops as ``[BT, 1]`` tiles: as
+``[BT]`` vectors the compiler moved each ``[BT, BK]`` fp32 product through shared memory into
+another layout to sum it. For 16-bit inputs the launch caps the registers at ``MAX_REGISTERS``.
+The ``AOT_SPECS`` (K = V = 128, bf16) compile at 148-168 registers without spills on sm_90 and
+sm_100 (uncapped, the compiler takes 201-219 on sm_90 and 144-229 on sm_100). Shared memory:
+32 KB (sm_90), 41 KB (sm_100). Not timed on a GPU yet.
 
 ``USE_QK_L2NORM``: ``q`` and ``k`` are normalised on load in fp32 (``x r``,
 ``r = rsqrt(sum x^2 + 1e-6)``, the forward stages' eps). The norms are folded where they
-are exact: ``q k^T`` is the dot of the loaded rows scaled by ``r_q[i] r_k[j]``; ``dA_o k_hat``
-is ``(dA_o * r_k[None, :]) k`` and ``dA_o^T q_hat`` is ``(dA_o^T * r_q[None, :]) q``; the gate
-sums use the fp32 normalised rows. So the only rounding to the dot dtype besides the inputs
-is that of the masked ``dA_o`` / ``dA_o^T`` where they enter a dot.
+are exact: ``dA_o k_hat`` is ``(dA_o * r_k[None, :]) k`` and ``dA_o^T q_hat`` is
+``(dA_o^T * r_q[None, :]) q``; ``ds`` is ``(dA_o * r_k[None, :]) * (q k^T) * r_q[:, None]`` with
+``q k^T`` the fp32 dot of the loaded rows; ``sum(q_hat_i dq_inter_i)`` is
+``r_q[i] sum(q_i dq_inter_i)`` (likewise for k), fp32 sums of the loaded rows. So the only
+rounding to the dot dtype besides the inputs is that of the masked ``dA_o`` / ``dA_o^T``
+where they enter a dot.
 
 Precision: bf16/fp16 inputs multiply bf16/fp16 operands with fp32 accumulation; fp32 inputs
 multiply in full fp32 (``input_precision="ieee"``, not TF32). ``dq``, ``dk``, ``dG`` are fp32;
 every term of ``dG`` is reduced in fp32 from fp32 values (``ds`` from the unrounded ``dA_o``
-and the fp32 ``q k^T``; ``q``, ``k`` normalised in fp32), as it is a difference of large terms
-when the decay is strong. ``dw`` is rounded once to the input dtype.
+and the fp32 ``q k^T``; the norms applied in fp32), as it is a difference of large terms when
+the decay is strong. ``dw`` is rounded once to the input dtype.
 
 Layouts (packed tokens): ``q``, ``k`` ``[T, H, K]``; ``v_new``, ``do``, ``dv_new`` ``[T, HV, V]``
 in the input dtype (any token and head strides, unit channel stride); ``h``, ``dh``
@@ -57,7 +74,9 @@ offset is int64 before it multiplies a stride (scalar base pointers); offsets wi
 (at most 63 times a token stride) are int32. Tokens in no chunk
 (past ``cu_seqlens[-1]``, which the public API refuses) are not written. No atomics: every
 output element is written by one program, reductions run in a fixed order, the launch
-constants are fixed; two launches give the same bits. Grid ``(NC, HV)``.
+constants are fixed; two launches give the same bits. Grid: one axis of ``NC * HV`` programs,
+value head fastest, so the programs of one chunk run together and the ``HV // H`` value heads
+of a qk head read its ``q``, ``k`` rows while they are in L2.
 """
 
 from __future__ import annotations
@@ -76,13 +95,23 @@ from dsfuse.gdn.triton.state import (
     emulate_bf16,
 )
 
-# Launch constants (no autotuner): key blocks of 32 channels, value blocks of 64, 4 warps. Chosen
-# for registers, not timed on a GPU yet: AOT_SPECS (K = V = 128, bf16) compile at 253-255 registers
-# on sm_90 and 237-238 on sm_100 without spills; 64-channel key blocks spilled 8-88 bytes on sm_90.
-BLOCK_K = 32
+# Launch constants (no autotuner): key and value blocks of 64 channels, 4 warps, 2-stage pipelined
+# channel loops; 16-bit inputs capped at 168 registers (3 programs of 4 warps per SM), with which
+# AOT_SPECS compile without spills on sm_90 and sm_100 (at a cap of 152 sm_100 spills 4-16 bytes).
+# fp32 inputs (FMA dots) are not capped. Chosen for registers; not timed on a GPU yet.
+BLOCK_K = 64
 BLOCK_V = 64
 NUM_WARPS = 4
 NUM_STAGES = 2
+MAX_REGISTERS = 168
+
+
+@triton.jit
+def _zero(ci_ptr, i_c, start):
+    """0 as an int32 the compiler cannot see through: the chunk's start read again from the chunk
+    table, minus its first read. Offsets built from it in a loop body are computed there (after the
+    stores of the loop), not kept in registers from an earlier phase nor hoisted out of the loop."""
+    return tl.load(ci_ptr + i_c * 3 + 1) - start
 
 
 @triton.jit
@@ -122,17 +151,15 @@ def _dqkwg_kernel(
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs (no TF32); ignored for bf16/fp16
     EMULATE_BF16: tl.constexpr,  # CPU interpreter with bf16 data only (see state._dot, state._round)
 ):
-    i_c = tl.program_id(0).to(tl.int64)
-    i_hv = tl.program_id(1)
+    pid = tl.program_id(0)
+    i_c = (pid // HV).to(tl.int64)  # value head fastest (module docstring: grid)
+    i_hv = pid % HV
     i_h = i_hv // GROUP
     start = tl.load(ci_ptr + i_c * 3 + 1)
     n_t = tl.load(ci_ptr + i_c * 3 + 2) - start  # tokens in the chunk, 1 .. BT
     bos = start.to(tl.int64)  # int64 before it multiplies a stride
-    o_i = tl.arange(0, BT)
-    m_t = o_i < n_t
     dtype = do_ptr.dtype.element_ty
-
-    # the chunk's rows of every tensor: scalar base pointers (int64 offsets), tile offsets from them
+    # the chunk's rows of every tensor: scalar base pointers (int64 offsets); tile offsets from them
     q_ptr += bos * s_qt + i_h * s_qh
     k_ptr += bos * s_kt + i_h * s_kh
     vn_ptr += bos * s_vt + i_hv * s_vh
@@ -146,18 +173,16 @@ def _dqkwg_kernel(
     h_ptr += (i_c * HV + i_hv) * (K * V)
     dh_ptr += (i_c * HV + i_hv) * (K * V)
 
-    b_g = tl.load(g_ptr + o_i * s_gt, mask=m_t, other=0.0)  # [BT], <= 0 in the chunk
-    b_g_last = tl.load(g_ptr + (n_t - 1) * s_gt)
-
     # ---- (1) q k^T [BT, BT] over key blocks (k loaded transposed), with the rows' squared norms
+    o_t = tl.arange(0, BT)
+    m_t = o_t < n_t
     b_qk = tl.zeros([BT, BT], dtype=tl.float32)
     b_ssq = tl.zeros([BT], dtype=tl.float32)
     b_ssk = tl.zeros([BT], dtype=tl.float32)
-    for i_k in tl.static_range(K // BK):
+    for i_k in range(K // BK):
         o_k = i_k * BK + tl.arange(0, BK)
-        b_q = tl.load(q_ptr + o_i[:, None] * s_qt + o_k[None, :], mask=m_t[:, None], other=0.0,
-                      eviction_policy="evict_last")  # [BT, BK]
-        b_kt = tl.load(k_ptr + o_i[None, :] * s_kt + o_k[:, None], mask=m_t[None, :], other=0.0)  # [BK, BT]
+        b_q = tl.load(q_ptr + o_t[:, None] * s_qt + o_k[None, :], mask=m_t[:, None], other=0.0)  # [BT, BK]
+        b_kt = tl.load(k_ptr + o_t[None, :] * s_kt + o_k[:, None], mask=m_t[None, :], other=0.0)  # [BK, BT]
         b_qk = _dot(b_q, b_kt, b_qk, DOT_PRECISION, EMULATE_BF16)
         if USE_QK_L2NORM:
             b_qf = b_q.to(tl.float32)
@@ -167,104 +192,122 @@ def _dqkwg_kernel(
     if USE_QK_L2NORM:
         b_rq = tl.rsqrt(b_ssq + L2NORM_EPS)  # [BT]
         b_rk = tl.rsqrt(b_ssk + L2NORM_EPS)
-        b_qk = b_qk * b_rq[:, None] * b_rk[None, :]
 
     # ---- (2) dA_o = scale (do v_new^T) * Gamma over value blocks (v_new loaded transposed)
     b_dA = tl.zeros([BT, BT], dtype=tl.float32)  # [i, j] = do_i . v_j
-    for i_v in tl.static_range(V // BV):
+    for i_v in range(V // BV):
         o_v = i_v * BV + tl.arange(0, BV)
-        b_do = tl.load(do_ptr + o_i[:, None] * s_ot + o_v[None, :], mask=m_t[:, None], other=0.0,
-                       eviction_policy="evict_last")  # [BT, BV]
-        b_vt = tl.load(vn_ptr + o_i[None, :] * s_vt + o_v[:, None], mask=m_t[None, :], other=0.0)  # [BV, BT]
+        b_do = tl.load(do_ptr + o_t[:, None] * s_ot + o_v[None, :], mask=m_t[:, None], other=0.0)  # [BT, BV]
+        b_vt = tl.load(vn_ptr + o_t[None, :] * s_vt + o_v[:, None], mask=m_t[None, :], other=0.0)  # [BV, BT]
         b_dA = _dot(b_do, b_vt, b_dA, DOT_PRECISION, EMULATE_BF16)
-    m_valid = m_t[:, None] & m_t[None, :]
-    m_A = (o_i[:, None] >= o_i[None, :]) & m_valid
+    b_g = tl.load(g_ptr + o_t * s_gt, mask=m_t, other=0.0)  # [BT], <= 0 in the chunk
+    m_A = (o_t[:, None] >= o_t[None, :]) & (m_t[:, None] & m_t[None, :])
     b_dA = tl.where(m_A, b_dA * tl.exp(tl.where(m_A, b_g[:, None] - b_g[None, :], 0.0)), 0.0) * scale
-    # the intra-chunk term of dG: ds = dA_o * (q k^T), both fp32
-    b_ds = b_dA * b_qk
-    b_dg = tl.sum(b_ds, axis=1) - tl.sum(b_ds, axis=0)  # [BT]
-    # the dot operand: k's norms folded into dA_o's columns, one rounding
+    # k's norms folded into dA_o's columns (the dot operand below: dA_o k_hat = (dA_o r_k) k)
     if USE_QK_L2NORM:
         b_dA = b_dA * b_rk[None, :]
-    b_dA = _round(b_dA, dtype, EMULATE_BF16)
+    # the intra-chunk term of dG: ds = dA_o * (q_hat k_hat^T), fp32 (q k^T of the loaded rows)
+    b_ds = b_dA * b_qk
+    if USE_QK_L2NORM:
+        b_ds = b_ds * b_rq[:, None]
+    b_dg = tl.sum(b_ds, axis=1) - tl.sum(b_ds, axis=0)  # [BT]
+    b_dA = _round(b_dA, dtype, EMULATE_BF16)  # one rounding
 
-    # ---- (3) per key block: do h^T and dv_new h^T over value blocks (h^T loaded), then dq, dw
-    b_eg = tl.exp(b_g) * scale  # [BT]; padding rows: their accumulators are 0
-    for i_k in tl.static_range(K // BK):
+    # ---- (3) per key block: dw = -dv_new h^T, then dq = scale exp(G) (do h^T) + dA_o k, each a loop
+    # over value blocks (h loaded transposed)
+    b_dgq = tl.zeros([BT, 1], dtype=tl.float32)  # sum(q_i dq_inter_i) ([BT, 1]: see the module docstring)
+    for i_k in range(K // BK):
         o_k = i_k * BK + tl.arange(0, BK)
-        b_dq = tl.zeros([BT, BK], dtype=tl.float32)
+        z = _zero(ci_ptr, i_c, start)
+        o_t = tl.arange(0, BT) + z
+        m_t = o_t < n_t
+        o_h = (o_k + z) * V  # h^T / dh^T: [BV, BK] tiles, row k at o_h[k]
         b_dw = tl.zeros([BT, BK], dtype=tl.float32)
-        for i_v in tl.static_range(V // BV):
+        for i_v in range(V // BV):
             o_v = i_v * BV + tl.arange(0, BV)
-            b_ht = tl.load(h_ptr + o_k[None, :] * V + o_v[:, None])  # [BV, BK]: h^T, swapped strides
-            b_do = tl.load(do_ptr + o_i[:, None] * s_ot + o_v[None, :], mask=m_t[:, None], other=0.0,
-                           eviction_policy="evict_first")  # [BT, BV]
-            b_dv = tl.load(dv_ptr + o_i[:, None] * s_dvt + o_v[None, :], mask=m_t[:, None], other=0.0)
-            b_dq = _dot(b_do, b_ht, b_dq, DOT_PRECISION, EMULATE_BF16)  # [BT, BV] @ [BV, BK]
+            b_ht = tl.load(h_ptr + o_h[None, :] + o_v[:, None])  # [BV, BK]
+            b_dv = tl.load(dv_ptr + o_t[:, None] * s_dvt + o_v[None, :], mask=m_t[:, None], other=0.0)  # [BT, BV]
             b_dw = _dot(b_dv, b_ht, b_dw, DOT_PRECISION, EMULATE_BF16)
-        b_q = tl.load(q_ptr + o_i[:, None] * s_qt + o_k[None, :], mask=m_t[:, None], other=0.0)  # [BT, BK]
-        b_k = tl.load(k_ptr + o_i[:, None] * s_kt + o_k[None, :], mask=m_t[:, None], other=0.0)
-        b_qf = b_q.to(tl.float32)
-        if USE_QK_L2NORM:
-            b_qf = b_qf * b_rq[:, None]
-        # dq = scale exp(G) (do h^T) + dA_o k
-        b_dq = b_dq * b_eg[:, None]
-        b_dg += tl.sum(b_qf * b_dq, axis=1)
-        b_dq = _dot(b_dA, b_k, b_dq, DOT_PRECISION, EMULATE_BF16)  # [BT, BT] @ [BT, BK]
-        tl.store(dq_ptr + o_i[:, None] * s_dqt + o_k[None, :], b_dq, mask=m_t[:, None])
-        tl.store(dw_ptr + o_i[:, None] * s_dwt + o_k[None, :], _round(-b_dw, dw_ptr.dtype.element_ty, EMULATE_BF16),
+        tl.store(dw_ptr + o_t[:, None] * s_dwt + o_k[None, :], _round(-b_dw, dw_ptr.dtype.element_ty, EMULATE_BF16),
                  mask=m_t[:, None])
 
+        z = _zero(ci_ptr, i_c, start)
+        o_t = tl.arange(0, BT) + z
+        m_t = o_t < n_t
+        o_h = (o_k + z) * V
+        b_dq = tl.zeros([BT, BK], dtype=tl.float32)
+        for i_v in range(V // BV):
+            o_v = i_v * BV + tl.arange(0, BV)
+            b_ht = tl.load(h_ptr + o_h[None, :] + o_v[:, None])  # [BV, BK]
+            b_do = tl.load(do_ptr + o_t[:, None] * s_ot + o_v[None, :], mask=m_t[:, None], other=0.0)  # [BT, BV]
+            b_dq = _dot(b_do, b_ht, b_dq, DOT_PRECISION, EMULATE_BF16)
+        b_q = tl.load(q_ptr + o_t[:, None] * s_qt + o_k[None, :], mask=m_t[:, None], other=0.0)  # [BT, BK]
+        b_gk = tl.load(g_ptr + o_t * s_gt, mask=m_t, other=0.0)
+        b_dq = b_dq * (tl.exp(b_gk) * scale)[:, None]  # dq_inter; padding rows: their accumulators are 0
+        b_dgq += tl.sum(b_q.to(tl.float32) * b_dq, axis=1, keep_dims=True)
+        b_k = tl.load(k_ptr + o_t[:, None] * s_kt + o_k[None, :], mask=m_t[:, None], other=0.0)  # [BT, BK]
+        b_dq = _dot(b_dA, b_k, b_dq, DOT_PRECISION, EMULATE_BF16)  # [BT, BT] @ [BT, BK]
+        tl.store(dq_ptr + o_t[:, None] * s_dqt + o_k[None, :], b_dq, mask=m_t[:, None])
+
     # ---- (4) dA_o^T = scale (v_new do^T) * Gamma^T as its own dot (do loaded transposed)
+    z = _zero(ci_ptr, i_c, start)
+    o_t = tl.arange(0, BT) + z
+    m_t = o_t < n_t
     b_dAt = tl.zeros([BT, BT], dtype=tl.float32)  # [j, i] = v_j . do_i
-    for i_v in tl.static_range(V // BV):
+    for i_v in range(V // BV):
         o_v = i_v * BV + tl.arange(0, BV)
-        b_v = tl.load(vn_ptr + o_i[:, None] * s_vt + o_v[None, :], mask=m_t[:, None], other=0.0,
-                      eviction_policy="evict_last")  # [BT, BV]
-        b_dot = tl.load(do_ptr + o_i[None, :] * s_ot + o_v[:, None], mask=m_t[None, :], other=0.0)  # [BV, BT]
+        b_v = tl.load(vn_ptr + o_t[:, None] * s_vt + o_v[None, :], mask=m_t[:, None], other=0.0)  # [BT, BV]
+        b_dot = tl.load(do_ptr + o_t[None, :] * s_ot + o_v[:, None], mask=m_t[None, :], other=0.0)  # [BV, BT]
         b_dAt = _dot(b_v, b_dot, b_dAt, DOT_PRECISION, EMULATE_BF16)
-    m_At = (o_i[:, None] <= o_i[None, :]) & m_valid
+    b_g = tl.load(g_ptr + o_t * s_gt, mask=m_t, other=0.0)
+    m_At = (o_t[:, None] <= o_t[None, :]) & (m_t[:, None] & m_t[None, :])
     b_dAt = tl.where(m_At, b_dAt * tl.exp(tl.where(m_At, b_g[None, :] - b_g[:, None], 0.0)), 0.0) * scale
     if USE_QK_L2NORM:
         b_dAt = b_dAt * b_rq[None, :]  # q's norms folded into the columns
     b_dAt = _round(b_dAt, dtype, EMULATE_BF16)
 
-    # ---- (5) per key block: v_new dh^T over value blocks (dh^T loaded) and sum(dh * h), then dk
-    b_dl = tl.where(m_t, tl.exp(tl.where(m_t, b_g_last - b_g, 0.0)), 0.0)  # [BT] exp(G_last - G)
+    # ---- (5) per key block: dk = exp(G_last - G) (v_new dh^T) + dA_o^T q over value blocks (dh loaded
+    # transposed), with sum(dh * h)
     b_hdh = tl.zeros([BV], dtype=tl.float32)  # sum(dh * h) per row of an h^T tile; summed at the end
-    b_kst = tl.zeros([BT], dtype=tl.float32)  # sum(k_i dk_state_i) per token
-    for i_k in tl.static_range(K // BK):
+    b_kst = tl.zeros([BT, 1], dtype=tl.float32)  # sum(k_i dk_state_i)
+    for i_k in range(K // BK):
         o_k = i_k * BK + tl.arange(0, BK)
+        z = _zero(ci_ptr, i_c, start)
+        o_t = tl.arange(0, BT) + z
+        m_t = o_t < n_t
+        o_h = (o_k + z) * V
         b_dk = tl.zeros([BT, BK], dtype=tl.float32)
-        for i_v in tl.static_range(V // BV):
+        for i_v in range(V // BV):
             o_v = i_v * BV + tl.arange(0, BV)
-            o_hkv = o_k[None, :] * V + o_v[:, None]  # [BV, BK]: h^T, dh^T
-            b_ht = tl.load(h_ptr + o_hkv, eviction_policy="evict_first")
-            b_dht = tl.load(dh_ptr + o_hkv)
-            b_v = tl.load(vn_ptr + o_i[:, None] * s_vt + o_v[None, :], mask=m_t[:, None], other=0.0,
-                          eviction_policy="evict_first")  # [BT, BV]
-            b_dk = _dot(b_v, b_dht, b_dk, DOT_PRECISION, EMULATE_BF16)  # [BT, BV] @ [BV, BK]
+            b_dht = tl.load(dh_ptr + o_h[None, :] + o_v[:, None])  # [BV, BK]
+            b_v = tl.load(vn_ptr + o_t[:, None] * s_vt + o_v[None, :], mask=m_t[:, None], other=0.0)  # [BT, BV]
+            b_dk = _dot(b_v, b_dht, b_dk, DOT_PRECISION, EMULATE_BF16)
+            b_ht = tl.load(h_ptr + o_h[None, :] + o_v[:, None])
             b_hdh += tl.sum(b_ht.to(tl.float32) * b_dht.to(tl.float32), axis=1)
-        b_q = tl.load(q_ptr + o_i[:, None] * s_qt + o_k[None, :], mask=m_t[:, None], other=0.0,
-                      eviction_policy="evict_first")  # [BT, BK]
-        b_kf = tl.load(k_ptr + o_i[:, None] * s_kt + o_k[None, :], mask=m_t[:, None], other=0.0,
-                       eviction_policy="evict_first").to(tl.float32)
-        if USE_QK_L2NORM:
-            b_kf = b_kf * b_rk[:, None]
-        # dk = exp(G_last - G) (v_new dh^T) + dA_o^T q
-        b_dk = b_dk * b_dl[:, None]
-        b_ks = tl.sum(b_kf * b_dk, axis=1)  # [BT]
-        b_dg -= b_ks
-        b_kst += b_ks
+        b_k = tl.load(k_ptr + o_t[:, None] * s_kt + o_k[None, :], mask=m_t[:, None], other=0.0)  # [BT, BK]
+        b_gk = tl.load(g_ptr + o_t * s_gt, mask=m_t, other=0.0)
+        b_gl = tl.load(g_ptr + (n_t - 1) * s_gt)
+        b_dk = b_dk * tl.where(m_t, tl.exp(tl.where(m_t, b_gl - b_gk, 0.0)), 0.0)[:, None]  # dk_state
+        b_kst += tl.sum(b_k.to(tl.float32) * b_dk, axis=1, keep_dims=True)
+        b_q = tl.load(q_ptr + o_t[:, None] * s_qt + o_k[None, :], mask=m_t[:, None], other=0.0)  # [BT, BK]
         b_dk = _dot(b_dAt, b_q, b_dk, DOT_PRECISION, EMULATE_BF16)  # [BT, BT] @ [BT, BK]
-        tl.store(dk_ptr + o_i[:, None] * s_dkt + o_k[None, :], b_dk, mask=m_t[:, None])
+        tl.store(dk_ptr + o_t[:, None] * s_dkt + o_k[None, :], b_dk, mask=m_t[:, None])
 
+    # q_hat . dq_inter and k_hat . dk_state: the norms times the sums of the loaded rows
+    b_dgq = tl.reshape(b_dgq, [BT])
+    b_kst = tl.reshape(b_kst, [BT])
+    if USE_QK_L2NORM:
+        b_dgq = b_dgq * b_rq
+        b_kst = b_kst * b_rk
+    b_dg += b_dgq - b_kst
     # G_last's gradient at the chunk's last token
     # (sum_i k_state_i as a [1, BT] -> [1] sum: a rank-1 sum to a scalar of a value computed from a
     # tensor-memory accumulator crashes Triton 3.6's sm_100 TMEM layout pass)
-    b_dg_last = tl.exp(b_g_last) * tl.sum(b_hdh, axis=0) + tl.sum(tl.reshape(b_kst, [1, BT]), axis=1)  # [1]
-    b_dg = tl.where(o_i == n_t - 1, b_dg + b_dg_last, b_dg)
-    tl.store(dg_ptr + o_i * s_dgt, b_dg, mask=m_t)
+    o_t = tl.arange(0, BT)
+    b_gl = tl.load(g_ptr + (n_t - 1) * s_gt)
+    b_dg_last = tl.exp(b_gl) * tl.sum(b_hdh, axis=0) + tl.sum(tl.reshape(b_kst, [1, BT]), axis=1)  # [1]
+    b_dg = tl.where(o_t == n_t - 1, b_dg + b_dg_last, b_dg)
+    tl.store(dg_ptr + o_t * s_dgt, b_dg, mask=o_t < n_t)
 
 
 def blocks(K: int, V: int) -> tuple[int, int]:
@@ -306,7 +349,7 @@ def launch_dqkwg(
     if NC == 0 or HV == 0:
         return dq, dk, dw, dg
     BK, BV = blocks(K, V)
-    _dqkwg_kernel[(NC, HV)](
+    _dqkwg_kernel[(NC * HV,)](
         q, k, v_new, h, dh, do, dv_new, g_cum, chunk_indices, dq, dk, dw, dg,
         float(scale),
         q.stride(0), q.stride(1),
@@ -325,6 +368,7 @@ def launch_dqkwg(
         EMULATE_BF16=emulate_bf16(q.dtype),
         num_warps=NUM_WARPS,
         num_stages=NUM_STAGES,
+        **({} if q.dtype == torch.float32 else {"maxnreg": MAX_REGISTERS}),
     )
     return dq, dk, dw, dg
 
@@ -334,7 +378,8 @@ def _aot_specs() -> list[AotSpec]:
 
     q, k are head views of the packed row ``[T, (2H + HV) * 128]`` (token stride 10240, head
     stride 128); v_new, do, dv_new, dw ``[T, 48, 128]`` and dq, dk fp32 ``[T, 48, 128]`` dense;
-    g_cum, dg fp32 ``[T, 48]`` dense (head stride 1). With and without the in-kernel L2 norm.
+    g_cum, dg fp32 ``[T, 48]`` dense (head stride 1). With and without the in-kernel L2 norm;
+    registers capped at ``MAX_REGISTERS`` as the launcher does.
     """
     K = V = 128
     H, HV = 16, 48
@@ -357,7 +402,7 @@ def _aot_specs() -> list[AotSpec]:
                 "s_gh": 1, "s_dgh": 1, "HV": HV, "GROUP": HV // H, "K": K, "V": V, "BT": CHUNK, "BK": BK, "BV": BV,
                 "USE_QK_L2NORM": l2, "DOT_PRECISION": dot_precision(torch.bfloat16), "EMULATE_BF16": False,
             },
-            options={"num_warps": NUM_WARPS, "num_stages": NUM_STAGES},
+            options={"num_warps": NUM_WARPS, "num_stages": NUM_STAGES, "maxnreg": MAX_REGISTERS},
             divisible_by_16=tuple(n for n in signature if n.endswith("_ptr") or n.startswith("s_")),
         )
         for l2 in (True, False)
