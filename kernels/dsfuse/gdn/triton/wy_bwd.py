@@ -22,10 +22,10 @@ Given ``dw`` and ``du`` (``= dv_new``, the total gradient of ``v_new = u - w h``
 One program per (chunk, value head), grid ``(NC, HV)``; value head ``i_hv`` reads key head
 ``i_hv // (HV // H)``.
 
-Formulation. No dot result is ever transposed (Triton 3.6 on Hopper miscompiles ``tl.trans``
-of a wgmma accumulator and of values derived from one): ``tl.trans`` is applied only to tiles
-freshly loaded from memory (``k``, ``v``, ``dw``, ``du``), ``A^T`` is loaded with swapped
-strides, and every matrix needed both ways is computed both ways from such tiles:
+Formulation. No ``tl.trans`` at all: a transposed tile is loaded transposed (swapped strides).
+Triton 3.6 on Hopper miscompiles ``tl.trans`` of a wgmma accumulator, and here ``tl.trans`` of a
+loaded bf16 tile fed to a dot read shared memory out of bounds on the H200 (compute-sanitizer);
+``A^T`` is loaded with swapped strides, and every matrix needed both ways is computed both ways from such tiles:
 
 1. ``dA = dw X^T + du Y^T`` (with ``X^T``, ``Y^T`` scaled from the loaded-and-transposed
    ``k``, ``v`` tiles); in the same pass over ``v`` / ``du``, ``dY = A^T du``, ``dv`` and
@@ -202,6 +202,13 @@ def _wy_bwd_kernel(
     p_dw = dw_ptr + i_hv64 * s_dwh + o_t[:, None] * s_dwt
     p_v = v_ptr + i_hv64 * s_vh + o_t[:, None] * s_vt
     p_du = du_ptr + i_hv64 * s_duh + o_t[:, None] * s_dut
+    # the same rows as [1, BT] columns: transposed tiles are loaded transposed (swapped strides);
+    # tl.trans of a loaded tile fed to a dot read shared memory out of bounds on the H200
+    # (compute-sanitizer: invalid __shared__ reads of 2048 bytes, bf16 data, Triton 3.6)
+    p_kt = k_ptr + i_h * s_kh + o_t[None, :] * s_kt
+    p_dwt = dw_ptr + i_hv64 * s_dwh + o_t[None, :] * s_dwt
+    p_vt = v_ptr + i_hv64 * s_vh + o_t[None, :] * s_vt
+    p_dut = du_ptr + i_hv64 * s_duh + o_t[None, :] * s_dut
     if USE_QK_L2NORM:
         b_ss = tl.zeros([BT], dtype=tl.float32)
         for i_k in range(K // BK):
@@ -217,7 +224,7 @@ def _wy_bwd_kernel(
     b_da = tl.zeros([BT, BT], dtype=tl.float32)
     for i_k in range(K // BK):
         o_k = i_k * BK + tl.arange(0, BK)
-        b_kt = tl.trans(tl.load(p_k + o_k[None, :], mask=m_t[:, None], other=0.0))  # [BK, BT]
+        b_kt = tl.load(p_kt + o_k[:, None], mask=m_t[None, :], other=0.0)  # [BK, BT]
         b_dw = tl.load(p_dw + o_k[None, :], mask=m_t[:, None], other=0.0)  # [BT, BK]
         b_xt, b_xt_lo = _split(b_kt.to(tl.float32) * b_sx[None, :], SPLIT, EMULATE_BF16)  # X^T
         b_da = _mm(b_dw, b_dw, b_xt, b_xt_lo, b_da, False, True, SPLIT, A_PRECISION, EMULATE_BF16)
@@ -229,7 +236,8 @@ def _wy_bwd_kernel(
         o_v = i_v * BV + tl.arange(0, BV)
         b_v = tl.load(p_v + o_v[None, :], mask=m_t[:, None], other=0.0)  # [BT, BV]
         b_du = tl.load(p_du + o_v[None, :], mask=m_t[:, None], other=0.0)  # [BT, BV]
-        b_yt, b_yt_lo = _split(tl.trans(b_v).to(tl.float32) * b_beta[None, :], SPLIT, EMULATE_BF16)  # Y^T
+        b_vt = tl.load(p_vt + o_v[:, None], mask=m_t[None, :], other=0.0)  # [BV, BT]
+        b_yt, b_yt_lo = _split(b_vt.to(tl.float32) * b_beta[None, :], SPLIT, EMULATE_BF16)  # Y^T
         b_da = _mm(b_du, b_du, b_yt, b_yt_lo, b_da, False, True, SPLIT, A_PRECISION, EMULATE_BF16)
         # dY = A^T du, dv = beta dY, dbeta += sum(v dY)
         b_dy = _mm(b_at, b_at_lo, b_du, b_du, None, True, False, SPLIT, A_PRECISION, EMULATE_BF16)  # [BT, BV]
@@ -251,14 +259,15 @@ def _wy_bwd_kernel(
     for i_k in range(K // BK):
         o_k = i_k * BK + tl.arange(0, BK)
         b_k = tl.load(p_k + o_k[None, :], mask=m_t[:, None], other=0.0)  # [BT, BK]
-        b_dwt = tl.trans(tl.load(p_dw + o_k[None, :], mask=m_t[:, None], other=0.0))
-        b_kk = _dot(b_k, tl.trans(b_k), b_kk, DOT_PRECISION, EMULATE_BF16)
+        b_dwt = tl.load(p_dwt + o_k[:, None], mask=m_t[None, :], other=0.0)  # [BK, BT]
+        b_kt = tl.load(p_kt + o_k[:, None], mask=m_t[None, :], other=0.0)  # [BK, BT]
+        b_kk = _dot(b_k, b_kt, b_kk, DOT_PRECISION, EMULATE_BF16)
         b_x, b_x_lo = _split(b_k.to(tl.float32) * b_sx[:, None], SPLIT, EMULATE_BF16)  # X
         b_dat = _mm(b_x, b_x_lo, b_dwt, b_dwt, b_dat, True, False, SPLIT, A_PRECISION, EMULATE_BF16)
     for i_v in range(V // BV):
         o_v = i_v * BV + tl.arange(0, BV)
         b_v = tl.load(p_v + o_v[None, :], mask=m_t[:, None], other=0.0)  # [BT, BV]
-        b_dut = tl.trans(tl.load(p_du + o_v[None, :], mask=m_t[:, None], other=0.0))
+        b_dut = tl.load(p_dut + o_v[:, None], mask=m_t[None, :], other=0.0)  # [BV, BT]
         b_y, b_y_lo = _split(b_v.to(tl.float32) * b_beta[:, None], SPLIT, EMULATE_BF16)  # Y
         b_dat = _mm(b_y, b_y_lo, b_dut, b_dut, b_dat, True, False, SPLIT, A_PRECISION, EMULATE_BF16)
 
