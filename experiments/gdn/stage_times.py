@@ -128,7 +128,8 @@ def render(raw: Path) -> str:
     env = json.loads((raw / "env.json").read_text())
     stages = pd.read_csv(raw / "stage_times.csv")
     med = stages.groupby(["pass", "stage", "l2norm"], sort=False)["us"].median().reset_index()
-    lines = [f"Run `{raw.name}` ({env.get('gpu_name', '?')}, commit `{str(env.get('git_commit', '?'))[:10]}`): "
+    run = raw.parent.name if raw.name == "stages" else raw.name
+    lines = [f"Run `{run}` ({env.get('gpu_name', '?')}, commit `{str(env.get('git_commit', '?'))[:10]}`): "
              f"median of {stages.groupby(['pass', 'stage', 'l2norm']).size().min()} CUDA Graph replays per "
              "stage, L2 evicted before each; a pass's share is of the sum of its stages.", ""]
     for l2, part in med.groupby("l2norm", sort=False):
