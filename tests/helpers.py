@@ -43,6 +43,21 @@ def assert_within_ulp(got: torch.Tensor, want: torch.Tensor, ulps: float = 1, wh
     assert worst <= ulps, f"{what}: max error {worst:.2f} ulp > {ulps}"
 
 
+def rel_rms(got: torch.Tensor, want: torch.Tensor) -> float:
+    """Relative RMS error ``|got - want| / |want|`` over the whole tensor, in float64 on the host."""
+    got, want = got.double().cpu(), want.double().cpu()
+    return ((got - want).norm() / want.norm().clamp_min(1e-300)).item()
+
+
+def assert_rel_rms(got: torch.Tensor, want: torch.Tensor, tol: float, what: str) -> float:
+    """``got`` finite (an unwritten, NaN-poisoned element fails) and within ``tol`` relative RMS of
+    ``want``; returns the error."""
+    assert torch.isfinite(got).all(), f"{what}: non-finite values (an element left unwritten?)"
+    err = rel_rms(got, want)
+    assert err <= tol, f"{what}: relative RMS error {err:.2e} > {tol:.1e}"
+    return err
+
+
 def model_like_gates(shape, gen: torch.Generator, kind: str = "model"):
     """Gated DeltaNet ``(g, beta)`` of ``shape`` ``[B, T, HV]`` as the model makes them
     (``dsfuse.gdn.gdn_gates``): ``"model"`` with its initialisation (A ~ U(0, 16), softplus(dt_bias)

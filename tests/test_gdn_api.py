@@ -8,6 +8,7 @@ bf16 stores); the same tests run on the GPU in bf16 at the contract's tolerance.
 import pytest
 import torch
 from conftest import DEVICES
+from helpers import rel_rms
 
 from dsfuse.gdn import chunk_gdn, gdn_gates, naive_recurrent_gdn
 
@@ -25,8 +26,6 @@ def make(tokens, heads, heads_v, dim, dtype, device, batch=1, seed=0):
     return dict(q=cast(q), k=cast(k), v=cast(v), g=g.float().to(device), beta=cast(beta))
 
 
-def relrms(got, want):
-    return float((got.double() - want.double()).norm() / want.double().norm())
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -51,9 +50,9 @@ def test_triton_forward_against_fp64_recurrence(device, l2, layout):
     o, ht = chunk_gdn(**x, output_final_state=True, use_qk_l2norm_in_kernel=l2, backend="triton")
     ref_o, ref_ht = naive_recurrent_gdn(**x, output_final_state=True, use_qk_l2norm_in_kernel=l2)
     no_h0 = naive_recurrent_gdn(**dict(x, initial_state=None), output_final_state=True, use_qk_l2norm_in_kernel=l2)
-    assert relrms(no_h0[0], ref_o) > 10 * CONTRACT[dtype] and relrms(no_h0[1], ref_ht) > 10 * CONTRACT[dtype]
+    assert rel_rms(no_h0[0], ref_o) > 10 * CONTRACT[dtype] and rel_rms(no_h0[1], ref_ht) > 10 * CONTRACT[dtype]
     assert o.dtype == x["v"].dtype and ht.dtype == torch.float32
-    assert relrms(o, ref_o) <= CONTRACT[dtype] and relrms(ht, ref_ht) <= CONTRACT[dtype]
+    assert rel_rms(o, ref_o) <= CONTRACT[dtype] and rel_rms(ht, ref_ht) <= CONTRACT[dtype]
     again = chunk_gdn(**x, output_final_state=True, use_qk_l2norm_in_kernel=l2, backend="triton")
     assert torch.equal(o, again[0]) and torch.equal(ht, again[1])  # deterministic
 
@@ -81,7 +80,7 @@ def test_autograd_on_the_cpu_takes_the_reference():
     (dq,) = torch.autograd.grad(o.sum(), x["q"])
     leaf = x["q"].detach().requires_grad_()
     (want,) = torch.autograd.grad(naive_recurrent_gdn(**dict(x, q=leaf))[0].sum(), leaf)
-    assert relrms(dq, want) <= 1e-5
+    assert rel_rms(dq, want) <= 1e-5
 
 
 def test_the_op_is_registered_with_its_stage_modules():

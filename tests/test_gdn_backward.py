@@ -24,6 +24,7 @@ import pytest
 import torch
 from conftest import DEVICES
 from helpers import assert_bitwise, model_like_gates
+from helpers import rel_rms
 from torch.utils.checkpoint import checkpoint
 
 from dsfuse.gdn import chunk_gdn, naive_recurrent_gdn
@@ -109,9 +110,6 @@ def reference(x, do, dht, *, l2, naive: bool):
     return out
 
 
-def rel_rms(got, want) -> float:
-    got, want = got.double(), want.double()
-    return float((got - want).norm() / want.norm().clamp_min(1e-300))
 
 
 def assert_matches(got, want, tol):

@@ -52,6 +52,7 @@ from dsfuse.gdn.reference_backward import chunk_dv_local, chunk_state_backward
 from dsfuse.gdn.triton import state_bwd
 from dsfuse.gdn.triton.state_bwd import launch_dv_local, launch_state_backward
 from helpers import assert_bitwise, model_like_gates
+from helpers import assert_rel_rms
 
 F64 = torch.float64
 DK, DV = 32, 64
@@ -185,16 +186,8 @@ class Prepared:
 # ----------------------------------------------------------------------------- comparisons
 
 
-def rel_rms(got, want):
-    got, want = got.double().cpu(), want.double().cpu()
-    return ((got - want).norm() / want.norm().clamp_min(1e-300)).item()
 
 
-def assert_rel_rms(got, want, tol, what):
-    assert torch.isfinite(got).all(), f"{what}: non-finite values (an element left unwritten?)"
-    err = rel_rms(got, want)
-    assert err <= tol, f"{what}: relative RMS error {err:.2e} > {tol:.1e}"
-    return err
 
 
 def check_state(p, dh, dv_new, dh0, layout):

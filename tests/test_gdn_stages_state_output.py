@@ -54,6 +54,7 @@ from dsfuse.gdn import (
 from dsfuse.gdn.triton.output import launch_output
 from dsfuse.gdn.triton.state import launch_state_pass
 from helpers import assert_bitwise
+from helpers import assert_rel_rms, rel_rms
 
 F64 = torch.float64
 DK, DV = 32, 64
@@ -163,15 +164,8 @@ class Prepared:
 # ----------------------------------------------------------------------------- comparisons
 
 
-def rel_rms(got, want):
-    got, want = got.double().cpu(), want.double().cpu()
-    return ((got - want).norm() / want.norm().clamp_min(1e-300)).item()
 
 
-def assert_rel_rms(got, want, tol, what):
-    assert torch.isfinite(got).all(), f"{what}: non-finite values (an element left unwritten?)"
-    err = rel_rms(got, want)
-    assert err <= tol, f"{what}: relative RMS error {err:.2e} > {tol:.1e}"
 
 
 def assert_tail_zero(x, tail, what):

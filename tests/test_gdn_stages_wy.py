@@ -50,6 +50,7 @@ import pytest
 import torch
 from conftest import DEVICES
 from helpers import spacing
+from helpers import assert_rel_rms
 
 from dsfuse.gdn.reference import (
     chunk_gdn_stages,
@@ -169,9 +170,6 @@ def positions(ref, tokens: int, device) -> tuple[torch.Tensor, torch.Tensor]:
 # ----------------------------------------------------------------------------- comparisons
 
 
-def rel_rms(got: torch.Tensor, want: torch.Tensor) -> float:
-    got, want = got.double(), want.double()
-    return ((got - want).norm() / want.norm().clamp_min(1e-300)).item()
 
 
 def assert_finite(t: torch.Tensor, what: str):
@@ -179,10 +177,6 @@ def assert_finite(t: torch.Tensor, what: str):
     assert not bad.any(), f"{what}: {int(bad.sum())} of {t.numel()} elements not finite (unwritten or overflow)"
 
 
-def assert_rel_rms(got, want, tol, what):
-    err = rel_rms(got, want)
-    assert err <= tol, f"{what}: relative RMS error {err:.3e} > {tol:.0e}"
-    return err
 
 
 # tf32 keeps 10 fraction bits of each fp32 factor, and the tensor cores truncate (no rounding): up to

@@ -61,6 +61,7 @@ from dsfuse.gdn.reference_backward import (
 )
 from dsfuse.gdn.triton.wy_bwd import launch_wy_backward
 from helpers import assert_bitwise, model_like_gates
+from helpers import assert_rel_rms
 
 F64 = torch.float64
 DK, DV = 32, 64
@@ -230,16 +231,8 @@ class Prepared:
 # ----------------------------------------------------------------------------- comparisons
 
 
-def rel_rms(got, want):
-    got, want = got.double().cpu(), want.double().cpu()
-    return ((got - want).norm() / want.norm().clamp_min(1e-300)).item()
 
 
-def assert_rel_rms(got, want, tol, what):
-    assert torch.isfinite(got).all(), f"{what}: non-finite values (an element left unwritten?)"
-    err = rel_rms(got, want)
-    assert err <= tol, f"{what}: relative RMS error {err:.2e} > {tol:.1e}"
-    return err
 
 
 # ----------------------------------------------------------------------------- tests

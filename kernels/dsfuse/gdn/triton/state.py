@@ -181,7 +181,6 @@ def _state_pass_kernel(
     o_k = tl.arange(0, K)
     o_v = i_v * BV + tl.arange(0, BV)
     o_i = tl.arange(0, BT)
-    dtype = w_ptr.dtype.element_ty
 
     if i_n < N:
         b_h = tl.zeros([K, BV], dtype=tl.float32)
@@ -219,15 +218,19 @@ def _state_pass_kernel(
 
 
 @functools.lru_cache(maxsize=16)
-def _config(device_type: str, index: int | None) -> tuple[int, int]:
-    if device_type == "cuda" and torch.cuda.get_device_capability(index)[0] >= 10:
-        return CONFIG_BLACKWELL
-    return CONFIG_HOPPER
+def _blackwell(device_type: str, index: int | None) -> bool:
+    return device_type == "cuda" and torch.cuda.get_device_capability(index)[0] >= 10
+
+
+def family_config(device: torch.device, hopper: tuple[int, int], blackwell: tuple[int, int]) -> tuple[int, int]:
+    """A sequential pass's ``(BV, num_warps)`` on ``device``: ``blackwell`` on compute capability
+    >= 10, ``hopper`` elsewhere (the CPU interpreter included)."""
+    return blackwell if _blackwell(device.type, device.index) else hopper
 
 
 def launch_config(device: torch.device, V: int) -> tuple[int, int]:
     """``(BV, num_warps)`` of a launch on ``device`` with ``V`` value channels."""
-    block_v, num_warps = _config(device.type, device.index)
+    block_v, num_warps = family_config(device, CONFIG_HOPPER, CONFIG_BLACKWELL)
     return min(block_v, V), num_warps
 
 

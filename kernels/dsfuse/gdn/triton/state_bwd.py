@@ -68,7 +68,6 @@ then value head: ``NC * HV * (V // BV)`` programs (then chunk) for ``dv_local``,
 
 from __future__ import annotations
 
-import functools
 
 import torch
 import triton
@@ -83,6 +82,7 @@ from dsfuse.gdn.triton.state import (
     _round,
     dot_precision,
     emulate_bf16,
+    family_config,
 )
 
 # Launch constants (no autotuner).
@@ -352,7 +352,6 @@ def _state_backward_kernel(
     o_k = tl.arange(0, BK)  # rows of the first K block; the second's are BK + o_k
     o_v = i_v * BV + tl.arange(0, BV)
     o_i = tl.arange(0, BT)
-    dtype = q_ptr.dtype.element_ty
     o_kv = o_k[:, None] * V + o_v[None, :]  # [BK, BV] offsets in a [K, V] state
 
     # b_dh = [b_dh1; b_dh2]: the state gradient's K rows in (up to) two fp32 blocks; dht as
@@ -391,16 +390,9 @@ def _state_backward_kernel(
             tl.store(dh0_ptr + p_state + BK * V, b_dh2)
 
 
-@functools.lru_cache(maxsize=16)
-def _config(device_type: str, index: int | None) -> tuple[int, int]:
-    if device_type == "cuda" and torch.cuda.get_device_capability(index)[0] >= 10:
-        return CONFIG_BLACKWELL
-    return CONFIG_HOPPER
-
-
 def launch_config(device: torch.device, V: int) -> tuple[int, int]:
     """``(BV, num_warps)`` of a state-backward launch on ``device`` with ``V`` value channels."""
-    block_v, num_warps = _config(device.type, device.index)
+    block_v, num_warps = family_config(device, CONFIG_HOPPER, CONFIG_BLACKWELL)
     return min(block_v, V), num_warps
 
 
