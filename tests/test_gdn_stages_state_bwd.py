@@ -266,7 +266,7 @@ def test_chained(heads, gates, dtype, device):
 @pytest.mark.parametrize("device", DEVICES)
 def test_blackwell_setting(device, monkeypatch):
     """The state pass in Blackwell's launch setting (16 value channels, 2 warps): four value blocks for V = 64."""
-    monkeypatch.setattr(state_bwd, "_config", lambda *_: state_bwd.CONFIG_BLACKWELL)
+    monkeypatch.setattr(state_bwd, "family_config", lambda device, hopper, blackwell: blackwell)
     assert state_bwd.launch_config(torch.device(device), DV)[0] < DV
     check_chained("docs_1_45_0_130", (1, 3), "model", device, torch.bfloat16, seed=5)
 
