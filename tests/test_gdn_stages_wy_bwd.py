@@ -23,13 +23,15 @@ unwritten element fails):
   exponentiates ``G`` and its differences, several decays to a term (``|G|`` up to about 3500
   with the strong gates here: a bound of 8e-4). Observed on the CPU: <= 2.7e-7 (model gates),
   <= 8.0e-5 (strong gates, ``dk``; ``dg`` 2.8e-5).
-* bf16 inputs: fp32 operands (``A``, ``dA``, ``D``, ``X``) enter the bf16 products as two bf16
-  parts (relative error <= 3 * 2^-16 per product, see the module), the data tiles unrounded;
-  ``dk`` and ``dg`` are fp32 outputs: ``<= 1e-4 + 2^-22 max|G|``. Observed on the CPU:
-  <= 4.5e-6 (model gates), <= 8.0e-5 (strong gates, the fp32 ``G`` as with fp32 inputs).
-  ``dv`` and ``dbeta`` are rounded once to bf16 (relative error <= 2^-9 per element):
-  ``<= 2^-9 + 1e-4 + 2^-22 max|G|``. Observed: <= 1.81e-3, of which rounding the exact values
-  to bf16 alone makes 1.65e-3 to 1.72e-3.
+* bf16 inputs: one bf16 pass per product; the fp32 values that enter a product (``A``, ``dA``,
+  ``A^T dA``, ``diag(beta) Q`` and its scalings, see the module) are rounded once to bf16
+  (relative error <= 2^-9 each), the data tiles enter unrounded. Bounds (relative RMS, plus
+  ``2^-22 max|G|`` for the fp32 ``G``), from the errors observed on the CPU with margin:
+  ``dk`` (fp32 output) 4e-3, observed 2.6e-3 to 2.9e-3 with model gates (this file's cases,
+  K = V = 128 included, and six more seeds each of two cases), 3.3e-4 and 1.8e-3 with strong
+  gates; ``dg`` (fp32) 2.5e-3, observed 2.3e-4 to 1.3e-3; ``dv`` and ``dbeta`` (rounded once to
+  bf16) 3e-3, observed <= 1.8e-3 and <= 2.1e-3, of which rounding the exact values to bf16 alone
+  makes 1.55e-3 to 1.72e-3.
 
 On the CPU, Triton's interpreter would multiply bf16 dot operands as integer bit patterns and
 truncates fp32 -> bf16 conversions; the kernel widens bf16 dot operands to fp32 (exact) and
@@ -72,8 +74,8 @@ LAYOUTS = {
 }
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 FP32_RMS = 1e-5
-BF16_RMS = 1e-4  # fp32 outputs (dk, dg) with bf16 inputs
-BF16_ROUNDING = 2.0**-9  # one rounding to nearest bf16 (dv, dbeta)
+# bf16 inputs, one bf16 pass per product: observed 2.9e-3 (dk), 1.3e-3 (dg), 1.8e-3 (dv), 2.1e-3 (dbeta)
+BF16_RMS = {"dk": 4e-3, "dg": 2.5e-3, "dv": 3e-3, "dbeta": 3e-3}
 
 # (layout, (H, HV), l2 norm, gates, packed strides)
 CASES = [
@@ -213,18 +215,20 @@ class Prepared:
 
     def check(self, dk, dv, dbeta, dg):
         slack = self.gate_slack()
-        fp32_tol = max(FP32_RMS, slack) if self.dtype == torch.float32 else BF16_RMS + slack
-        rounded_tol = fp32_tol if self.dtype == torch.float32 else BF16_ROUNDING + fp32_tol
+        if self.dtype == torch.float32:
+            tol = dict.fromkeys(BF16_RMS, max(FP32_RMS, slack))
+        else:
+            tol = {name: bound + slack for name, bound in BF16_RMS.items()}
         assert dk.dtype == torch.float32 and dg.dtype == torch.float32
         assert dv.dtype == self.dtype and dbeta.dtype == self.dtype
         errs = {
-            "dk": assert_rel_rms(dk.double().cpu() - self.dk_start.double().cpu(), self.want["dk"], fp32_tol, "dk"),
-            "dv": assert_rel_rms(dv, self.want["dv"], rounded_tol, "dv"),
-            "dbeta": assert_rel_rms(dbeta, self.want["dbeta"], rounded_tol, "dbeta"),
-            "dg": assert_rel_rms(dg, self.want["dg"], fp32_tol, "dg"),
+            "dk": assert_rel_rms(dk.double().cpu() - self.dk_start.double().cpu(), self.want["dk"], tol["dk"], "dk"),
+            "dv": assert_rel_rms(dv, self.want["dv"], tol["dv"], "dv"),
+            "dbeta": assert_rel_rms(dbeta, self.want["dbeta"], tol["dbeta"], "dbeta"),
+            "dg": assert_rel_rms(dg, self.want["dg"], tol["dg"], "dg"),
         }
         # dk in/out: start + dk_wy (not only the difference)
-        assert_rel_rms(dk, self.dk_start.double().cpu() + self.want["dk"], fp32_tol, "dk (start + dk_wy)")
+        assert_rel_rms(dk, self.dk_start.double().cpu() + self.want["dk"], tol["dk"], "dk (start + dk_wy)")
         return errs
 
 

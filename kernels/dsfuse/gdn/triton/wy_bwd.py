@@ -22,58 +22,75 @@ Given ``dw`` and ``du`` (``= dv_new``, the total gradient of ``v_new = u - w h``
 One program per (chunk, value head), grid ``(NC, HV)``; value head ``i_hv`` reads key head
 ``i_hv // (HV // H)``.
 
-Formulation. No ``tl.trans`` at all: a transposed tile is loaded transposed (swapped strides).
-Triton 3.6 on Hopper miscompiles ``tl.trans`` of a wgmma accumulator, and here ``tl.trans`` of a
-loaded bf16 tile fed to a dot read shared memory out of bounds on the H200 (compute-sanitizer);
-``A^T`` is loaded with swapped strides, and every matrix needed both ways is computed both ways from such tiles:
+Formulation. No ``tl.trans`` at all: Triton 3.6 on Hopper miscompiles ``tl.trans`` of a wgmma
+accumulator, and ``tl.trans`` of a loaded bf16 tile fed to a dot read shared memory out of bounds
+on the H200 (compute-sanitizer). A transposed tile (``k^T``, ``v^T``, ``A^T``, ``dk^T``) is read
+through swapped strides. With ``Q = dL * Gamma'`` (strictly lower), ``r_i = |k_i|^-1`` (L2 norm;
+1 without it) and ``k_n = diag(r) k``:
 
-1. ``dA = dw X^T + du Y^T`` (with ``X^T``, ``Y^T`` scaled from the loaded-and-transposed
-   ``k``, ``v`` tiles); in the same pass over ``v`` / ``du``, ``dY = A^T du``, ``dv`` and
-   ``dbeta``'s ``sum(v dY)``.
-2. ``dL = strictly_lower(-(A^T dA) A^T)``, ``Q = dL * Gamma'``.
-3. ``dA^T = X dw^T + Y du^T`` (a second pass over the data, ``dw``, ``du`` transposed) and
-   ``k k^T``; ``P = Q * (k_n k_n^T)`` gives ``dbeta``'s row sums and, since ``dL * L =
-   diag(beta) P``, ``dG``'s ``rowsum - colsum`` (a column sum is a reduction over axis 0, not
-   a transpose).
-4. ``dL^T = strictly_upper(-(A dA^T) A)`` with ``A`` as stored (not the transpose of step 2).
-5. ``D = (Q diag(beta)_rows + dL^T * Gamma'^T diag(beta)_cols) diag(r)``: ``d(k_n k_n^T)``'s
-   strictly lower part next to its transpose's strictly upper part, so both key terms of ``dk``
-   are one product ``D k``. Per key block: ``dX = A^T dw``, ``dk = dk_in + beta exp(G) dX +
-   D k``, ``sum(k dX)`` for ``dbeta`` and ``dG``.
-6. ``dg``: ``tl.cumsum(dG, reverse=True)`` over the chunk's rows (padding rows are 0).
+1. One pass over the key and value blocks: ``dA = ((dw k^T) diag(e^G r) + du v^T) diag(beta)``
+   and ``k k^T`` (products of two data tiles); with the L2 norm ``|k|^2`` from the ``k^T`` tiles.
+2. ``dL = strictly_lower(-(A^T dA) A^T)``, ``Q = -(A^T dA A^T) * Gamma'``. From
+   ``Q * k_n k_n^T`` (fp32, elementwise): ``dbeta``'s ``rowsum(dL * k_n k_n^T * Gamma')`` and, as
+   ``dL * L = diag(beta) (Q * k_n k_n^T)``, ``dG``'s ``rowsum(dL * L) - colsum(dL * L)``; with
+   ``dg_in`` these partial sums are held in ``dg`` (dg_in is read first) until step 5.
+3. Per key block, ``[tokens, channels]`` tiles: ``dk += diag(beta e^G) A^T dw + diag(beta) Q diag(r)
+   k``; after a CTA barrier the same program adds ``(Q^T diag(beta) k_n)^T = k^T diag(beta r) Q`` to
+   that block of ``dk``, read and written as ``[channels, tokens]`` tiles. So neither ``Q^T`` nor
+   ``dA^T`` (a second chain) is ever formed. Then ``sum(k dX)`` with ``dX = A^T dw`` formed again in
+   its own loop (in the ``dk`` loop it cost more registers than the 3 programs per SM allow).
+4. ``dY = A^T du``, ``dv = diag(beta) dY``, ``sum(v dY)`` per value block.
+5. ``dbeta = sum(e^G k_n dX) + sum(v dY) + rowsum(dL * k_n k_n^T * Gamma')``; ``dG`` completed with
+   ``sum(X dX) = beta sum(e^G k_n dX)``; ``dg = tl.cumsum(dG, reverse=True)`` over the chunk.
 
-L2 norm: ``r_i = rsqrt(|k_i|^2 + 1e-6)`` of the raw key (fp32) and ``k_n = diag(r) k`` enter
-only as row and column scales (``X = diag(beta exp(G) r) k``, ``k_n k_n^T = diag(r) k k^T
-diag(r)``, ``D diag(r)``): normalised keys are never rounded to the input dtype, and ``dk``
-is the gradient w.r.t. ``k_n``.
+Products per program at K = V = 128 (in ``[64, 64] x [64, 64]`` units): 18 (6 in step 1, 2 in
+step 2, 6 + 2 in step 3, 2 in step 4); the design it replaced (``experiments/gdn/explored/wy_bwd_split``)
+formed ``dA^T`` and a second chain for ``Q^T`` and split every fp32 operand into two bf16 parts:
+42 (20 without the low parts). Tiles
+read per program: ``k`` 5 times (twice transposed), ``dw`` 3, ``v``, ``du`` and ``dk`` (read and
+written) twice, ``A^T`` once (16 KB each for ``k``, ``dw``, ``v``, ``du`` and fp32 ``A^T``, 32 KB
+for fp32 ``dk``); the repeats should be L2 hits.
 
-Decays: ``exp(G)`` with ``G <= 0``, and ``Gamma'`` with the exponent masked to ``j < i`` (both
-tokens in the chunk) before ``exp``, so ``exp`` never sees a positive argument. Tokens past the
-chunk's end load as 0 (``A`` rows and columns, ``k``, ``v``, ``dw``, ``du``, ``beta``, ``G``),
-so padding rows and columns of every product are 0; stores are masked to the chunk.
+Decays: ``exp(G)`` with ``G <= 0``; ``Gamma'`` with the exponent ``G_i - G_j <= 0`` where ``j < i``
+(both tokens in the chunk) and ``-inf`` elsewhere (``exp`` gives 0, never overflows). Tokens past
+the chunk's end load as 0 (``k``, ``v``, ``dw``, ``du``, ``beta``, ``G``; ``A^T`` rows and columns),
+so the padding rows and columns of every product are 0; every load and store is masked to the
+chunk's tokens. Token offsets are int64 for the chunk's first row; within a chunk they are int32
+(``t * stride`` for ``t < 64``: token strides below 2^31 / 64).
 
-Precision. Products of two data tiles (``k k^T``) multiply input-dtype operands exactly with
-fp32 accumulation. Products with an fp32 operand (``A``, ``A^T``, ``dA``, ``A^T dA``, ``D``,
-``X``, ``Y``) keep near-fp32 accuracy, as the forward's ``w = A X`` (tf32x3) does: with bf16
-inputs each fp32 operand is split into two bf16 parts, ``hi = bf16(x)``, ``lo = bf16(x - hi)``
-(``|x - hi - lo| <= 2^-16 |x|``), and the product is ``a_lo b + a b_lo + a b`` in bf16 with
-fp32 accumulation (bf16 data enters unsplit, exact; the ``a_lo b_lo`` term is dropped): at most
-``3 * 2^-16`` relative per scalar product (``2^-16`` against a data tile), at two or three bf16
-passes. The same kernel with ``tf32x3`` products (three tf32 passes, each about twice a bf16
-pass, split operands held as fp32) spilled 576 bytes for sm_90 at 8 warps, 1340 at 4; rounding
-the fp32 operands to bf16 once (one pass) gave ``dk`` a relative RMS error of 3.2e-3 in a test
-case where the split gives 4.4e-6. fp32 inputs multiply in full fp32 (``input_precision="ieee"``,
-no TF32, nothing split); fp16 inputs in ``tf32x3`` (fp16 data is exact in tf32), not split.
-``dv`` and ``dbeta`` are rounded once (to nearest) to ``v``'s and ``beta``'s dtype; ``dk`` and
-``dg`` stay fp32. On the CPU interpreter bf16 operands are widened before ``tl.dot`` and
-roundings done on the bits (``state._dot``, ``state._round``), so the interpreter checks the
-GPU's numerics, the split included.
+Precision. bf16 inputs: one bf16 pass per product with fp32 accumulation; the data tiles enter
+exactly and the fp32 values that enter a product (``A^T``, ``dA``, ``A^T dA``,
+``diag(beta) Q diag(r)``, ``diag(beta r) Q``) are rounded once to bf16 (to nearest, <= 2^-9
+relative). The sums of step 2 are fp32 (``k k^T`` and ``Q`` unrounded). Observed on the CPU (the
+interpreter checks the GPU's numerics, below) against fp64: ``dk`` 2.6e-3 to 2.9e-3 relative RMS
+with model-like gates, ``dg`` <= 1.3e-3, ``dv`` <= 1.8e-3 and ``dbeta`` <= 2.1e-3 (rounding them
+to bf16 alone gives 1.55e-3 to 1.72e-3); the replaced two-part split (three bf16 passes) gave
+``dk`` about 4e-6. Through the whole backward in bf16 (CPU, K = V = 128, against the fp64
+recurrence) ``dk`` 4.5e-3 to 4.6e-3, ``dg`` 4.3e-3 to 4.6e-3, ``dbeta`` 3.2e-3 to 3.5e-3 with
+either version (contract: 8e-3, 2e-2). fp32 inputs multiply in full fp32
+(``input_precision="ieee"``, no TF32, nothing rounded); fp16 inputs in one tf32 pass (fp16 data is
+exact in tf32, the fp32 values are not rounded in the kernel). ``dv`` and ``dbeta`` are rounded
+once (to nearest) to ``v``'s and ``beta``'s dtype; ``dk`` and ``dg`` stay fp32. On the CPU
+interpreter bf16 operands are widened before ``tl.dot`` and roundings done on the bits
+(``state._dot``, ``state._round``).
+
+Registers (bf16, 4 warps, capped at ``MAX_REGISTERS`` = 168: three programs per SM): the
+``AOT_SPECS`` compile at 168 registers without spills for sm_90 and sm_100 (at a cap of 160 they
+spill 16-32 bytes; uncapped the compiler takes 208-255; the replaced design: 255 with 68-80 bytes
+of spill for sm_90 at 8 warps). The compiler otherwise keeps values of one phase alive into the
+next: the loops are ``tl.range(..., disable_licm=True)``, the later phases build their token
+offsets from ``_zero`` (an opaque 0), ``[BT]`` vectors are read as ``[2 BT]`` (``_vec``), and a
+tile read again is read with another eviction hint (so the reads are not merged into one
+long-lived value). Shared memory: 32 KB (sm_90), 33-40 KB (sm_100). Speed on the H200 at the
+experiment's shape: 2.38 ms against the replaced design's 6.59 ms, same run
+(``experiments/gdn/raw/gpu-tests/7272193-wy_bwd_{lean,split}-time.log``).
 
 In/out and aliasing: ``dk`` fp32 ``[T, HV, K]`` holds the output and state-update terms (the
-dq/dk stage); this stage adds the WY terms, each element read and written by one program.
-``dg`` may be the same tensor as ``dg_in``: the program loads its chunk's ``dg_in`` first and
-stores ``dg`` after a CTA barrier (every thread's read done before any write). No atomics, fixed
-launch constants: deterministic.
+dq/dk stage); this stage adds the WY terms, each element read and written by one program (twice,
+the two writes ordered by a CTA barrier). ``dg`` may be the same tensor as ``dg_in``: the program
+reads its chunk's ``dg_in`` before a CTA barrier and only then writes ``dg`` (its partial sums,
+read back after another barrier, then the result). No atomics, fixed launch constants:
+deterministic.
 
 Layouts (packed tokens): ``k`` ``[T, H, K]``; ``v``, ``du``, ``dv`` ``[T, HV, V]``; ``dw``,
 ``dk`` ``[T, HV, K]`` (any token and head strides, unit channel stride); ``beta``, ``dbeta``
@@ -99,44 +116,51 @@ from dsfuse.gdn.triton.state import (
 )
 
 MAX_BLOCK = 64  # BK, BV: key / value channels per dot
-# Launch constants (no autotuner), chosen for registers only (not timed on a GPU yet): the
-# program holds several [64, 64] fp32 matrices and split (hi, lo) operands at once. At the
-# model's shape (AOT_SPECS) 8 warps compile without spills for sm_100 (213-225 registers) and
-# with 68-80 bytes of spill for sm_90 (255 registers); 4 warps spilled 128-264 bytes on both.
-# The loops over key / value blocks are scf loops (range, not static_range): unrolled, the
-# compiler merged the repeated tile loads of the two passes and kept the tiles in registers.
-NUM_WARPS = 8
+# Launch constants (no autotuner), chosen for registers; not timed on a GPU yet: 4 warps; for bf16
+# inputs the registers are capped at MAX_REGISTERS (3 programs of 4 warps per SM), with which
+# AOT_SPECS compile without spills on sm_90 and sm_100. fp16 and fp32 inputs are not capped.
+NUM_WARPS = 4
 NUM_STAGES = 1
+MAX_REGISTERS = 168
 
 
 @triton.jit
-def _split(x, SPLIT: tl.constexpr, EMULATE_BF16: tl.constexpr):
-    """fp32 ``x`` as ``(hi, lo)``: with ``SPLIT`` two bf16 parts, ``hi = bf16(x)``, ``lo = bf16(x - hi)``
-    (``x - hi`` is exact, so ``|x - hi - lo| <= 2^-16 |x|``); else ``(x, x)`` (``lo`` unused)."""
-    if SPLIT:
-        hi = _round(x, tl.bfloat16, EMULATE_BF16)
-        lo = _round(x - hi.to(tl.float32), tl.bfloat16, EMULATE_BF16)
+def _op(x, MMA_BF16: tl.constexpr, EMULATE_BF16: tl.constexpr):
+    """fp32 values as a dot operand: rounded once to bf16 (``MMA_BF16``), else kept in fp32."""
+    if MMA_BF16:
+        y = _round(x, tl.bfloat16, EMULATE_BF16)
     else:
-        hi = x
-        lo = x
-    return hi, lo
+        y = x
+    return y
 
 
 @triton.jit
-def _mm(a, a_lo, b, b_lo, acc, A_SPLIT: tl.constexpr, B_SPLIT: tl.constexpr, SPLIT: tl.constexpr,
-        A_PRECISION: tl.constexpr, EMULATE_BF16: tl.constexpr):
-    """``acc + a @ b`` (``acc`` may be None) where an operand is either a tile of input data or fp32
-    values as :func:`_split` returned them (``A_SPLIT`` / ``B_SPLIT``). ``SPLIT``: bf16 products
-    with fp32 accumulation, ``a_lo b + a b_lo + a b`` over the split operands (the ``a_lo b_lo``
-    term, ``<= 2^-16 |a| |b|`` per product, dropped); bf16 data enters unsplit (exact). Else one
-    product of the operands widened to fp32 at ``A_PRECISION``."""
-    if SPLIT:
-        if A_SPLIT:
-            acc = _dot(a_lo, b, acc, "ieee", EMULATE_BF16)
-        if B_SPLIT:
-            acc = _dot(a, b_lo, acc, "ieee", EMULATE_BF16)
-        return _dot(a, b, acc, "ieee", EMULATE_BF16)
-    return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision=A_PRECISION)
+def _data(x, MMA_BF16: tl.constexpr):
+    """A loaded data tile as the other operand of a product with fp32 values (:func:`_op`)."""
+    if MMA_BF16:
+        y = x
+    else:
+        y = x.to(tl.float32)
+    return y
+
+
+@triton.jit
+def _zero(ci_ptr, i_c, start):
+    """0 as an int32 the compiler cannot see through: the chunk's start read again from the chunk
+    table, minus its first read. Token offsets built from it in a phase are computed there, not
+    kept in registers from an earlier phase that built the same offsets."""
+    return (tl.load(ci_ptr + i_c * 3 + 1) - start).to(tl.int32)
+
+
+@triton.jit
+def _vec(ptr, stride, n, BT: tl.constexpr):
+    """fp32 ``[BT]`` vector ``ptr[t * stride]``, 0 for ``t >= n``. Read as ``[2 BT]`` (each token
+    twice, one element per thread): the compiler keeps such a load in its own layout and converts
+    the vector where it is used, where a ``[BT]`` load would be repeated in each layout that uses
+    it, with a 64-bit address per element."""
+    o_t = tl.arange(0, 2 * BT) // 2
+    b_x = tl.load(ptr + o_t * stride, mask=o_t < n, other=0.0).to(tl.float32)
+    return tl.max(tl.reshape(b_x, (BT, 2)), 1)
 
 
 @triton.jit
@@ -174,8 +198,8 @@ def _wy_bwd_kernel(
     BV: tl.constexpr,
     USE_QK_L2NORM: tl.constexpr,
     DOT_PRECISION: tl.constexpr,  # products of two input-data tiles: "ieee" for fp32 inputs
-    SPLIT: tl.constexpr,  # bf16 inputs: fp32 operands as bf16 (hi, lo) pairs (_split, _mm)
-    A_PRECISION: tl.constexpr,  # without SPLIT, products with fp32 operands: "ieee" (fp32) or "tf32x3" (fp16)
+    MMA_BF16: tl.constexpr,  # bf16 inputs: fp32 values rounded once to bf16 where they enter a product
+    A_PRECISION: tl.constexpr,  # else, products with fp32 values: "ieee" (fp32 inputs) or "tf32" (fp16)
     EMULATE_BF16: tl.constexpr,  # CPU interpreter with bf16 data only (see state._dot, state._round)
 ):
     i_c = tl.program_id(0).to(tl.int64)
@@ -184,147 +208,157 @@ def _wy_bwd_kernel(
     i_h = (i_hv // kv_group).to(tl.int64)
     start = tl.load(ci_ptr + i_c * 3 + 1).to(tl.int64)
     end = tl.load(ci_ptr + i_c * 3 + 2).to(tl.int64)
+    n_t = (end - start).to(tl.int32)  # tokens in the chunk
 
+    # the chunk's first row (int64 token offsets); within the chunk, int32 offsets o_i * stride
+    k_ptr += start * s_kt + i_h * s_kh
+    dw_ptr += start * s_dwt + i_hv64 * s_dwh
+    v_ptr += start * s_vt + i_hv64 * s_vh
+    du_ptr += start * s_dut + i_hv64 * s_duh
+    a_ptr += start * s_at + i_hv64 * s_ah
+    dk_ptr += start * s_dkt + i_hv64 * s_dkh
+    dv_ptr += start * s_dvt + i_hv64 * s_dvh
+    beta_ptr += start * s_bt + i_hv64 * s_bh
+    gc_ptr += start * s_gt + i_hv64 * s_gh
     o_i = tl.arange(0, BT)
-    o_t = start + o_i  # int64 token offsets
-    m_t = o_t < end
-    m_l = (o_i[:, None] > o_i[None, :]) & m_t[:, None]  # j < i, both in the chunk
-    m_u = (o_i[:, None] < o_i[None, :]) & m_t[None, :]  # i < j, both in the chunk
+    m_t = o_i < n_t
 
-    # ---- per-token vectors; dg_in first (dg may alias it)
-    b_dgi = tl.load(dgi_ptr + o_t * s_git + i_hv64 * s_gih, mask=m_t, other=0.0)  # [BT]
-    b_beta = tl.load(beta_ptr + o_t * s_bt + i_hv64 * s_bh, mask=m_t, other=0.0).to(tl.float32)  # [BT]
-    b_g = tl.load(gc_ptr + o_t * s_gt + i_hv64 * s_gh, mask=m_t, other=0.0)  # [BT], <= 0 in a chunk
-    b_eg = tl.exp(b_g)
-    b_be = b_beta * b_eg
-
-    p_k = k_ptr + i_h * s_kh + o_t[:, None] * s_kt  # [BT, 1]
-    p_dw = dw_ptr + i_hv64 * s_dwh + o_t[:, None] * s_dwt
-    p_v = v_ptr + i_hv64 * s_vh + o_t[:, None] * s_vt
-    p_du = du_ptr + i_hv64 * s_duh + o_t[:, None] * s_dut
-    # the same rows as [1, BT] columns: transposed tiles are loaded transposed (swapped strides);
-    # tl.trans of a loaded tile fed to a dot read shared memory out of bounds on the H200
-    # (compute-sanitizer: invalid __shared__ reads of 2048 bytes, bf16 data, Triton 3.6)
-    p_kt = k_ptr + i_h * s_kh + o_t[None, :] * s_kt
-    p_dwt = dw_ptr + i_hv64 * s_dwh + o_t[None, :] * s_dwt
-    p_vt = v_ptr + i_hv64 * s_vh + o_t[None, :] * s_vt
-    p_dut = du_ptr + i_hv64 * s_duh + o_t[None, :] * s_dut
-    if USE_QK_L2NORM:
-        b_ss = tl.zeros([BT], dtype=tl.float32)
-        for i_k in range(K // BK):
-            o_k = i_k * BK + tl.arange(0, BK)
-            b_kf = tl.load(p_k + o_k[None, :], mask=m_t[:, None], other=0.0).to(tl.float32)
-            b_ss += tl.sum(b_kf * b_kf, 1)
-        b_r = tl.rsqrt(b_ss + L2NORM_EPS)  # [BT]: k_n = diag(r) k
-        b_sx = b_be * b_r
-    else:
-        b_sx = b_be  # X = diag(sx) k (raw keys)
-
-    # ---- 1. dA = dw X^T + du Y^T (transposes of loaded tiles only); dY = A^T du, dv, sum(v dY)
+    # ---- 1. dA = ((dw k^T) diag(e^G r) + du v^T) diag(beta) and k k^T: products of two data tiles
+    # (k^T, v^T: [channels, tokens] tiles read through swapped strides)
     b_da = tl.zeros([BT, BT], dtype=tl.float32)
-    for i_k in range(K // BK):
-        o_k = i_k * BK + tl.arange(0, BK)
-        b_kt = tl.load(p_kt + o_k[:, None], mask=m_t[None, :], other=0.0)  # [BK, BT]
-        b_dw = tl.load(p_dw + o_k[None, :], mask=m_t[:, None], other=0.0)  # [BT, BK]
-        b_xt, b_xt_lo = _split(b_kt.to(tl.float32) * b_sx[None, :], SPLIT, EMULATE_BF16)  # X^T
-        b_da = _mm(b_dw, b_dw, b_xt, b_xt_lo, b_da, False, True, SPLIT, A_PRECISION, EMULATE_BF16)
-    p_at = a_ptr + i_hv64 * s_ah + o_t[None, :] * s_at + o_i[:, None]
-    b_at, b_at_lo = _split(tl.load(p_at, mask=m_t[None, :], other=0.0), SPLIT, EMULATE_BF16)  # [BT, BT] A^T
-    b_db = tl.zeros([BT], dtype=tl.float32)
-    p_dv = dv_ptr + i_hv64 * s_dvh + o_t[:, None] * s_dvt
-    for i_v in range(V // BV):
-        o_v = i_v * BV + tl.arange(0, BV)
-        b_v = tl.load(p_v + o_v[None, :], mask=m_t[:, None], other=0.0)  # [BT, BV]
-        b_du = tl.load(p_du + o_v[None, :], mask=m_t[:, None], other=0.0)  # [BT, BV]
-        b_vt = tl.load(p_vt + o_v[:, None], mask=m_t[None, :], other=0.0)  # [BV, BT]
-        b_yt, b_yt_lo = _split(b_vt.to(tl.float32) * b_beta[None, :], SPLIT, EMULATE_BF16)  # Y^T
-        b_da = _mm(b_du, b_du, b_yt, b_yt_lo, b_da, False, True, SPLIT, A_PRECISION, EMULATE_BF16)
-        # dY = A^T du, dv = beta dY, dbeta += sum(v dY)
-        b_dy = _mm(b_at, b_at_lo, b_du, b_du, None, True, False, SPLIT, A_PRECISION, EMULATE_BF16)  # [BT, BV]
-        b_db += tl.sum(b_v.to(tl.float32) * b_dy, 1)
-        b_dv = _round(b_dy * b_beta[:, None], dv_ptr.dtype.element_ty, EMULATE_BF16)
-        tl.store(p_dv + o_v[None, :], b_dv, mask=m_t[:, None])
-
-    # ---- 2. dL = strictly_lower(-(A^T dA) A^T), A^T loaded with swapped strides; Q = dL * Gamma'
-    b_da, b_da_lo = _split(b_da, SPLIT, EMULATE_BF16)
-    b_m = _mm(b_at, b_at_lo, b_da, b_da_lo, None, True, True, SPLIT, A_PRECISION, EMULATE_BF16)
-    b_m, b_m_lo = _split(b_m, SPLIT, EMULATE_BF16)
-    b_dl = _mm(b_m, b_m_lo, b_at, b_at_lo, None, True, True, SPLIT, A_PRECISION, EMULATE_BF16)
-    b_gam = tl.where(m_l, tl.exp(tl.where(m_l, b_g[:, None] - b_g[None, :], 0.0)), 0.0)  # exponents <= 0
-    b_q = tl.where(m_l, -b_dl * b_gam, 0.0)
-
-    # ---- 3. dA^T = X dw^T + Y du^T and k k^T: a second pass over the data tiles
     b_kk = tl.zeros([BT, BT], dtype=tl.float32)
-    b_dat = tl.zeros([BT, BT], dtype=tl.float32)
-    for i_k in range(K // BK):
+    if USE_QK_L2NORM:
+        b_ss = tl.zeros([1, BT], dtype=tl.float32)  # |k_j|^2
+    for i_k in tl.range(K // BK, disable_licm=True):
         o_k = i_k * BK + tl.arange(0, BK)
-        b_k = tl.load(p_k + o_k[None, :], mask=m_t[:, None], other=0.0)  # [BT, BK]
-        b_dwt = tl.load(p_dwt + o_k[:, None], mask=m_t[None, :], other=0.0)  # [BK, BT]
-        b_kt = tl.load(p_kt + o_k[:, None], mask=m_t[None, :], other=0.0)  # [BK, BT]
+        b_k = tl.load(k_ptr + (o_i[:, None] * s_kt + o_k[None, :]), mask=m_t[:, None], other=0.0)  # [BT, BK]
+        b_kt = tl.load(k_ptr + (o_i[None, :] * s_kt + o_k[:, None]), mask=m_t[None, :], other=0.0)  # [BK, BT]
+        b_dw = tl.load(dw_ptr + (o_i[:, None] * s_dwt + o_k[None, :]), mask=m_t[:, None], other=0.0)
+        b_da = _dot(b_dw, b_kt, b_da, DOT_PRECISION, EMULATE_BF16)
         b_kk = _dot(b_k, b_kt, b_kk, DOT_PRECISION, EMULATE_BF16)
-        b_x, b_x_lo = _split(b_k.to(tl.float32) * b_sx[:, None], SPLIT, EMULATE_BF16)  # X
-        b_dat = _mm(b_x, b_x_lo, b_dwt, b_dwt, b_dat, True, False, SPLIT, A_PRECISION, EMULATE_BF16)
-    for i_v in range(V // BV):
+        if USE_QK_L2NORM:
+            b_kf = b_kt.to(tl.float32)
+            b_ss += tl.sum(b_kf * b_kf, 0, keep_dims=True)
+    b_g = _vec(gc_ptr, s_gt, n_t, BT)  # [BT], G <= 0 in a chunk
+    if USE_QK_L2NORM:
+        b_r = tl.rsqrt(tl.sum(b_ss, 0) + L2NORM_EPS)
+        b_cx = tl.exp(b_g) * b_r
+    else:
+        b_cx = tl.exp(b_g)
+    b_da = b_da * b_cx[None, :]
+    for i_v in tl.range(V // BV, disable_licm=True):
+        o_i = tl.arange(0, BT) + _zero(ci_ptr, i_c, start)
+        m_t = o_i < n_t
         o_v = i_v * BV + tl.arange(0, BV)
-        b_v = tl.load(p_v + o_v[None, :], mask=m_t[:, None], other=0.0)  # [BT, BV]
-        b_dut = tl.load(p_dut + o_v[:, None], mask=m_t[None, :], other=0.0)  # [BV, BT]
-        b_y, b_y_lo = _split(b_v.to(tl.float32) * b_beta[:, None], SPLIT, EMULATE_BF16)  # Y
-        b_dat = _mm(b_y, b_y_lo, b_dut, b_dut, b_dat, True, False, SPLIT, A_PRECISION, EMULATE_BF16)
+        b_vt = tl.load(v_ptr + (o_i[None, :] * s_vt + o_v[:, None]), mask=m_t[None, :], other=0.0)  # [BV, BT]
+        b_du = tl.load(du_ptr + (o_i[:, None] * s_dut + o_v[None, :]), mask=m_t[:, None], other=0.0)  # [BT, BV]
+        b_da = _dot(b_du, b_vt, b_da, DOT_PRECISION, EMULATE_BF16)
+    b_beta = _vec(beta_ptr, s_bt, n_t, BT)  # [BT]
+    b_da = _op(b_da * b_beta[None, :], MMA_BF16, EMULATE_BF16)
 
-    # ---- dbeta's and dG's terms: P = dL * Gamma' * (k_n k_n^T), and dL * L = diag(beta) P
-    b_p = b_q * b_kk
+    # ---- 2. dL = strictly_lower(-(A^T dA) A^T) (A^T read through swapped strides), Q = dL * Gamma'
+    o_j = tl.arange(0, BT) + _zero(ci_ptr, i_c, start)
+    m_j = o_j < n_t
+    b_at = _op(tl.load(a_ptr + (o_j[None, :] * s_at + o_j[:, None]), mask=m_j[:, None] & m_j[None, :], other=0.0),
+               MMA_BF16, EMULATE_BF16)  # [BT, BT] A^T
+    b_m = _dot(b_at, b_da, None, A_PRECISION, EMULATE_BF16)  # A^T dA
+    b_m = _dot(_op(b_m, MMA_BF16, EMULATE_BF16), b_at, None, A_PRECISION, EMULATE_BF16)  # A^T dA A^T
+    m_l = (o_i[:, None] > o_i[None, :]) & m_t[:, None]  # j < i, both in the chunk
+    b_q = -b_m * tl.exp(tl.where(m_l, b_g[:, None] - b_g[None, :], float("-inf")))  # Q (0 where not m_l)
+    # dbeta's rowsum(dL * k_n k_n^T * Gamma') and dG's colsum(dL * L) from Q * k_n k_n^T
     if USE_QK_L2NORM:
-        b_p = b_p * b_r[:, None] * b_r[None, :]
-    b_pr = tl.sum(b_p, 1)  # [BT]
-    b_db += b_pr
-    b_dg = b_beta * b_pr - tl.sum(b_p * b_beta[:, None], 0)  # rowsum(dL * L) - colsum(dL * L)
-
-    # ---- 4. dL^T = strictly_upper(-(A dA^T) A), A loaded as stored
-    p_a = a_ptr + i_hv64 * s_ah + o_t[:, None] * s_at + o_i[None, :]
-    b_a, b_a_lo = _split(tl.load(p_a, mask=m_t[:, None], other=0.0), SPLIT, EMULATE_BF16)  # [BT, BT]
-    b_dat, b_dat_lo = _split(b_dat, SPLIT, EMULATE_BF16)
-    b_m = _mm(b_a, b_a_lo, b_dat, b_dat_lo, None, True, True, SPLIT, A_PRECISION, EMULATE_BF16)
-    b_m, b_m_lo = _split(b_m, SPLIT, EMULATE_BF16)
-    b_dlt = _mm(b_m, b_m_lo, b_a, b_a_lo, None, True, True, SPLIT, A_PRECISION, EMULATE_BF16)
-    b_dlt = tl.where(m_u, -b_dlt, 0.0)
-
-    # ---- 5. D = d(k_n k_n^T) diag(r): the strictly lower part from dL, the strictly upper from dL^T
-    b_gamt = tl.where(m_u, tl.exp(tl.where(m_u, b_g[None, :] - b_g[:, None], 0.0)), 0.0)  # Gamma'^T
-    b_d = b_q * b_beta[:, None] + b_dlt * b_gamt * b_beta[None, :]
-    if USE_QK_L2NORM:
-        b_d = b_d * b_r[None, :]  # D k = d(k_n k_n^T) k_n
-    b_d, b_d_lo = _split(b_d, SPLIT, EMULATE_BF16)
-
-    # ---- dk += beta exp(G) A^T dw + D k per key block; sum(k dX)
-    b_at, b_at_lo = _split(tl.load(p_at, mask=m_t[None, :], other=0.0), SPLIT, EMULATE_BF16)  # A^T again
-    b_sdx = tl.zeros([BT], dtype=tl.float32)  # sum(k dX) over each row
-    p_dk = dk_ptr + i_hv64 * s_dkh + o_t[:, None] * s_dkt
-    for i_k in range(K // BK):
-        o_k = i_k * BK + tl.arange(0, BK)
-        b_k = tl.load(p_k + o_k[None, :], mask=m_t[:, None], other=0.0)  # [BT, BK]
-        b_dw = tl.load(p_dw + o_k[None, :], mask=m_t[:, None], other=0.0)
-        b_dx = _mm(b_at, b_at_lo, b_dw, b_dw, None, True, False, SPLIT, A_PRECISION, EMULATE_BF16)
-        b_sdx += tl.sum(b_k.to(tl.float32) * b_dx, 1)
-        b_dk = tl.load(p_dk + o_k[None, :], mask=m_t[:, None], other=0.0) + b_be[:, None] * b_dx
-        b_dk = _mm(b_d, b_d_lo, b_k, b_k, b_dk, True, False, SPLIT, A_PRECISION, EMULATE_BF16)
-        tl.store(p_dk + o_k[None, :], b_dk, mask=m_t[:, None])
-    if USE_QK_L2NORM:
-        b_sdx = b_sdx * b_r  # sum(k_n dX)
-    b_db += b_eg * b_sdx
-    b_dg += b_be * b_sdx  # sum(X dX)
-
-    tl.store(db_ptr + o_t * s_dbt + i_hv64 * s_dbh, _round(b_db, db_ptr.dtype.element_ty, EMULATE_BF16), mask=m_t)
-
-    # ---- 6. dg: reverse cumulative sum within the chunk (rows past the chunk's end are 0)
-    b_dg = tl.cumsum(tl.where(m_t, b_dgi + b_dg, 0.0), axis=0, reverse=True)
+        b_kk = b_kk * b_r[:, None] * b_r[None, :]
+        b_br = b_beta * b_r
+    else:
+        b_br = b_beta
+    b_kk = b_q * b_kk
+    b_s1 = tl.sum(b_kk, 1)
+    # dg_in + rowsum(dL * L) - colsum(dL * L), held in dg until sum(X dX) is known (dg_in read first:
+    # dg may be the same memory)
+    o_i = tl.arange(0, BT) + _zero(ci_ptr, i_c, start)
+    m_t = o_i < n_t
+    p_dg = dg_ptr + start * s_dgt + i_hv64 * s_dgh + o_i * s_dgt
+    b_dg = tl.load(dgi_ptr + start * s_git + i_hv64 * s_gih + o_i * s_git, mask=m_t, other=0.0)
+    b_dg += b_beta * b_s1 - tl.sum(b_kk * b_beta[:, None], 0)
     tl.debug_barrier()  # every thread's read of dg_in done before dg (maybe the same memory) is written
-    tl.store(dg_ptr + o_t * s_dgt + i_hv64 * s_dgh, b_dg, mask=m_t)
+    tl.store(p_dg, b_dg, mask=m_t)
+
+    # ---- 3. dk += diag(beta e^G) A^T dw + diag(beta) Q k_n ([tokens, channels] tiles); then, after
+    # a barrier, dk^T += k_n^T diag(beta) Q (= (Q^T diag(beta) k_n)^T, [channels, tokens] tiles read
+    # and written through swapped strides): Q^T is never formed
+    b_qb = _op(b_q * b_br[:, None], MMA_BF16, EMULATE_BF16)  # diag(beta r) Q
+    if USE_QK_L2NORM:
+        b_q = _op(b_q * b_beta[:, None] * b_r[None, :], MMA_BF16, EMULATE_BF16)  # diag(beta) Q diag(r)
+    else:
+        b_q = _op(b_q * b_beta[:, None], MMA_BF16, EMULATE_BF16)
+    b_eg = tl.exp(_vec(gc_ptr, s_gt, n_t, BT))
+    b_be = _vec(beta_ptr, s_bt, n_t, BT) * b_eg
+    for i_k in tl.range(K // BK, disable_licm=True):
+        o_i = tl.arange(0, BT) + _zero(ci_ptr, i_c, start)
+        m_t = o_i < n_t
+        o_k = i_k * BK + tl.arange(0, BK)
+        b_k = tl.load(k_ptr + (o_i[:, None] * s_kt + o_k[None, :]), mask=m_t[:, None], other=0.0,
+                      eviction_policy="evict_first")  # [BT, BK]
+        b_dw = tl.load(dw_ptr + (o_i[:, None] * s_dwt + o_k[None, :]), mask=m_t[:, None], other=0.0,
+                       eviction_policy="evict_first")
+        b_dk = _dot(b_at, _data(b_dw, MMA_BF16), None, A_PRECISION, EMULATE_BF16) * b_be[:, None]
+        b_dk = _dot(b_q, _data(b_k, MMA_BF16), b_dk, A_PRECISION, EMULATE_BF16)
+        p_dk = dk_ptr + (o_i[:, None] * s_dkt + o_k[None, :])
+        tl.store(p_dk, b_dk + tl.load(p_dk, mask=m_t[:, None], other=0.0), mask=m_t[:, None])
+        tl.debug_barrier()  # the block of dk written above, visible to every thread of the program
+        b_kt = tl.load(k_ptr + (o_i[None, :] * s_kt + o_k[:, None]), mask=m_t[None, :], other=0.0,
+                       eviction_policy="evict_first")  # [BK, BT]
+        b_dk = _dot(_data(b_kt, MMA_BF16), b_qb, None, A_PRECISION, EMULATE_BF16)  # [BK, BT]
+        p_dkt = dk_ptr + (o_i[None, :] * s_dkt + o_k[:, None])
+        tl.store(p_dkt, b_dk + tl.load(p_dkt, mask=m_t[None, :], other=0.0), mask=m_t[None, :])
+    # sum(k dX), dX = A^T dw formed again (in the loop above it cost more registers than allowed)
+    b_sx = tl.zeros([BT], dtype=tl.float32)
+    for i_k in tl.range(K // BK, disable_licm=True):
+        o_i = tl.arange(0, BT) + _zero(ci_ptr, i_c, start)
+        m_t = o_i < n_t
+        o_k = i_k * BK + tl.arange(0, BK)
+        b_k = tl.load(k_ptr + (o_i[:, None] * s_kt + o_k[None, :]), mask=m_t[:, None], other=0.0,
+                      eviction_policy="evict_last")  # [BT, BK]
+        b_dw = tl.load(dw_ptr + (o_i[:, None] * s_dwt + o_k[None, :]), mask=m_t[:, None], other=0.0,
+                       eviction_policy="evict_last")
+        b_sx += tl.sum(b_k.to(tl.float32) * _dot(b_at, _data(b_dw, MMA_BF16), None, A_PRECISION, EMULATE_BF16), 1)
+    if USE_QK_L2NORM:
+        b_sx = b_sx * b_r  # sum(k_n dX)
+
+    # ---- 4. dv = diag(beta) dY, dY = A^T du; sum(v dY)
+    b_beta = _vec(beta_ptr, s_bt, n_t, BT)
+    b_db = b_s1 + b_eg * b_sx  # dbeta's rowsum(dL * k_n k_n^T * Gamma') + sum(e^G k_n dX)
+    for i_v in tl.range(V // BV, disable_licm=True):
+        o_i = tl.arange(0, BT) + _zero(ci_ptr, i_c, start)
+        m_t = o_i < n_t
+        o_v = i_v * BV + tl.arange(0, BV)
+        b_du = tl.load(du_ptr + (o_i[:, None] * s_dut + o_v[None, :]), mask=m_t[:, None], other=0.0,
+                       eviction_policy="evict_first")  # [BT, BV]
+        b_v = tl.load(v_ptr + (o_i[:, None] * s_vt + o_v[None, :]), mask=m_t[:, None], other=0.0,
+                      eviction_policy="evict_first")
+        b_dv = _dot(b_at, _data(b_du, MMA_BF16), None, A_PRECISION, EMULATE_BF16)  # dY
+        b_db += tl.sum(b_v.to(tl.float32) * b_dv, 1)
+        tl.store(dv_ptr + (o_i[:, None] * s_dvt + o_v[None, :]),
+                 _round(b_dv * b_beta[:, None], dv_ptr.dtype.element_ty, EMULATE_BF16), mask=m_t[:, None])
+
+    # ---- 5. dbeta; dG = dg_in + sum(X dX) + rowsum(dL * L) - colsum(dL * L); dg its reverse
+    # cumulative sum within the chunk
+    o_i = tl.arange(0, BT) + _zero(ci_ptr, i_c, start)
+    m_t = o_i < n_t
+    tl.store(db_ptr + start * s_dbt + i_hv64 * s_dbh + o_i * s_dbt,
+             _round(b_db, db_ptr.dtype.element_ty, EMULATE_BF16), mask=m_t)
+    tl.debug_barrier()  # dg's partial sums (stored by other threads) visible
+    b_dg = tl.load(p_dg, mask=m_t, other=0.0) + b_beta * b_eg * b_sx
+    b_dg = tl.cumsum(tl.where(m_t, b_dg, 0.0), axis=0, reverse=True)
+    tl.debug_barrier()  # every thread's read of dg's partial sums done before dg is written
+    tl.store(p_dg, b_dg, mask=m_t)
 
 
 def a_precision(dtype: torch.dtype) -> str:
-    """Input precision of the products with fp32 operands when they are not split (fp32 and fp16
-    inputs): full fp32 for fp32 inputs, ``tf32x3`` for fp16 (fp16 data is exact in tf32)."""
-    return "ieee" if dtype == torch.float32 else "tf32x3"
+    """Input precision of the products with fp32 values for fp32 and fp16 inputs (bf16 inputs round
+    the values to bf16 instead): full fp32 for fp32 inputs, one tf32 pass for fp16 (fp16 data is
+    exact in tf32)."""
+    return "ieee" if dtype == torch.float32 else "tf32"
 
 
 def launch_wy_backward(
@@ -378,11 +412,12 @@ def launch_wy_backward(
         K=dim_k, V=dim_v, BT=CHUNK, BK=min(dim_k, MAX_BLOCK), BV=min(dim_v, MAX_BLOCK),
         USE_QK_L2NORM=use_qk_l2norm,
         DOT_PRECISION=dot_precision(k.dtype),
-        SPLIT=k.dtype == torch.bfloat16,
+        MMA_BF16=k.dtype == torch.bfloat16,
         A_PRECISION=a_precision(k.dtype),
         EMULATE_BF16=any(emulate_bf16(t.dtype) for t in (k, v, beta)),
         num_warps=NUM_WARPS,
         num_stages=NUM_STAGES,
+        **({"maxnreg": MAX_REGISTERS} if k.dtype == torch.bfloat16 else {}),
     )
     return dk, dv, dbeta, dg
 
@@ -411,9 +446,9 @@ def _aot_specs() -> list[AotSpec]:
             constexprs={"s_bh": 1, "s_gh": 1, "s_gih": 1, "s_dbh": 1, "s_dgh": 1,
                         "K": dim, "V": dim, "BT": CHUNK, "BK": min(dim, MAX_BLOCK), "BV": min(dim, MAX_BLOCK),
                         "USE_QK_L2NORM": l2, "DOT_PRECISION": dot_precision(torch.bfloat16),
-                        "SPLIT": True, "A_PRECISION": a_precision(torch.bfloat16),
+                        "MMA_BF16": True, "A_PRECISION": a_precision(torch.bfloat16),
                         "EMULATE_BF16": False},
-            options={"num_warps": NUM_WARPS, "num_stages": NUM_STAGES},
+            options={"num_warps": NUM_WARPS, "num_stages": NUM_STAGES, "maxnreg": MAX_REGISTERS},
             divisible_by_16=tuple(n for n in signature if n.endswith("_ptr") or (n.startswith("s_"))),
         )
         for l2 in (True, False)
