@@ -1,10 +1,12 @@
 """Gated DeltaNet (chunked, grouped value heads, variable-length documents).
 
 The references (the oracles), the forward and backward as Triton stages (``dsfuse.gdn.triton``)
-strung together by ``dsfuse.gdn.schedule``, :func:`chunk_gdn` and :func:`packed_qkv_views`.
+strung together by ``dsfuse.gdn.schedule``, :func:`chunk_gdn` and :func:`packed_qkv_views`;
+context parallelism over ``torch.distributed`` (``dsfuse.gdn.cp``, :func:`cp_shards`).
 """
 
 from dsfuse.gdn.api import chunk_gdn
+from dsfuse.gdn.cp import CPShard, cp_shard, cp_shards
 from dsfuse.gdn.packed import packed_qkv_views
 
 from dsfuse.gdn.reference import (
@@ -33,6 +35,9 @@ from dsfuse.gdn.reference import (
 __all__ = [
     "chunk_gdn",
     "packed_qkv_views",
+    "CPShard",
+    "cp_shard",
+    "cp_shards",
     "CHUNK_SIZE",
     "L2NORM_EPS",
     "ChunkStages",

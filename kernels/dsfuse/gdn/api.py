@@ -134,6 +134,7 @@ def chunk_gdn(
     cu_seqlens: torch.Tensor | None = None,
     use_qk_l2norm_in_kernel: bool = False,
     backend: str = "auto",
+    cp_group=None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Gated DeltaNet, chunked: ``(o, final_state)``.
 
@@ -157,6 +158,18 @@ def chunk_gdn(
         use_qk_l2norm_in_kernel: normalise q and k over the head dim first
             (``x * rsqrt(sum(x^2) + 1e-6)``).
         backend: ``"auto"``, ``"triton"`` or ``"reference"``.
+        cp_group: a ``torch.distributed`` process group for context parallelism, or None. With a
+            group, ``cu_seqlens`` (required, ``B = 1``) are the *global* document offsets of a row
+            of ``T`` tokens, the same on every rank, and ``q``, ``k``, ``v``, ``g``, ``beta`` hold
+            this rank's share of it, tokens ``shard.start:shard.end`` of
+            :func:`dsfuse.gdn.cp_shards` (``floor(r T / W)`` to ``floor((r + 1) T / W)``);
+            ``initial_state`` (if any) is the global ``[N, HV, K, V]`` on every rank, and the final
+            state is returned whole on every rank. Gradients are those of the sum of every rank's
+            loss: each rank gets its share's ``dq``, ``dk``, ``dv``, ``dg``, ``dbeta``, and
+            ``initial_state``'s gradient in the rows of the documents that start in its share
+            (zeros elsewhere: sum it over the ranks). Every rank must make the same call (same
+            ``cu_seqlens``, flags and shapes but ``T``). Eager only (not under ``torch.compile``);
+            deterministic for a given world size (:mod:`dsfuse.gdn.cp`).
 
     Returns:
         The pair ``(o, final_state)``: ``o`` ``[B, T, HV, V]`` in ``v``'s dtype, and the final
@@ -167,6 +180,9 @@ def chunk_gdn(
     head views of one packed row (:func:`dsfuse.gdn.packed_qkv_views`, or plain split views of
     such a row), the backward writes ``dq``, ``dk``, ``dv`` into one packed gradient row.
     """
+    if cp_group is not None:
+        return _chunk_gdn_cp(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
+                             use_qk_l2norm_in_kernel, backend, cp_group)
     bounds = _validate(q, k, v, g, beta, scale, initial_state, cu_seqlens)
     which = BACKENDS.choose(backend, v.device, v.dtype, _reasons_against_fused(q, k, v, g, beta, initial_state))
     if scale is None:
@@ -180,6 +196,51 @@ def chunk_gdn(
     o, final_state, _, _ = forward_op(q, k, v, g, beta, initial_state, cu_seqlens, float(scale), output_final_state,
                                       use_qk_l2norm_in_kernel)
     return o, final_state if output_final_state else None
+
+
+def _chunk_gdn_cp(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm,
+                  backend, group):
+    """:func:`chunk_gdn` over the ranks of ``group`` (validation, then :func:`dsfuse.gdn.cp.chunk_gdn_cp`)."""
+    import torch.distributed as dist
+
+    from dsfuse.gdn import cp, cp_local
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError("cp_group: torch.distributed is not initialised (call init_process_group first)")
+    if not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"cp_group: expected a torch.distributed ProcessGroup, got {type(group).__name__}")
+    if tracing(q, k, v, g, beta):
+        raise RuntimeError("cp_group: context parallelism runs eagerly; call chunk_gdn outside torch.compile "
+                           "(or mark the call with torch.compiler.disable)")
+    if cu_seqlens is None:
+        raise ValueError("cp_group: cu_seqlens (the global document offsets) is required with context parallelism")
+    if q.ndim == 4 and q.shape[0] != 1:
+        raise ValueError(f"cp_group: documents are packed in one row, expected B = 1, got B = {q.shape[0]}")
+    shards = cp.cp_shards(cu_seqlens, dist.get_world_size(group))
+    me = shards[dist.get_rank(group)]
+    if q.ndim == 4 and q.shape[1] != me.tokens:
+        raise ValueError(f"cp_group: rank {me.rank} of {me.world_size} holds tokens {me.start}:{me.end} of the "
+                         f"T = {shards[-1].end} in cu_seqlens ({me.tokens} tokens; see dsfuse.gdn.cp_shards), "
+                         f"got q with T = {q.shape[1]}")
+    _validate(q, k, v, g, beta, scale, None, me.cu_seqlens)
+    num_docs = cu_seqlens.numel() - 1
+    if initial_state is not None:
+        check_tensor("initial_state", initial_state)
+        check_same_device(q=q, initial_state=initial_state)
+        check_dtype("initial_state", initial_state, (torch.float32,))
+        check_shape("initial_state", initial_state, (num_docs, v.shape[2], k.shape[3], v.shape[3]),
+                    "[N, HV, K, V] for the N documents of the global cu_seqlens")
+        check_contiguous("initial_state", initial_state, "[N, HV, K, V]")
+    which = BACKENDS.choose(backend, v.device, v.dtype, _reasons_against_fused(q, k, v, g, beta, initial_state))
+    if scale is None:
+        scale = q.shape[-1] ** -0.5
+    if which == REFERENCE:
+        compute = torch.float64 if v.dtype == torch.float64 else torch.float32
+        passes = cp_local.reference_passes(float(scale), use_qk_l2norm, compute)
+    else:
+        passes = cp_local.triton_passes(float(scale), use_qk_l2norm)
+    o, final_state = cp.chunk_gdn_cp(q, k, v, g, beta, initial_state, output_final_state, passes, shards, group)
+    return o, final_state
 
 
 # -- declared ops ---------------------------------------------------------------------------------------

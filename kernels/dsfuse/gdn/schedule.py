@@ -164,6 +164,11 @@ def forward(stages: ForwardStages, q, k, v, g, beta, **kwargs) -> ForwardOutputs
     return outputs
 
 
+# The backward stages the initial state's gradient ``dh0`` depends on (context parallelism runs only
+# these to pass a share's incoming-state gradient back; ``recompute h`` is not among them).
+DH0_STAGES = ("recompute w, u", "dv_local", "state backward")
+
+
 def backward_calls(stages: BackwardStages, q, k, v, beta, g_cum, A, do, dht, *, scale: float, initial_state,
                    cu_seqlens, use_qk_l2norm: bool, dq=None, dk=None, dv=None):
     """The backward of a forward's inputs as ``(calls, Gradients)`` (see :func:`stage_calls`).

@@ -1,0 +1,257 @@
+"""Gated DeltaNet context parallelism (``chunk_gdn(..., cp_group=...)``, ``dsfuse.gdn.cp``).
+
+CPU (gloo, the reference backend): 1, 2, 3 and 4 ranks spawned by the test
+(``tests/gdn_cp_worker.py``) against one process on the whole row: documents crossing no rank
+boundary, one, and all of them (one document over every rank, so the middle ranks span theirs);
+documents shorter than a share, of one token and empty; L2 norm on and off; with and without
+initial and final state. Tolerances (relative RMS of every output and gradient against the single
+process in the same dtype): fp64 1e-12, fp32 1e-5 (each share is chunked from its own start and the
+merge adds a matrix product per boundary: fp32 rounding; observed <= 2e-7). One rank: bitwise
+equal to the call without ``cp_group``. Every rank runs each case twice: bitwise equal; the final
+state is the same on every rank, bitwise. The bytes each rank exchanges are those of the module's
+description.
+
+GPU (NCCL, the Triton stages): one rank bitwise equal to the call without ``cp_group`` (on one
+GPU); two ranks (needs two GPUs) against one GPU and against the float64 recurrence with the
+op's contract tolerances, bitwise repeatable, packed q/k/v views.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import gdn_cp_worker as worker
+from helpers import assert_bitwise, assert_rel_rms
+
+T = 150
+LAYOUTS = {  # name: world size -> global cu_seqlens
+    "no_crossing": lambda w: sorted({0, T, *(r * T // w for r in range(1, w)), *(r * T // w + 7 for r in range(w))}),
+    "one_crossing": lambda w: [0, 1, 20, 20, T // w - 9, T // w + 4, T // w + 5, T],
+    "one_document": lambda w: [0, T],
+    "short_documents": lambda w: [0, 10, 23, 24, 40, 64, 65, 100, 129, T],
+}
+TOL = {torch.float64: 1e-12, torch.float32: 1e-5}
+
+
+def cases(world: int) -> list[dict]:
+    out = []
+    for i, (layout, bounds) in enumerate(LAYOUTS.items()):
+        for dtype in (torch.float32, torch.float64):
+            for j, (l2, h0, final) in enumerate([(True, True, True), (False, False, False)]):
+                heads = 2 if layout == "short_documents" else 1
+                out.append(dict(name=f"{layout}-{str(dtype)[6:]}-{'l2' if l2 else 'raw'}-{'h0' if h0 else 'zero'}-"
+                                     f"{'ht' if final else 'noht'}",
+                                bounds=bounds(world), heads=heads, value_heads=2 * heads, dim=16, dtype=dtype,
+                                l2=l2, initial_state=h0, final_state=final, backend="reference",
+                                seed=100 * i + 10 * j + world))
+    return out
+
+
+def _spawn(world: int, tmp_path, case_list, backend="gloo"):
+    init = f"file://{tmp_path / 'store'}"
+    mp.spawn(worker.run_rank, args=(world, init, str(tmp_path), case_list, backend), nprocs=world, join=True)
+
+
+def _compare(got: dict, want: dict, tol: float, what: str) -> dict:
+    errs = {}
+    for name, w in want.items():
+        if w is None:
+            assert got[name] is None, f"{what} {name}: expected None"
+            continue
+        assert got[name].shape == w.shape and got[name].dtype == w.dtype, (what, name, got[name].shape, w.shape)
+        errs[name] = assert_rel_rms(got[name], w.double(), tol, f"{what} {name}")
+    return errs
+
+
+def _check_records(records: list[dict], case: dict, world: int) -> None:
+    for rank, rec in enumerate(records):
+        assert rec["repeat_equal"], f"{case['name']}: rank {rank}'s two runs differ"
+    if case["final_state"]:
+        for rank, rec in enumerate(records[1:], 1):
+            assert_bitwise(rec["result"]["final_state"], records[0]["result"]["final_state"],
+                           f"{case['name']}: final state on rank {rank} vs rank 0")
+
+
+def _expected_exchange(case: dict, world: int, rank: int) -> list[tuple[str, int, int]]:
+    """What the module's description says a rank sends and receives (bytes) for one forward and backward."""
+    shards = worker_shards(case, world)
+    item = 8 if case["dtype"] == torch.float64 else 4
+    hv, d, n = case["value_heads"], case["dim"], len(case["bounds"]) - 1
+    state = hv * d * d * item
+    crossing, spanning = any(s.to_next for s in shards), any(s.spans for s in shards)
+    log = []
+    if crossing:
+        log.append(("forward: E", state, state * (world - 1)))
+        if spanning:
+            log.append(("forward: M", state, state * (world - 1)))
+    if case["final_state"]:
+        log.append(("forward: final states", n * state, n * state * (world - 1)))
+        log.append(("backward: final-state gradients", n * state, n * state * (world - 1)))
+    if crossing:
+        log.append(("backward: D", state, state * (world - 1)))
+    return log
+
+
+def worker_shards(case, world):
+    from dsfuse.gdn import cp_shards
+
+    return cp_shards(torch.tensor(case["bounds"]), world)
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_cpu_ranks_against_one_process(world, tmp_path):
+    case_list = cases(world)
+    _spawn(world, tmp_path, case_list)
+    for case in case_list:
+        joined, records = worker.assemble(tmp_path, case, world)
+        _check_records(records, case, world)
+        want = worker.single(case)
+        _compare(joined, want, TOL[case["dtype"]], f"{case['name']} W={world}")
+        for rank, rec in enumerate(records):
+            dtype_fix = [(n, s, r) for n, s, r in _expected_exchange(case, world, rank)]
+            assert rec["exchanged"] == dtype_fix, (case["name"], rank, rec["exchanged"])
+
+
+def test_cpu_one_rank_equals_no_cp(tmp_path):
+    case_list = [c for c in cases(1) if c["name"].startswith(("one_document", "short_documents"))]
+    _spawn(1, tmp_path, case_list)
+    for case in case_list:
+        joined, records = worker.assemble(tmp_path, case, 1)
+        _check_records(records, case, 1)
+        want = worker.single(case)
+        for name, w in want.items():
+            if w is not None:
+                assert_bitwise(joined[name], w, f"{case['name']} {name}")
+        assert records[0]["exchanged"] == ([] if not case["final_state"] else _expected_exchange(case, 1, 0))
+
+
+def test_cpu_triton_stages_two_ranks(tmp_path):
+    """The Triton path of context parallelism (``cp_local.triton_passes``: the stages, the reverse
+    pass alone for ``D``, the packed gradient row) under the interpreter, against one process."""
+    case_list = [dict(c, backend="triton", packed=True) for c in cases(2)
+                 if c["name"] in ("one_crossing-float32-l2-h0-ht", "one_document-float32-raw-zero-noht")]
+    _spawn(2, tmp_path, case_list)
+    for case in case_list:
+        joined, records = worker.assemble(tmp_path, case, 2)
+        _check_records(records, case, 2)
+        _compare(joined, worker.single(case), TOL[case["dtype"]], f"{case['name']} triton W=2")
+
+
+def test_shards():
+    from dsfuse.gdn import cp_shards
+
+    # docs: [0,5) [5,5) [5,30) [30,31) [31,40); shares 0:13, 13:26, 26:40
+    s = cp_shards(torch.tensor([0, 5, 5, 30, 31, 40], dtype=torch.int32), 3)
+    assert [(x.start, x.end) for x in s] == [(0, 13), (13, 26), (26, 40)]
+    assert [list(x.docs) for x in s] == [[0, 1, 2], [2], [2, 3, 4]]
+    assert [x.bounds for x in s] == [[0, 5, 5, 13], [0, 13], [0, 4, 5, 14]]
+    assert [(x.from_prev, x.to_next, x.spans) for x in s] == [(False, True, False), (True, True, True),
+                                                              (True, False, False)]
+    # a document ending on a share's edge crosses nothing; an empty one there belongs to the next share
+    s = cp_shards(torch.tensor([0, 20, 20, 40]), 2)
+    assert [list(x.docs) for x in s] == [[0], [1, 2]] and not s[0].to_next and not s[1].from_prev
+    s = cp_shards(torch.tensor([0, 40, 40]), 2)  # empty last document at T: the last rank
+    assert [list(x.docs) for x in s] == [[0], [0, 1]] and s[1].bounds == [0, 20, 20]
+    with pytest.raises(ValueError, match="cannot give each of 4 ranks"):
+        cp_shards(torch.tensor([0, 3]), 4)
+    with pytest.raises(ValueError, match="non-decreasing"):
+        cp_shards(torch.tensor([0, 5, 3]), 2)
+    with pytest.raises(TypeError, match="int32 or int64"):
+        cp_shards(torch.tensor([0.0, 3.0]), 1)
+
+
+@pytest.fixture
+def one_rank_group(tmp_path):
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    yield dist.group.WORLD
+    dist.destroy_process_group()
+
+
+def test_validation(one_rank_group):
+    from dsfuse.gdn import chunk_gdn
+
+    q = k = torch.randn(1, 10, 1, 16)
+    v = torch.randn(1, 10, 2, 16)
+    g, beta = -torch.rand(1, 10, 2), torch.rand(1, 10, 2)
+    cu = torch.tensor([0, 4, 10])
+    with pytest.raises(ValueError, match="cu_seqlens .* is required"):
+        chunk_gdn(q, k, v, g, beta, cp_group=one_rank_group)
+    with pytest.raises(ValueError, match="holds tokens 0:12"):
+        chunk_gdn(q, k, v, g, beta, cu_seqlens=torch.tensor([0, 12]), cp_group=one_rank_group)
+    with pytest.raises(TypeError, match="ProcessGroup"):
+        chunk_gdn(q, k, v, g, beta, cu_seqlens=cu, cp_group="world")
+    with pytest.raises(ValueError, match=r"initial_state: .*\[N, HV, K, V\] for the N documents"):
+        chunk_gdn(q, k, v, g, beta, cu_seqlens=cu, cp_group=one_rank_group, initial_state=torch.zeros(1, 2, 16, 16))
+    with pytest.raises(ValueError, match="expected B = 1"):
+        chunk_gdn(q.expand(2, -1, -1, -1), k.expand(2, -1, -1, -1), v.expand(2, -1, -1, -1), g.expand(2, -1, -1),
+                  beta.expand(2, -1, -1), cu_seqlens=cu, cp_group=one_rank_group)
+    o, ht = chunk_gdn(q, k, v, g, beta, cu_seqlens=cu, cp_group=one_rank_group, output_final_state=True)
+    assert o.shape == v.shape and ht.shape == (2, 2, 16, 16)
+
+
+def test_validation_without_process_group():
+    from dsfuse.gdn import chunk_gdn
+
+    if dist.is_initialized():
+        pytest.skip("a process group is initialised in this process")
+    x = torch.randn(1, 4, 1, 16)
+    with pytest.raises(RuntimeError, match="not initialised"):
+        chunk_gdn(x, x, x, -torch.rand(1, 4, 1), torch.rand(1, 4, 1), cu_seqlens=torch.tensor([0, 4]),
+                  cp_group=object())
+
+
+# -- GPU (NCCL, Triton) ---------------------------------------------------------------------------------
+
+GPU_BOUNDS = [0, 300, 1000, 1001, 2100, 2200, 2500, 4096]  # crosses the two-rank edge at 2048
+
+
+def gpu_cases(**extra) -> list[dict]:
+    out = []
+    for i, (l2, h0, packed) in enumerate([(True, True, True), (False, False, False)]):
+        out.append(dict(name=f"gpu-{'l2' if l2 else 'raw'}-{'h0' if h0 else 'zero'}-{'packed' if packed else 'split'}",
+                        bounds=GPU_BOUNDS, heads=4, value_heads=12, dim=128, dtype=torch.bfloat16, l2=l2,
+                        initial_state=h0, final_state=True, backend="triton", packed=packed, seed=7 + i) | extra)
+    return out
+
+
+@pytest.mark.gpu
+def test_gpu_one_rank_equals_no_cp(tmp_path):
+    case_list = gpu_cases() + gpu_cases(bounds=[0, 4096], name="gpu-one-document")[:1]
+    _spawn(1, tmp_path, case_list, backend="nccl")
+    for case in case_list:
+        joined, records = worker.assemble(tmp_path, case, 1)
+        _check_records(records, case, 1)
+        want = worker.single(case, "cuda")
+        for name, w in want.items():
+            if w is not None:
+                assert_bitwise(joined[name], w, f"{case['name']} {name}")
+
+
+@pytest.mark.gpu
+def test_gpu_two_ranks(tmp_path):
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs (device kind nvidia-h200-x2)")
+    case_list = gpu_cases() + gpu_cases(bounds=[0, 700, 4096], name="gpu-long-document")[:1]
+    _spawn(2, tmp_path, case_list, backend="nccl")
+    from test_gdn_backward import CONTRACT  # the op's tolerances against float64
+
+    for case in case_list:
+        joined, records = worker.assemble(tmp_path, case, 2)
+        _check_records(records, case, 2)
+        one_gpu = worker.single(case, "cuda")
+        # the two-rank result against one GPU: bf16 rounding of differently chunked shares
+        _compare(joined, one_gpu, 8e-3, f"{case['name']} 2 ranks vs 1 GPU")
+        oracle = worker.single(case | dict(compute=torch.float64, backend="reference", packed=False), "cuda")
+        for name, want in oracle.items():
+            if want is not None:
+                assert_rel_rms(joined[name], want, CONTRACT[name], f"{case['name']} 2 ranks vs float64 {name}")
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"] + sys.argv[1:]))
