@@ -13,8 +13,10 @@ which is the final state of the same recurrence with ``v = 0`` from ``S_in = I``
 
 Forward, on every rank at once:
 
-1. if ``to_next``: ``E`` of the share's last segment (a forward over that segment alone) and, when
-   the rank spans its document, ``M`` (a forward with ``v = 0`` from the identity);
+1. if ``to_next``: ``E`` of the share's last segment (a forward over that segment alone, so the next
+   rank waits for that segment only; from the share's own forward when the segment is the whole
+   share and nothing comes in) and, when the rank spans its document, ``M`` (a forward with ``v = 0``
+   from the identity);
 2. ``all_gather`` of ``E`` (and of ``M`` when any rank spans): ``HV K V`` (and ``HV K K``) fp32 per rank;
 3. if ``from_prev``: the incoming state by the merge in rank order, ``S = E_s``, then
    ``S = M_j S + E_j`` for the spanned ranks ``j = s + 1 .. r - 1`` (``s``: where the document starts),
@@ -238,16 +240,20 @@ class _ContextParallel(torch.autograd.Function):
             return passes.forward(q, k, v, g, beta, h0, bounds)
 
         user_rows = None if initial_state is None else [initial_state[d] for d in me.docs]
-        if not me.from_prev:  # nothing comes in: the local forward needs no exchange
+        # A rank whose last segment is its whole share and has nothing coming in takes E from its own
+        # forward; any other rank sends E first (a forward over the last segment alone), so the next
+        # rank waits for that segment only, not for this rank's whole share.
+        early = not me.from_prev and (not me.to_next or bounds[-2] == 0)
+        if early:
             o, ht_local, saved = local_forward(user_rows)
         crossing, spanning = any(s.to_next for s in shards), any(s.spans for s in shards)
         es = ms = None
         if crossing:
             # 1. the maps of the share's last segment: E, and M where the rank spans its document
             e_local, m_local = new_state(state_shape), new_state(state_shape[:2] + state_shape[1:2])
-            if me.to_next and not me.from_prev:
+            if me.to_next and early:
                 e_local = ht_local[n - 1]
-            elif me.to_next:  # E of the last segment alone (from zero where the rank spans its document)
+            elif me.to_next:  # from zero where the rank spans its document
                 lo = bounds[-2]
                 h0 = new_state(state_shape) if me.spans else user_h0(me.docs[-1])
                 e_local = passes.forward(*(t[:, lo:] for t in (q, k, v, g, beta)), h0[None].contiguous(),
@@ -261,10 +267,11 @@ class _ContextParallel(torch.autograd.Function):
             es = _all_gather("forward: E", e_local, group)
             if spanning:
                 ms = _all_gather("forward: M", m_local, group)
-        if me.from_prev:
+        if not early:
             # 3. the incoming state by the merge, then 4. the local forward
-            incoming = _merge(es, ms, shards, rank)
-            rows = [incoming] + [user_h0(d) for d in me.docs[1:]]
+            rows = user_rows
+            if me.from_prev:
+                rows = [_merge(es, ms, shards, rank)] + [user_h0(d) for d in me.docs[1:]]
             o, ht_local, saved = local_forward(rows)
         final_state = None
         if output_final_state:
