@@ -253,5 +253,29 @@ def test_gpu_two_ranks(tmp_path):
                 assert_rel_rms(joined[name], want, CONTRACT[name], f"{case['name']} 2 ranks vs float64 {name}")
 
 
-if __name__ == "__main__":
-    sys.exit(pytest.main([__file__, "-q"] + sys.argv[1:]))
+def test_cp_bench_smoke_on_cpu_ranks(tmp_path):
+    """``experiments/gdn/cp_bench.py`` end to end on two gloo ranks (the smoke config, the reference
+    backend): it writes its raw files and renders them; the shares match one process."""
+    import subprocess
+    from pathlib import Path
+
+    import pandas as pd
+
+    root = Path(__file__).parents[1]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root / "kernels"), os.environ.get("PYTHONPATH", "")]))
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                    str(root / "experiments/gdn/cp_bench.py"), str(tmp_path), "--config",
+                    str(root / "experiments/gdn/configs/smoke.yaml"), "--samples", "1", "--device", "cpu"],
+                   check=True, env=env, cwd=root, capture_output=True, timeout=600)
+    (raw,) = tmp_path.glob("*-cp2")
+    check = pd.read_csv(raw / "cp_check.csv")
+    assert len(check) == 2 * 8 and (check["rel_rms_vs_one_gpu"] < 1e-5).all(), check
+    times = pd.read_csv(raw / "cp_times.csv")
+    assert set(times["provider"]) == {"cp", "local", "1 GPU"} and set(times["mode"]) == {"fwd", "bwd", "fwd+bwd", "ckpt"}
+    from importlib import util
+
+    spec = util.spec_from_file_location("cp_bench", root / "experiments/gdn/cp_bench.py")
+    bench = util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    text = bench.render(raw)
+    assert "| fwd+bwd |" in text and "forward: E" in text

@@ -198,12 +198,12 @@ def main(argv: list[str] | None = None) -> int:
             prepare = step.prepare_bwd if mode == "bwd" else None
             step.run(mode, prepare() if prepare else None)  # warm-up
             for i in range(args.samples):
-                us = timed(lambda prepared, step=step: step.run(mode, prepared), device, flush, prepare)
+                us = timed(lambda prepared, step=step, mode=mode: step.run(mode, prepared), device, flush, prepare)
                 rows.append(dict(rank=rank, world=world, provider=provider, mode=mode, sample=i, us=us))
         for i in range(args.samples):  # rank 0 alone, the whole row
             prepare = full.prepare_bwd if (mode == "bwd" and rank == 0) else None
             if rank == 0:
-                us = timed(lambda prepared: full.run(mode, prepared), device, flush, prepare)
+                us = timed(lambda prepared, mode=mode: full.run(mode, prepared), device, flush, prepare)
                 rows.append(dict(rank=0, world=world, provider="1 GPU", mode=mode, sample=i, us=us))
             else:
                 dist.barrier()

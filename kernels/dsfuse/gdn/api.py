@@ -10,6 +10,7 @@ each under ``torch.compile``, an ``autograd.Function`` eagerly. The forward keep
 from __future__ import annotations
 
 import torch
+import torch.distributed
 
 from dsfuse._common import (
     FLOAT_DTYPES,
@@ -134,7 +135,7 @@ def chunk_gdn(
     cu_seqlens: torch.Tensor | None = None,
     use_qk_l2norm_in_kernel: bool = False,
     backend: str = "auto",
-    cp_group=None,
+    cp_group: torch.distributed.ProcessGroup | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Gated DeltaNet, chunked: ``(o, final_state)``.
 
