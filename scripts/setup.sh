@@ -18,5 +18,7 @@ fi
 if ! "$py" -c "import triton" 2> /dev/null; then
   pip_install "${DSFUSE_TRITON:-triton==3.6.0}"  # the version of the H200 test machine
 fi
-pip_install -e ".[dev]"
+# The CuTe DSL backends compile on the CPU too (CI checks them for sm_90a and sm_100a);
+# DSFUSE_NO_CUTEDSL=1 skips the extra (its tests then skip).
+if [ "${DSFUSE_NO_CUTEDSL:-0}" = 1 ]; then pip_install -e ".[dev]"; else pip_install -e ".[dev,cutedsl]"; fi
 "$py" -c "import dsfuse, torch, triton; print(f'dsfuse ready: torch {torch.__version__}, triton {triton.__version__}, CUDA available: {torch.cuda.is_available()}')"

@@ -1,0 +1,107 @@
+"""What every CuTe DSL backend shares: the lazy import, the target architecture of a compile, the
+compile cache, and the call path.
+
+* :func:`require` imports ``cutlass`` (the ``cutedsl`` extra) on first use, so importing dsfuse
+  never needs it; without it an ``ImportError`` names the extra.
+* :func:`target` / :func:`arch_of`: a compile targets ``CUTE_DSL_ARCH`` (``sm_90a``, ``sm_100a``);
+  :func:`compile` sets it for the one compile, so the CPU can compile for any GPU (the AOT test).
+* :class:`KernelCache`: one compiled function per key, the key naming everything that changes the
+  generated code (dtype, compile-time sizes, target); lengths that vary between calls (tokens) are
+  symbolic in the compiled function, so a new length never compiles. ``compiles`` counts the builds
+  (tests assert that a second call compiles nothing).
+* The call path: compiled with ``--enable-tvm-ffi`` when ``apache-tvm-ffi`` is installed (torch
+  tensors passed directly, the current torch stream read by the callee: a few microseconds per call),
+  else the DSL's own launcher (torch tensors wrapped per call: slower, same results).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import importlib.util
+import os
+import threading
+from collections.abc import Callable, Hashable
+from typing import Any
+
+import torch
+
+EXTRA = "cutedsl"
+ARCH_ENV = "CUTE_DSL_ARCH"
+
+
+def installed() -> bool:
+    return importlib.util.find_spec("cutlass") is not None
+
+
+def tvm_ffi_installed() -> bool:
+    return importlib.util.find_spec("tvm_ffi") is not None
+
+
+def require():
+    """``(cutlass, cutlass.cute)``, imported now; ``ImportError`` naming the extra when missing."""
+    try:
+        cutlass = importlib.import_module("cutlass")
+        cute = importlib.import_module("cutlass.cute")
+    except ImportError as err:
+        raise ImportError(f"the CuTe DSL backend needs nvidia-cutlass-dsl: pip install 'dsfuse[{EXTRA}]' "
+                          f"({err})") from err
+    return cutlass, cute
+
+
+def arch_of(device: torch.device) -> str:
+    """The CuTe DSL target of a CUDA device: ``sm_90a`` (H100/H200), ``sm_100a`` (B200), ..."""
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"sm_{major}{minor}a"
+
+
+_arch_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def target(arch: str):
+    """Compile for ``arch`` within the block (``CUTE_DSL_ARCH``, restored after)."""
+    with _arch_lock:
+        old = os.environ.get(ARCH_ENV)
+        os.environ[ARCH_ENV] = arch
+        try:
+            yield
+        finally:
+            if old is None:
+                os.environ.pop(ARCH_ENV, None)
+            else:
+                os.environ[ARCH_ENV] = old
+
+
+def compile(fn: Callable, *args: Any, arch: str, keep_ptx: bool = False) -> Callable:
+    """``cute.compile(fn, *args)`` for ``arch`` (TVM-FFI call path when installed)."""
+    _, cute = require()
+    options = []
+    if tvm_ffi_installed():
+        options.append("--enable-tvm-ffi")
+    if keep_ptx:
+        options.append("--keep-ptx")
+    with target(arch):
+        return cute.compile(fn, *args, options=" ".join(options))
+
+
+class KernelCache:
+    """Compiled functions by key; ``get(key, build)`` builds once per key (see the module)."""
+
+    def __init__(self) -> None:
+        self._compiled: dict[Hashable, Callable] = {}
+        self._lock = threading.Lock()
+        self.compiles = 0
+
+    def get(self, key: Hashable, build: Callable[[], Callable]) -> Callable:
+        fn = self._compiled.get(key)
+        if fn is None:
+            with self._lock:
+                fn = self._compiled.get(key)
+                if fn is None:
+                    fn = self._compiled[key] = build()
+                    self.compiles += 1
+        return fn
+
+    def __len__(self) -> int:
+        return len(self._compiled)
