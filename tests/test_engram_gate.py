@@ -73,15 +73,15 @@ def assert_rounded_from(got, want, what):
                                   f"want {want.flatten()[worst].item()}")
 
 
-def check_all(x, kv, weight, mask, dout, eps, clamp=1e-6):
-    out, saved = engram_gate_forward(x, kv, weight, mask, eps=eps, clamp=clamp, backend="triton")
+def check_all(x, kv, weight, mask, dout, eps, clamp=1e-6, backend="triton"):
+    out, saved = engram_gate_forward(x, kv, weight, mask, eps=eps, clamp=clamp, backend=backend)
     ref_out, ref_saved = engram_gate_reference(x, kv, weight, mask, eps=eps, clamp=clamp, compute_dtype=torch.float64)
     assert_close_bf16(out, ref_out, "out")
     for i, name in enumerate(("gate", "dot", "rx", "rk")):
         assert_close_fp32(saved[..., i], ref_saved[..., i], f"saved {name}")
     assert_bitwise(out[~mask], x[~mask], "masked tokens keep x")
     assert (saved[~mask][..., 0] == 0).all(), "masked gate is 0"
-    dx, dkv, dweight = engram_gate_backward(dout, x, kv, weight, mask, saved, eps=eps, clamp=clamp, backend="triton")
+    dx, dkv, dweight = engram_gate_backward(dout, x, kv, weight, mask, saved, eps=eps, clamp=clamp, backend=backend)
     assert_bitwise(dx[~mask], dout[~mask], "masked tokens: dx is dout")
     fx, fkv, fw = engram_gate_backward_from_saved(dout, x, kv, weight, saved, clamp=clamp)
     assert_rounded_from(dx, fx, "dx (same saved state)")

@@ -21,6 +21,7 @@ import importlib
 import importlib.util
 import os
 import threading
+from dataclasses import dataclass
 from collections.abc import Callable, Hashable
 from typing import Any
 
@@ -73,14 +74,20 @@ def target(arch: str):
                 os.environ[ARCH_ENV] = old
 
 
-def compile(fn: Callable, *args: Any, arch: str, keep_ptx: bool = False) -> Callable:
-    """``cute.compile(fn, *args)`` for ``arch`` (TVM-FFI call path when installed)."""
+def compile(fn: Callable, *args: Any, arch: str, keep_ptx: bool = False, dump_dir: str | None = None) -> Callable:
+    """``cute.compile(fn, *args)`` for ``arch`` (TVM-FFI call path when installed).
+
+    ``keep_ptx``: the PTX is kept (``compiled.__ptx__``) and written to ``dump_dir`` (default: the
+    directory the process started in, where the DSL was imported)."""
     _, cute = require()
-    options = []
+    # the DSL reads CUTE_DSL_ARCH once, when it is imported: name the target in the options too
+    options = [f"--gpu-arch {arch}"]
     if tvm_ffi_installed():
         options.append("--enable-tvm-ffi")
     if keep_ptx:
         options.append("--keep-ptx")
+    if dump_dir is not None:
+        options.append(f"--dump-dir {dump_dir}")
     with target(arch):
         return cute.compile(fn, *args, options=" ".join(options))
 
@@ -105,3 +112,12 @@ class KernelCache:
 
     def __len__(self) -> int:
         return len(self._compiled)
+
+
+@dataclass(frozen=True)
+class CuteAotSpec:
+    """One specialisation a CuTe DSL module compiles for the AOT tests: ``build(arch, **options)`` compiles
+    it for ``arch`` with its PTX kept (each module's ``AOT_SPECS`` lists the model's shapes)."""
+
+    name: str
+    build: Callable[..., Callable]

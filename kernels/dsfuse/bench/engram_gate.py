@@ -106,7 +106,19 @@ def gate_inputs(n: int, device: torch.device, seed: int = 0,
 def _gate_fn(name: str):
     if name == "reference":
         return lambda x, kv, w, m, eps: engram_gate_reference(x, kv, w, m, eps=eps)[0]
-    return lambda x, kv, w, m, eps: engram_gate(x, kv, w, m, eps=eps, backend="triton")
+    backend = "cutedsl" if name == "dsfuse-cutedsl" else "triton"
+    return lambda x, kv, w, m, eps: engram_gate(x, kv, w, m, eps=eps, backend=backend)
+
+
+def _cutedsl_applies(case: Case) -> str | None:
+    """The CuTe DSL backend runs on CUDA with the ``cutedsl`` extra installed (every mode otherwise)."""
+    import importlib.util
+
+    if importlib.util.find_spec("cutlass") is None:
+        return "the CuTe DSL backend needs nvidia-cutlass-dsl (pip install 'dsfuse[cutedsl]')"
+    if not torch.cuda.is_available():
+        return "the CuTe DSL backend runs on CUDA only (no CuTe DSL interpreter on the CPU)"
+    return None
 
 
 def _build(gate):
@@ -162,6 +174,9 @@ def providers(config: dict) -> list[Provider]:
             "compile-max-autotune", _build(compiled(reference_gate, mode="max-autotune-no-cudagraphs")), **check
         ),
         "dsfuse": lambda: Provider("dsfuse", _build(_gate_fn("dsfuse")), role="candidate", **check),
+        # the same gate on the CuTe DSL kernels (forward, forward + backward, the consumer)
+        "dsfuse-cutedsl": lambda: Provider("dsfuse-cutedsl", _build(_gate_fn("dsfuse-cutedsl")), role="candidate",
+                                           applies=_cutedsl_applies, **check),
     }
     return select_providers(table, config)
 

@@ -10,7 +10,8 @@ the CPU spends to validate, choose a backend, allocate and enqueue. Each op list
 (the dsfuse entry point and the eager PyTorch equivalent, forward and autograd
 forward+backward) and the parts of its forward (validation, backend choice, launches); two
 baselines run in the same process: a bare Triton launch of a trivial kernel and a ``torch.add``.
-Targets: a forward call <= 35 us, an autograd forward+backward <= 200 us.
+Targets: a forward call <= 35 us, an autograd forward+backward <= 200 us; a call of a CuTe DSL
+backend (provider ``dsfuse cutedsl``, measured when the ``cutedsl`` extra is installed) <= 15 us.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from dsfuse.bench.harness import host_us_samples
 from dsfuse.bench.paths import raw_url, relative, repo_root
 
 TARGET_US = {"forward": 35.0, "autograd forward+backward": 200.0}
+CUTEDSL_TARGET_US = 15.0  # every eager call of a CuTe DSL backend
 
 
 @triton.jit
@@ -102,7 +104,10 @@ def vision_rope_calls(dev) -> list[tuple[str, str, Callable]]:
          _backward_of(lambda x: attention_front(x, cos, sin, heads), [qkv], grads)),
         ("forward part: launch (allocate + 1 Triton launch)", "dsfuse",
          lambda: api.backward_op(dq, dk_hdt.transpose(1, 2), dv, cos, sin)),
-    ]
+    ] + _cutedsl_rows(dev, lambda: [
+        ("backward op (forward call)", "dsfuse cutedsl",
+         lambda: vision_rope_backward(dq, dk_hdt, dv, cos, sin, backend="cutedsl")),
+    ])
 
 
 def engram_gate_calls(dev) -> list[tuple[str, str, Callable]]:
@@ -133,7 +138,28 @@ def engram_gate_calls(dev) -> list[tuple[str, str, Callable]]:
         ("forward part: validation", "dsfuse", lambda: api._check_inputs(x, kv, weight, mask, eps, 1e-6)),
         ("forward part: launch (allocate + 1 Triton launch)", "dsfuse",
          lambda: api.forward_op(x, kv, weight, mask, eps, 1e-6)),
+    ] + _cutedsl_rows(dev, lambda: _engram_cutedsl_rows(dev, x, kv, weight, mask, dout, saved, out, grads, eps))
+
+
+def _engram_cutedsl_rows(dev, x, kv, weight, mask, dout, saved, out, grads, eps):
+    from dsfuse.engram_gate import EngramGatePlan, engram_gate_backward, engram_gate_forward
+
+    n, streams, dim = x.shape
+    plan = EngramGatePlan(streams=streams, dim=dim, max_tokens=n, device=dev, eps=eps, backend="cutedsl")
+    return [
+        ("forward", "dsfuse cutedsl", lambda: engram_gate_forward(x, kv, weight, mask, eps=eps, backend="cutedsl")),
+        ("backward (functional)", "dsfuse cutedsl",
+         lambda: engram_gate_backward(dout, x, kv, weight, mask, saved, eps=eps, backend="cutedsl")),
+        ("plan forward", "dsfuse cutedsl", lambda: plan.forward(x, kv, weight, mask, out, saved)),
+        ("plan backward", "dsfuse cutedsl", lambda: plan.backward(dout, x, kv, weight, mask, saved, *grads)),
     ]
+
+
+def _cutedsl_rows(dev, rows: Callable[[], list]) -> list:
+    """The CuTe DSL backend's calls (provider ``dsfuse cutedsl``) on a GPU with the ``cutedsl`` extra."""
+    from dsfuse._common import cutedsl
+
+    return rows() if cutedsl.installed() and dev.type == "cuda" else []
 
 
 OPS: dict[str, Callable] = {"text_rope": text_rope_calls, "vision_rope": vision_rope_calls,
@@ -163,12 +189,15 @@ def table(samples: pd.DataFrame) -> pd.DataFrame:
     """Median host us per call and provider, with the target and whether dsfuse meets it."""
     med = samples.groupby(["call", "provider"], sort=False)["host_us"].median().unstack("provider")
     out = pd.DataFrame({"call": med.index})
-    for provider in ("dsfuse", "eager PyTorch", "baseline"):
+    for provider in ("dsfuse", "dsfuse cutedsl", "eager PyTorch", "baseline"):
         if provider in med:
             out[f"{provider} us"] = [f"{v:.1f}" if pd.notna(v) else "" for v in med[provider]]
     out["target us"] = [f"<= {TARGET_US[c]:.0f}" if c in TARGET_US else "" for c in med.index]
     out["met"] = ["yes" if c in TARGET_US and med.loc[c, "dsfuse"] <= TARGET_US[c]
                   else ("NO" if c in TARGET_US else "") for c in med.index]
+    if "dsfuse cutedsl" in med:
+        out[f"cutedsl <= {CUTEDSL_TARGET_US:.0f} us"] = [
+            "" if pd.isna(v) else ("yes" if v <= CUTEDSL_TARGET_US else "NO") for v in med["dsfuse cutedsl"]]
     return out
 
 

@@ -139,6 +139,17 @@ def _liger_applies(case: Case) -> str | None:
     return None
 
 
+def _cutedsl_applies(case: Case) -> str | None:
+    """The CuTe DSL backward runs on CUDA and needs the ``cutedsl`` extra (imported on first use)."""
+    if not torch.cuda.is_available():
+        return "the CuTe DSL backend runs on CUDA only"
+    try:
+        import dsfuse.vision_rope.cutedsl  # noqa: F401
+    except Exception as exc:
+        return f"CuTe DSL unavailable: {type(exc).__name__}: {exc}"[:300]
+    return None
+
+
 def providers(config: dict) -> list[Provider]:
     # automatic dynamic shapes: one recompilation covers every token count
     compiled = functools.partial(torch.compile, fullgraph=True)
@@ -154,6 +165,10 @@ def providers(config: dict) -> list[Provider]:
         "liger": lambda: Provider("liger", _liger, applies=_liger_applies),
         "dsfuse": lambda: Provider(
             "dsfuse", _formula(functools.partial(vision_rope_backward, backend="triton")), role="candidate"
+        ),
+        "dsfuse-cutedsl": lambda: Provider(
+            "dsfuse-cutedsl", _formula(functools.partial(vision_rope_backward, backend="cutedsl")), role="candidate",
+            applies=_cutedsl_applies,
         ),
     }
     return select_providers(table, config)

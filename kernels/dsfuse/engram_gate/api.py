@@ -1,14 +1,19 @@
 """Public API of the Engram gate.
 
-Layers: the launchers (``dsfuse.engram_gate.triton``); the functional entry points
+Layers: the launchers (``dsfuse.engram_gate.triton``, and ``dsfuse.engram_gate.cutedsl`` for
+``backend="cutedsl"``, imported on first use); the functional entry points
 ``engram_gate_forward`` / ``engram_gate_backward`` (caller-owned outputs, saved
 state and workspace allowed); ``EngramGatePlan``, the prepared form that validates
 and compiles once, then executes with no allocation, no JIT and no host synchronisation
 (CUDA Graph capturable); ``engram_gate``, differentiable through the declared ops
-(``dsfuse._common.declare_op``) ``dsfuse::engram_gate_fwd`` / ``dsfuse::engram_gate_bwd``.
+(``dsfuse._common.declare_op``) ``dsfuse::engram_gate_fwd`` / ``dsfuse::engram_gate_bwd`` (Triton) and
+``dsfuse::engram_gate_fwd_cutedsl`` / ``dsfuse::engram_gate_bwd_cutedsl`` (CuTe DSL), so
+``torch.compile(fullgraph=True)`` traces either backend as opaque nodes.
 """
 
 from __future__ import annotations
+
+import importlib
 
 import torch
 
@@ -29,14 +34,39 @@ from dsfuse._common import (
     on_stream,
     register,
 )
+from dsfuse.engram_gate import triton as _triton
 from dsfuse.engram_gate.reference import engram_gate_reference
-from dsfuse.engram_gate.triton import MAX_DIM, launch_backward, launch_forward, workspace_elements
+from dsfuse.engram_gate.triton import MAX_DIM, workspace_elements
 
 __all__ = ["EngramGatePlan", "engram_gate", "engram_gate_backward", "engram_gate_forward"]
 
 FUSED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-BACKENDS = register(OpBackends("engram_gate", kernels={"triton": ("dsfuse.engram_gate.triton",)},
-                               dtypes={"triton": FUSED_DTYPES}))
+CUTEDSL = "cutedsl"
+# ``auto`` takes Triton on Hopper and Blackwell; the CuTe DSL backend is chosen by name until a
+# measured run says otherwise (the preference is the op page's decision, with the run cited)
+BACKENDS = register(OpBackends("engram_gate",
+                               kernels={"triton": ("dsfuse.engram_gate.triton",),
+                                        CUTEDSL: ("dsfuse.engram_gate.cutedsl",)},
+                               dtypes={"triton": FUSED_DTYPES, CUTEDSL: FUSED_DTYPES},
+                               preference={"sm_90": ("triton",), "sm_100": ("triton",)}))
+
+
+def _kernels(backend: str):
+    """The launcher module of a fused backend (the CuTe DSL one imported on first use: it needs
+    the ``cutedsl`` extra)."""
+    if backend == CUTEDSL:
+        return importlib.import_module("dsfuse.engram_gate.cutedsl")
+    return _triton
+
+
+def _check_cutedsl(x: torch.Tensor, backward: bool, **tensors) -> None:
+    """What the CuTe DSL kernels ask beyond the validated layouts: a geometry they compile for, and
+    128-bit aligned rows (16-byte aligned data pointers and row strides)."""
+    cute_mod = _kernels(CUTEDSL)
+    reasons = cute_mod.shape_reasons(x.dtype, x.shape[1], x.shape[2], backward=backward)
+    reasons += cute_mod.layout_reasons(x=x, **tensors)
+    if reasons:
+        raise ValueError("backend='cutedsl' cannot serve this engram_gate call: " + "; ".join(reasons))
 
 
 # -- validation ------------------------------------------------------------------------------
@@ -95,8 +125,10 @@ def _check_forward_outputs(x, kv, weight, token_mask, out, saved) -> None:
     check_outputs_free({"out": out, "saved": saved}, {"x": x, "kv": kv, "weight": weight, "token_mask": token_mask})
 
 
-def _check_backward_args(dout, x, kv, weight, token_mask, saved, dx, dkv, dweight, workspace) -> None:
-    """Everything but the inputs (checked by ``_check_inputs``): gradients in, outputs, aliasing."""
+def _check_backward_args(dout, x, kv, weight, token_mask, saved, dx, dkv, dweight, workspace,
+                         workspace_elements=workspace_elements) -> None:
+    """Everything but the inputs (checked by ``_check_inputs``): gradients in, outputs, aliasing.
+    ``workspace_elements``: the sizing of the backend that runs the call."""
     n, streams, dim = x.shape
     check_tensor("dout", dout)
     _check_out("dout", dout, (n, streams, dim), x.dtype, x.device, rows_dim=dim)
@@ -151,7 +183,9 @@ def engram_gate_forward(
         saved: caller-owned fp32 ``[N, S, 4]`` (gate, dot, rx, rk), contiguous. The
             backward reads it; the caller keeps it alive until then.
         stream: CUDA stream to run on (default: the current stream).
-        backend: ``"auto"``, ``"triton"`` or ``"reference"``.
+        backend: ``"auto"``, ``"triton"``, ``"cutedsl"`` or ``"reference"``. ``"cutedsl"`` (by
+            name only; ``auto`` takes Triton) asks in addition ``D`` a multiple of ``16 / itemsize``
+            channels and 16-byte aligned data pointers and row strides.
 
     Returns:
         The pair ``(out, saved)``, within the tolerances on the op's page of the fp64
@@ -181,7 +215,9 @@ def engram_gate_forward(
                     (ref_saved if saved is None else saved.copy_(ref_saved)))
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device) if out is None else out
         saved = torch.empty((n, streams, 4), dtype=torch.float32, device=x.device) if saved is None else saved
-        launch_forward(x, kv, weight, token_mask, out, saved, eps=eps, clamp=clamp)
+        if which == CUTEDSL:
+            _check_cutedsl(x, False, kv=kv, weight=weight, out=out, saved=saved)
+        _kernels(which).launch_forward(x, kv, weight, token_mask, out, saved, eps=eps, clamp=clamp)
         return out, saved
 
 
@@ -217,17 +253,23 @@ def engram_gate_backward(
         dkv: caller-owned ``[N, (S + 1) * D]`` in ``kv``'s dtype: the S key gradients then
             the value gradient, ready for the ``wkv`` weight- and input-gradient GEMMs.
         dweight: caller-owned fp32 ``[S, D]``, summed over tokens in a fixed order.
-        workspace: fp32 contiguous, at least
-            ``dsfuse.engram_gate.triton.workspace_elements(N, S, D)`` elements
-            (allocated when omitted; overwritten).
+        workspace: fp32 contiguous, at least ``workspace_elements(N, S, D)`` elements of the
+            backend that runs the call (``dsfuse.engram_gate.triton``, or
+            ``dsfuse.engram_gate.cutedsl`` for ``backend="cutedsl"``; allocated when omitted;
+            overwritten).
         stream: CUDA stream to run on.
-        backend: ``"auto"``, ``"triton"`` or ``"reference"``.
+        backend: ``"auto"``, ``"triton"``, ``"cutedsl"`` or ``"reference"`` (see
+            ``engram_gate_forward``). The saved state of either fused backend's forward serves
+            either backward.
 
     Returns:
         The triple ``(dx, dkv, dweight)``; repeated calls on the same inputs are bitwise equal.
     """
     n, streams, dim = _check_inputs(x, kv, weight, token_mask, eps, clamp)
-    _check_backward_args(dout, x, kv, weight, token_mask, saved, dx, dkv, dweight, workspace)
+    # the workspace is sized by the backend asked for (validated before the choice, like the rest)
+    cute = backend == CUTEDSL and FUSED_BACKENDS[CUTEDSL].installed
+    sizing = _kernels(CUTEDSL).workspace_elements if cute else workspace_elements
+    _check_backward_args(dout, x, kv, weight, token_mask, saved, dx, dkv, dweight, workspace, sizing)
     which = BACKENDS.choose(backend, x.device, x.dtype, _fused_reasons(x))
     with on_stream(stream, x.device):
         if which == REFERENCE:
@@ -237,8 +279,11 @@ def engram_gate_backward(
         dkv = torch.empty(kv.shape, dtype=kv.dtype, device=x.device) if dkv is None else dkv
         dweight = torch.empty((streams, dim), dtype=torch.float32, device=x.device) if dweight is None else dweight
         if workspace is None:
-            workspace = torch.empty(workspace_elements(n, streams, dim), dtype=torch.float32, device=x.device)
-        launch_backward(dout, x, kv, weight, saved, dx, dkv, dweight, workspace, clamp=clamp)
+            workspace = torch.empty(sizing(n, streams, dim), dtype=torch.float32, device=x.device)
+        if which == CUTEDSL:
+            _check_cutedsl(x, True, dout=dout, kv=kv, weight=weight, saved=saved, dx=dx, dkv=dkv, dweight=dweight,
+                           workspace=workspace)
+        _kernels(which).launch_backward(dout, x, kv, weight, saved, dx, dkv, dweight, workspace, clamp=clamp)
         return dx, dkv, dweight
 
 
@@ -273,6 +318,9 @@ class EngramGatePlan:
         eps: the model's ``rms_norm_eps`` (1e-20 in the released config).
         clamp: lower bound of ``|dot|`` under the signed square root.
         dtype: the dtype of ``x``, ``kv`` and their gradients (bf16, fp16 or fp32).
+        backend: ``"triton"`` (default) or ``"cutedsl"``: the kernels the plan compiles at
+            construction and runs (``"cutedsl"`` also checks the 128-bit layout of every call's
+            tensors: 16-byte aligned data pointers and row strides).
 
     Examples:
         One training step's gate captured in a CUDA Graph and replayed on new inputs
@@ -297,7 +345,7 @@ class EngramGatePlan:
     """
 
     def __init__(self, *, streams: int = 4, dim: int = 5120, max_tokens: int, device, eps: float,
-                 clamp: float = 1e-6, dtype: torch.dtype = torch.bfloat16):
+                 clamp: float = 1e-6, dtype: torch.dtype = torch.bfloat16, backend: str = "triton"):
         self.streams, self.dim, self.max_tokens = streams, dim, max_tokens
         # the device with its index ("cuda" -> "cuda:0"), as tensors report theirs
         self.device = torch.empty(0, device=device).device
@@ -306,9 +354,17 @@ class EngramGatePlan:
             raise ValueError(f"max_tokens: expected >= 1, got {max_tokens}")
         if dtype not in FUSED_DTYPES:
             raise TypeError(f"dtype: expected one of bf16, fp16, fp32, got {dtype}")
-        if reasons := FUSED_BACKENDS["triton"].reasons_against(self.device):
-            raise ValueError(f"device: the plan runs the Triton kernels: {'; '.join(reasons)}")
-        self.workspace = torch.empty(workspace_elements(max_tokens, streams, dim), dtype=torch.float32,
+        if backend not in ("triton", CUTEDSL):
+            raise ValueError(f"backend: expected 'triton' or 'cutedsl' for a plan, got {backend!r}")
+        self.backend = backend
+        if reasons := FUSED_BACKENDS[backend].reasons_against(self.device):
+            title = FUSED_BACKENDS[backend].title
+            raise ValueError(f"device: the plan runs the {title} kernels: {'; '.join(reasons)}")
+        self._kernels = _kernels(backend)
+        if backend == CUTEDSL and (reasons := self._kernels.shape_reasons(dtype, streams, dim, backward=True)):
+            raise ValueError(f"dim: the plan runs the CuTe DSL kernels: {'; '.join(reasons)}")
+        self._launch_forward, self._launch_backward = self._kernels.launch_forward, self._kernels.launch_backward
+        self.workspace = torch.empty(self._kernels.workspace_elements(max_tokens, streams, dim), dtype=torch.float32,
                                      device=self.device)
         self._warm_up()
 
@@ -320,9 +376,9 @@ class EngramGatePlan:
         w = torch.zeros(s, d, dtype=torch.float32, device=dev)
         mask = torch.ones(2, dtype=torch.bool, device=dev)
         out, saved = torch.empty_like(x), torch.empty(2, s, 4, device=dev)
-        launch_forward(x, kv, w, mask, out, saved, eps=self.eps, clamp=self.clamp)
-        launch_backward(x, x, kv, w, saved, out, torch.empty_like(kv), torch.empty(s, d, device=dev),
-                        self.workspace, clamp=self.clamp)
+        self._launch_forward(x, kv, w, mask, out, saved, eps=self.eps, clamp=self.clamp)
+        self._launch_backward(x, x, kv, w, saved, out, torch.empty_like(kv), torch.empty(s, d, device=dev),
+                              self.workspace, clamp=self.clamp)
 
     def _check(self, x, kv, weight, token_mask, **tensors) -> int:
         """Metadata checks of one execution (no synchronisation); returns N."""
@@ -336,6 +392,9 @@ class EngramGatePlan:
                 raise ValueError(f"{name}: expected device {self.device} (the plan's), got {t.device}")
             check_aligned(name, t)  # another alignment would be another compiled specialisation
         _check_inputs(x, kv, weight, token_mask, self.eps, self.clamp)
+        if self.backend == CUTEDSL and (reasons := self._kernels.layout_reasons(
+                **{name: t for name, t in tensors.items() if name != "token_mask"})):
+            raise ValueError("the plan runs the CuTe DSL kernels: " + "; ".join(reasons))
         if x.dtype != self.dtype or tuple(x.shape[1:]) != (self.streams, self.dim):
             raise ValueError(f"x: expected {self.dtype} [N, {self.streams}, {self.dim}] (the plan's), got "
                              f"{x.dtype} {list(x.shape)}")
@@ -362,7 +421,7 @@ class EngramGatePlan:
         self._check(x, kv, weight, token_mask, out=out, saved=saved)
         _check_forward_outputs(x, kv, weight, token_mask, out, saved)
         with on_stream(stream, self.device):
-            launch_forward(x, kv, weight, token_mask, out, saved, eps=self.eps, clamp=self.clamp)
+            self._launch_forward(x, kv, weight, token_mask, out, saved, eps=self.eps, clamp=self.clamp)
         return out, saved
 
     def backward(self, dout, x, kv, weight, token_mask, saved, dx, dkv, dweight,
@@ -389,55 +448,67 @@ class EngramGatePlan:
                 the tensors passed in; bitwise reproducible.
         """
         self._check(x, kv, weight, token_mask, dout=dout, saved=saved, dx=dx, dkv=dkv, dweight=dweight)
-        _check_backward_args(dout, x, kv, weight, token_mask, saved, dx, dkv, dweight, self.workspace)
+        _check_backward_args(dout, x, kv, weight, token_mask, saved, dx, dkv, dweight, self.workspace,
+                             self._kernels.workspace_elements)
         with on_stream(stream, self.device):
-            launch_backward(dout, x, kv, weight, saved, dx, dkv, dweight, self.workspace, clamp=self.clamp)
+            self._launch_backward(dout, x, kv, weight, saved, dx, dkv, dweight, self.workspace, clamp=self.clamp)
         return dx, dkv, dweight
 
 
 # -- differentiable --------------------------------------------------------------------------
 
 
-def _forward(x: torch.Tensor, kv: torch.Tensor, weight: torch.Tensor, token_mask: torch.Tensor, eps: float,
-             clamp: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launch on validated inputs into new ``out`` and ``saved``."""
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    saved = torch.empty((x.shape[0], x.shape[1], 4), dtype=torch.float32, device=x.device)
-    launch_forward(x, kv, weight, token_mask, out, saved, eps=eps, clamp=clamp)
-    return out, saved
+def _declare(backend: str, suffix: str):
+    """The declared forward and backward ops of one fused backend (``dsfuse::engram_gate_fwd<suffix>``,
+    ``dsfuse::engram_gate_bwd<suffix>``): what ``engram_gate`` calls, eagerly or under torch.compile."""
+
+    def _forward(x: torch.Tensor, kv: torch.Tensor, weight: torch.Tensor, token_mask: torch.Tensor, eps: float,
+                 clamp: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """Launch on validated inputs into new ``out`` and ``saved``."""
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        saved = torch.empty((x.shape[0], x.shape[1], 4), dtype=torch.float32, device=x.device)
+        if backend == CUTEDSL:  # here, not in engram_gate: under torch.compile only the op sees addresses
+            _check_cutedsl(x, False, kv=kv, weight=weight)
+        _kernels(backend).launch_forward(x, kv, weight, token_mask, out, saved, eps=eps, clamp=clamp)
+        return out, saved
+
+    def _backward(dout: torch.Tensor, x: torch.Tensor, kv: torch.Tensor, weight: torch.Tensor, saved: torch.Tensor,
+                  clamp: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Launch on the inputs of a validated forward into new gradients and workspace."""
+        n, streams, dim = x.shape
+        kernels = _kernels(backend)
+        dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        dkv = torch.empty(kv.shape, dtype=kv.dtype, device=x.device)
+        dweight = torch.empty((streams, dim), dtype=torch.float32, device=x.device)
+        workspace = torch.empty(kernels.workspace_elements(n, streams, dim), dtype=torch.float32, device=x.device)
+        if backend == CUTEDSL:
+            _check_cutedsl(x, True, dout=dout, kv=kv)
+        kernels.launch_backward(dout, x, kv, weight, saved, dx, dkv, dweight, workspace, clamp=clamp)
+        return dx, dkv, dweight
+
+    _forward.__name__, _backward.__name__ = f"_forward{suffix}", f"_backward{suffix}"
+    backward_op = declare_op(f"engram_gate_bwd{suffix}", _backward,
+                             fake=lambda dout, x, kv, weight, saved, clamp: (
+                                 torch.empty_like(x), torch.empty_like(kv), weight.new_empty(weight.shape)))
+
+    def _save(ctx, inputs, output):
+        x, kv, weight, _, _, clamp = inputs
+        ctx.save_for_backward(x, kv, weight, output[1])
+        ctx.clamp = clamp
+
+    def _forward_grad(ctx, dout, dsaved):
+        """``x``, ``kv`` and ``weight`` get gradients from the saved state; the mask and ``saved`` do not."""
+        x, kv, weight, saved = ctx.saved_tensors
+        return backward_op(dout.contiguous(), x, kv, weight, saved, ctx.clamp)
+
+    forward_op = declare_op(f"engram_gate_fwd{suffix}", _forward, setup=_save, backward=_forward_grad,
+                            non_differentiable=(1,), fake=lambda x, kv, weight, token_mask, eps, clamp: (
+                                torch.empty_like(x), x.new_empty((x.shape[0], x.shape[1], 4), dtype=torch.float32)))
+    return forward_op, backward_op
 
 
-def _backward(dout: torch.Tensor, x: torch.Tensor, kv: torch.Tensor, weight: torch.Tensor, saved: torch.Tensor,
-              clamp: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Launch on the inputs of a validated forward into new gradients and workspace."""
-    n, streams, dim = x.shape
-    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    dkv = torch.empty(kv.shape, dtype=kv.dtype, device=x.device)
-    dweight = torch.empty((streams, dim), dtype=torch.float32, device=x.device)
-    workspace = torch.empty(workspace_elements(n, streams, dim), dtype=torch.float32, device=x.device)
-    launch_backward(dout, x, kv, weight, saved, dx, dkv, dweight, workspace, clamp=clamp)
-    return dx, dkv, dweight
-
-
-backward_op = declare_op("engram_gate_bwd", _backward, fake=lambda dout, x, kv, weight, saved, clamp: (
-    torch.empty_like(x), torch.empty_like(kv), weight.new_empty(weight.shape)))
-
-
-def _save(ctx, inputs, output):
-    x, kv, weight, _, _, clamp = inputs
-    ctx.save_for_backward(x, kv, weight, output[1])
-    ctx.clamp = clamp
-
-
-def _forward_grad(ctx, dout, dsaved):
-    """``x``, ``kv`` and ``weight`` get gradients from the saved state; the mask and ``saved`` do not."""
-    x, kv, weight, saved = ctx.saved_tensors
-    return backward_op(dout.contiguous(), x, kv, weight, saved, ctx.clamp)
-
-
-forward_op = declare_op("engram_gate_fwd", _forward, setup=_save, backward=_forward_grad, non_differentiable=(1,),
-                        fake=lambda x, kv, weight, token_mask, eps, clamp: (
-                            torch.empty_like(x), x.new_empty((x.shape[0], x.shape[1], 4), dtype=torch.float32)))
+forward_op, backward_op = _declare("triton", "")
+forward_op_cutedsl, backward_op_cutedsl = _declare(CUTEDSL, "_cutedsl")
 
 
 def engram_gate(x: torch.Tensor, kv: torch.Tensor, weight: torch.Tensor, token_mask: torch.Tensor, *, eps: float,
@@ -445,7 +516,9 @@ def engram_gate(x: torch.Tensor, kv: torch.Tensor, weight: torch.Tensor, token_m
     """Differentiable gate: ``out`` ``[N, S, D]``; autograd runs the fused backward from the saved state.
 
     The arguments are those of [engram_gate_forward][dsfuse.engram_gate.engram_gate_forward];
-    ``x``, ``kv`` and ``weight`` get gradients, ``token_mask`` does not.
+    ``x``, ``kv`` and ``weight`` get gradients, ``token_mask`` does not. The backward runs on the
+    forward's backend; both fused backends trace under ``torch.compile(fullgraph=True)`` as
+    custom ops.
 
     Examples:
         ```python
@@ -459,4 +532,5 @@ def engram_gate(x: torch.Tensor, kv: torch.Tensor, weight: torch.Tensor, token_m
     which = BACKENDS.choose(backend, x.device, x.dtype, _fused_reasons(x))
     if which == REFERENCE:
         return engram_gate_reference(x, kv, weight, token_mask, eps=eps, clamp=clamp)[0]
-    return forward_op(x, kv, weight, token_mask, float(eps), float(clamp))[0]
+    op = forward_op_cutedsl if which == CUTEDSL else forward_op
+    return op(x, kv, weight, token_mask, float(eps), float(clamp))[0]

@@ -1,13 +1,20 @@
 """Public API of the vision RoPE.
 
-Layers, bottom up: the launchers (``dsfuse.vision_rope.triton``); declared ops
+Layers, bottom up: the launchers (``dsfuse.vision_rope.triton``; for the backward also
+``dsfuse.vision_rope.cutedsl``, imported on first use of ``backend="cutedsl"``); declared ops
 (``dsfuse._common.declare_op``) ``dsfuse::vision_rope_bwd`` (dQ, dK, dV or dQ, dK
-alone -> packed dQKV), ``dsfuse::vision_rope_bwd_out`` (into a caller's buffer) and
+alone -> packed dQKV), ``dsfuse::vision_rope_bwd_out`` (into a caller's buffer), their CuTe DSL
+twins ``dsfuse::vision_rope_bwd_cutedsl`` and ``dsfuse::vision_rope_bwd_out_cutedsl`` (so
+``backend="cutedsl"`` traces under ``torch.compile(fullgraph=True)`` too) and
 ``dsfuse::vision_rope_fwd`` (differentiable: rotated q, k and the v view of ``qkv``;
-eagerly its backward packs dQKV in one kernel); and the functions below.
+eagerly its backward packs dQKV in one Triton kernel); and the functions below. The forward and
+the differentiable front end are Triton only.
 """
 
 from __future__ import annotations
+
+import functools
+import importlib
 
 import torch
 
@@ -26,14 +33,28 @@ from dsfuse._common import (
     declare_op,
     on_stream,
     register,
+    tracing,
 )
 from dsfuse.vision_rope.reference import attention_front, vision_rope_backward_reference
 from dsfuse.vision_rope.triton import FUSED_DTYPES, launch_backward, launch_forward
 
 __all__ = ["vision_rope_attention_front", "vision_rope_backward", "vision_rope_forward"]
 
-BACKENDS = register(OpBackends("vision_rope", kernels={"triton": ("dsfuse.vision_rope.triton",)},
-                               dtypes={"triton": FUSED_DTYPES}))
+CUTEDSL = "cutedsl"
+CUTEDSL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # dsfuse.vision_rope.cutedsl.FUSED_DTYPES
+# ``auto`` takes Triton; the CuTe DSL backward is chosen by name until a measured run says
+# otherwise (the op page then cites the run that sets the order)
+BACKENDS = register(OpBackends("vision_rope",
+                               kernels={"triton": ("dsfuse.vision_rope.triton",),
+                                        CUTEDSL: ("dsfuse.vision_rope.cutedsl",)},
+                               dtypes={"triton": FUSED_DTYPES, CUTEDSL: CUTEDSL_DTYPES},
+                               preference={"sm_90": ("triton",), "sm_100": ("triton",)}))
+
+
+@functools.cache
+def _cutedsl():
+    """The CuTe DSL launcher module, imported on first use (it needs the ``cutedsl`` extra)."""
+    return importlib.import_module("dsfuse.vision_rope.cutedsl")
 
 
 # -- declared ops ----------------------------------------------------------------------------
@@ -58,9 +79,30 @@ def _backward_into(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, cos: to
     return launch_backward(dq, dk, dv, cos, sin, out)
 
 
-backward_into_op = declare_op("vision_rope_bwd_out", _backward_into, mutates=("out",),
-                              aliasing=lambda dq, dk, dv, cos, sin, out: (
-                                  {"out": out}, {"dq_htd": dq, "dk_hdt": dk, "dv_htd": dv, "cos": cos, "sin": sin}))
+def _aliasing(dq, dk, dv, cos, sin, out):
+    return {"out": out}, {"dq_htd": dq, "dk_hdt": dk, "dv_htd": dv, "cos": cos, "sin": sin}
+
+
+backward_into_op = declare_op("vision_rope_bwd_out", _backward_into, mutates=("out",), aliasing=_aliasing)
+
+
+def _backward_cutedsl(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor | None, cos: torch.Tensor,
+                      sin: torch.Tensor) -> torch.Tensor:
+    """``_backward`` on the CuTe DSL kernel (the model's layouts; see ``dsfuse.vision_rope.cutedsl``)."""
+    return _cutedsl().launch_backward(dq, dk, dv, cos, sin, _new_dqkv(dq))
+
+
+backward_op_cutedsl = declare_op("vision_rope_bwd_cutedsl", _backward_cutedsl,
+                                 fake=lambda dq, dk, dv, cos, sin: _new_dqkv(dq))
+
+
+def _backward_into_cutedsl(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, cos: torch.Tensor,
+                           sin: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    return _cutedsl().launch_backward(dq, dk, dv, cos, sin, out)
+
+
+backward_into_op_cutedsl = declare_op("vision_rope_bwd_out_cutedsl", _backward_into_cutedsl, mutates=("out",),
+                                      aliasing=_aliasing)
 
 
 def _new_rotated(qkv: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -106,6 +148,16 @@ def _table_reasons(cos: torch.Tensor, sin: torch.Tensor) -> list[str]:
             for name, t in (("cos", cos), ("sin", sin)) if t.stride(-1) != 1]
 
 
+def _check_cutedsl(dq_htd: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """What the CuTe DSL kernel asks beyond the validated layouts: a head dim it compiles for and
+    16-byte aligned table rows (the launcher checks the whole layout again)."""
+    module = _cutedsl()
+    heads, _, dim = dq_htd.shape
+    reasons = module.shape_reasons(dq_htd.dtype, heads, dim) + module.table_reasons(cos, sin)
+    if reasons:
+        raise ValueError(f"backend={CUTEDSL!r} cannot serve this vision_rope call: " + "; ".join(reasons))
+
+
 def _tables(name_cos, cos, name_sin, sin, tokens, half):
     """Accept ``[T, D/2]`` or ``[T, 1, D/2]`` fp32 tables; return them as ``[T, D/2]``."""
     out = []
@@ -149,7 +201,10 @@ def vision_rope_backward(
         out: caller-owned contiguous ``[T, 3 * H * D]`` output in the gradients'
             dtype; must not overlap any input.
         stream: CUDA stream to run on (default: the current stream).
-        backend: ``"auto"``, ``"triton"`` or ``"reference"``.
+        backend: ``"auto"`` (Triton on CUDA), ``"triton"``, ``"cutedsl"`` or ``"reference"``.
+            ``"cutedsl"`` (the ``cutedsl`` extra) also asks for a head dim that is a multiple of
+            8 with ``D / 2`` a power-of-two number of 16-byte vectors (at most 32) and 16-byte
+            aligned table rows; it traces under ``torch.compile`` as its own custom op.
 
     Returns:
         ``dqkv`` ``[T, 3 * H * D]``, the gradient of the ``qkv`` projection output (q columns
@@ -199,14 +254,20 @@ def vision_rope_backward(
         check_outputs_free({"out": out}, {"dq_htd": dq_htd, "dk_hdt": dk_hdt, "dv_htd": dv_htd, "cos": cos,
                                           "sin": sin})
     which = BACKENDS.choose(backend, dq_htd.device, dq_htd.dtype, _table_reasons(cos, sin))
+    if which == CUTEDSL:
+        if not tracing(dq_htd):  # while torch.compile traces, the launcher checks at run time
+            _check_cutedsl(dq_htd, cos, sin)
+        allocating, into = backward_op_cutedsl, backward_into_op_cutedsl
+    else:
+        allocating, into = backward_op, backward_into_op
     dk_htd = dk_hdt.transpose(1, 2)
     with on_stream(stream, dq_htd.device):
         if which == REFERENCE:
             result = vision_rope_backward_reference(dq_htd, dk_hdt, dv_htd, cos, sin)
             return result if out is None else out.copy_(result)
         if out is None:
-            return backward_op(dq_htd, dk_htd, dv_htd, cos, sin)
-        backward_into_op(dq_htd, dk_htd, dv_htd, cos, sin, out)
+            return allocating(dq_htd, dk_htd, dv_htd, cos, sin)
+        into(dq_htd, dk_htd, dv_htd, cos, sin, out)
         return out
 
 
@@ -236,7 +297,7 @@ def vision_rope_attention_front(qkv: torch.Tensor, cos: torch.Tensor, sin: torch
         cos: fp32 ``[T, D/2]`` or ``[T, 1, D/2]``.
         sin: fp32, the shape of ``cos``.
         heads: number of heads ``H``.
-        backend: ``"auto"``, ``"triton"`` or ``"reference"``.
+        backend: ``"auto"``, ``"triton"`` or ``"reference"`` (the forward has no CuTe DSL kernel).
 
     Returns:
         The tuple ``(q, k, v)`` of ``[H, T, D]`` views, exactly as the model hands them to
@@ -258,7 +319,12 @@ def vision_rope_attention_front(qkv: torch.Tensor, cos: torch.Tensor, sin: torch
         ```
     """
     cos, sin, extra = _check_front(qkv, cos, sin, heads)
+    if backend == CUTEDSL:
+        raise ValueError(f"backend={CUTEDSL!r} cannot serve the vision RoPE forward: the CuTe DSL backend has "
+                         "the backward only (vision_rope_backward); use 'auto', 'triton' or 'reference'")
     which = BACKENDS.choose(backend, qkv.device, qkv.dtype, extra)
+    if which == CUTEDSL:  # auto, where a GPU family's order would list it first: the forward is Triton's
+        which = BACKENDS.choose("triton", qkv.device, qkv.dtype, extra)
     if which == REFERENCE:
         return attention_front(qkv, cos, sin, heads)
     return forward_op(qkv, cos, sin, heads)
@@ -266,6 +332,7 @@ def vision_rope_attention_front(qkv: torch.Tensor, cos: torch.Tensor, sin: torch
 
 def vision_rope_forward(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, *,
                         stream: torch.cuda.Stream | None = None, backend: str = "auto"):
-    """Non-differentiable fused forward: ``q, k, v`` ``[H, T, D]`` views (see ``vision_rope_attention_front``)."""
+    """Non-differentiable fused forward: ``q, k, v`` ``[H, T, D]`` views (see ``vision_rope_attention_front``;
+    ``backend`` likewise: ``"auto"``, ``"triton"`` or ``"reference"``)."""
     with torch.no_grad(), on_stream(stream, qkv.device):
         return vision_rope_attention_front(qkv, cos, sin, heads, backend=backend)
