@@ -11,6 +11,8 @@
 # TESTS=<paths> narrows the GPU tests, PYTEST_ARGS adds pytest arguments (e.g. "-n 8" with pytest-xdist);
 # SKIP_TESTS, SKIP_BENCH, SKIP_HOST, SKIP_FINGERPRINTS skip those parts. A Gated DeltaNet run also
 # gets its stage times and peak memory (experiments/gdn/stage_times.py) in its raw folder's stages/.
+# STEP_TIMEOUT=<seconds> bounds each step, so a step that overruns still leaves the others' raw data
+# packed in raw.tar.gz (the remote tree is replaced at the next call: only OUT_DIR comes back).
 set -uo pipefail
 out="${1:-${OUT:-build/gpu-job}}"; shift || true
 ops=("$@")
@@ -23,24 +25,28 @@ fi
 nvidia-smi > "$out/nvidia-smi.txt" 2>&1
 stamp=$(mktemp); sleep 1
 status=0
+step() { if [ -n "${STEP_TIMEOUT:-}" ]; then timeout "$STEP_TIMEOUT" "$@"; else "$@"; fi; }
 if [ -z "${SKIP_TESTS:-}" ]; then
-  DSFUSE_REQUIRE_GPU=1 python3 -m pytest ${TESTS:-tests} -m gpu -q -p no:cacheprovider -W ignore::UserWarning ${PYTEST_ARGS:-} \
+  DSFUSE_REQUIRE_GPU=1 step python3 -m pytest ${TESTS:-tests} -m gpu -q -p no:cacheprovider -W ignore::UserWarning ${PYTEST_ARGS:-} \
     --junitxml "$out/junit-gpu.xml" 2>&1 | tee "$out/pytest-gpu.log" || status=1
 fi
 if [ -z "${SKIP_FINGERPRINTS:-}" ]; then
-  python3 scripts/output_hashes.py --check tests/golden/h200_output_fingerprints.json 2>&1 \
+  step python3 scripts/output_hashes.py --check tests/golden/h200_output_fingerprints.json 2>&1 \
     | tee "$out/fingerprints.txt" || status=1
 fi
 if [ -z "${SKIP_HOST:-}" ]; then
-  python3 -m dsfuse.bench.host_time run "${ops[@]}" 2>&1 | tee "$out/host-time.log" || status=1
+  step python3 -m dsfuse.bench.host_time run "${ops[@]}" 2>&1 | tee "$out/host-time.log" || status=1
 fi
 if [ -z "${SKIP_BENCH:-}" ]; then
-  python3 -m dsfuse.bench run "${ops[@]}" --gpu 2>&1 | tee "$out/bench.log" || status=1
+  targets=("${ops[@]}"); [ ${#targets[@]} -eq 0 ] && targets=("")  # "": every op
+  for op in "${targets[@]}"; do  # one step per op: an op that overruns leaves the others' data
+    step python3 -m dsfuse.bench run $op --gpu 2>&1 | tee -a "$out/bench.log" || status=1
+  done
 fi
 new=$(find experiments -path '*/raw/*' \( -name samples.csv -o -name host_time.csv \) -newer "$stamp" -printf '%h\n')
 for run in $new; do
   case "$run" in experiments/gdn/raw/*)
-    python3 experiments/gdn/stage_times.py "$run/stages" --samples "${STAGE_SAMPLES:-10}" 2>&1 \
+    step python3 experiments/gdn/stage_times.py "$run/stages" --samples "${STAGE_SAMPLES:-10}" 2>&1 \
       | tee "$out/stage-times.log" || status=1 ;;
   esac
 done

@@ -1,6 +1,7 @@
 """How fast can the in-place text RoPE's access pattern go at all? Controls for its bandwidth target.
 
     python experiments/text_rope/strided_floor.py OUT.csv [--samples 30]
+    python experiments/text_rope/strided_floor.py --render RAW.csv OUT.md
 
 The in-place rotation of q [1, 4096, 64, 512] bf16 touches the last 64 channels of every
 (token, head) row: 128 contiguous bytes out of each 1,024-byte row, read and written back. This
@@ -22,6 +23,8 @@ Rows: ``variant, sample, us, bytes`` (bytes read + written by the variant).
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 import torch
 import triton
@@ -43,7 +46,26 @@ def _identity_kernel(x_ptr, n_rows, row_stride, start, BLOCK_R: tl.constexpr, WI
     tl.store(p, tl.load(p, mask=m), mask=m)
 
 
+def render(raw: Path) -> str:
+    """The medians of a run's CSV as a Markdown table (bandwidth as a fraction of the same run's copy)."""
+    import pandas as pd
+
+    samples = pd.read_csv(raw)
+    table = samples.groupby("variant", sort=False).agg(us=("us", "median"), nbytes=("bytes", "first"))
+    table["tbs"] = table["nbytes"] / table["us"] / 1e6
+    copy = table.loc["dense_copy", "tbs"]
+    lines = [f"Run `{raw.parent.name}`: median of {samples.groupby('variant').size().min()} CUDA Graph replays, "
+             "L2 overwritten before each; bytes read + written.", "",
+             "| variant | median us | MB moved | TB/s | of the same-size copy |", "| --- | ---: | ---: | ---: | ---: |"]
+    for name, r in table.iterrows():
+        lines.append(f"| `{name}` | {r['us']:.1f} | {r['nbytes'] / 1e6:.1f} | {r['tbs']:.2f} | {r['tbs'] / copy:.0%} |")
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
+    if sys.argv[1:2] == ["--render"]:
+        Path(sys.argv[3]).write_text(render(Path(sys.argv[2])))
+        return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out")
     parser.add_argument("--samples", type=int, default=30)

@@ -32,8 +32,8 @@ def main():
     shape = (1, 4096, 64, 512)
     gen = torch.Generator(device=dev).manual_seed(0)
     q = torch.randn(shape, device=dev, generator=gen).bfloat16()
-    q[0, :8, :4, -64:] = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), float("nan"), 1e-40, 3e38, -1.0],
-                                      device=dev).bfloat16().repeat(64)[: 8 * 4 * 64].view(8, 4, 64)
+    specials = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), float("nan"), 1e-40, 3e38, -1.0], device=dev)
+    q[0, :8, :4, -64:] = specials.bfloat16().repeat(8 * 4 * 64 // specials.numel()).view(8, 4, 64)
     positions = torch.arange(shape[1], device=dev)
     inv_freq = yarn_inv_freq(64, 160000.0, factor=16, original_max_position=65536)  # the model's YaRN layers
     model = rope_angles(positions, inv_freq)[None].contiguous()  # [1, S, 32]
