@@ -25,7 +25,8 @@ fi
 nvidia-smi > "$out/nvidia-smi.txt" 2>&1
 stamp=$(mktemp); sleep 1
 status=0
-step() { if [ -n "${STEP_TIMEOUT:-}" ]; then timeout "$STEP_TIMEOUT" "$@"; else "$@"; fi; }
+step() { if [ -n "${STEP_TIMEOUT:-}" ]; then timeout -k 30 "$STEP_TIMEOUT" "$@"; else "$@"; fi; }
+rm -f "$out/bench.log" "$out/junit-gpu.xml" "$out/raw.tar.gz"  # nothing stale from an earlier job in OUT_DIR
 if [ -z "${SKIP_TESTS:-}" ]; then
   DSFUSE_REQUIRE_GPU=1 step python3 -m pytest ${TESTS:-tests} -m gpu -q -p no:cacheprovider -W ignore::UserWarning ${PYTEST_ARGS:-} \
     --junitxml "$out/junit-gpu.xml" 2>&1 | tee "$out/pytest-gpu.log" || status=1
@@ -38,9 +39,10 @@ if [ -z "${SKIP_HOST:-}" ]; then
   step python3 -m dsfuse.bench.host_time run "${ops[@]}" 2>&1 | tee "$out/host-time.log" || status=1
 fi
 if [ -z "${SKIP_BENCH:-}" ]; then
-  targets=("${ops[@]}"); [ ${#targets[@]} -eq 0 ] && targets=("")  # "": every op
+  targets=("${ops[@]}")
+  [ ${#targets[@]} -eq 0 ] && read -ra targets <<< "$(python3 -c 'from dsfuse.bench.__main__ import EXPERIMENTS; print(*sorted(EXPERIMENTS))')"
   for op in "${targets[@]}"; do  # one step per op: an op that overruns leaves the others' data
-    step python3 -m dsfuse.bench run $op --gpu 2>&1 | tee -a "$out/bench.log" || status=1
+    step python3 -m dsfuse.bench run "$op" --gpu 2>&1 | tee -a "$out/bench.log" || status=1
   done
 fi
 new=$(find experiments -path '*/raw/*' \( -name samples.csv -o -name host_time.csv \) -newer "$stamp" -printf '%h\n')

@@ -76,10 +76,17 @@ def run_once(case: dict, x: dict, lo: int, hi: int, group=None, dht_weight: floa
     g = x["g"][:, lo:hi].detach().clone().requires_grad_()
     beta = x["beta"][:, lo:hi].detach().clone().requires_grad_()
     h0 = None if x["h0"] is None else x["h0"].detach().clone().requires_grad_()
-    q, k, v = views(row, case, case.get("packed", False))
     cu = torch.tensor(case["bounds"], dtype=torch.int32)
-    o, ht = chunk_gdn(q, k, v, g, beta, initial_state=h0, output_final_state=case["final_state"], cu_seqlens=cu,
-                      use_qk_l2norm_in_kernel=case["l2"], backend=case["backend"], cp_group=group)
+
+    def call(row, g, beta, h0):
+        q, k, v = views(row, case, case.get("packed", False))
+        return chunk_gdn(q, k, v, g, beta, initial_state=h0, output_final_state=case["final_state"], cu_seqlens=cu,
+                         use_qk_l2norm_in_kernel=case["l2"], backend=case["backend"], cp_group=group)
+
+    if case.get("checkpoint"):  # the forward runs again in the backward (and its exchange with it)
+        o, ht = torch.utils.checkpoint.checkpoint(call, row, g, beta, h0, use_reentrant=False)
+    else:
+        o, ht = call(row, g, beta, h0)
     loss = (o.float() * x["do"][:, lo:hi].float()).sum()
     if ht is not None:
         loss = loss + (ht * x["dht"]).sum() * dht_weight

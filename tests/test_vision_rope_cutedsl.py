@@ -171,7 +171,7 @@ def test_refusals_name_their_reason():
     kind = BACKEND_KINDS["cutedsl"]  # a frozen dataclass: as if the extra were not installed
     object.__setattr__(kind, "installed", False)
     try:
-        with pytest.raises(ValueError, match=r"needs the package cutlass \(pip install 'dsfuse\[cutedsl\]'\)"):
+        with pytest.raises(ValueError, match=r"needs the packages cutlass and tvm_ffi \(pip install 'dsfuse\[cutedsl\]'\)"):
             vision_rope_backward(dq, dk_hdt, dv, cos, sin, backend="cutedsl")
     finally:
         object.__setattr__(kind, "installed", True)

@@ -51,16 +51,19 @@ class Backend:
     extra: str | None = None  # the dsfuse extra that installs it
     interpreter_on_cpu: bool = False  # runs CPU tensors under TRITON_INTERPRET=1
     aot_archs: tuple[str, ...] = ()  # targets the AOT check compiles its kernels for
+    also_needs: tuple[str, ...] = ()  # other importable modules of the same extra
     installed: bool = field(init=False)  # looked up once, so torch.compile traces no import machinery
 
     def __post_init__(self):
-        object.__setattr__(self, "installed", importlib.util.find_spec(self.package) is not None)
+        found = all(importlib.util.find_spec(m) is not None for m in (self.package, *self.also_needs))
+        object.__setattr__(self, "installed", found)
 
     def reasons_against(self, device: torch.device) -> list[str]:
         reasons = []
         if not self.installed:
             how = f" (pip install 'dsfuse[{self.extra}]')" if self.extra else ""
-            reasons.append(f"the {self.name} backend needs the package {self.package}{how}")
+            names = " and ".join((self.package, *self.also_needs))
+            reasons.append(f"the {self.name} backend needs the package{'s' if self.also_needs else ''} {names}{how}")
         cpu_ok = self.interpreter_on_cpu and interpreting() and device.type == "cpu"
         if device.type != "cuda" and not cpu_ok:
             where = ", or TRITON_INTERPRET=1 for CPU" if self.interpreter_on_cpu else ""
@@ -70,7 +73,8 @@ class Backend:
 
 BACKENDS: dict[str, Backend] = {
     "triton": Backend("triton", "Triton", "triton", interpreter_on_cpu=True, aot_archs=("sm_90", "sm_100")),
-    "cutedsl": Backend("cutedsl", "CuTe DSL", "cutlass", extra="cutedsl", aot_archs=("sm_90a", "sm_100a")),
+    "cutedsl": Backend("cutedsl", "CuTe DSL", "cutlass", extra="cutedsl", aot_archs=("sm_90a", "sm_100a"),
+                       also_needs=("tvm_ffi",)),
 }
 
 

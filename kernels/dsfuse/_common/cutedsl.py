@@ -9,9 +9,9 @@ compile cache, and the call path.
   generated code (dtype, compile-time sizes, target); lengths that vary between calls (tokens) are
   symbolic in the compiled function, so a new length never compiles. ``compiles`` counts the builds
   (tests assert that a second call compiles nothing).
-* The call path: compiled with ``--enable-tvm-ffi`` when ``apache-tvm-ffi`` is installed (torch
-  tensors passed directly, the current torch stream read by the callee: a few microseconds per call),
-  else the DSL's own launcher (torch tensors wrapped per call: slower, same results).
+* The call path: compiled with ``--enable-tvm-ffi`` (``apache-tvm-ffi``, part of the extra): torch
+  tensors passed directly, the kernels launched on the current torch stream (the compiled functions
+  read it from the TVM-FFI environment), no per-call wrapping. :func:`require` asks for both packages.
 """
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ ARCH_ENV = "CUTE_DSL_ARCH"
 
 
 def installed() -> bool:
-    return importlib.util.find_spec("cutlass") is not None
+    """Both packages of the ``cutedsl`` extra: the DSL and its call path."""
+    return importlib.util.find_spec("cutlass") is not None and tvm_ffi_installed()
 
 
 def tvm_ffi_installed() -> bool:
@@ -44,9 +45,10 @@ def require():
     try:
         cutlass = importlib.import_module("cutlass")
         cute = importlib.import_module("cutlass.cute")
+        importlib.import_module("tvm_ffi")
     except ImportError as err:
-        raise ImportError(f"the CuTe DSL backend needs nvidia-cutlass-dsl: pip install 'dsfuse[{EXTRA}]' "
-                          f"({err})") from err
+        raise ImportError(f"the CuTe DSL backend needs nvidia-cutlass-dsl and apache-tvm-ffi: "
+                          f"pip install 'dsfuse[{EXTRA}]' ({err})") from err
     return cutlass, cute
 
 
@@ -75,15 +77,13 @@ def target(arch: str):
 
 
 def compile(fn: Callable, *args: Any, arch: str, keep_ptx: bool = False, dump_dir: str | None = None) -> Callable:
-    """``cute.compile(fn, *args)`` for ``arch`` (TVM-FFI call path when installed).
+    """``cute.compile(fn, *args)`` for ``arch``, with the TVM-FFI call path.
 
     ``keep_ptx``: the PTX is kept (``compiled.__ptx__``) and written to ``dump_dir`` (default: the
     directory the process started in, where the DSL was imported)."""
     _, cute = require()
     # the DSL reads CUTE_DSL_ARCH once, when it is imported: name the target in the options too
-    options = [f"--gpu-arch {arch}"]
-    if tvm_ffi_installed():
-        options.append("--enable-tvm-ffi")
+    options = [f"--gpu-arch {arch}", "--enable-tvm-ffi"]
     if keep_ptx:
         options.append("--keep-ptx")
     if dump_dir is not None:

@@ -278,8 +278,12 @@ def engram_gate_backward(
         dx = torch.empty(x.shape, dtype=x.dtype, device=x.device) if dx is None else dx
         dkv = torch.empty(kv.shape, dtype=kv.dtype, device=x.device) if dkv is None else dkv
         dweight = torch.empty((streams, dim), dtype=torch.float32, device=x.device) if dweight is None else dweight
+        sizing = _kernels(which).workspace_elements  # the backend chosen (auto may pick another than asked)
         if workspace is None:
             workspace = torch.empty(sizing(n, streams, dim), dtype=torch.float32, device=x.device)
+        elif workspace.numel() < sizing(n, streams, dim):
+            raise ValueError(f"workspace: expected at least {sizing(n, streams, dim)} fp32 elements for the {which} "
+                             f"backend, got {workspace.numel()}")
         if which == CUTEDSL:
             _check_cutedsl(x, True, dout=dout, kv=kv, weight=weight, saved=saved, dx=dx, dkv=dkv, dweight=dweight,
                            workspace=workspace)

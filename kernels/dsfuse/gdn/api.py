@@ -217,6 +217,8 @@ def _chunk_gdn_cp(q, k, v, g, beta, scale, initial_state, output_final_state, cu
         raise ValueError("cp_group: cu_seqlens (the global document offsets) is required with context parallelism")
     if q.ndim == 4 and q.shape[0] != 1:
         raise ValueError(f"cp_group: documents are packed in one row, expected B = 1, got B = {q.shape[0]}")
+    if dist.get_rank(group) < 0:
+        raise ValueError("cp_group: this process is not a member of the group")
     shards = cp.cp_shards(cu_seqlens, dist.get_world_size(group))
     me = shards[dist.get_rank(group)]
     if q.ndim == 4 and q.shape[1] != me.tokens:

@@ -20,7 +20,7 @@ Forward, on every rank at once:
 2. ``all_gather`` of ``E`` (and of ``M`` when any rank spans): ``HV K V`` (and ``HV K K``) fp32 per rank;
 3. if ``from_prev``: the incoming state by the merge in rank order, ``S = E_s``, then
    ``S = M_j S + E_j`` for the spanned ranks ``j = s + 1 .. r - 1`` (``s``: where the document starts),
-   all in fp32 (fp64 for fp64 inputs);
+   each step computed in fp64 and rounded once to the state's dtype (fp32; fp64 for fp64 inputs);
 4. the local forward of the share from the incoming state (the row's own kernels, unchanged);
 5. with ``output_final_state``: each document's final state, held by the rank where it ends, is
    summed over the ranks (``all_reduce``; one nonzero term per element, so exact) so every rank
@@ -203,8 +203,8 @@ def _merge(es: list[torch.Tensor], ms: list[torch.Tensor] | None, shards: list[C
     while shards[s].spans:  # back to the rank where the document starts
         s -= 1
     state = es[s]
-    for j in range(s + 1, rank):
-        state = torch.matmul(ms[j], state) + es[j]
+    for j in range(s + 1, rank):  # in fp64: no TF32 whatever torch's matmul precision, one rounding per step
+        state = (torch.matmul(ms[j].double(), state.double()) + es[j].double()).to(es[j].dtype)
     return state
 
 
@@ -215,8 +215,8 @@ def _fold_back(ds: list[torch.Tensor], ms: list[torch.Tensor] | None, shards: li
     while shards[e].spans:  # forward to the rank where the document ends
         e += 1
     grad = ds[e]
-    for j in range(e - 1, rank, -1):
-        grad = ds[j] + torch.matmul(ms[j].transpose(-1, -2), grad)
+    for j in range(e - 1, rank, -1):  # in fp64, as the merge
+        grad = (ds[j].double() + torch.matmul(ms[j].transpose(-1, -2).double(), grad.double())).to(ds[j].dtype)
     return grad
 
 
@@ -280,7 +280,14 @@ class _ContextParallel(torch.autograd.Function):
             for i in range(n - 1 if me.to_next else n):
                 final_state[me.docs[i]] = ht_local[i]
             final_state = _all_reduce_exact("forward: final states", final_state, group)
-        ctx.passes, ctx.shards, ctx.group, ctx.saved, ctx.ms = passes, shards, group, saved, ms
+        # tensors through save_for_backward, so torch.utils.checkpoint frees them and recomputes this forward
+        # (and autograd checks them for in-place changes); the rest of ``saved`` (document bounds) as is
+        tensors = [t for t in saved if isinstance(t, torch.Tensor)] + (ms or [])
+        ctx.save_for_backward(*tensors)
+        ctx.saved_layout = [isinstance(t, torch.Tensor) for t in saved]
+        ctx.saved_rest = [None if isinstance(t, torch.Tensor) else t for t in saved]
+        ctx.num_ms = 0 if ms is None else len(ms)
+        ctx.passes, ctx.shards, ctx.group = passes, shards, group
         ctx.state_shape, ctx.state_dtype, ctx.num_docs = state_shape, state_dtype, num_docs
         ctx.crossing, ctx.output_final_state = crossing, output_final_state
         ctx.has_initial_state = initial_state is not None
@@ -290,6 +297,10 @@ class _ContextParallel(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do, dfinal):
         passes, shards, group = ctx.passes, ctx.shards, ctx.group
+        tensors = list(ctx.saved_tensors)
+        ms = tensors[len(tensors) - ctx.num_ms:] if ctx.num_ms else None
+        given = iter(tensors)
+        saved = tuple(next(given) if is_tensor else rest for is_tensor, rest in zip(ctx.saved_layout, ctx.saved_rest))
         rank = dist.get_rank(group)
         me = shards[rank]
         n = len(me.docs)
@@ -309,13 +320,13 @@ class _ContextParallel(torch.autograd.Function):
             d_local = new_state(ctx.state_shape)
             if me.from_prev:  # D: the incoming state's gradient from this share's own outputs
                 first_ends_here = not (n == 1 and me.to_next)
-                d_local = passes.first_dh0(ctx.saved, do, dht[0] if (dht is not None and first_ends_here) else None,
+                d_local = passes.first_dh0(saved, do, dht[0] if (dht is not None and first_ends_here) else None,
                                            me.bounds[1])
             ds = _all_gather("backward: D", d_local, group)
             if me.to_next:
                 dht = new_state((n, *ctx.state_shape)) if dht is None else dht
-                dht[n - 1] += _fold_back(ds, ctx.ms, shards, rank)
-        dq, dk, dv, dg, dbeta, dh0_local = passes.backward(ctx.saved, do, dht)
+                dht[n - 1] += _fold_back(ds, ms, shards, rank)
+        dq, dk, dv, dg, dbeta, dh0_local = passes.backward(saved, do, dht)
         dh0 = None
         if ctx.has_initial_state:
             dh0 = do.new_zeros((ctx.num_docs, *ctx.state_shape), dtype=ctx.h0_dtype)

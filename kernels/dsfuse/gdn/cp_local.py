@@ -44,6 +44,9 @@ def triton_passes(scale: float, use_qk_l2norm: bool) -> LocalPasses:
         dht = None if dht is None else dht[None].contiguous()
         calls, grads = schedule.backward_calls(TRITON_BACKWARD, *first, g_cum[:length], A[:length], do[:, :length],
                                                dht, initial_state=h0[:1], cu_seqlens=[0, length], **common)
+        names = [name for name, _ in calls]
+        if not set(schedule.DH0_STAGES) <= set(names):
+            raise RuntimeError(f"gdn: the backward has stages {names}, not all of DH0_STAGES {schedule.DH0_STAGES}")
         for name, launch in calls:
             if name in schedule.DH0_STAGES:
                 launch()

@@ -324,7 +324,7 @@ def vision_rope_attention_front(qkv: torch.Tensor, cos: torch.Tensor, sin: torch
                          "the backward only (vision_rope_backward); use 'auto', 'triton' or 'reference'")
     which = BACKENDS.choose(backend, qkv.device, qkv.dtype, extra)
     if which == CUTEDSL:  # auto, where a GPU family's order would list it first: the forward is Triton's
-        which = BACKENDS.choose("triton", qkv.device, qkv.dtype, extra)
+        which = "triton" if not BACKENDS.reasons_against("triton", qkv.device, qkv.dtype, extra) else REFERENCE
     if which == REFERENCE:
         return attention_front(qkv, cos, sin, heads)
     return forward_op(qkv, cos, sin, heads)
