@@ -11,6 +11,7 @@
 # TESTS=<paths> narrows the GPU tests, PYTEST_ARGS adds pytest arguments (e.g. "-n 8" with pytest-xdist);
 # SKIP_TESTS, SKIP_BENCH, SKIP_HOST, SKIP_FINGERPRINTS skip those parts. A Gated DeltaNet run also
 # gets its stage times and peak memory (experiments/gdn/stage_times.py) in its raw folder's stages/.
+# DSFUSE_REQUIRE_CUTEDSL=1 (passed on to pytest) makes a missing cutedsl extra an error, not a skip.
 # STEP_TIMEOUT=<seconds> bounds each step, so a step that overruns still leaves the others' raw data
 # packed in raw.tar.gz (the remote tree is replaced at the next call: only OUT_DIR comes back).
 set -uo pipefail

@@ -20,6 +20,32 @@ if not HAS_CUDA:
 
 REQUIRE_GPU = os.environ.get("DSFUSE_REQUIRE_GPU") == "1"
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+# The CuTe DSL backend's tests skip without the `cutedsl` extra; DSFUSE_REQUIRE_CUTEDSL=1 (a GPU job
+# meant to test that backend) makes a missing package an error instead of a skip.
+REQUIRE_CUTEDSL = os.environ.get("DSFUSE_REQUIRE_CUTEDSL") == "1"
+
+
+def cutedsl_or_skip() -> None:
+    """At a test module's top: skip the module without the `cutedsl` extra (an error under
+    DSFUSE_REQUIRE_CUTEDSL=1)."""
+    from dsfuse._common import cutedsl
+
+    if cutedsl.installed():
+        return
+    if REQUIRE_CUTEDSL:
+        raise RuntimeError("DSFUSE_REQUIRE_CUTEDSL=1 but the cutedsl extra (nvidia-cutlass-dsl, apache-tvm-ffi) "
+                           "is not installed")
+    pytest.skip("needs the cutedsl extra: pip install 'dsfuse[cutedsl]'", allow_module_level=True)
+
+
+def _fused_backends():
+    from dsfuse._common import cutedsl
+
+    skip = not cutedsl.installed() and not REQUIRE_CUTEDSL
+    return ["triton", pytest.param("cutedsl", marks=pytest.mark.skipif(skip, reason="needs the cutedsl extra"))]
+
+
+FUSED_BACKENDS = _fused_backends()  # parametrise a test over both fused backends
 
 
 def pytest_collection_modifyitems(config, items):

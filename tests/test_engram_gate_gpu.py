@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from conftest import FUSED_BACKENDS
 from helpers import assert_bitwise
 from test_engram_gate import check_all, make
 
@@ -12,9 +13,10 @@ pytestmark = pytest.mark.gpu
 D = 5120  # DeepSeek-V4.1 hidden size
 
 
+@pytest.mark.parametrize("backend", FUSED_BACKENDS)
 @pytest.mark.parametrize("n", [1, 3, 65, 4096, 4097])
-def test_model_width_against_fp64(n):
-    check_all(*make(n, D, "cuda", seed=n), eps=1e-20)
+def test_model_width_against_fp64(n, backend):
+    check_all(*make(n, D, "cuda", seed=n), eps=1e-20, backend=backend)
 
 
 def _plan_buffers(n):
@@ -24,9 +26,10 @@ def _plan_buffers(n):
     return (x, kv, weight, mask, dout), bufs
 
 
-def test_plan_graph_replay_changed_poisoned_inputs_and_rebinding():
+@pytest.mark.parametrize("backend", FUSED_BACKENDS)
+def test_plan_graph_replay_changed_poisoned_inputs_and_rebinding(backend):
     n = 257
-    plan = EngramGatePlan(dim=D, max_tokens=4096, device="cuda", eps=1e-20)
+    plan = EngramGatePlan(dim=D, max_tokens=4096, device="cuda", eps=1e-20, backend=backend)
     (x, kv, weight, mask, dout), b = _plan_buffers(n)
 
     def step(saved):
@@ -57,7 +60,7 @@ def test_plan_graph_replay_changed_poisoned_inputs_and_rebinding():
         for (name, got), w in zip(b.items(), want):
             assert not torch.isnan(w).any(), f"graph left {name} unwritten"
             assert_bitwise(got, w, f"graph vs eager {name}")
-        check_all(*fresh, eps=1e-20)
+        check_all(*fresh, eps=1e-20, backend=backend)
 
 
 def test_plan_execute_allocates_nothing_compiles_nothing_and_never_syncs():

@@ -16,11 +16,13 @@ heads-per-CTA setting, an explicit side stream, CUDA Graph capture and replay wi
 no compile for a new T, run-to-run determinism, ``torch.compile(fullgraph=True)``.
 """
 
+import importlib
 import re
 from collections import Counter
 
 import pytest
 import torch
+from conftest import cutedsl_or_skip
 from helpers import assert_bitwise
 from test_vision_rope import SHAPES, grads
 from test_vision_rope_gpu import GEOMETRIES, model_grads
@@ -34,8 +36,8 @@ from dsfuse.vision_rope import (
 )
 from dsfuse.vision_rope import api as vr_api
 
-cutlass = pytest.importorskip("cutlass")
-vc = pytest.importorskip("dsfuse.vision_rope.cutedsl")
+cutedsl_or_skip()
+vc = importlib.import_module("dsfuse.vision_rope.cutedsl")
 
 ARCHS = ("sm_90a", "sm_100a")
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
