@@ -139,11 +139,24 @@ def test_runs_without_a_hash_are_compared_by_commit():
     assert env.source_state("engram_gate", {})["state"] == "unknown"
 
 
+def test_a_hash_of_other_files_is_compared_by_commit():
+    """A run whose recorded hash covers another set of files (the CuTe DSL backend was added to the
+    hashed files after it) is compared by git over the current files, not called changed by its hash."""
+    if shutil.which("git") is None or not (REPO / ".git").exists():
+        pytest.skip("needs the git checkout")
+    run = json.loads((REPO / "experiments" / "engram_gate" / "raw" / "20261201-022130-h200" / "env.json").read_text())
+    assert run["kernel_sources"]["files"] == ["kernels/dsfuse/engram_gate/triton.py"]
+    assert "kernels/dsfuse/engram_gate/cutedsl.py" in env.kernel_sources("engram_gate")["files"]
+    assert env.source_state("engram_gate", run)["how"] == "git"
+
+
 def test_the_kernel_hash_covers_the_op_kernels_and_their_package_imports(tmp_path):
     package = tmp_path / "dsfuse"
     shutil.copytree(REPO / "kernels" / "dsfuse", package, ignore=shutil.ignore_patterns("__pycache__"))
     files = [p.relative_to(package).as_posix() for p in env.kernel_files("text_rope", package)]
     assert files == ["_common/aot.py", "text_rope/triton.py"]  # not api.py, not the package __init__
+    vision = [p.relative_to(package).as_posix() for p in env.kernel_files("vision_rope", package)]
+    assert {"vision_rope/triton.py", "vision_rope/cutedsl.py", "_common/cutedsl.py"} <= set(vision)
     before = env.kernel_sources("text_rope", package)["sha256"]
     (package / "text_rope" / "api.py").write_text("# changed\n")
     assert env.kernel_sources("text_rope", package)["sha256"] == before

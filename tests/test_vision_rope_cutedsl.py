@@ -108,13 +108,15 @@ def test_ptx_moves_16_bytes_per_access(ptx, dtype, has_v, arch):
 
 
 def test_model_geometry():
-    """16 x 64 bf16: 8-channel vectors, 4 lanes per half row, 64-token tiles, 2 heads (6 warps) per
-    CTA staging 70 KB (three CTAs per multiprocessor); fp32 the same with 32-token tiles."""
+    """16 x 64 bf16: 8-channel vectors, 4 lanes per half row, 32-token tiles (64 bytes of a dK row),
+    2 heads (6 warps) per CTA staging 36 KB: tables 2 x 32 rows x 36 floats, per head dQ 32 x 72,
+    dK 64 x 40, dV 32 x 64 elements (six CTAs per multiprocessor); fp32 the same with 16-token tiles."""
     geo = vc.geometry(torch.bfloat16, H, D)
-    assert geo == vc.Geometry(vec=8, chunks=4, tile_t=64, group=2, dim=64)
-    assert geo.smem_bytes(2, True) == 71680 and 3 * geo.smem_bytes(2, True) <= 228 * 1024 - 3 * 1024
-    assert vc.geometry(torch.float32, H, D) == vc.Geometry(vec=4, chunks=8, tile_t=32, group=2, dim=64)
-    assert vc.geometry(torch.bfloat16, 3, 8) == vc.Geometry(vec=4, chunks=1, tile_t=64, group=1, dim=8)
+    assert geo == vc.Geometry(vec=8, chunks=4, tile_t=32, group=2, dim=64)
+    assert geo.smem_bytes(2, True) == 2 * 32 * 36 * 4 + 2 * (32 * 72 + 64 * 40 + 32 * 64) * 2 == 36864
+    assert 6 * (geo.smem_bytes(2, True) + 1024) <= 228 * 1024
+    assert vc.geometry(torch.float32, H, D) == vc.Geometry(vec=4, chunks=8, tile_t=16, group=2, dim=64)
+    assert vc.geometry(torch.bfloat16, 3, 8) == vc.Geometry(vec=4, chunks=1, tile_t=32, group=1, dim=8)
     assert vc.geometry(torch.bfloat16, 16, 64, heads_per_cta=4, tile_tokens=32).group == 4
     assert vc.shape_reasons(torch.bfloat16, H, D) == []
 

@@ -135,12 +135,19 @@ def _imported_files(path: Path, package_dir: Path) -> set[Path]:
     return found
 
 
+BACKEND_MODULES = ("triton", "cutedsl")  # the kernel modules of an op, one per backend
+
+
 def kernel_files(op: str, package_dir: Path = PACKAGE_DIR) -> list[Path]:
-    """The files that determine ``op``'s kernels: ``dsfuse/<op>/triton.py`` or every ``.py`` under
-    ``dsfuse/<op>/triton/``, and, transitively, the package modules they import at module level
-    (not the packages' ``__init__.py`` that Python runs on the way). Sorted; empty for an unknown op."""
+    """The files that determine ``op``'s kernels, of every backend: ``dsfuse/<op>/<backend>.py`` or
+    every ``.py`` under ``dsfuse/<op>/<backend>/`` (``triton``, ``cutedsl``), and, transitively, the
+    package modules they import at module level (not the packages' ``__init__.py`` that Python runs
+    on the way). Sorted; empty for an unknown op."""
     op_dir = package_dir / op
-    todo = sorted(op_dir.glob("triton/**/*.py")) + ([op_dir / "triton.py"] if (op_dir / "triton.py").is_file() else [])
+    todo = []
+    for backend in BACKEND_MODULES:
+        todo += sorted(op_dir.glob(f"{backend}/**/*.py"))
+        todo += [op_dir / f"{backend}.py"] if (op_dir / f"{backend}.py").is_file() else []
     files: set[Path] = set()
     while todo:
         path = todo.pop()
@@ -169,16 +176,17 @@ def source_state(op: str, env: dict, package_dir: Path = PACKAGE_DIR) -> dict:
     Returns ``state`` (``current``, ``changed`` or ``unknown``), ``how`` (``hash`` or ``git``),
     ``commit`` (the run's), ``files`` (the kernel files compared) and ``since`` (for ``git``: the
     commits that touched them after the run's commit, newest first, and ``uncommitted`` when the
-    working tree differs from HEAD). A run that recorded ``kernel_sources`` is compared by its hash
-    (no git needed); an older one by ``git diff <its commit> -- <kernel files>`` against the working
-    tree, ``unknown`` when git, the commit or the files are not available.
+    working tree differs from HEAD). A run that recorded ``kernel_sources`` of the same files is
+    compared by its hash (no git needed); an older one, or one that hashed another set of files (a
+    backend added since), by ``git diff <its commit> -- <kernel files>`` against the working tree,
+    ``unknown`` when git, the commit or the files are not available.
     """
     root = package_dir.parents[1]
     commit = env.get("git_commit")
     now = kernel_sources(op, package_dir)
     out = dict(state="unknown", how=None, commit=commit, files=now["files"], since=[], uncommitted=False)
     recorded = (env.get("kernel_sources") or {}).get("sha256")
-    if recorded:
+    if recorded and (env.get("kernel_sources") or {}).get("files") == now["files"]:  # else by commit, below
         out.update(how="hash", state="current" if recorded == now["sha256"] else "changed")
         return out
     if not commit or not now["files"] or _git("cat-file", "-e", f"{commit}^{{commit}}", root=root) is None:

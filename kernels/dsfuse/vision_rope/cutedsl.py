@@ -8,8 +8,8 @@ Layouts (the model's storage; ``layout_reasons`` says what a call breaks):
 * ``cos``, ``sin`` fp32 ``[T, D/2]``, unit stride along D/2, rows 16-byte aligned;
 * ``out`` ``[T, 3 * H * D]`` contiguous, column ``part * H * D + h * D + d`` (part 0 q, 1 k, 2 v).
 
-Tiling: a CTA takes ``TT`` tokens (a tile: 128 bytes of one dK row, so 64 tokens of a 16-bit
-dtype, 32 of fp32) of ``G`` heads (``HEADS_PER_CTA``, or the largest divisor of H below it), with
+Tiling: a CTA takes ``TT`` tokens (a tile: 64 bytes of one dK row, so 32 tokens of a 16-bit
+dtype, 16 of fp32) of ``G`` heads (``HEADS_PER_CTA``, or the largest divisor of H below it), with
 three warps per head, one per part; grid ``(ceil(T / TT), H / G)``. Every access moves one vector
 of ``VEC = gcd(D / 2, 16 / itemsize)`` elements (128 bits for the model: 8 bf16 channels).
 
@@ -47,16 +47,14 @@ the public API's ``stream=`` makes its stream current. No allocation, no host sy
 CUDA Graph capture works after a first (compiling) call.
 
 Compiles for sm_90a and sm_100a on the CPU (``ptxas`` 13.0 on the PTX: 40 to 54 registers, no
-spills). On the H200 (commit ``b372546``, ``experiments/vision_rope/raw/gpu-tests/``) every GPU test
-passes: bitwise equal to eager autograd at the model's geometries, tails, T = 1, without dV, caller's
-``out``, a side stream, CUDA Graph replay with a new T, ``torch.compile``. Not measured yet: the speed (target: 32 us at
-T = 8649, 80% of the copy bandwidth; Triton takes 36.5 us); ``HEADS_PER_CTA`` and ``TILE_BYTES``
-(``experiments/vision_rope/tune_cutedsl.py`` sweeps them: the tables are staged once per CTA, so
-fewer heads per CTA read them more often, while bigger CTAs fit fewer per multiprocessor; G = 2
-stages 70 KB per CTA in bf16, three CTAs per multiprocessor); the bank conflicts of the dK gather
-(the lanes of one shared load read four rows eight apart, which fall on the same banks: up to
-4-way); that the DSL's launcher opts in to more than 48 KB of dynamic shared memory (the carveout
-asks for all of it) and launches on the TVM-FFI environment stream inside a CUDA Graph capture.
+spills). On the H200 every GPU test passes (``experiments/vision_rope/raw/gpu-tests/``): bitwise
+equal to eager autograd at the model's geometries, tails, T = 1, without dV, caller's ``out``, every
+tile width and heads-per-CTA setting, a side stream, CUDA Graph replay with a new T,
+``torch.compile``. ``TILE_BYTES`` and ``HEADS_PER_CTA`` come from the sweep
+``experiments/vision_rope/raw/tuning/cutedsl-tiles.csv`` (``tune_cutedsl.py``: 64-byte tiles of two
+heads were the fastest, or within 2% of it, at every T swept; the tables are staged once per CTA,
+so fewer heads per CTA read them more often, while bigger CTAs fit fewer per multiprocessor). The
+timing against the Triton kernel and the controls is on the vision RoPE page.
 """
 
 from __future__ import annotations
@@ -78,7 +76,7 @@ from cutlass.cutlass_dsl import T as ir_types  # noqa: E402
 from cutlass.cutlass_dsl import dsl_user_op  # noqa: E402
 
 FUSED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-TILE_BYTES = 128  # tokens per tile: one 128-byte segment of a dK row (64 bf16 / fp16, 32 fp32)
+TILE_BYTES = 64  # tokens per tile: one 64-byte segment of a dK row (32 bf16 / fp16, 16 fp32)
 HEADS_PER_CTA = 2  # at most; the largest divisor of H not above it
 MAX_CHUNKS = 32  # a warp covers a token's half row: NC = D / 2 / VEC lanes, a power of two <= 32
 SMEM_LIMIT = 227 * 1024  # bytes of shared memory a CTA may use on sm_90 and sm_100
