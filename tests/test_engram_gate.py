@@ -174,6 +174,33 @@ def test_caller_owned_outputs_plan_and_autograd(device):
         assert_bitwise(a, b, f"autograd {name}")
 
 
+def test_plan_checks_a_call_once_per_set_of_tensors(monkeypatch):
+    """A plan call with the previous call's tensors (addresses, sizes, strides, dtypes, devices) skips
+    the checks; any other tensor is checked again, so a bad call after a good one still raises."""
+    x, kv, weight, mask, dout = make(5, 32, "cpu", seed=8)
+    plan = EngramGatePlan(dim=32, max_tokens=8, device="cpu", eps=1e-20)
+    out, saved = torch.empty_like(x), torch.empty(5, 4, 4)
+    dx, dkv, dweight = torch.empty_like(x), torch.empty_like(kv), torch.empty(4, 32)
+    plan.forward(x, kv, weight, mask, out, saved)
+    plan.backward(dout, x, kv, weight, mask, saved, dx, dkv, dweight)
+    checks = []
+    monkeypatch.setattr(plan, "_check", lambda *a, **k: checks.append(1) or EngramGatePlan._check(plan, *a, **k))
+    plan.forward(x, kv, weight, mask, out, saved)
+    plan.backward(dout, x, kv, weight, mask, saved, dx, dkv, dweight)
+    assert checks == []
+    other = torch.empty_like(x)
+    plan.forward(x, kv, weight, mask, other, saved)  # another out: checked
+    assert checks == [1]
+    with pytest.raises(ValueError, match="out: must not overlap x"):
+        plan.forward(x, kv, weight, mask, x, saved)
+    with pytest.raises(ValueError, match="dkv: must not overlap kv"):
+        plan.backward(dout, x, kv, weight, mask, saved, dx, kv, dweight)
+    with pytest.raises(ValueError, match="saved: expected"):
+        plan.forward(x, kv, weight, mask, other, saved[:, :, :3])  # same address, other sizes
+    with pytest.raises(TypeError, match="out: expected a torch.Tensor"):
+        plan.forward(x, kv, weight, mask, None, saved)
+
+
 def test_validation_errors():
     x, kv, weight, mask, dout = make(5, 32, "cpu", seed=6)
     saved = torch.empty(5, 4, 4)

@@ -121,6 +121,18 @@ def test_model_geometry():
     assert vc.shape_reasons(torch.bfloat16, H, D) == []
 
 
+@pytest.mark.parametrize("dtype", vc.FUSED_DTYPES, ids=_name)
+def test_default_geometry_for_every_accepted_shape(dtype):
+    """Every head dim the kernel accepts gets a default tile of whole warps (a tile of ``TILE_BYTES``
+    holds 16 fp32 tokens, fewer than one warp's 32 / NC rows when D / 2 is one vector)."""
+    accepted = [dim for dim in range(8, 520, 8) if not vc.shape_reasons(dtype, 6, dim)]
+    assert 8 in accepted and 64 in accepted
+    for dim in accepted:
+        geo = vc.geometry(dtype, 6, dim)
+        assert geo.tile_t % geo.vec == 0 and geo.tile_t * geo.chunks % 32 == 0, (dim, geo)
+        assert geo.tile_t >= vc.TILE_BYTES // dtype.itemsize
+
+
 def test_registration_and_auto():
     """Registered with its kernel module and dtypes; ``auto`` keeps Triton until a measured run decides."""
     entry = vr_api.BACKENDS

@@ -302,6 +302,15 @@ def _reference_backward(dout, x, kv, weight, token_mask, eps, clamp):
 # -- prepared plan ---------------------------------------------------------------------------
 
 
+def _metadata(tensors: tuple) -> tuple | None:
+    """All that a plan's checks read of one call's tensors: address, sizes, strides, dtype, device
+    (``None`` where one is not a tensor with an address, e.g. while torch.compile traces: checked)."""
+    try:
+        return tuple((t.data_ptr(), t.shape, t.stride(), t.dtype, t.device) for t in tensors)
+    except (AttributeError, RuntimeError, TypeError, NotImplementedError):
+        return None
+
+
 class EngramGatePlan:
     """Validated, compiled Engram gate for a fixed geometry; executes without allocating.
 
@@ -310,8 +319,11 @@ class EngramGatePlan:
     workspace for ``max_tokens``, and binds to ``device``. ``forward`` and
     ``backward`` then check only tensor metadata (shapes, dtypes, strides, devices,
     aliasing: no host synchronisation), allocate nothing and compile nothing, so they
-    can be captured in a CUDA Graph. Outputs, saved state and the stream are the
-    caller's; pass a different ``saved`` buffer to any call (rebinding).
+    can be captured in a CUDA Graph. A call whose tensors have the addresses, sizes,
+    strides, dtypes and devices of the previous call's in the same direction is not
+    checked again (a loop that reuses its buffers pays for the checks once). Outputs,
+    saved state and the stream are the caller's; pass a different ``saved`` buffer to
+    any call (rebinding).
 
     Args:
         streams: ``S``, the number of residual streams.
@@ -370,6 +382,7 @@ class EngramGatePlan:
         self._launch_forward, self._launch_backward = self._kernels.launch_forward, self._kernels.launch_backward
         self.workspace = torch.empty(self._kernels.workspace_elements(max_tokens, streams, dim), dtype=torch.float32,
                                      device=self.device)
+        self._checked = {"forward": None, "backward": None}  # the metadata of each direction's last checked call
         self._warm_up()
 
     def _warm_up(self) -> None:
@@ -422,8 +435,11 @@ class EngramGatePlan:
         Returns:
             (tuple[torch.Tensor, torch.Tensor]): The pair ``(out, saved)``, the tensors passed in.
         """
-        self._check(x, kv, weight, token_mask, out=out, saved=saved)
-        _check_forward_outputs(x, kv, weight, token_mask, out, saved)
+        seen = _metadata((x, kv, weight, token_mask, out, saved))
+        if seen is None or seen != self._checked["forward"]:
+            self._check(x, kv, weight, token_mask, out=out, saved=saved)
+            _check_forward_outputs(x, kv, weight, token_mask, out, saved)
+            self._checked["forward"] = seen
         with on_stream(stream, self.device):
             self._launch_forward(x, kv, weight, token_mask, out, saved, eps=self.eps, clamp=self.clamp)
         return out, saved
@@ -451,9 +467,12 @@ class EngramGatePlan:
             (tuple[torch.Tensor, torch.Tensor, torch.Tensor]): The triple ``(dx, dkv, dweight)``,
                 the tensors passed in; bitwise reproducible.
         """
-        self._check(x, kv, weight, token_mask, dout=dout, saved=saved, dx=dx, dkv=dkv, dweight=dweight)
-        _check_backward_args(dout, x, kv, weight, token_mask, saved, dx, dkv, dweight, self.workspace,
-                             self._kernels.workspace_elements)
+        seen = _metadata((dout, x, kv, weight, token_mask, saved, dx, dkv, dweight))
+        if seen is None or seen != self._checked["backward"]:
+            self._check(x, kv, weight, token_mask, dout=dout, saved=saved, dx=dx, dkv=dkv, dweight=dweight)
+            _check_backward_args(dout, x, kv, weight, token_mask, saved, dx, dkv, dweight, self.workspace,
+                                 self._kernels.workspace_elements)
+            self._checked["backward"] = seen
         with on_stream(stream, self.device):
             self._launch_backward(dout, x, kv, weight, saved, dx, dkv, dweight, self.workspace, clamp=self.clamp)
         return dx, dkv, dweight

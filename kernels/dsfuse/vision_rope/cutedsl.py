@@ -122,8 +122,11 @@ class Geometry:
 def geometry(dtype: torch.dtype, heads: int, dim: int, *, tile_tokens: int | None = None,
              heads_per_cta: int | None = None) -> Geometry:
     """The sizes the kernel compiles with: ``TILE_BYTES`` and ``HEADS_PER_CTA`` unless overridden
-    (``tile_tokens``, ``heads_per_cta``: sweeps)."""
-    return _geometry(dtype, heads, dim, tile_tokens or TILE_BYTES // dtype.itemsize, heads_per_cta or HEADS_PER_CTA)
+    (``tile_tokens``, ``heads_per_cta``: sweeps). The default tile is widened to whole warps of the
+    rotation (``32 / NC`` tokens) where ``TILE_BYTES`` holds fewer (fp32 with a small D)."""
+    if tile_tokens is None:
+        tile_tokens = max(TILE_BYTES // dtype.itemsize, 32 // _vectors(dtype, dim)[1])
+    return _geometry(dtype, heads, dim, tile_tokens, heads_per_cta or HEADS_PER_CTA)
 
 
 def _vectors(dtype: torch.dtype, dim: int) -> tuple[int, int]:
