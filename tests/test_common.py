@@ -75,10 +75,18 @@ def test_backend_preference_per_family(monkeypatch):
     try:
         monkeypatch.setattr("dsfuse._common.backends._FAMILIES", {0: "sm_100"})
         assert entry.choose("auto", cuda, torch.float32) == "cutedsl"
+        asked = []
+        own = {"cutedsl": lambda: asked.append(1) or ["head dim 6 is not a multiple of 8"]}
+        assert entry.choose("auto", cuda, torch.float32, own=own) == "triton"  # its own reasons: the next one
+        assert asked == [1]
+        assert entry.choose("cutedsl", cuda, torch.float32, own=own) == "cutedsl"  # by name: the caller checks
         monkeypatch.setattr("dsfuse._common.backends._FAMILIES", {0: "sm_90"})
         assert entry.choose("auto", cuda, torch.float32) == "triton"  # unlisted family: the order of kernels
         assert entry.choose("auto", cuda, torch.float16) == "cutedsl"  # triton cannot serve fp16 here
         object.__setattr__(BACKENDS["cutedsl"], "installed", False)
+        monkeypatch.setattr("dsfuse._common.backends._FAMILIES", {0: "sm_100"})
+        assert entry.choose("auto", cuda, torch.float32, own=own) == "triton"
+        assert asked == [1]  # not installed: its own reasons are not asked (its module needs the package)
         with pytest.raises(ValueError, match=r"needs the packages cutlass and tvm_ffi \(pip install 'dsfuse\[cutedsl\]'\)"):
             entry.choose("cutedsl", cuda, torch.float32)
     finally:

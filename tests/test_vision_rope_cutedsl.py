@@ -28,6 +28,7 @@ from test_vision_rope import SHAPES, grads
 from test_vision_rope_gpu import GEOMETRIES, model_grads
 
 from dsfuse._common.backends import BACKENDS as BACKEND_KINDS
+from dsfuse._common.backends import gpu_family
 from dsfuse.vision_rope import (
     vision_cos_sin,
     vision_rope_backward,
@@ -133,13 +134,21 @@ def test_default_geometry_for_every_accepted_shape(dtype):
         assert geo.tile_t >= vc.TILE_BYTES // dtype.itemsize
 
 
-def test_registration_and_auto():
-    """Registered with its kernel module and dtypes; ``auto`` keeps Triton until a measured run decides."""
+def test_registration_and_auto(monkeypatch):
+    """Registered with its kernel module and dtypes; ``auto`` takes it first on Hopper (measured there),
+    Triton on Blackwell (not measured), and Triton where the kernel does not compile for the call."""
     entry = vr_api.BACKENDS
     assert entry.kernels["cutedsl"] == ("dsfuse.vision_rope.cutedsl",)
     assert tuple(entry.dtypes["cutedsl"]) == vc.FUSED_DTYPES
-    for family in ("sm_90", "sm_100"):
-        assert entry.preference[family] == ("triton",)
+    assert entry.preference == {"sm_90": ("cutedsl", "triton"), "sm_100": ("triton",)}
+    monkeypatch.setattr("dsfuse._common.backends._FAMILIES", {0: "sm_90"})
+    cuda = torch.device("cuda", 0)
+    dq, _, _, cos, sin = grads(16, 33, 64, torch.bfloat16, "cpu", seed=1)
+    own = {"cutedsl": lambda: vr_api._cutedsl_reasons(dq, cos, sin)}
+    assert entry.choose("auto", cuda, torch.bfloat16, own=own) == "cutedsl"
+    dq6, _, _, cos6, sin6 = grads(2, 33, 12, torch.bfloat16, "cpu", seed=1)  # D = 12: not a multiple of 8
+    own = {"cutedsl": lambda: vr_api._cutedsl_reasons(dq6, cos6, sin6)}
+    assert entry.choose("auto", cuda, torch.bfloat16, own=own) == "triton"
     assert [spec.name for spec in vc.AOT_SPECS] == ["vision_rope_bwd_bf16", "vision_rope_bwd_bf16_no_v"]
 
 
@@ -351,3 +360,46 @@ def test_refusals_on_cuda():
          torch.randn(2, 9, 12, device=CUDA).bfloat16()]
     with pytest.raises(ValueError, match=r"backend='cutedsl' cannot serve .*head dim D = 12"):
         vision_rope_backward(*g, c12, s12, backend="cutedsl")
+
+
+@gpu
+def test_auto_takes_cutedsl_on_hopper_where_it_serves(monkeypatch):
+    """``auto`` on the H200 (the extra installed): the CuTe DSL backward for the functional call and for
+    the fused front end's backward through 3D math SDPA (the model's layouts), Triton for gradients in
+    another storage or a head dim it does not compile for; every path bitwise equal to eager autograd."""
+    if gpu_family(torch.device(CUDA)) != "sm_90":
+        pytest.skip("the measured order is Hopper's")
+    ran = Counter()
+    for name in ("backward_op", "backward_op_cutedsl"):
+        op = getattr(vr_api, name)
+        monkeypatch.setattr(vr_api, name, lambda *a, _op=op, _name=name: ran.update([_name]) or _op(*a))
+    args = model_grads(39, 39, 11)
+    assert_bitwise(vision_rope_backward(*args), vision_rope_backward_autograd(*args), "auto, functional")
+    assert ran == {"backward_op_cutedsl": 1}
+    heads, tokens, dim = 16, 39 * 39, 64
+    cos, sin = args[3], args[4]
+    qkv = torch.randn(tokens, 3 * heads * dim, device=CUDA).bfloat16()
+    grad_o = torch.randn(heads, tokens, dim, device=CUDA).bfloat16()
+    dqkv = {}
+    for backend in ("triton", "auto"):
+        leaf = qkv.clone().requires_grad_()
+        with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
+            o = torch.nn.functional.scaled_dot_product_attention(*vr_api.vision_rope_attention_front(
+                leaf, cos, sin, heads, backend=backend))
+        (dqkv[backend],) = torch.autograd.grad(o, leaf, grad_o)
+    assert_bitwise(dqkv["auto"], dqkv["triton"], "auto front through SDPA")
+    assert ran == {"backward_op_cutedsl": 2, "backward_op": 1}  # explicit Triton front: Triton's backward
+    leaf = qkv.clone().requires_grad_()
+    outs = vr_api.vision_rope_attention_front(leaf, cos, sin, heads)
+    dk_htd_storage = torch.randn(heads, tokens, dim, device=CUDA).bfloat16()  # dK not in [H, D, T] storage
+    g = (torch.randn_like(dk_htd_storage), dk_htd_storage, torch.randn_like(dk_htd_storage))
+    (got,) = torch.autograd.grad(outs, leaf, g)
+    ref = qkv.clone().requires_grad_()
+    (want,) = torch.autograd.grad(vr_api.attention_front(ref, cos, sin, heads), ref, g)
+    assert_bitwise(got, want, "auto front, dK in [H, T, D] storage")
+    assert ran == {"backward_op_cutedsl": 2, "backward_op": 2}
+    c12, s12 = vision_cos_sin(3, 3, 6, device=CUDA)
+    g12 = [torch.randn(2, 9, 12, device=CUDA).bfloat16(), torch.randn(2, 12, 9, device=CUDA).bfloat16(),
+           torch.randn(2, 9, 12, device=CUDA).bfloat16()]
+    assert_bitwise(vision_rope_backward(*g12, c12, s12), vision_rope_backward_autograd(*g12, c12, s12), "D = 12")
+    assert ran == {"backward_op_cutedsl": 2, "backward_op": 3}

@@ -27,7 +27,7 @@ import importlib
 import importlib.util
 import os
 import pkgutil
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -130,8 +130,14 @@ class OpBackends:
             reasons.append(f"dtype {_dtype_name(dtype)} is not one of {names}")
         return reasons + list(extra)
 
-    def choose(self, backend: str, device: torch.device, dtype: torch.dtype, extra: Sequence[str] = ()) -> str:
-        """The backend that serves this call (see the module docstring)."""
+    def choose(self, backend: str, device: torch.device, dtype: torch.dtype, extra: Sequence[str] = (),
+               own: Mapping[str, Callable[[], Sequence[str]]] | None = None) -> str:
+        """The backend that serves this call (see the module docstring).
+
+        ``own``: backend name -> a function giving the call's reasons against that backend alone
+        (e.g. a head dim only one backend compiles for), asked by ``auto`` when the backend is
+        otherwise available (so a backend's module is imported only where it is installed). An
+        explicit backend is checked by the caller's own messages instead."""
         if backend not in self.names():
             raise ValueError(f"backend: expected one of {self.names()} for {self.op}, got {backend!r}")
         if backend == REFERENCE:
@@ -143,8 +149,9 @@ class OpBackends:
             return backend
         if device.type != "cuda":
             return REFERENCE
+        own = own or {}
         for name in self.preference.get(gpu_family(device), tuple(self.kernels)):
-            if not self.reasons_against(name, device, dtype, extra):
+            if not self.reasons_against(name, device, dtype, extra) and not (name in own and own[name]()):
                 return name
         return REFERENCE
 

@@ -95,11 +95,11 @@ def vision_rope_calls(dev) -> list[tuple[str, str, Callable]]:
     qkv = torch.randn(tokens, 3 * heads * dim, device=dev).bfloat16().requires_grad_()
     grads = [dq, dk_hdt.transpose(1, 2), dv]
     return [
-        ("backward op (forward call)", "dsfuse", lambda: vision_rope_backward(dq, dk_hdt, dv, cos, sin)),
+        ("backward op (forward call)", "dsfuse", lambda: vision_rope_backward(dq, dk_hdt, dv, cos, sin, backend="triton")),
         ("backward op (forward call)", "eager PyTorch",
          lambda: vision_rope_backward_reference(dq, dk_hdt, dv, cos, sin)),
         ("autograd forward+backward", "dsfuse",
-         _backward_of(lambda x: vision_rope_attention_front(x, cos, sin, heads), [qkv], grads)),
+         _backward_of(lambda x: vision_rope_attention_front(x, cos, sin, heads, backend="triton"), [qkv], grads)),
         ("autograd forward+backward", "eager PyTorch",
          _backward_of(lambda x: attention_front(x, cos, sin, heads), [qkv], grads)),
         ("forward part: launch (allocate + 1 Triton launch)", "dsfuse",

@@ -35,6 +35,7 @@ from dsfuse._common import (
     register,
     tracing,
 )
+from dsfuse._common.backends import AUTO
 from dsfuse.vision_rope.reference import attention_front, vision_rope_backward_reference
 from dsfuse.vision_rope.triton import FUSED_DTYPES, launch_backward, launch_forward
 
@@ -42,13 +43,16 @@ __all__ = ["vision_rope_attention_front", "vision_rope_backward", "vision_rope_f
 
 CUTEDSL = "cutedsl"
 CUTEDSL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # dsfuse.vision_rope.cutedsl.FUSED_DTYPES
-# ``auto`` takes Triton; the CuTe DSL backward is chosen by name until a measured run says
-# otherwise (the op page then cites the run that sets the order)
+# ``auto`` on Hopper: the CuTe DSL backward where the extra is installed and it compiles for the call,
+# else Triton (both are bitwise equal to autograd, so the choice never changes a bit). Measured on the
+# H200 (experiments/vision_rope/raw/20261201-024409-h200, the op page's tables): as fast or faster in
+# CUDA Graph replay with the cache evicted, faster in every eager case (less host time per call).
+# Blackwell keeps Triton until a B200 run decides.
 BACKENDS = register(OpBackends("vision_rope",
                                kernels={"triton": ("dsfuse.vision_rope.triton",),
                                         CUTEDSL: ("dsfuse.vision_rope.cutedsl",)},
                                dtypes={"triton": FUSED_DTYPES, CUTEDSL: CUTEDSL_DTYPES},
-                               preference={"sm_90": ("triton",), "sm_100": ("triton",)}))
+                               preference={"sm_90": (CUTEDSL, "triton"), "sm_100": ("triton",)}))
 
 
 @functools.cache
@@ -112,31 +116,44 @@ def _new_rotated(qkv: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Ten
             torch.empty(shape, dtype=qkv.dtype, device=qkv.device))
 
 
-def _forward(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """qkv ``[T, 3HD]`` -> rotated q, k as ``[H, T, D]`` views of ``[T, H, D]`` buffers (the model's layout)."""
+def _forward(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int,
+             backward: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """qkv ``[T, 3HD]`` -> rotated q, k as ``[H, T, D]`` views of ``[T, H, D]`` buffers (the model's layout).
+    ``backward``: the backend of its backward, ``"triton"`` or ``"auto"`` (chosen when the gradients arrive)."""
     q_thd, k_thd = _new_rotated(qkv, heads)
     launch_forward(qkv, cos, sin, heads, q_thd, k_thd)
     return q_thd.transpose(0, 1), k_thd.transpose(0, 1)
 
 
-def _v_htd(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int) -> tuple[torch.Tensor]:
+def _v_htd(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, backward: str) -> tuple[torch.Tensor]:
     """v as the model takes it: a view of qkv's last column block, [H, T, D]."""
     return (qkv.chunk(3, -1)[2].view(qkv.shape[0], heads, -1).transpose(0, 1),)
 
 
 def _save_tables(ctx, inputs, output):
     ctx.save_for_backward(inputs[1], inputs[2])
+    ctx.backward_backend = inputs[4]
 
 
 def _forward_grad(ctx, dq_htd, dk_htd, dv_htd=None):
     """The gradient of qkv. Eagerly dV arrives here and one kernel writes the whole row; under
-    compilation v is a view outside the op, so this writes zeros in the v columns and torch adds dV."""
+    compilation v is a view outside the op, so this writes zeros in the v columns and torch adds dV.
+    Under ``auto`` the CuTe DSL kernel serves the gradients whose storage it takes (the model's:
+    dK the transpose of a contiguous ``[H, D, T]`` buffer), Triton any other (the same bits)."""
     cos, sin = ctx.saved_tensors
+    if ctx.backward_backend == AUTO:
+        def own():
+            return _cutedsl_reasons(dq_htd, cos, sin) + _cutedsl().layout_reasons(
+                dq_htd, dk_htd.transpose(1, 2), dv_htd, cos, sin, None)
+
+        if BACKENDS.choose(AUTO, dq_htd.device, dq_htd.dtype, own={CUTEDSL: own}) == CUTEDSL:
+            return (backward_op_cutedsl(dq_htd, dk_htd, dv_htd, cos, sin),)
     return (backward_op(dq_htd, dk_htd, dv_htd, cos, sin),)
 
 
 forward_op = declare_op("vision_rope_fwd", _forward, setup=_save_tables, backward=_forward_grad, views=_v_htd,
-                        fake=lambda qkv, cos, sin, heads: tuple(t.transpose(0, 1) for t in _new_rotated(qkv, heads)))
+                        fake=lambda qkv, cos, sin, heads, backward: tuple(
+                            t.transpose(0, 1) for t in _new_rotated(qkv, heads)))
 
 
 # -- public functions ------------------------------------------------------------------------
@@ -148,13 +165,16 @@ def _table_reasons(cos: torch.Tensor, sin: torch.Tensor) -> list[str]:
             for name, t in (("cos", cos), ("sin", sin)) if t.stride(-1) != 1]
 
 
-def _check_cutedsl(dq_htd: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+def _cutedsl_reasons(dq_htd: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> list[str]:
     """What the CuTe DSL kernel asks beyond the validated layouts: a head dim it compiles for and
     16-byte aligned table rows (the launcher checks the whole layout again)."""
     module = _cutedsl()
     heads, _, dim = dq_htd.shape
-    reasons = module.shape_reasons(dq_htd.dtype, heads, dim) + module.table_reasons(cos, sin)
-    if reasons:
+    return module.shape_reasons(dq_htd.dtype, heads, dim) + module.table_reasons(cos, sin)
+
+
+def _check_cutedsl(dq_htd: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    if reasons := _cutedsl_reasons(dq_htd, cos, sin):
         raise ValueError(f"backend={CUTEDSL!r} cannot serve this vision_rope call: " + "; ".join(reasons))
 
 
@@ -201,7 +221,9 @@ def vision_rope_backward(
         out: caller-owned contiguous ``[T, 3 * H * D]`` output in the gradients'
             dtype; must not overlap any input.
         stream: CUDA stream to run on (default: the current stream).
-        backend: ``"auto"`` (Triton on CUDA), ``"triton"``, ``"cutedsl"`` or ``"reference"``.
+        backend: ``"auto"`` (on Hopper the CuTe DSL kernel where the ``cutedsl`` extra is
+            installed and serves the call, else Triton; Triton on Blackwell; the result is the
+            same bits either way), ``"triton"``, ``"cutedsl"`` or ``"reference"``.
             ``"cutedsl"`` (the ``cutedsl`` extra) also asks for a head dim that is a multiple of
             8 with ``D / 2`` a power-of-two number of 16-byte vectors (at most 32) and 16-byte
             aligned table rows; it traces under ``torch.compile`` as its own custom op.
@@ -253,7 +275,8 @@ def vision_rope_backward(
         check_aligned("out", out)
         check_outputs_free({"out": out}, {"dq_htd": dq_htd, "dk_hdt": dk_hdt, "dv_htd": dv_htd, "cos": cos,
                                           "sin": sin})
-    which = BACKENDS.choose(backend, dq_htd.device, dq_htd.dtype, _table_reasons(cos, sin))
+    which = BACKENDS.choose(backend, dq_htd.device, dq_htd.dtype, _table_reasons(cos, sin),
+                            own={CUTEDSL: lambda: _cutedsl_reasons(dq_htd, cos, sin)})
     if which == CUTEDSL:
         if not tracing(dq_htd):  # while torch.compile traces, the launcher checks at run time
             _check_cutedsl(dq_htd, cos, sin)
@@ -327,7 +350,7 @@ def vision_rope_attention_front(qkv: torch.Tensor, cos: torch.Tensor, sin: torch
         which = "triton" if not BACKENDS.reasons_against("triton", qkv.device, qkv.dtype, extra) else REFERENCE
     if which == REFERENCE:
         return attention_front(qkv, cos, sin, heads)
-    return forward_op(qkv, cos, sin, heads)
+    return forward_op(qkv, cos, sin, heads, AUTO if backend == AUTO else "triton")
 
 
 def vision_rope_forward(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, *,
