@@ -25,6 +25,7 @@ from dsfuse.vision_rope import (
     vision_rope_backward_reference,
     vision_rope_forward,
 )
+from dsfuse.vision_rope import api as vr_api
 
 SHAPES = [(16, 1, 64), (16, 7, 64), (16, 77, 64), (3, 130, 8), (5, 33, 32)]  # (H, T, D)
 
@@ -202,6 +203,24 @@ def test_front_end_errors():
         vision_rope_attention_front(torch.randn(48, 9).t(), cos, sin, 2)
     with pytest.raises(ValueError, match="cos/sin require grad"):
         vision_rope_attention_front(torch.randn(9, 48), cos.requires_grad_(), sin, 2, backend="triton")
+
+
+def test_head_dims_the_triton_kernels_refuse(monkeypatch):
+    """D / 2 not a power of two (D = 12): ``backend="triton"`` says so; ``auto`` on a GPU takes the
+    reference instead (the contract's formula), never a kernel that cannot compile."""
+    cos, sin = vision_cos_sin(3, 3, 6)
+    dq, dv = torch.randn(2, 9, 12), torch.randn(2, 9, 12)
+    dk_hdt = torch.randn(2, 12, 9)
+    with pytest.raises(ValueError, match=r"backend='triton' cannot serve .*D / 2 = 6 is not a power of two"):
+        vision_rope_backward(dq, dk_hdt, dv, cos, sin, backend="triton")
+    with pytest.raises(ValueError, match=r"backend='triton' cannot serve .*D / 2 = 6 is not a power of two"):
+        vision_rope_attention_front(torch.randn(9, 72), cos, sin, 2, backend="triton")
+    monkeypatch.setattr("dsfuse._common.backends._FAMILIES", {0: "sm_90"})
+    cuda = torch.device("cuda", 0)
+    own = {"triton": lambda: vr_api._triton_reasons(12), "cutedsl": lambda: ["D = 12"]}
+    assert vr_api.BACKENDS.choose("auto", cuda, torch.bfloat16, own=own) == "reference"
+    assert vr_api.BACKENDS.choose("auto", cuda, torch.bfloat16, own={"triton": lambda: vr_api._triton_reasons(16),
+                                                                      "cutedsl": lambda: ["x"]}) == "triton"
 
 
 @pytest.mark.parametrize("device", DEVICES)

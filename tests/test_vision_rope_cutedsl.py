@@ -402,4 +402,4 @@ def test_auto_takes_cutedsl_on_hopper_where_it_serves(monkeypatch):
     g12 = [torch.randn(2, 9, 12, device=CUDA).bfloat16(), torch.randn(2, 12, 9, device=CUDA).bfloat16(),
            torch.randn(2, 9, 12, device=CUDA).bfloat16()]
     assert_bitwise(vision_rope_backward(*g12, c12, s12), vision_rope_backward_autograd(*g12, c12, s12), "D = 12")
-    assert ran == {"backward_op_cutedsl": 2, "backward_op": 3}
+    assert ran == {"backward_op_cutedsl": 2, "backward_op": 2}  # neither kernel takes D = 12: the reference

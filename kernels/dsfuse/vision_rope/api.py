@@ -173,6 +173,18 @@ def _cutedsl_reasons(dq_htd: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor)
     return module.shape_reasons(dq_htd.dtype, heads, dim) + module.table_reasons(cos, sin)
 
 
+def _triton_reasons(dim: int) -> list[str]:
+    """What the Triton kernels ask of the head dim: ``D / 2`` a power of two (their channel block)."""
+    half = dim // 2
+    return [] if half & (half - 1) == 0 else [f"D / 2 = {half} is not a power of two (the Triton kernels' "
+                                               "channel block)"]
+
+
+def _check_triton(dim: int) -> None:
+    if reasons := _triton_reasons(dim):
+        raise ValueError("backend='triton' cannot serve this vision_rope call: " + "; ".join(reasons))
+
+
 def _check_cutedsl(dq_htd: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     if reasons := _cutedsl_reasons(dq_htd, cos, sin):
         raise ValueError(f"backend={CUTEDSL!r} cannot serve this vision_rope call: " + "; ".join(reasons))
@@ -276,7 +288,10 @@ def vision_rope_backward(
         check_outputs_free({"out": out}, {"dq_htd": dq_htd, "dk_hdt": dk_hdt, "dv_htd": dv_htd, "cos": cos,
                                           "sin": sin})
     which = BACKENDS.choose(backend, dq_htd.device, dq_htd.dtype, _table_reasons(cos, sin),
-                            own={CUTEDSL: lambda: _cutedsl_reasons(dq_htd, cos, sin)})
+                            own={CUTEDSL: lambda: _cutedsl_reasons(dq_htd, cos, sin),
+                                 "triton": lambda: _triton_reasons(dim)})
+    if which == "triton":
+        _check_triton(dim)
     if which == CUTEDSL:
         if not tracing(dq_htd):  # while torch.compile traces, the launcher checks at run time
             _check_cutedsl(dq_htd, cos, sin)
@@ -345,9 +360,14 @@ def vision_rope_attention_front(qkv: torch.Tensor, cos: torch.Tensor, sin: torch
     if backend == CUTEDSL:
         raise ValueError(f"backend={CUTEDSL!r} cannot serve the vision RoPE forward: the CuTe DSL backend has "
                          "the backward only (vision_rope_backward); use 'auto', 'triton' or 'reference'")
-    which = BACKENDS.choose(backend, qkv.device, qkv.dtype, extra)
+    dim = qkv.shape[1] // (3 * heads)
+    forward_kernel = {CUTEDSL: lambda: _triton_reasons(dim), "triton": lambda: _triton_reasons(dim)}  # Triton's
+    which = BACKENDS.choose(backend, qkv.device, qkv.dtype, extra, own=forward_kernel)
+    if which == "triton":
+        _check_triton(dim)
     if which == CUTEDSL:  # auto, where a GPU family's order would list it first: the forward is Triton's
-        which = "triton" if not BACKENDS.reasons_against("triton", qkv.device, qkv.dtype, extra) else REFERENCE
+        fused = not BACKENDS.reasons_against("triton", qkv.device, qkv.dtype, extra) and not _triton_reasons(dim)
+        which = "triton" if fused else REFERENCE
     if which == REFERENCE:
         return attention_front(qkv, cos, sin, heads)
     return forward_op(qkv, cos, sin, heads, AUTO if backend == AUTO else "triton")
