@@ -26,12 +26,12 @@ def test_render_splits_kernels_by_marker(tmp_path):
 
     lines = ["==PROF== Connected to process", _csv_row(head + ncu_backends.METRICS), _csv_row(units),
              kernel(0, "ncu_marker", 1, "2,000"), kernel(1, "_rope_bwd(int)", 1000, "36,500"),
-             kernel(2, "ncu_marker", 2, "1,000"), kernel(3, "kernel_fwd", 500, "30,000"), kernel(4, "dw_sum", 10, "5,000")]
+             kernel(2, "ncu_marker", 2, "1,000"), kernel(3, "kernel_cutlass_kernel_dsfuseengram_gatecutedsl_Forward_object_at__tensorptrbf16_0", 500, "30,000"), kernel(4, "dw_sum", 10, "5,000")]
     (tmp_path / "ncu.csv").write_text("\n".join(lines) + "\n")
     (tmp_path / "calls.txt").write_text("first call\nsecond call\n")
     ncu_backends.render(tmp_path, tmp_path / "out.md")
     rows = [line for line in (tmp_path / "out.md").read_text().splitlines() if line.startswith("|")][2:]
     assert [r.split("|")[1].strip() for r in rows] == ["first call", "second call", "second call"]
-    assert [r.split("|")[2].strip() for r in rows] == ["_rope_bwd", "kernel_fwd", "dw_sum"]
+    assert [r.split("|")[2].strip() for r in rows] == ["_rope_bwd", "Forward (CuTe DSL)", "dw_sum"]
     first = [c.strip() for c in rows[0].split("|")]
     assert first[3:6] == ["36.5", "1", "2"]  # us, MB read, MB written
