@@ -4,6 +4,7 @@ chosen by the GPU's name, the one ratio definition, and the figures the pages' p
 import importlib.util
 import json
 import shutil
+import subprocess
 from pathlib import Path
 
 import pandas as pd
@@ -148,6 +149,31 @@ def test_a_hash_of_other_files_is_compared_by_commit():
     assert run["kernel_sources"]["files"] == ["kernels/dsfuse/engram_gate/triton.py"]
     assert "kernels/dsfuse/engram_gate/cutedsl.py" in env.kernel_sources("engram_gate")["files"]
     assert env.source_state("engram_gate", run)["how"] == "git"
+
+
+def test_an_edit_of_prose_alone_is_not_a_kernel_change(tmp_path):
+    """Compared by commit, a kernel file whose docstrings or comments changed is current; a code
+    change is not (a copy of the package in a fresh git repository)."""
+    if shutil.which("git") is None:
+        pytest.skip("needs git")
+    package = tmp_path / "kernels" / "dsfuse"
+    shutil.copytree(REPO / "kernels" / "dsfuse", package, ignore=shutil.ignore_patterns("__pycache__"))
+
+    def git(*args):
+        return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=tmp_path,
+                              check=True, capture_output=True, text=True).stdout.strip()
+
+    git("init", "-q")
+    git("add", "-A")
+    git("commit", "-qm", "run")
+    run = dict(git_commit=git("rev-parse", "HEAD"), kernel_sources=env.kernel_sources("text_rope", package))
+    kernel = package / "text_rope" / "triton.py"
+    source = kernel.read_text()
+    kernel.write_text(source.replace('"""', '"""Reworded. ', 1) + "\n# a comment\n")
+    state = env.source_state("text_rope", run, package)
+    assert (state["state"], state["how"]) == ("current", "git")  # the hash differs, the code does not
+    kernel.write_text(source + "\nEXTRA = 1\n")
+    assert env.source_state("text_rope", run, package)["state"] == "changed"
 
 
 def test_the_kernel_hash_covers_the_op_kernels_and_their_package_imports(tmp_path):

@@ -136,13 +136,16 @@ def _imported_files(path: Path, package_dir: Path) -> set[Path]:
 
 
 BACKEND_MODULES = ("triton", "cutedsl")  # the kernel modules of an op, one per backend
+# imported by kernel modules for a flag or a predicate (interpreting(), addresses_known()), not kernel
+# code: the backend registry and the argument checks change what is accepted or chosen, not a kernel
+NOT_KERNEL_CODE = ("_common/backends.py", "_common/validation.py")
 
 
 def kernel_files(op: str, package_dir: Path = PACKAGE_DIR) -> list[Path]:
     """The files that determine ``op``'s kernels, of every backend: ``dsfuse/<op>/<backend>.py`` or
     every ``.py`` under ``dsfuse/<op>/<backend>/`` (``triton``, ``cutedsl``), and, transitively, the
     package modules they import at module level (not the packages' ``__init__.py`` that Python runs
-    on the way). Sorted; empty for an unknown op."""
+    on the way, nor ``NOT_KERNEL_CODE``). Sorted; empty for an unknown op."""
     op_dir = package_dir / op
     todo = []
     for backend in BACKEND_MODULES:
@@ -155,7 +158,8 @@ def kernel_files(op: str, package_dir: Path = PACKAGE_DIR) -> list[Path]:
             continue
         files.add(path)
         todo += sorted(_imported_files(path, package_dir) - files)
-    return sorted(files)
+    skip = {package_dir / name for name in NOT_KERNEL_CODE}
+    return sorted(files - skip)
 
 
 def kernel_sources(op: str, package_dir: Path = PACKAGE_DIR) -> dict:
@@ -176,34 +180,50 @@ def source_state(op: str, env: dict, package_dir: Path = PACKAGE_DIR) -> dict:
     Returns ``state`` (``current``, ``changed`` or ``unknown``), ``how`` (``hash`` or ``git``),
     ``commit`` (the run's), ``files`` (the kernel files compared) and ``since`` (for ``git``: the
     commits that touched them after the run's commit, newest first, and ``uncommitted`` when the
-    working tree differs from HEAD). A run that recorded ``kernel_sources`` of the same files is
-    compared by its hash (no git needed); an older one, or one that hashed another set of files (a
-    backend added since), by ``git diff <its commit> -- <kernel files>`` against the working tree,
-    ``unknown`` when git, the commit or the files are not available.
+    working tree differs from HEAD). A run that recorded ``kernel_sources`` of the same files with
+    the current hash is current. Otherwise the files at the run's commit are compared with the
+    working tree as code (``git show``, parsed, docstrings dropped: an edit of prose alone is not a
+    kernel change); a run that hashed another set of files (a backend added since) is compared the
+    same way. Without git (or the commit) a differing hash says ``changed``, no hash ``unknown``.
     """
     root = package_dir.parents[1]
     commit = env.get("git_commit")
     now = kernel_sources(op, package_dir)
     out = dict(state="unknown", how=None, commit=commit, files=now["files"], since=[], uncommitted=False)
-    recorded = (env.get("kernel_sources") or {}).get("sha256")
-    if recorded and (env.get("kernel_sources") or {}).get("files") == now["files"]:  # else by commit, below
-        out.update(how="hash", state="current" if recorded == now["sha256"] else "changed")
+    recorded = env.get("kernel_sources") or {}
+    same_files = bool(recorded.get("sha256")) and recorded.get("files") == now["files"]
+    if same_files and recorded["sha256"] == now["sha256"]:
+        out.update(how="hash", state="current")
         return out
     if not commit or not now["files"] or _git("cat-file", "-e", f"{commit}^{{commit}}", root=root) is None:
+        if same_files:
+            out.update(how="hash", state="changed")
         return out
     out["how"] = "git"
-    try:
-        diff = subprocess.run(["git", "diff", "--quiet", commit, "--", *now["files"]], cwd=root,
-                              capture_output=True, text=True, timeout=60)
-    except (OSError, subprocess.SubprocessError):
-        return out
-    if diff.returncode not in (0, 1):
-        return out
-    if diff.returncode == 0:
-        out["state"] = "unknown" if env.get("git_dirty") else "current"  # a dirty tree: the commit is not all
+    differ = [name for name in now["files"] if _code_at(commit, name, root) != _code((root / name).read_text())]
+    if not differ:  # a tree with uncommitted changes at the run: the commit is not all it measured
+        out["state"] = "unknown" if env.get("git_dirty") else "current"
         return out
     out["state"] = "changed"
-    log = _git("log", "--format=%h", f"{commit}..HEAD", "--", *now["files"], root=root)
+    log = _git("log", "--format=%h", f"{commit}..HEAD", "--", *differ, root=root)
     out["since"] = log.split() if log else []
-    out["uncommitted"] = bool(_git("status", "--porcelain", "--", *now["files"], root=root))
+    out["uncommitted"] = bool(_git("status", "--porcelain", "--", *differ, root=root))
     return out
+
+
+def _code_at(commit: str, name: str, root: Path) -> str | None:
+    """The code of file ``name`` at ``commit`` (``None`` where it did not exist)."""
+    source = _git("show", f"{commit}:{name}", root=root)
+    return None if source is None else _code(source)
+
+
+def _code(source: str) -> str:
+    """A module's code without its docstrings (and comments, which the parser drops)."""
+    tree = ast.parse(source)
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if (isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and body
+                and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
+                and isinstance(body[0].value.value, str)):
+            node.body = body[1:] or [ast.Pass()]
+    return ast.dump(tree)

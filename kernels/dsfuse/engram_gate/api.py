@@ -42,8 +42,10 @@ __all__ = ["EngramGatePlan", "engram_gate", "engram_gate_backward", "engram_gate
 
 FUSED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 CUTEDSL = "cutedsl"
-# ``auto`` takes Triton on Hopper and Blackwell; the CuTe DSL backend is chosen by name until a
-# measured run says otherwise (the preference is the op page's decision, with the run cited)
+# ``auto`` takes Triton on Hopper and Blackwell; the CuTe DSL backend is chosen by name. Measured on the
+# H200 (experiments/engram_gate/raw/20261201-022130-h200, cited on the op page): Triton's forward and
+# forward + backward are the faster; the CuTe DSL backward alone is faster, but the backends' last
+# bits differ, so auto does not change them with the extras installed. No B200 run yet.
 BACKENDS = register(OpBackends("engram_gate",
                                kernels={"triton": ("dsfuse.engram_gate.triton",),
                                         CUTEDSL: ("dsfuse.engram_gate.cutedsl",)},
