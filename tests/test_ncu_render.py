@@ -32,6 +32,6 @@ def test_render_splits_kernels_by_marker(tmp_path):
     ncu_backends.render(tmp_path, tmp_path / "out.md")
     rows = [line for line in (tmp_path / "out.md").read_text().splitlines() if line.startswith("|")][2:]
     assert [r.split("|")[1].strip() for r in rows] == ["first call", "second call", "second call"]
-    assert [r.split("|")[2].strip() for r in rows] == ["_rope_bwd", "Forward (CuTe DSL)", "dw_sum"]
+    assert [r.split("|")[2].strip() for r in rows] == ["rope_bwd", "Forward (CuTe DSL)", "dw_sum"]
     first = [c.strip() for c in rows[0].split("|")]
     assert first[3:6] == ["36.5", "1", "2"]  # us, MB read, MB written

@@ -215,6 +215,18 @@ def test_head_dims_the_triton_kernels_refuse(monkeypatch):
         vision_rope_backward(dq, dk_hdt, dv, cos, sin, backend="triton")
     with pytest.raises(ValueError, match=r"backend='triton' cannot serve .*D / 2 = 6 is not a power of two"):
         vision_rope_attention_front(torch.randn(9, 72), cos, sin, 2, backend="triton")
+    asked = []  # the per-backend reasons each public function hands to auto
+    choose = type(vr_api.BACKENDS).choose  # a frozen dataclass: the method is patched on the class
+    monkeypatch.setattr(type(vr_api.BACKENDS), "choose",
+                        lambda self, *a, own=None: asked.append(own) or choose(self, *a, own=own))
+    vision_rope_backward(dq, dk_hdt, dv, cos, sin)
+    vision_rope_attention_front(torch.randn(9, 72), cos, sin, 2)
+    assert len(asked) == 2 and all(own["triton"]() and own["cutedsl"]() for own in asked)
+    dq16, dk16, dv16 = torch.randn(2, 9, 16), torch.randn(2, 16, 9), torch.randn(2, 9, 16)
+    c16, s16 = vision_cos_sin(3, 3, 8)
+    vision_rope_backward(dq16, dk16, dv16, c16, s16)
+    assert asked[-1]["triton"]() == []
+    monkeypatch.undo()
     monkeypatch.setattr("dsfuse._common.backends._FAMILIES", {0: "sm_90"})
     cuda = torch.device("cuda", 0)
     own = {"triton": lambda: vr_api._triton_reasons(12), "cutedsl": lambda: ["D = 12"]}

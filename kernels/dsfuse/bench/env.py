@@ -6,7 +6,7 @@
 * :func:`gpu_key`: the folder name of a GPU, derived from its device name (``"NVIDIA H200"`` ->
   ``h200``); results, plots and configs are found per GPU by this name, never typed.
 * :func:`source_state`: whether an op's kernel source changed since a run (by the recorded hash,
-  else by ``git diff`` from the run's commit; ``unknown`` without either).
+  else by comparing the code (docstrings aside) with the run's commit through git; ``unknown`` without either).
 """
 
 from __future__ import annotations

@@ -336,7 +336,7 @@ def state_lines(state: dict) -> list[str]:
         elif state.get("uncommitted"):
             since = " (uncommitted changes)"
         how = "its recorded hash differs from the current files" if state["how"] == "hash" else \
-            f"`git diff {short(state['commit'])}` is not empty{since}"
+            f"their code differs from commit {short(state['commit'])}{since}"
         return [f'!!! warning "Measured at commit {short(state["commit"])}; the kernel source has changed since"',
                 f"    The kernels these tables measured differ from the current source ({files}: {how}). "
                 "They describe the kernels of that commit; a rerun measures the current ones.", ""]
@@ -346,7 +346,8 @@ def state_lines(state: dict) -> list[str]:
         return [f'!!! note "Kernel source since this run: unknown"',
                 f"    Whether the kernel source ({files}) changed since commit {short(state['commit'])} cannot be "
                 f"told: {why}.", ""]
-    how = "same hash" if state["how"] == "hash" else f"`git diff {short(state['commit'])}` empty"
+    how = "same hash" if state["how"] == "hash" else \
+        f"code unchanged since commit {short(state['commit'])}, docstrings and comments aside"
     return [f"Kernel source unchanged since this run ({files}: {how}).", ""]
 
 

@@ -1,14 +1,15 @@
 """Public API of the vision RoPE.
 
 Layers, bottom up: the launchers (``dsfuse.vision_rope.triton``; for the backward also
-``dsfuse.vision_rope.cutedsl``, imported on first use of ``backend="cutedsl"``); declared ops
+``dsfuse.vision_rope.cutedsl``, imported on first use: ``backend="cutedsl"``, or ``auto`` on Hopper
+with the extra installed); declared ops
 (``dsfuse._common.declare_op``) ``dsfuse::vision_rope_bwd`` (dQ, dK, dV or dQ, dK
 alone -> packed dQKV), ``dsfuse::vision_rope_bwd_out`` (into a caller's buffer), their CuTe DSL
 twins ``dsfuse::vision_rope_bwd_cutedsl`` and ``dsfuse::vision_rope_bwd_out_cutedsl`` (so
 ``backend="cutedsl"`` traces under ``torch.compile(fullgraph=True)`` too) and
 ``dsfuse::vision_rope_fwd`` (differentiable: rotated q, k and the v view of ``qkv``;
-eagerly its backward packs dQKV in one Triton kernel); and the functions below. The forward and
-the differentiable front end are Triton only.
+eagerly its backward packs dQKV in one kernel, Triton's or, under ``auto``, the CuTe DSL one where
+it serves the gradients); and the functions below. The forward kernels are Triton only.
 """
 
 from __future__ import annotations
@@ -45,9 +46,10 @@ CUTEDSL = "cutedsl"
 CUTEDSL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # dsfuse.vision_rope.cutedsl.FUSED_DTYPES
 # ``auto`` on Hopper: the CuTe DSL backward where the extra is installed and it compiles for the call,
 # else Triton (both are bitwise equal to autograd, so the choice never changes a bit). Measured on the
-# H200 (experiments/vision_rope/raw/20261201-024409-h200, the op page's tables): as fast or faster in
-# CUDA Graph replay with the cache evicted, faster in every eager case (less host time per call).
-# Blackwell keeps Triton until a B200 run decides.
+# H200 (experiments/vision_rope/raw/20261201-024409-h200, the op page's tables): faster with the cache
+# evicted at every geometry but one small one, faster eagerly with a hot cache everywhere (less host
+# time per call), a little slower in graph replay with a hot cache. Blackwell keeps Triton until a
+# B200 run decides.
 BACKENDS = register(OpBackends("vision_rope",
                                kernels={"triton": ("dsfuse.vision_rope.triton",),
                                         CUTEDSL: ("dsfuse.vision_rope.cutedsl",)},
@@ -142,11 +144,8 @@ def _forward_grad(ctx, dq_htd, dk_htd, dv_htd=None):
     dK the transpose of a contiguous ``[H, D, T]`` buffer), Triton any other (the same bits)."""
     cos, sin = ctx.saved_tensors
     if ctx.backward_backend == AUTO:
-        def own():
-            return _cutedsl_reasons(dq_htd, cos, sin) + _cutedsl().layout_reasons(
-                dq_htd, dk_htd.transpose(1, 2), dv_htd, cos, sin, None)
-
-        if BACKENDS.choose(AUTO, dq_htd.device, dq_htd.dtype, own={CUTEDSL: own}) == CUTEDSL:
+        own = {CUTEDSL: lambda: _auto_cutedsl_reasons(dq_htd, cos, sin, dk_htd, dv_htd)}
+        if BACKENDS.choose(AUTO, dq_htd.device, dq_htd.dtype, own=own) == CUTEDSL:
             return (backward_op_cutedsl(dq_htd, dk_htd, dv_htd, cos, sin),)
     return (backward_op(dq_htd, dk_htd, dv_htd, cos, sin),)
 
@@ -178,6 +177,23 @@ def _triton_reasons(dim: int) -> list[str]:
     half = dim // 2
     return [] if half & (half - 1) == 0 else [f"D / 2 = {half} is not a power of two (the Triton kernels' "
                                                "channel block)"]
+
+
+def _auto_cutedsl_reasons(dq_htd: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *grads) -> list[str]:
+    """Why ``auto`` does not take the CuTe DSL backward for this call: its own reasons (with
+    ``grads`` = dK, dV: the gradients' storage too), a module that does not import (another
+    ``cutlass`` package), or a trace (no addresses to check the alignment it needs: Triton serves)."""
+    if tracing(dq_htd):
+        return ["tracing: the CuTe DSL kernel's alignment cannot be checked before run time"]
+    try:
+        module = _cutedsl()
+    except ImportError as err:
+        return [f"dsfuse.vision_rope.cutedsl does not import ({err})"]
+    reasons = _cutedsl_reasons(dq_htd, cos, sin)
+    if grads:
+        dk_htd, dv_htd = grads
+        reasons += module.layout_reasons(dq_htd, dk_htd.transpose(1, 2), dv_htd, cos, sin, None)
+    return reasons
 
 
 def _check_triton(dim: int) -> None:
@@ -288,7 +304,7 @@ def vision_rope_backward(
         check_outputs_free({"out": out}, {"dq_htd": dq_htd, "dk_hdt": dk_hdt, "dv_htd": dv_htd, "cos": cos,
                                           "sin": sin})
     which = BACKENDS.choose(backend, dq_htd.device, dq_htd.dtype, _table_reasons(cos, sin),
-                            own={CUTEDSL: lambda: _cutedsl_reasons(dq_htd, cos, sin),
+                            own={CUTEDSL: lambda: _auto_cutedsl_reasons(dq_htd, cos, sin),
                                  "triton": lambda: _triton_reasons(dim)})
     if which == "triton":
         _check_triton(dim)

@@ -9,7 +9,7 @@ Layouts (the model's storage; ``layout_reasons`` says what a call breaks):
 * ``out`` ``[T, 3 * H * D]`` contiguous, column ``part * H * D + h * D + d`` (part 0 q, 1 k, 2 v).
 
 Tiling: a CTA takes ``TT`` tokens (a tile: 64 bytes of one dK row, so 32 tokens of a 16-bit
-dtype, 16 of fp32) of ``G`` heads (``HEADS_PER_CTA``, or the largest divisor of H below it), with
+dtype, 16 of fp32; widened to one warp's rows of the rotation, ``32 / NC`` tokens, where that is more) of ``G`` heads (``HEADS_PER_CTA``, or the largest divisor of H below it), with
 three warps per head, one per part; grid ``(ceil(T / TT), H / G)``. Every access moves one vector
 of ``VEC = gcd(D / 2, 16 / itemsize)`` elements (128 bits for the model: 8 bf16 channels).
 
