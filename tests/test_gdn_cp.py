@@ -293,3 +293,33 @@ def test_cp_bench_smoke_on_cpu_ranks(tmp_path):
     spec.loader.exec_module(bench)
     text = bench.render(raw)
     assert "| fwd+bwd |" in text and "forward: E" in text
+    scaling = bench.render_scaling([raw, raw])
+    assert scaling.count("| fwd+bwd |") == 2 and "| 2 | fwd |" in scaling
+
+
+def test_cp_scaling_table(tmp_path):
+    """The scaling table: each run's step (the slowest rank per sample, median) against its own one-GPU
+    time, the speedup and the speedup per GPU, sorted by tokens and world size."""
+    from importlib import util
+    from pathlib import Path
+
+    import pandas as pd
+
+    root = Path(__file__).parents[1]
+    spec = util.spec_from_file_location("cp_bench", root / "experiments/gdn/cp_bench.py")
+    bench = util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    raws = []
+    for world, tokens in ((4, 65536), (2, 32768)):
+        raw = tmp_path / f"r{world}"
+        raw.mkdir()
+        (raw / "config.yaml").write_text(f"tokens: {tokens}\n")
+        rows = [dict(rank=r, world=world, provider="cp", mode=m, sample=s, us=100.0 + 10 * r + s)
+                for r in range(world) for m in bench.MODES for s in range(3)]
+        rows += [dict(rank=0, world=world, provider="1 GPU", mode=m, sample=s, us=300.0) for m in bench.MODES
+                 for s in range(3)]
+        pd.DataFrame(rows).to_csv(raw / "cp_times.csv", index=False)
+        raws.append(raw)
+    lines = bench.render_scaling(raws).splitlines()
+    assert lines[2] == "| `r2` | 32,768 | 2 | fwd | 300 | 111 | 2.70x | 1.35 |"  # slowest rank 1: 110 + sample 1
+    assert lines[6] == "| `r4` | 65,536 | 4 | fwd | 300 | 131 | 2.29x | 0.57 |"

@@ -3,6 +3,7 @@
     torchrun --nproc_per_node 2 experiments/gdn/cp_bench.py OUT_DIR [--config experiments/gdn/configs/h200.yaml]
         [--samples 10] [--device cpu]
     python experiments/gdn/cp_bench.py --render RAW_DIR OUT.md
+    python experiments/gdn/cp_bench.py --render-scaling OUT.md RAW_DIR [RAW_DIR ...]   # 1, 2, 4, 8 GPUs
 
 At the experiment's shape (the config's tokens, documents and geometry: by default the H200 config,
 T = 32,768 tokens in five documents, (H, HV) = (16, 48), head dim 128, bf16, L2 norm in the kernel,
@@ -143,6 +144,11 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit("usage: cp_bench.py --render RAW_DIR OUT.md")
         Path(argv[2]).write_text(render(Path(argv[1])))
         return 0
+    if argv[:1] == ["--render-scaling"]:
+        if len(argv) < 3:
+            raise SystemExit("usage: cp_bench.py --render-scaling OUT.md RAW_DIR [RAW_DIR ...]")
+        Path(argv[1]).write_text(render_scaling([Path(a) for a in argv[2:]]))
+        return 0
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path)
     parser.add_argument("--config", default=DEFAULT_CONFIG)
@@ -257,6 +263,30 @@ def render(raw: Path) -> str:
     worst = check.groupby("output")["rel_rms_vs_one_gpu"].max()
     lines += ["", "Each rank's share against one GPU (relative RMS, the worst rank): "
               + ", ".join(f"{n} {worst[n]:.1e}" for n in CHECKED if n in worst) + "."]
+    return "\n".join(lines) + "\n"
+
+
+def render_scaling(raws: list[Path]) -> str:
+    """One table over several runs (world sizes, sequence lengths): per mode the step on W GPUs, the
+    same run's one-GPU time, the speedup and the speedup per GPU (1.00 would be a perfect split)."""
+    import pandas as pd
+    import yaml
+
+    lines = ["| run | tokens | GPUs | mode | 1 GPU us | cp step us | speedup | per GPU |",
+             "| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: |"]
+    rows = []
+    for raw in raws:
+        times = pd.read_csv(raw / "cp_times.csv")
+        tokens = yaml.safe_load((raw / "config.yaml").read_text())["tokens"]
+        world = int(times["world"].iloc[0])
+        for mode in MODES:
+            cp = times[(times["provider"] == "cp") & (times["mode"] == mode)]
+            step = cp.groupby("sample")["us"].max().median()
+            one = times[(times["provider"] == "1 GPU") & (times["mode"] == mode)]["us"].median()
+            rows.append((tokens, world, MODES.index(mode), raw.name, mode, one, step))
+    for tokens, world, _, run, mode, one, step in sorted(rows):
+        lines.append(f"| `{run}` | {tokens:,} | {world} | {mode} | {one:.0f} | {step:.0f} | {one / step:.2f}x | "
+                     f"{one / step / world:.2f} |")
     return "\n".join(lines) + "\n"
 
 
