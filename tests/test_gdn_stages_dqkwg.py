@@ -60,17 +60,10 @@ from dsfuse.gdn.reference_backward import (
     chunk_state_backward,
 )
 from dsfuse.gdn.triton.dqkwg import launch_dqkwg
-from helpers import assert_bitwise, model_like_gates
-from helpers import assert_rel_rms
+from gdn_stage_inputs import DK, DTYPES, DV, F64, head_view, qk_views
+from gdn_stage_inputs import make_inputs as stage_inputs
+from helpers import assert_bitwise, assert_rel_rms
 
-F64 = torch.float64
-DK, DV = 32, 64
-# name: (T, cu_seqlens); the packed layout is batch 1
-LAYOUTS = {
-    "one_seq_T150": (150, [0, 150]),
-    "docs_1_45_0_130": (176, [0, 1, 46, 46, 176]),
-}
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 FP32_RMS = 1e-5
 BF16_RMS = 3e-3  # observed <= 1.8e-3 (module docstring)
 
@@ -94,41 +87,11 @@ def case_id(case):
 
 
 def make_inputs(layout, heads, *, l2, with_dht, gates, dtype, seed=0, dk=DK, dv=DV):
-    """Forward inputs (q, k ``[1, T, H, K]``, v ``[1, T, HV, V]``, model-made gates), ``do`` ``[T, HV, V]``
-    and ``dht`` ``[N, HV, K, V]`` (or None).
-
-    Held in fp32, q, k, v, beta and do with values of ``dtype``, so the fp64 reference starts from
-    the very values the kernel reads; g stays fp32."""
-    tokens, cu = LAYOUTS[layout]
-    h, hv = heads
-    gen = torch.Generator().manual_seed(seed)
-    q = torch.randn(1, tokens, h, dk, generator=gen)
-    k = torch.randn(1, tokens, h, dk, generator=gen)
-    if not l2:
-        k = k * dk**-0.5  # |k| ~ 1 without the L2 norm: the delta rule stays stable
-    v = torch.randn(1, tokens, hv, dv, generator=gen)
-    g, beta = model_like_gates((1, tokens, hv), gen, gates)
-    do = torch.randn(tokens, hv, dv, generator=gen)
-    dht = torch.randn(len(cu) - 1, hv, dk, dv, generator=gen) if with_dht else None
-    q, k, v, beta, do = (x.to(dtype).float() for x in (q, k, v, beta, do))
-    return {"q": q, "k": k, "v": v, "g": g, "beta": beta, "cu_seqlens": cu}, do, dht
-
-
-def qk_views(q, k, device, dtype):
-    """q and k ``[T, H, K]`` as head views of one buffer ``[T, 2H + 3, K]`` (token stride (2H + 3) K)."""
-    tokens, heads, dk = q.shape
-    buf = torch.zeros(tokens, 2 * heads + 3, dk, dtype=dtype, device=device)
-    buf[:, :heads] = q.to(dtype)
-    buf[:, heads:2 * heads] = k.to(dtype)
-    return buf[:, :heads], buf[:, heads:2 * heads]
-
-
-def head_view(x, device, dtype):
-    """``x`` ``[T, HV, V]`` as the first HV heads of a buffer ``[T, HV + 1, V]`` (token stride (HV + 1) V)."""
-    tokens, heads, dv = x.shape
-    buf = torch.zeros(tokens, heads + 1, dv, dtype=dtype, device=device)
-    buf[:, :heads] = x.to(dtype)
-    return buf[:, :heads]
+    """Forward inputs, ``do`` ``[T, HV, V]`` and ``dht`` ``[N, HV, K, V]`` (or None): see
+    ``gdn_stage_inputs.make_inputs``."""
+    forward, draws = stage_inputs(layout, heads, l2=l2, gates=gates, dtype=dtype, seed=seed, dk=dk, dv=dv,
+                                  extra=("do", "dht") if with_dht else ("do",))
+    return forward, draws["do"], draws.get("dht")
 
 
 def fold_padding(dg_c, chunk_indices):

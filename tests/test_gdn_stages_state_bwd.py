@@ -51,17 +51,10 @@ from dsfuse.gdn.reference import chunk_local_cumsum, from_chunks, to_chunks
 from dsfuse.gdn.reference_backward import chunk_dv_local, chunk_state_backward
 from dsfuse.gdn.triton import state_bwd
 from dsfuse.gdn.triton.state_bwd import launch_dv_local, launch_state_backward
-from helpers import assert_bitwise, model_like_gates
-from helpers import assert_rel_rms
+from gdn_stage_inputs import DK, DTYPES, DV, F64, head_view, qk_views
+from gdn_stage_inputs import make_inputs as stage_inputs
+from helpers import assert_bitwise, assert_rel_rms
 
-F64 = torch.float64
-DK, DV = 32, 64
-# name: (T, cu_seqlens); the packed layout is batch 1; every token is in a document
-LAYOUTS = {
-    "one_seq_T150": (150, [0, 150]),
-    "docs_1_45_0_130": (176, [0, 1, 46, 46, 176]),
-}
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 BF16_RMS = 1e-2
 FP32_RMS = 1e-5
 EMPTY_DOC = 2  # document 2 of "docs_1_45_0_130" has no tokens
@@ -89,42 +82,11 @@ def case_id(case):
 
 
 def make_inputs(layout, heads, *, l2, with_dht, gates, dtype, seed=0, dk=DK, dv=DV):
-    """Forward inputs (q, k ``[1, T, H, K]``, v ``[1, T, HV, V]``, model-made gates), ``do`` ``[T, HV, V]``
-    and an fp32 ``dht`` (or None).
-
-    Held in fp32, q, k, v, beta and do with values of ``dtype`` (the model's inputs are bf16), so
-    the fp64 reference starts from the very inputs the kernels read; g stays fp32."""
-    tokens, cu = LAYOUTS[layout]
-    h, hv = heads
-    gen = torch.Generator().manual_seed(seed)
-    q = torch.randn(1, tokens, h, dk, generator=gen)
-    k = torch.randn(1, tokens, h, dk, generator=gen)
-    if not l2:
-        k = k * dk**-0.5  # |k| ~ 1 without the L2 norm: the delta rule stays stable
-    v = torch.randn(1, tokens, hv, dv, generator=gen)
-    g, beta = model_like_gates((1, tokens, hv), gen, gates)
-    do = torch.randn(tokens, hv, dv, generator=gen)
-    dht = torch.randn(len(cu) - 1, hv, dk, dv, generator=gen) if with_dht else None
-    q, k, v, beta, do = (x.to(dtype).float() for x in (q, k, v, beta, do))
-    forward = {"q": q, "k": k, "v": v, "g": g, "beta": beta, "initial_state": None, "cu_seqlens": cu}
-    return forward, do, dht
-
-
-def packed_views(q, k, device, dtype):
-    """q and k ``[T, H, K]`` as head views of one buffer ``[T, 2H + 3, K]`` (token stride (2H + 3) K)."""
-    tokens, heads, dk = q.shape
-    buf = torch.zeros(tokens, 2 * heads + 3, dk, dtype=dtype, device=device)
-    buf[:, :heads] = q.to(dtype)
-    buf[:, heads:2 * heads] = k.to(dtype)
-    return buf[:, :heads], buf[:, heads:2 * heads]
-
-
-def head_view(x, device, dtype):
-    """``x`` ``[T, HV, V]`` as a head view of a wider buffer ``[T, HV + 1, V]`` (token stride (HV + 1) V)."""
-    tokens, heads, dim = x.shape
-    buf = torch.zeros(tokens, heads + 1, dim, dtype=dtype, device=device)
-    buf[:, 1:] = x.to(dtype)
-    return buf[:, 1:]
+    """Forward inputs (no initial state), ``do`` ``[T, HV, V]`` and an fp32 ``dht`` (or None): see
+    ``gdn_stage_inputs.make_inputs``."""
+    forward, draws = stage_inputs(layout, heads, l2=l2, gates=gates, dtype=dtype, seed=seed, dk=dk, dv=dv,
+                                  extra=("do", "dht") if with_dht else ("do",))
+    return forward | {"initial_state": None}, draws["do"], draws.get("dht")
 
 
 class Prepared:
@@ -152,10 +114,10 @@ class Prepared:
         # the kernels' inputs
         self.chunk_indices = ci.to(torch.int32).to(device)
         self.chunk_offsets = prepare_chunk_offsets(cu).to(torch.int32).to(device)
-        self.q, self.k = packed_views(forward["q"][0], forward["k"][0], device, dtype)
+        self.q, self.k = qk_views(forward["q"][0], forward["k"][0], device, dtype)
         self.g_cum = ref.g_cum.float().to(device)
         self.w = ref.w.to(dtype).to(device)
-        self.do = head_view(do, device, dtype)
+        self.do = head_view(do, device, dtype, first=False)
         self.dv_local = self.want["dv_local"].to(dtype).to(device)
         self.dht = None if dht is None else dht.float().to(device)
         self.max_g = ref.g_cum.abs().max().item() if ref.g_cum.numel() else 0.0

@@ -43,7 +43,6 @@ from __future__ import annotations
 
 
 import pytest
-from helpers import model_like_gates
 import torch
 from conftest import DEVICES
 from dsfuse.gdn import (
@@ -53,17 +52,10 @@ from dsfuse.gdn import (
 )
 from dsfuse.gdn.triton.output import launch_output
 from dsfuse.gdn.triton.state import launch_state_pass
-from helpers import assert_bitwise
-from helpers import assert_rel_rms, rel_rms
+from gdn_stage_inputs import DK, DTYPES, DV, F64, qk_views
+from gdn_stage_inputs import make_inputs as stage_inputs
+from helpers import assert_bitwise, assert_rel_rms, rel_rms
 
-F64 = torch.float64
-DK, DV = 32, 64
-# name: (T, cu_seqlens); the packed layout is batch 1
-LAYOUTS = {
-    "one_seq_T150": (150, [0, 150]),
-    "docs_1_45_0_130_tail4": (180, [0, 1, 46, 46, 176]),
-}
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 BF16_RMS = 5e-3
 FP32_RMS = 1e-5
 
@@ -90,31 +82,10 @@ def case_id(case):
 
 
 def make_inputs(layout, heads, *, l2, with_h0, gates, dtype, seed=0, dk=DK, dv=DV):
-    """q, k ``[1, T, H, K]``, v ``[1, T, HV, V]``, model-made gates, fp32 initial state (or None).
-
-    Held in fp32, q, k, v and beta with values of ``dtype`` (the model's inputs are bf16), so the
-    fp64 reference starts from the very inputs the kernels read; g stays fp32."""
-    tokens, cu = LAYOUTS[layout]
-    h, hv = heads
-    gen = torch.Generator().manual_seed(seed)
-    q = torch.randn(1, tokens, h, dk, generator=gen)
-    k = torch.randn(1, tokens, h, dk, generator=gen)
-    if not l2:
-        k = k * dk**-0.5  # |k| ~ 1 without the L2 norm: the delta rule stays stable
-    v = torch.randn(1, tokens, hv, dv, generator=gen)
-    g, beta = model_like_gates((1, tokens, hv), gen, gates)
-    h0 = torch.randn(len(cu) - 1, hv, dk, dv, generator=gen) if with_h0 else None
-    q, k, v, beta = (x.to(dtype).float() for x in (q, k, v, beta))
-    return {"q": q, "k": k, "v": v, "g": g, "beta": beta, "initial_state": h0, "cu_seqlens": cu}
-
-
-def packed_views(q, k, device, dtype):
-    """q and k ``[T, H, K]`` as head views of one buffer ``[T, 2H + 3, K]`` (token stride (2H + 3) K)."""
-    tokens, heads, dk = q.shape
-    buf = torch.zeros(tokens, 2 * heads + 3, dk, dtype=dtype, device=device)
-    buf[:, :heads] = q.to(dtype)
-    buf[:, heads:2 * heads] = k.to(dtype)
-    return buf[:, :heads], buf[:, heads:2 * heads]
+    """Forward inputs with an fp32 initial state (or None): see ``gdn_stage_inputs.make_inputs``."""
+    forward, draws = stage_inputs(layout, heads, l2=l2, gates=gates, dtype=dtype, seed=seed, dk=dk, dv=dv,
+                                  extra=("h0",) if with_h0 else ())
+    return forward | {"initial_state": draws.get("h0")}
 
 
 class Prepared:
@@ -127,7 +98,7 @@ class Prepared:
         self.scale = inputs["q"].shape[-1] ** -0.5 if scale is None else scale
         self.chunk_indices = self.ref.chunk_indices.to(torch.int32).to(device)
         self.chunk_offsets = prepare_chunk_offsets(cu).to(torch.int32).to(device)
-        self.q, self.k = packed_views(inputs["q"][0], inputs["k"][0], device, dtype)
+        self.q, self.k = qk_views(inputs["q"][0], inputs["k"][0], device, dtype)
         self.g_cum = self.ref.g_cum.float().to(device)
         self.w, self.u = (x.to(dtype).to(device) for x in (self.ref.w, self.ref.u))
         h0 = inputs["initial_state"]

@@ -62,17 +62,10 @@ from dsfuse.gdn.reference_backward import (
     wy_backward,
 )
 from dsfuse.gdn.triton.wy_bwd import launch_wy_backward
-from helpers import assert_bitwise, model_like_gates
-from helpers import assert_rel_rms
+from gdn_stage_inputs import DK, DTYPES, DV, F64
+from gdn_stage_inputs import make_inputs as stage_inputs
+from helpers import assert_bitwise, assert_rel_rms
 
-F64 = torch.float64
-DK, DV = 32, 64
-# name: (T, cu_seqlens); every token in a document, as the public API requires
-LAYOUTS = {
-    "one_seq_T150": (150, [0, 150]),
-    "docs_1_45_0_130": (176, [0, 1, 46, 46, 176]),
-}
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 FP32_RMS = 1e-5
 # bf16 inputs, one bf16 pass per product: observed 2.9e-3 (dk), 1.3e-3 (dg), 1.8e-3 (dv), 2.1e-3 (dbeta)
 BF16_RMS = {"dk": 4e-3, "dg": 2.5e-3, "dv": 3e-3, "dbeta": 3e-3}
@@ -95,22 +88,10 @@ def case_id(case):
 
 
 def make_inputs(layout, heads, *, l2, gates, dtype, seed=0, dk=DK, dv=DV):
-    """q, k ``[1, T, H, K]``, v ``[1, T, HV, V]``, model-made gates, ``do`` ``[T, HV, V]`` (fp64).
-
-    Held in fp32 with values of ``dtype`` (q, k, v, beta), so the fp64 reference starts from the
-    very inputs the kernel reads; g stays fp32."""
-    tokens, cu = LAYOUTS[layout]
-    h, hv = heads
-    gen = torch.Generator().manual_seed(seed)
-    q = torch.randn(1, tokens, h, dk, generator=gen)
-    k = torch.randn(1, tokens, h, dk, generator=gen)
-    if not l2:
-        k = k * dk**-0.5  # |k| ~ 1 without the L2 norm: the delta rule stays stable
-    v = torch.randn(1, tokens, hv, dv, generator=gen)
-    g, beta = model_like_gates((1, tokens, hv), gen, gates)
-    do = torch.randn(tokens, hv, dv, generator=gen, dtype=F64)
-    q, k, v, beta = (x.to(dtype).float() for x in (q, k, v, beta))
-    return {"q": q, "k": k, "v": v, "g": g, "beta": beta, "cu_seqlens": cu}, do
+    """Forward inputs and ``do`` ``[T, HV, V]`` in fp64: see ``gdn_stage_inputs.make_inputs``."""
+    forward, draws = stage_inputs(layout, heads, l2=l2, gates=gates, dtype=dtype, seed=seed, dk=dk, dv=dv,
+                                  extra=("do64",))
+    return forward, draws["do64"]
 
 
 def fold_padding(xc: torch.Tensor, chunk_indices: torch.Tensor) -> torch.Tensor:
