@@ -16,29 +16,12 @@ import argparse
 import functools
 
 import torch
+from tune_blocks import DIM, HEADS, problem  # the Triton sweep's inputs, same seeds (dK: p["dk"]["hdt"])
 
 from dsfuse.bench.harness import Timer, capture_graph, sweep
 from dsfuse.vision_rope import triton as vr_triton
-from dsfuse.vision_rope.reference import vision_rope_backward_reference
 
-HEADS, DIM = 16, 64
 TILE_BYTES, HEADS_PER_CTA = (64, 128), (1, 2, 4)
-
-
-@functools.cache
-def problem(tokens: int) -> dict:
-    """Inputs of the backward at ``tokens``, its expected output, and a copy's buffers."""
-    dev = torch.device("cuda")
-    gen = torch.Generator(device=dev).manual_seed(tokens)
-    dq, dv = (torch.randn(HEADS, tokens, DIM, device=dev, generator=gen).bfloat16() for _ in range(2))
-    dk_hdt = torch.randn(HEADS, DIM, tokens, device=dev, generator=gen).bfloat16()  # [H, D, T] storage
-    angles = torch.rand(tokens, DIM // 2, device=dev, generator=gen) * 6.3
-    cos, sin = angles.cos(), angles.sin()
-    out = torch.empty(tokens, 3 * HEADS * DIM, device=dev, dtype=torch.bfloat16)
-    nbytes = 2 * out.numel() * out.element_size() + 2 * cos.numel() * 4
-    src = torch.zeros(nbytes // 8, dtype=torch.float32, device=dev)
-    return {"dq": dq, "dv": dv, "dk_hdt": dk_hdt, "cos": cos, "sin": sin, "out": out,
-            "want": vision_rope_backward_reference(dq, dk_hdt, dv, cos, sin), "src": src, "dst": torch.empty_like(src)}
 
 
 def settings(tokens_list: list[int]) -> list[dict]:
@@ -60,14 +43,14 @@ def build(s: dict):
     dev = p["out"].device
     if s["kernel"] == "copy-same-bytes":  # elementwise, not a memcpy: a captured memcpy may use a copy engine
         return capture_graph(lambda: (torch.neg(p["src"], out=p["dst"]),), dev)[0]
-    args = (p["dq"], p["dk_hdt"].transpose(1, 2), p["dv"], p["cos"], p["sin"], p["out"])
+    args = (p["dq"], p["dk"]["hdt"], p["dv"], p["cos"], p["sin"], p["out"])
     if s["kernel"] == "triton":
         run = functools.partial(vr_triton.launch_backward, *args)
     else:
         geo = vr_cutedsl.geometry(torch.bfloat16, HEADS, DIM, tile_tokens=s["tile_bytes"] // 2,
                                   heads_per_cta=s["heads_per_cta"])
         fn = vr_cutedsl.compile_backward(torch.bfloat16, HEADS, DIM, True, vr_cutedsl._arch(dev), geo=geo)
-        call = (p["dq"], p["dk_hdt"], p["dv"], p["cos"], p["sin"], p["out"])
+        call = (p["dq"], p["dk"]["hdt"].transpose(1, 2), p["dv"], p["cos"], p["sin"], p["out"])  # [H, D, T] storage
         run = functools.partial(fn, *call)
     p["out"].fill_(float("nan"))
     run()
