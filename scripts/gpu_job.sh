@@ -41,7 +41,7 @@ if [ -z "${SKIP_HOST:-}" ]; then
 fi
 if [ -z "${SKIP_BENCH:-}" ]; then
   targets=("${ops[@]}")
-  [ ${#targets[@]} -eq 0 ] && read -ra targets <<< "$(python3 -c 'from dsfuse.bench.__main__ import EXPERIMENTS; print(*sorted(EXPERIMENTS))')"
+  [ ${#targets[@]} -eq 0 ] && read -ra targets <<< "$(python3 -c 'from dsfuse.bench import experiments; print(*sorted(experiments()))')"
   for op in "${targets[@]}"; do  # one step per op: an op that overruns leaves the others' data
     step python3 -m dsfuse.bench run "$op" --gpu 2>&1 | tee -a "$out/bench.log" || status=1
   done

@@ -6,15 +6,14 @@
 #   (no other GPU's files are rewritten).
 # Without one: a SMOKE run (Triton interpreter, tiny shapes) that validates every provider and
 #   renders under build/smoke/; its numbers measure nothing.
+# Either way it ends with the summary of every provider's checks and exits 1 when a dsfuse
+# provider failed one (controls that fail are flagged in the summary, not fatal).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 py="${DSFUSE_VENV:-.venv}/bin/python"
 if "$py" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
-  "$py" -m dsfuse.bench run --gpu "$@"
-  "$py" -m dsfuse.bench report --this-gpu
-else
-  echo "No CUDA GPU found: running the SMOKE experiment on CPU (validation + rendering only)."
-  "$py" -m dsfuse.bench run --smoke "$@"
-  "$py" -m dsfuse.bench report --smoke
+  exec "$py" -m dsfuse.bench run --gpu --report "$@"
 fi
+echo "No CUDA GPU found: running the SMOKE experiment on CPU (validation + rendering only)."
+exec "$py" -m dsfuse.bench run --smoke --report "$@"

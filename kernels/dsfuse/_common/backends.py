@@ -27,6 +27,7 @@ import importlib
 import importlib.util
 import os
 import pkgutil
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -39,6 +40,32 @@ REFERENCE = "reference"
 def interpreting() -> bool:
     """True when Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+_TRITON_IMPORT_MODE: list[bool] = []  # [interpreted?] of Triton's own library, once Triton is imported
+
+
+def triton_mode_mismatch() -> str | None:
+    """Why Triton cannot run in the mode ``TRITON_INTERPRET`` asks for now (``None`` when it can).
+
+    Triton reads the variable when a kernel is decorated, its own library (``tl.sum``, ...)
+    included, at ``import triton``: set after that import, the kernels stay compiled (on a CPU
+    machine: "0 active drivers"); unset after it, they stay interpreted. So every entry point
+    (``python -m dsfuse.bench``, the notebooks, ``tests/conftest.py``) sets it before anything
+    imports Triton, and a call in the other order is refused with this reason."""
+    if not _TRITON_IMPORT_MODE:  # looked up once (the mode cannot change), never while tracing
+        standard = sys.modules.get("triton.language.standard")
+        if standard is None or torch.compiler.is_compiling():
+            return None
+        from triton.runtime.jit import JITFunction
+
+        _TRITON_IMPORT_MODE.append(not isinstance(standard.sum, JITFunction))
+    imported_interpreted = _TRITON_IMPORT_MODE[0]
+    if imported_interpreted == interpreting():
+        return None
+    now, then = ("set", "unset") if interpreting() else ("unset", "set")
+    return (f"TRITON_INTERPRET is {now} now but was {then} when Triton was imported, and Triton keeps the mode "
+            f"of import; set it before anything imports triton or dsfuse")
 
 
 @dataclass(frozen=True)
@@ -68,6 +95,9 @@ class Backend:
         if device.type != "cuda" and not cpu_ok:
             where = ", or TRITON_INTERPRET=1 for CPU" if self.interpreter_on_cpu else ""
             reasons.append(f"tensors are on {device} ({self.title} needs CUDA{where})")
+        mismatch = triton_mode_mismatch() if self.interpreter_on_cpu else None
+        if mismatch:
+            reasons.append(mismatch)
         return reasons
 
 

@@ -9,14 +9,17 @@
   inputs, reference and providers; ``python -m dsfuse.bench`` runs them.
 """
 
+import functools
 import importlib.util
 
 
-def _experiments() -> dict[str, str]:
-    """Every registered op that has an experiment module ``dsfuse.bench.<op>`` (no list to keep)."""
+@functools.cache
+def experiments() -> dict[str, str]:
+    """Every registered op that has an experiment module ``dsfuse.bench.<op>`` (no list to keep).
+
+    Looked up on first use, not when ``dsfuse.bench`` is imported: listing the ops imports their
+    kernels, and with them Triton, which fixes its mode (compiled or interpreted) at import, so
+    ``python -m dsfuse.bench`` must be able to choose ``TRITON_INTERPRET`` first."""
     from dsfuse._common.backends import load_all_ops
 
     return {op: f"dsfuse.bench.{op}" for op in load_all_ops() if importlib.util.find_spec(f"dsfuse.bench.{op}")}
-
-
-EXPERIMENTS = _experiments()

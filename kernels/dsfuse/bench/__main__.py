@@ -1,6 +1,7 @@
 """``python -m dsfuse.bench``: run experiments and render their tables and plots, per GPU.
 
     python -m dsfuse.bench run text_rope                 # the config of the GPU found; smoke config without one
+    python -m dsfuse.bench run --report                  # every op, then its tables; the checks' summary last
     python -m dsfuse.bench run text_rope --config experiments/text_rope/configs/h200.yaml
     python -m dsfuse.bench report text_rope              # results/<gpu>/ and plots/<gpu>/ of every GPU's runs
     python -m dsfuse.bench report --gpu h200             # only that GPU's files (and the all-GPU indexes)
@@ -13,6 +14,9 @@ The config of a GPU run is chosen by the device's name: ``experiments/<op>/confi
 
 A smoke run (no GPU) runs the Triton kernels in the interpreter on tiny shapes
 and writes under ``build/smoke/`` so it never mixes with measured raw data.
+
+``run`` ends with the summary of every provider's checks (:mod:`dsfuse.bench.checks`) and exits
+with status 1 when a dsfuse provider failed one (a failing control is flagged, not fatal).
 
 Every folder is the repository's (:func:`dsfuse.bench.paths.repo_root`), from any
 working directory; ``--config`` is taken relative to the working directory when
@@ -27,8 +31,9 @@ import os
 import sys
 from pathlib import Path
 
-from dsfuse.bench import EXPERIMENTS
+from dsfuse.bench import checks, experiments
 from dsfuse.bench.env import gpu_key
+from dsfuse._common.backends import interpreting, triton_mode_mismatch
 from dsfuse.bench.paths import cli_path, relative, repo_root, smoke_root
 
 FLUSH_OVER_L2 = 2  # the evicted regime's overwritten buffer must hold at least this many L2s
@@ -72,7 +77,13 @@ def check_flush(config: dict, l2_bytes: int, gpu_name: str) -> None:
                          f"({l2_bytes} bytes): the evicted regime would not evict; use a config for this GPU")
 
 
-def run(op: str, config_path: str | None, smoke: bool | None) -> Path:
+def select_mode(smoke: bool | None) -> bool:
+    """Decide between a smoke run (``None``: when no CUDA GPU is found) and a GPU run, and set
+    ``TRITON_INTERPRET`` for it; return ``smoke``.
+
+    Triton fixes its mode at import (:func:`dsfuse._common.backends.triton_mode_mismatch`), so this
+    runs before anything imports a kernel module: the CLI calls it first, ``dsfuse.bench`` imports
+    no op, and a process that imported Triton in the other mode is stopped here with the reason."""
     import torch
 
     if smoke is None:
@@ -80,7 +91,21 @@ def run(op: str, config_path: str | None, smoke: bool | None) -> Path:
     if not smoke and not torch.cuda.is_available():
         raise SystemExit("--gpu: no CUDA GPU is available (torch.cuda.is_available() is False); use --smoke")
     if smoke:
-        os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first kernel launch
+        os.environ["TRITON_INTERPRET"] = "1"  # "1" even where the caller exported "0"
+    elif interpreting():
+        raise SystemExit("TRITON_INTERPRET is set: a GPU run would check and time Triton's interpreter; "
+                         "unset it (or pass --smoke)")
+    mismatch = triton_mode_mismatch()
+    if mismatch:
+        raise SystemExit(f"cannot start a {'smoke' if smoke else 'GPU'} run in this process: {mismatch} "
+                         "(in a notebook: restart the kernel)")
+    return smoke
+
+
+def run(op: str, config_path: str | None, smoke: bool | None) -> Path:
+    import torch
+
+    smoke = select_mode(smoke)
     from dsfuse.bench.harness import load_config, run_experiment
 
     paths = _op_paths(op, smoke)
@@ -91,7 +116,7 @@ def run(op: str, config_path: str | None, smoke: bool | None) -> Path:
         props = torch.cuda.get_device_properties(0)
         check_flush(config, int(getattr(props, "L2_cache_size", 0)), gpu_name)
     print(f"{op}: config {relative(chosen)}" + ("" if smoke else f" for the {gpu_name}"))
-    experiment = importlib.import_module(EXPERIMENTS[op])
+    experiment = importlib.import_module(experiments()[op])
     device = torch.device("cpu" if smoke else "cuda")
     run_dir = run_experiment(experiment, config, paths["raw"], device)
     if hasattr(experiment, "after_run"):  # op-specific whole-model checks that belong to the run
@@ -125,30 +150,44 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m dsfuse.bench", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     p_run = sub.add_parser("run", help="check and time an op's providers; write raw data")
-    p_run.add_argument("ops", nargs="*", default=sorted(EXPERIMENTS), help="ops (default: all)")
+    p_run.add_argument("ops", nargs="*", help="ops (default: all)")
+    p_run.add_argument("--report", action="store_true",
+                       help="render each op's tables and plots after its run (that GPU's files only)")
     p_run.add_argument("--config", help="config YAML (default: the op's configs/<gpu>.yaml for the GPU found, "
                                         "or smoke.yaml without GPU)")
     mode = p_run.add_mutually_exclusive_group()
     mode.add_argument("--smoke", dest="smoke", action="store_true", default=None, help="force a CPU smoke run")
     mode.add_argument("--gpu", dest="smoke", action="store_false", help="require the GPU run")
     p_rep = sub.add_parser("report", help="render results/<gpu>/ tables and plots from raw data")
-    p_rep.add_argument("ops", nargs="*", default=sorted(EXPERIMENTS))
+    p_rep.add_argument("ops", nargs="*", help="ops (default: all)")
     p_rep.add_argument("--smoke", action="store_true", help="render the smoke run under build/smoke/")
     which = p_rep.add_mutually_exclusive_group()
     which.add_argument("--gpu", dest="gpus", action="append", metavar="GPU",
                        help="only this GPU's results (a folder name under results/, e.g. h200; repeatable)")
     which.add_argument("--this-gpu", action="store_true", help="only the results of this machine's GPU")
     args = parser.parse_args(argv)
-    unknown = [op for op in args.ops if op not in EXPERIMENTS]
+    smoke = select_mode(args.smoke) if args.command == "run" else args.smoke  # before the ops are imported
+    known = sorted(experiments())
+    unknown = [op for op in args.ops if op not in known]
     if unknown:
-        parser.error(f"unknown ops {unknown}; expected some of {sorted(EXPERIMENTS)}")
-    for op in args.ops:
-        if args.command == "run":
-            run(op, args.config, args.smoke)
-        else:
-            gpus = {this_gpu()} if args.this_gpu else (set(args.gpus) if args.gpus else None)
-            report(op, args.smoke, gpus)
-    return 0
+        parser.error(f"unknown ops {unknown}; expected some of {known}")
+    ops = args.ops or known
+    if args.command == "report":
+        gpus = {this_gpu()} if args.this_gpu else (set(args.gpus) if args.gpus else None)
+        for op in ops:
+            report(op, smoke, gpus)
+        return 0
+    summary = []
+    for op in ops:
+        run_dir = run(op, args.config, smoke)
+        if args.report:
+            from dsfuse.bench.report import run_gpu
+
+            report(op, smoke, {run_gpu(run_dir)})
+        summary += checks.summarize(op, run_dir)
+    print("\nChecks of this run (dsfuse providers must pass; controls that fail are flagged and not used):")
+    print(checks.render(summary))
+    return 1 if checks.failures(summary) else 0
 
 
 if __name__ == "__main__":

@@ -420,9 +420,10 @@ def junit_section(run_dir: Path, op: str) -> list[str]:
 
 def extra_section(op: str, run_dir: Path) -> list[str]:
     """The op's own sections: ``report_extra(run_dir)`` of its bench module, where it has one."""
-    from dsfuse.bench import EXPERIMENTS
+    from dsfuse.bench import experiments
 
-    extra = getattr(importlib.import_module(EXPERIMENTS[op]), "report_extra", None) if op in EXPERIMENTS else None
+    module = experiments().get(op)
+    extra = getattr(importlib.import_module(module), "report_extra", None) if module else None
     return extra(run_dir) if extra is not None else []
 
 
