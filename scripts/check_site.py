@@ -5,7 +5,7 @@
     python scripts/check_site.py build/site --screenshots build/shots   # plus one full-page PNG per page
 
 The site is served from a local port (``http.server`` in a thread) and each page is loaded
-at a 1280x900 viewport. A page fails on:
+at a 1400x900 viewport. A page fails on:
 
 * ``console``: an error in the browser console or an uncaught exception;
 * ``request``: a local resource (stylesheet, script, image, font, fetch) that failed or
@@ -17,6 +17,8 @@ at a 1280x900 viewport. A page fails on:
 * ``image``: an ``img`` that did not load (``complete`` and ``naturalWidth == 0``);
 * ``table``: a table inside ``.md-typeset`` wider than the content column, or whose scroll
   wrapper scrolls (code listings' line-number tables are left out);
+* ``code``: a code listing (``pre > code``) that scrolls sideways;
+* ``token``: inline code without spaces (a run id, a commit, a path) broken across lines;
 * ``link``: an ``a[href]`` on this site whose target file is not in SITE_DIR, or whose
   ``#anchor`` is no element id of the target page. Links to other hosts are not followed.
 
@@ -53,7 +55,7 @@ CHROMIUM_ARGS = [
     "--disable-component-update",
     "--disable-sync",
 ]
-VIEWPORT = {"width": 1280, "height": 900}
+VIEWPORT = {"width": 1400, "height": 900}
 TYPESET_TIMEOUT_MS = 3000  # how long to wait for KaTeX before calling a formula untypeset
 PAGE_TIMEOUT_MS = 30000
 
@@ -118,6 +120,22 @@ async () => {
   } else if (document.querySelector(".md-typeset table")) {
     out.push(["table", "no content column (article.md-content__inner / .md-content) to measure against"]);
   }
+
+  // Code blocks: no listing that scrolls sideways (long lines wrap: see stylesheets/extra.css).
+  document.querySelectorAll(".md-typeset pre > code").forEach((code, i) => {
+    const pre = code.parentElement;
+    if (pre.scrollWidth > pre.clientWidth + 1)
+      out.push(["code", "code block " + (i + 1) + " ('" + short(code.textContent, 30) + "') scrolls sideways (" +
+                pre.scrollWidth + " > " + pre.clientWidth + " px)"]);
+  });
+  // Tokens: an identifier in inline code (a run id, a commit, a path) is never broken across lines.
+  document.querySelectorAll(".md-typeset code").forEach((code) => {
+    if (code.closest("pre")) return;
+    const text = code.textContent.trim();
+    if (!text || /\s/.test(text)) return;  // several words may wrap between them
+    const lines = new Set(Array.from(code.getClientRects()).map((r) => Math.round(r.top)));
+    if (lines.size > 1) out.push(["token", "broken across lines: " + short(text, 60)]);
+  });
 
   // Links: hand every href back, resolved; Python checks them against the files.
   const links = Array.from(document.querySelectorAll("a[href]")).map((a) => [a.getAttribute("href"), a.href]);

@@ -5,7 +5,7 @@
 # and raw.tar.gz with the new experiments/*/raw/<run-id>/ folders (unpack at the repo root; then
 # `python -m dsfuse.bench report --gpu <gpu>` renders results/<gpu>/). Each op runs with the config of
 # the GPU found (configs/<gpu>.yaml); its env.json records the hash of the op's kernel sources.
-# Wheels under .carry/wheels (flash-linear-attention, Liger: the anchors) are installed if present.
+# Wheels under .carry/wheels-anchors (flash-linear-attention, Liger: the anchors) are installed if present.
 # A tree copied to another machine (no .git, or a stale one) records DSFUSE_GIT_COMMIT, when set, as its commit (env.json).
 # Also the output fingerprints (scripts/output_hashes.py --check) and the host-time experiment.
 # TESTS=<paths> narrows the GPU tests, PYTEST_ARGS adds pytest arguments (e.g. "-n 8" with pytest-xdist);
@@ -19,8 +19,8 @@ out="${1:-${OUT:-build/gpu-job}}"; shift || true
 ops=("$@")
 mkdir -p "$out"
 export PYTHONPATH="$PWD/kernels:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
-if compgen -G ".carry/wheels/*.whl" > /dev/null; then  # whichever anchors travelled (FLA, Liger, pytest-xdist)
-  python3 -m pip install -q --no-index --no-deps --target /tmp/dsfuse-site .carry/wheels/*.whl \
+if compgen -G ".carry/wheels-anchors/*.whl" > /dev/null; then  # whichever anchors travelled (FLA, Liger, pytest-xdist)
+  python3 -m pip install -q --no-index --no-deps --target /tmp/dsfuse-site .carry/wheels-anchors/*.whl \
     && export PYTHONPATH="$PYTHONPATH:/tmp/dsfuse-site"
 fi
 nvidia-smi > "$out/nvidia-smi.txt" 2>&1

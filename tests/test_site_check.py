@@ -55,6 +55,8 @@ GOOD_BODY = f"""
 <a href="#">nowhere in particular</a> <a href="https://example.org/missing">external</a>
 <a href="mailto:a@example.org">mail</a> <a href="img/dot.png">the image</a></p>
 <pre><code>shell: echo "\\(not math\\)" $$</code></pre>
+<p style="width: 300px">Words in inline code may wrap between them: <code>a b c d e f g h i j k l m n o p q r s t u v
+w x y z</code>, an identifier stays whole: <code style="white-space: nowrap">20261201-154649-h200</code>.</p>
 """
 
 BAD_BODIES = {
@@ -76,6 +78,10 @@ BAD_BODIES = {
             "<tr><th>case</th><th>ms</th></tr><tr><td>wide</td><td>1</td></tr></table></div></div>"
         ),
     ),
+    "scrolling_code": ("code", '<pre style="overflow-x: auto; white-space: pre"><code>' + "x = 1  # " + "long " * 300
+                       + "</code></pre>"),
+    "broken_token": ("token", '<p style="width: 200px">see <code style="overflow-wrap: anywhere">'
+                     "experiments/text_rope/raw/20261201-154649-h200/samples.csv</code></p>"),
     "broken_link": ("link", '<p><a href="nowhere/">a page that is not there</a></p>'),
     "broken_anchor": ("link", '<p><a href="../other/#no-such-heading">a heading that is not there</a></p>'),
     "console_error": ("console", '<script>console.error("boom");</script>'),
