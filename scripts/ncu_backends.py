@@ -1,22 +1,27 @@
 """Where the time of each backend's kernels goes: Nsight Compute counters at the model's shapes (GPU).
 
-    python scripts/ncu_backends.py profile OUT_DIR         # runs ncu on `run`: OUT_DIR/ncu.csv, calls.txt
-    python scripts/ncu_backends.py render OUT_DIR OUT.md [OP]  # the table an op page includes (OP's calls)
+    python scripts/ncu_backends.py profile OUT_DIR [--ops OP ...]   # runs ncu on `run`: OUT_DIR/ncu.csv, calls.txt
+    python scripts/ncu_backends.py render OUT_DIR OUT.md [OP]      # the table an op page includes (OP's calls)
 
-``run`` warms every call up (compiles, loads modules), then calls each once between
-``cudaProfilerStart`` and ``cudaProfilerStop``, each after a one-CTA marker kernel whose grid size
-is the call's number in ``calls.txt``, so ncu profiles exactly those launches and the rendering
-knows which call launched which kernel: the vision RoPE backward at T = 8649 (the model's 93 x 93 grid; 16 heads x
-64, bf16, dK in its [H, D, T] storage) on the Triton and the CuTe DSL backends and a copy of the
-same bytes, and the Engram gate forward and backward at N = 4096 (4 streams x 5120, bf16) on both
-backends. ncu replays each kernel with the caches flushed before each pass (its default cache
-control): the evicted-cache regime of the benchmarks. The counters name what bounds a kernel
-(DRAM throughput against its peak, achieved occupancy, bytes moved against the floor's bytes);
-ncu's replay serialises kernels, so its durations are not the benchmark's latencies.
+The calls are every op's with an experiment (``dsfuse.bench.experiments()``, from the registry), on
+each backend the registry lists for it (``OpBackends.kernels``): ``ncu_calls(device, backends)``
+in ``kernels/dsfuse/bench/<op>.py`` gives them by name (an op without it is an error, not
+skipped), and ``calls.txt`` names each ``<op> <call>``; e.g. the vision RoPE backward at T = 8649
+(the model's 93 x 93 grid) and a copy of the same bytes, the Engram gate forward and backward at
+N = 4096, the text RoPE forward at the model's q, the Gated DeltaNet forward and backward at the
+seed's T = 32,768. ``run`` warms every call up (compiles, loads modules), then calls each once
+between ``cudaProfilerStart`` and ``cudaProfilerStop``, each after a one-CTA marker kernel whose
+grid size is the call's number in ``calls.txt``, so ncu profiles exactly those launches and the
+rendering knows which call launched which kernel. ncu replays each kernel with the caches flushed
+before each pass (its default cache control): the evicted-cache regime of the benchmarks. The
+counters name what bounds a kernel (DRAM throughput against its peak, achieved occupancy, bytes
+moved against the floor's bytes); ncu's replay serialises kernels, so its durations are not the
+benchmark's latencies.
 """
 
 from __future__ import annotations
 
+import argparse
 import re
 import sys
 from pathlib import Path
@@ -44,40 +49,26 @@ COLUMNS = {"gpu__time_duration.sum": "ncu us", "dram__bytes_read.sum": "read MB"
 SHOWN = [c for c in COLUMNS.values() if c != "max resident %"]  # the page's columns (ncu.csv keeps all)
 
 
-def calls() -> dict[str, object]:
-    """The launches to profile, by name (the order of ``calls.txt``)."""
+def calls(device=None, names: list[str] | None = None) -> dict[str, object]:
+    """The launches to profile, by name (the order of ``calls.txt``): each op's ``ncu_calls`` on every
+    backend the registry lists for it, named ``<op> <call>`` (``LookupError`` naming an op without it)."""
     import torch
 
-    from dsfuse.bench.engram_gate import gate_inputs
-    from dsfuse.engram_gate import engram_gate_backward, engram_gate_forward
-    from dsfuse.vision_rope import vision_rope_backward
+    from dsfuse._common.backends import load_all_ops
+    from dsfuse.bench import experiments
+    from dsfuse.bench.report import op_function
 
-    dev = torch.device("cuda")
-    gen = torch.Generator(device=dev).manual_seed(0)
-    heads, tokens, dim = 16, 8649, 64
-    dq, dv = (torch.randn(heads, tokens, dim, device=dev, generator=gen).bfloat16() for _ in range(2))
-    dk_hdt = torch.randn(heads, dim, tokens, device=dev, generator=gen).bfloat16()
-    angles = torch.rand(tokens, dim // 2, device=dev, generator=gen) * 6.3
-    cos, sin = angles.cos(), angles.sin()
-    dqkv = torch.empty(tokens, 3 * heads * dim, device=dev, dtype=torch.bfloat16)
-    src = torch.empty(dqkv.numel() + cos.numel() * 2 * 2, dtype=torch.bfloat16, device=dev)  # same bytes read
-    dst = torch.empty_like(src)
-    x, kv, weight, mask, dout, eps = gate_inputs(4096, dev)
-    out, saved = engram_gate_forward(x, kv, weight, mask, eps=eps)
-    grads = [torch.empty_like(x), torch.empty_like(kv), torch.empty_like(weight)]
-    found = {"vision_rope bwd T8649: copy of the bytes it reads": lambda: torch.add(src, 0, out=dst)}  # a kernel
-    for backend in ("triton", "cutedsl"):
-        found[f"vision_rope bwd T8649: {backend}"] = (
-            lambda b=backend: vision_rope_backward(dq, dk_hdt, dv, cos, sin, out=dqkv, backend=b))
-        found[f"engram_gate fwd N4096: {backend}"] = (
-            lambda b=backend: engram_gate_forward(x, kv, weight, mask, eps=eps, out=out, saved=saved, backend=b))
-        found[f"engram_gate bwd N4096: {backend}"] = (
-            lambda b=backend: engram_gate_backward(dout, x, kv, weight, mask, saved, eps=eps, dx=grads[0],
-                                                   dkv=grads[1], dweight=grads[2], backend=b))
+    dev = torch.device(device or "cuda")
+    registry = load_all_ops()
+    found = {}
+    for op in names if names is not None else list(experiments()):
+        pieces = op_function(op, "ncu_calls")
+        for name, fn in pieces(dev, list(registry[op].kernels)).items():
+            found[f"{op} {name}"] = fn
     return found
 
 
-def run(out_dir: Path) -> None:
+def run(out_dir: Path, names: list[str] | None = None) -> None:
     import torch
     import triton
     import triton.language as tl
@@ -86,7 +77,7 @@ def run(out_dir: Path) -> None:
     def ncu_marker(x_ptr):
         tl.store(x_ptr + tl.program_id(0), 0.0)
 
-    todo = calls()
+    todo = calls(names=names)
     (out_dir / "calls.txt").write_text("\n".join(todo) + "\n")
     flag = torch.zeros(len(todo) + 1, device="cuda")
     for fn in todo.values():  # compile and load everything before profiling
@@ -101,14 +92,14 @@ def run(out_dir: Path) -> None:
     torch.cuda.cudart().cudaProfilerStop()
 
 
-def profile(out_dir: Path) -> None:
+def profile(out_dir: Path, names: list[str] | None = None) -> None:
     """ncu over ``run``: clocks left alone (``--clock-control none``), the listed counters."""
     import subprocess
 
     out_dir.mkdir(parents=True, exist_ok=True)
     subprocess.run(["ncu", "--clock-control", "none", "--profile-from-start", "off", "--csv", "--page", "raw",
                     "--metrics", ",".join(METRICS), "--log-file", str(out_dir / "ncu.csv"),
-                    sys.executable, __file__, "run", str(out_dir)], check=True)
+                    sys.executable, __file__, "run", str(out_dir), *(["--ops", *names] if names else [])], check=True)
 
 
 def render(out_dir: Path, out_md: Path, op: str | None = None) -> None:
@@ -153,11 +144,27 @@ def relative_to_root(path: Path) -> str:
         return str(path)
 
 
+def main(argv=None) -> int:
+    from dsfuse.bench import experiments
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    for command, what in (("profile", "run ncu over `run`"), ("run", "the profiled process (started by profile)")):
+        sub = commands.add_parser(command, help=what)
+        sub.add_argument("out_dir", type=Path)
+        sub.add_argument("--ops", nargs="+", choices=list(experiments()), metavar="OP",
+                         help="only these ops (default: every op with an experiment)")
+    sub = commands.add_parser("render", help="the table an op page includes")
+    sub.add_argument("out_dir", type=Path)
+    sub.add_argument("out_md", type=Path)
+    sub.add_argument("op", nargs="?", help="only this op's calls, named without the op")
+    args = parser.parse_args(argv)
+    if args.command == "render":
+        render(args.out_dir, args.out_md, args.op)
+        return 0
+    (run if args.command == "run" else profile)(args.out_dir, args.ops)
+    return 0
+
+
 if __name__ == "__main__":
-    command, *paths = sys.argv[1:] or [""]
-    if command in ("run", "profile") and len(paths) == 1:
-        (run if command == "run" else profile)(Path(paths[0]))
-    elif command == "render" and len(paths) in (2, 3):
-        render(Path(paths[0]), Path(paths[1]), *paths[2:])
-    else:
-        sys.exit(__doc__)
+    raise SystemExit(main())

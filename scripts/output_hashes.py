@@ -1,11 +1,20 @@
-"""Fingerprints (SHA-256 of the bytes) of every op's outputs and gradients at the DeepSeek-V4.1 shapes.
+"""Fingerprints (SHA-256 of the bytes) of every op's outputs and gradients at the model's shapes.
 
-    python scripts/output_hashes.py --write tests/golden/h200_output_fingerprints.json   # record
+    python scripts/output_hashes.py --write tests/golden/h200_output_fingerprints.json   # record all
     python scripts/output_hashes.py --check tests/golden/h200_output_fingerprints.json   # compare, exit 1 on a change
+    python scripts/output_hashes.py --check GOLDEN --record-missing [--ops gdn]          # also record new entries
 
-Inputs are drawn on the CPU from fixed seeds (so they are the same bits on any machine) and
-moved to the GPU; only the public API is called, through each of its paths (functional,
-``out=``, in place, autograd, plan). A refactor that keeps every fingerprint keeps every bit.
+The ops are every op with an experiment (``dsfuse.bench.experiments()``, from the registry); each
+gives its cases in its bench module, ``fingerprint_cases()`` in ``kernels/dsfuse/bench/<op>.py``:
+``{entry: outputs(device)}``, each entry a dict of named tensors (an op without that function is an
+error, not skipped). Inputs are drawn on the CPU from fixed seeds (so they are the same bits on any
+machine) and moved to the GPU; only the public API is called, through each of its paths
+(functional, ``out=``, in place, autograd, plan). A refactor that keeps every fingerprint keeps
+every bit.
+
+``--check`` exits 1 on any difference, and also where an entry (or an output of one) has no
+recorded fingerprint yet, naming it; ``--record-missing`` adds those to the file instead (on the
+GPU the file was recorded on; recorded fingerprints are never rewritten by it).
 """
 
 from __future__ import annotations
@@ -25,89 +34,40 @@ def fingerprint(t: torch.Tensor) -> str:
     return hashlib.sha256(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"").hexdigest()[:32]
 
 
-def _randn(gen, shape, dtype, device):
-    return torch.randn(shape, generator=gen, dtype=torch.float32).to(dtype).to(device)
+def describe(t: torch.Tensor) -> str:
+    """What the file records of one output: fingerprint, dtype and shape."""
+    return f"{fingerprint(t)} {str(t.dtype).removeprefix('torch.')} {list(t.shape)}"
 
 
-def text_rope_outputs(device) -> dict[str, torch.Tensor]:
-    from dsfuse.text_rope import apply_rope, rope_angles, yarn_inv_freq
+def collect_cases(names: list[str] | None = None) -> dict[str, Callable]:
+    """``{entry: outputs(device)}`` of the ops ``names`` (default: all), from each op's
+    ``fingerprint_cases()``; ``LookupError`` naming an op without it, ``ValueError`` for an entry not
+    named after its op or named twice."""
+    from dsfuse.bench import experiments
+    from dsfuse.bench.report import op_function
 
-    gen = torch.Generator().manual_seed(1)
-    inv_freq = yarn_inv_freq(64, 160000.0, factor=16.0, original_max_position=65536)
-    pos = torch.randint(0, 1_000_000, (1, 4096), generator=gen)
-    angles = rope_angles(pos, inv_freq).to(device)
-    q = _randn(gen, (1, 4096, 64, 512), torch.bfloat16, device)
-    kv = _randn(gen, (1, 4096, 512), torch.bfloat16, device)
-    dq = _randn(gen, q.shape, torch.bfloat16, device)
-    out = {"q_fwd": apply_rope(q, angles), "q_inverse": apply_rope(q, angles, inverse=True),
-           "kv_fwd": apply_rope(kv, angles)}
-    buf = torch.empty_like(q)
-    out["q_out"] = apply_rope(q, angles, out=buf).clone()
-    out["q_inplace"] = apply_rope(q.clone(), angles, inplace=True)
-    leaf = q.clone().requires_grad_()
-    apply_rope(leaf, angles).backward(dq)
-    out["q_grad"] = leaf.grad
-    leaf = q.clone().requires_grad_()
-    apply_rope(leaf * 1, angles, inplace=True).backward(dq)  # in place on a non-leaf
-    out["q_inplace_grad"] = leaf.grad
-    return out
+    found: dict[str, Callable] = {}
+    for op in names if names is not None else list(experiments()):
+        cases = op_function(op, "fingerprint_cases")()
+        if not cases:
+            raise ValueError(f"op {op!r}: fingerprint_cases() returned no case")
+        for entry, fn in cases.items():
+            if entry != op and not entry.startswith(op + "/"):
+                raise ValueError(f"op {op!r}: fingerprint entry {entry!r} is not named {op!r} or {op + '/...'!r}")
+            if entry in found:
+                raise ValueError(f"fingerprint entry {entry!r} is given twice")
+            found[entry] = fn
+    return found
 
 
-def vision_rope_outputs(device) -> dict[str, torch.Tensor]:
-    from dsfuse.vision_rope import vision_cos_sin, vision_rope_attention_front, vision_rope_backward
-
-    gen = torch.Generator().manual_seed(2)
-    heads, dim, tokens = 16, 64, 8649
-    cos, sin = vision_cos_sin(93, 93, dim // 2, 10000.0, device=device)
-    dq = _randn(gen, (heads, tokens, dim), torch.bfloat16, device)
-    dk_hdt = _randn(gen, (heads, dim, tokens), torch.bfloat16, device)
-    dv = _randn(gen, (heads, tokens, dim), torch.bfloat16, device)
-    out = {"dqkv": vision_rope_backward(dq, dk_hdt, dv, cos, sin)}
-    buf = torch.empty_like(out["dqkv"])
-    out["dqkv_out"] = vision_rope_backward(dq, dk_hdt, dv, cos, sin, out=buf).clone()
-    qkv = _randn(gen, (tokens, 3 * heads * dim), torch.bfloat16, device).requires_grad_()
-    q, k, v = vision_rope_attention_front(qkv, cos, sin, heads)
-    out.update(front_q=q, front_k=k)
-    (q * dq + k * dk_hdt.transpose(1, 2) + v * dv).float().sum().backward()
-    out["front_qkv_grad"] = qkv.grad
-    return out
-
-
-def engram_gate_outputs(device) -> dict[str, torch.Tensor]:
-    from dsfuse.engram_gate import EngramGatePlan, engram_gate, engram_gate_backward, engram_gate_forward
-
-    gen = torch.Generator().manual_seed(3)
-    n, streams, dim, eps = 4096, 4, 5120, 1e-20
-    x = _randn(gen, (n, streams, dim), torch.bfloat16, device)
-    kv = _randn(gen, (n, (streams + 1) * dim), torch.bfloat16, device)
-    weight = (torch.rand((streams, dim), generator=gen) * 2).to(device)
-    mask = (torch.rand(n, generator=gen) > 0.1).to(device)
-    dout = _randn(gen, x.shape, torch.bfloat16, device)
-    o, saved = engram_gate_forward(x, kv, weight, mask, eps=eps)
-    dx, dkv, dw = engram_gate_backward(dout, x, kv, weight, mask, saved, eps=eps)
-    out = {"fwd_out": o, "fwd_saved": saved, "bwd_dx": dx, "bwd_dkv": dkv, "bwd_dweight": dw}
-    plan = EngramGatePlan(streams=streams, dim=dim, max_tokens=n, device=device, eps=eps)
-    po, ps = plan.forward(x, kv, weight, mask, torch.empty_like(x), torch.empty(n, streams, 4, device=device))
-    pg = plan.backward(dout, x, kv, weight, mask, ps, torch.empty_like(x), torch.empty_like(kv),
-                       torch.empty(streams, dim, device=device))
-    out.update(plan_out=po, plan_saved=ps, plan_dx=pg[0], plan_dkv=pg[1], plan_dweight=pg[2])
-    leaves = [t.clone().requires_grad_() for t in (x, kv, weight)]
-    engram_gate(*leaves, mask, eps=eps).backward(dout)
-    out.update(autograd_out=engram_gate(x, kv, weight, mask, eps=eps), autograd_dx=leaves[0].grad,
-               autograd_dkv=leaves[1].grad, autograd_dweight=leaves[2].grad)
-    return out
-
-
-OPS: dict[str, Callable] = {"text_rope": text_rope_outputs, "vision_rope": vision_rope_outputs,
-                            "engram_gate": engram_gate_outputs}
-
-
-def all_fingerprints(device="cuda") -> dict[str, dict[str, str]]:
+def all_fingerprints(device="cuda", names: list[str] | None = None,
+                     cases: dict[str, Callable] | None = None) -> dict[str, dict[str, str]]:
+    """``{entry: {output: "fingerprint dtype shape"}}`` of every case (of the ops ``names``)."""
     result = {}
-    for op, fn in OPS.items():
+    for entry, fn in (cases if cases is not None else collect_cases(names)).items():
         outputs = fn(torch.device(device))
-        result[op] = {name: f"{fingerprint(t)} {str(t.dtype).removeprefix('torch.')} {list(t.shape)}"
-                      for name, t in outputs.items()}
+        result[entry] = {name: describe(t) for name, t in outputs.items()}
+        del outputs  # free the device memory before the next case
     return result
 
 
@@ -122,14 +82,41 @@ def compare(recorded: dict, now: dict) -> list[str]:
     return lines
 
 
+def missing(recorded: dict, now: dict) -> dict[str, dict[str, str]]:
+    """What ``now`` has and ``recorded`` has not: ``{entry: {output: value}}``."""
+    new: dict[str, dict[str, str]] = {}
+    for entry, outs in now.items():
+        for name, value in outs.items():
+            if name not in recorded.get(entry, {}):
+                new.setdefault(entry, {})[name] = value
+    return new
+
+
+def device_name(device: str) -> str:
+    return torch.cuda.get_device_name() if torch.device(device).type == "cuda" else torch.device(device).type
+
+
 def main(argv=None) -> int:
+    from dsfuse.bench import experiments
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     group = parser.add_mutually_exclusive_group(required=True)
     group.add_argument("--write", type=Path, help="record the fingerprints here (JSON)")
     group.add_argument("--check", type=Path, help="compare with the fingerprints recorded here")
+    parser.add_argument("--record-missing", action="store_true",
+                        help="with --check: add the entries and outputs the file has no fingerprint of yet "
+                             "(recorded ones are compared, never rewritten)")
+    parser.add_argument("--ops", nargs="+", choices=list(experiments()), metavar="OP",
+                        help="only these ops (default: every op with an experiment); --check then compares "
+                             "only their entries")
+    parser.add_argument("--device", default="cuda", help="where the ops run (default cuda)")
     args = parser.parse_args(argv)
-    now = all_fingerprints()
-    gpu = torch.cuda.get_device_name()
+    if args.record_missing and not args.check:
+        parser.error("--record-missing goes with --check")
+    if args.write and args.ops:
+        parser.error("--write records every op; record some with --check FILE --record-missing --ops ...")
+    now = all_fingerprints(args.device, args.ops)
+    gpu = device_name(args.device)
     if args.write:
         args.write.parent.mkdir(parents=True, exist_ok=True)
         args.write.write_text(json.dumps({"gpu": gpu, "torch": torch.__version__, "outputs": now}, indent=1) + "\n")
@@ -139,9 +126,22 @@ def main(argv=None) -> int:
     if recorded["gpu"] != gpu:  # other GPUs may round differently where the contract is a tolerance
         print(f"fingerprints recorded on {recorded['gpu']}, this is {gpu}: not compared")
         return 0
-    diff = compare(recorded["outputs"], now)
-    print("\n".join(diff) or f"all {sum(map(len, now.values()))} fingerprints equal ({gpu})")
-    return 1 if diff else 0
+    outputs = recorded["outputs"]
+    if args.ops:
+        outputs = {entry: outs for entry, outs in outputs.items() if entry in now}
+    diff = compare(outputs, now)
+    new = missing(outputs, now)
+    print("\n".join(diff) or f"all {sum(map(len, outputs.values()))} recorded fingerprints equal ({gpu})")
+    for entry, outs in new.items():
+        what = "no recorded entry" if entry not in outputs else "outputs without a recorded fingerprint"
+        print(f"{entry}: {what} in {args.check} ({', '.join(outs)})" +
+              (": recorded now" if args.record_missing else "; rerun with --record-missing to record them"))
+    if new and args.record_missing:
+        for entry, outs in new.items():
+            recorded["outputs"].setdefault(entry, {}).update(outs)
+        recorded.setdefault("recorded_later", {}).update({entry: f"torch {torch.__version__}" for entry in new})
+        args.check.write_text(json.dumps(recorded, indent=1) + "\n")
+    return 1 if diff or (new and not args.record_missing) else 0
 
 
 if __name__ == "__main__":

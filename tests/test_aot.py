@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from dsfuse._common.aot import ARCHS, all_specs
+from dsfuse._common.aot import ARCHS, all_specs, record_specs
 
 
 @pytest.fixture(scope="module")
@@ -58,3 +58,50 @@ def test_unknown_arch_is_rejected():
 
     with pytest.raises(ValueError, match="arch: expected one of"):
         compile_for(AOT_SPECS[0], "sm_80")
+
+
+def test_recorded_spec_is_the_runtime_specialisation():
+    """A spec recorded from a launcher call (meta tensors, nothing runs) holds what Triton's runtime
+    would specialise: a contiguous [T, 48] gate's head stride 1 as a constant, the 48 heads and the
+    token stride 48 as multiples of 16, the launcher's constexprs and options."""
+    from dsfuse.gdn.triton.common import model_tensors
+    from dsfuse.gdn.triton.cumsum import launch_chunk_cumsum
+
+    x = model_tensors()
+    (spec,) = record_specs("cumsum", launch_chunk_cumsum, x.g, x.chunk_indices, x.g_cum)
+    assert spec.signature == {"g_ptr": "*fp32", "gc_ptr": "*fp32", "ci_ptr": "*i32", "n_heads": "i32",
+                              "s_gt": "i32", "s_ct": "i32"}
+    assert spec.constexprs == {"s_gh": 1, "s_ch": 1, "BT": 64, "BH": 64}
+    assert spec.options == {"num_warps": 4}
+    assert spec.divisible_by_16 == ("g_ptr", "gc_ptr", "ci_ptr", "n_heads", "s_gt", "s_ct")
+
+
+def test_recorded_spec_keeps_do_not_specialize_and_none():
+    """``do_not_specialize`` arguments stay runtime i32 (N = 1 is not made a constant, T = 32768 not
+    marked divisible), None pointers become constexprs, and the GPU path is recorded even under the
+    CPU interpreter (``PIPELINED``, no bf16 emulation)."""
+    from dsfuse.gdn.triton.common import BLACKWELL, assume_family, model_tensors
+    from dsfuse.gdn.triton.state import launch_state_pass
+
+    x = model_tensors()
+    args = (x.k, x.w, x.u, x.g_cum, x.chunk_indices, x.chunk_offsets, None, x.h, x.v_new, None)
+    (spec,) = record_specs("state", launch_state_pass, *args)
+    assert spec.signature["T"] == spec.signature["N"] == "i32"
+    assert "T" not in spec.divisible_by_16 and "N" not in spec.divisible_by_16
+    assert spec.constexprs["h0_ptr"] is None and spec.constexprs["ht_ptr"] is None
+    assert spec.constexprs["PIPELINED"] is True and spec.constexprs["EMULATE_BF16"] is False
+    assert spec.options == {"num_warps": 4, "num_stages": 2} and spec.constexprs["BV"] == 64
+    with assume_family(BLACKWELL):
+        (spec,) = record_specs("state", launch_state_pass, *args)
+    assert spec.options == {"num_warps": 2, "num_stages": 2} and spec.constexprs["BV"] == 32
+
+
+def test_record_specs_wants_one_name_per_launch():
+    from dsfuse.gdn.triton.common import model_tensors
+    from dsfuse.gdn.triton.wy import launch_wy
+
+    x = model_tensors()
+    args = (x.k, x.v, x.beta, x.g_cum, x.chunk_indices, x.A, x.w, x.u)
+    assert [s.name for s in record_specs(["ut", "wy"], launch_wy, *args)] == ["ut", "wy"]
+    with pytest.raises(ValueError, match="names: 1 given"):
+        record_specs("ut", launch_wy, *args)

@@ -2,13 +2,19 @@
 
 import importlib
 import importlib.util
+import logging
 
 import pytest
 import torch
-
-from dsfuse._common import OpBackends, check_no_internal_overlap, check_no_overlap, memory_span
-from dsfuse._common.backends import BACKENDS, load_all_ops
 from conftest import DEVICES
+from dsfuse._common import (
+    OpBackends,
+    check_no_internal_overlap,
+    check_no_overlap,
+    memory_span,
+    no_reasons,
+)
+from dsfuse._common.backends import BACKENDS, BackendTable, load_all_ops
 
 
 def test_memory_span_of_views():
@@ -42,10 +48,15 @@ def test_internal_overlap():
         check_no_internal_overlap("t", torch.empty(10).as_strided((4, 4), (2, 1)))
 
 
+def _table(backend, dtypes, auto=None, reasons=no_reasons):
+    return BackendTable(backend, dtypes=dtypes, calls={"run": reasons}, kernels=(), load=lambda: {"run": None},
+                        auto=auto or {})
+
+
 def test_backend_choice(monkeypatch):
     """``auto`` takes the reference on the CPU and the family's first serving backend on CUDA;
     a named backend that cannot serve raises with every reason."""
-    entry = OpBackends("toy", kernels={"triton": ()}, dtypes={"triton": (torch.float32,)})
+    entry = OpBackends("toy", (_table("triton", (torch.float32,)),))
     cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert entry.choose("auto", cpu, torch.float32) == "reference"  # the interpreter is never auto's pick
@@ -67,31 +78,78 @@ def test_backend_choice(monkeypatch):
 
 def test_backend_preference_per_family(monkeypatch):
     """With two fused backends, ``auto`` follows the family's measured order and skips one that cannot serve."""
-    entry = OpBackends("toy", kernels={"triton": (), "cutedsl": ()},
-                       dtypes={"triton": (torch.float32,), "cutedsl": (torch.float32, torch.float16)},
-                       preference={"sm_100": ("cutedsl", "triton")})
+    asked = []
+    refusing = lambda *args: asked.append(args) or ["head dim 6 is not a multiple of 8"]
+    entry = OpBackends("toy", (_table("triton", (torch.float32,)),
+                               _table("cutedsl", (torch.float32, torch.float16), auto={"sm_100": 0})))
+    refused = OpBackends("toy", (_table("triton", (torch.float32,)),
+                                 _table("cutedsl", (torch.float32, torch.float16), auto={"sm_100": 0},
+                                        reasons=refusing)))
+    assert entry.preference == {"sm_100": ("cutedsl", "triton")}
     cuda = torch.device("cuda", 0)
     object.__setattr__(BACKENDS["cutedsl"], "installed", True)
     try:
         monkeypatch.setattr("dsfuse._common.backends._FAMILIES", {0: "sm_100"})
-        assert entry.choose("auto", cuda, torch.float32) == "cutedsl"
-        asked = []
-        own = {"cutedsl": lambda: asked.append(1) or ["head dim 6 is not a multiple of 8"]}
-        assert entry.choose("auto", cuda, torch.float32, own=own) == "triton"  # its own reasons: the next one
-        assert asked == [1]
-        assert entry.choose("cutedsl", cuda, torch.float32, own=own) == "cutedsl"  # by name: the caller checks
+        assert entry.choose("auto", cuda, torch.float32, call="run") == "cutedsl"
+        assert refused.choose("auto", cuda, torch.float32, call="run", args=(1,)) == "triton"  # its own reasons
+        assert asked == [(1,)]
+        with pytest.raises(ValueError, match="backend='cutedsl' cannot serve this toy call: head dim 6"):
+            refused.choose("cutedsl", cuda, torch.float32, call="run", args=(2,))  # by name: every reason
+        with pytest.raises(ValueError, match="the CuTe DSL backend has no other kernel for toy"):
+            entry.choose("cutedsl", cuda, torch.float32, call="other")
         monkeypatch.setattr("dsfuse._common.backends._FAMILIES", {0: "sm_90"})
-        assert entry.choose("auto", cuda, torch.float32) == "triton"  # unlisted family: the order of kernels
+        assert entry.choose("auto", cuda, torch.float32) == "triton"  # unlisted family: the order of the tables
         assert entry.choose("auto", cuda, torch.float16) == "cutedsl"  # triton cannot serve fp16 here
         object.__setattr__(BACKENDS["cutedsl"], "installed", False)
         monkeypatch.setattr("dsfuse._common.backends._FAMILIES", {0: "sm_100"})
-        assert entry.choose("auto", cuda, torch.float32, own=own) == "triton"
-        assert asked == [1]  # not installed: its own reasons are not asked (its module needs the package)
+        assert refused.choose("auto", cuda, torch.float32, call="run", args=(3,)) == "triton"
+        assert asked == [(1,), (2,)]  # not installed: its own reasons are not asked (its module needs the package)
         with pytest.raises(ValueError, match=r"needs the packages cutlass and tvm_ffi \(pip install 'dsfuse\[cutedsl\]'\)"):
             entry.choose("cutedsl", cuda, torch.float32)
     finally:
         object.__setattr__(BACKENDS["cutedsl"], "installed", all(importlib.util.find_spec(m) is not None
                                                                  for m in ("cutlass", "tvm_ffi")))
+
+
+def test_auto_never_on_a_family_a_table_excludes():
+    entry = OpBackends("toy", (_table("triton", (torch.float32,)),
+                               _table("cutedsl", (torch.float32,), auto={"sm_90": None, "sm_100": 0})))
+    assert entry.preference == {"sm_90": ("triton",), "sm_100": ("cutedsl", "triton")}
+
+
+def test_twin_ops_are_declared_once_per_backend():
+    """``declare_backend_ops``: the first backend's op carries the plain name, every other backend's
+    its suffix (the names compiled graphs hold: ``dsfuse::vision_rope_bwd_cutedsl``, ...)."""
+    from dsfuse._common.backends import OPS
+
+    load_all_ops()
+    from dsfuse.engram_gate import api as eg_api
+    from dsfuse.vision_rope import api as vr_api
+
+    assert {b: op.name for b, op in vr_api.backward_ops.items()} == {
+        "triton": "dsfuse::vision_rope_bwd", "cutedsl": "dsfuse::vision_rope_bwd_cutedsl"}
+    assert {b: op.name for b, op in vr_api.backward_into_ops.items()} == {
+        "triton": "dsfuse::vision_rope_bwd_out", "cutedsl": "dsfuse::vision_rope_bwd_out_cutedsl"}
+    assert {b: op.name for b, op in vr_api.forward_ops.items()} == {"triton": "dsfuse::vision_rope_fwd"}
+    assert {b: op.name for b, op in eg_api.forward_ops.items()} == {
+        "triton": "dsfuse::engram_gate_fwd", "cutedsl": "dsfuse::engram_gate_fwd_cutedsl"}
+    assert {b: op.name for b, op in eg_api.backward_ops.items()} == {
+        "triton": "dsfuse::engram_gate_bwd", "cutedsl": "dsfuse::engram_gate_bwd_cutedsl"}
+    assert OPS["gdn"].first == "triton"
+
+
+def test_cutedsl_tables_import_without_the_extra():
+    """A CuTe DSL backend's table imports nothing of ``cutlass`` (its kernel module does, on first use)."""
+    code = ("import sys\n"
+            "import dsfuse.vision_rope, dsfuse.engram_gate\n"
+            "from dsfuse._common.backends import OPS\n"
+            "assert 'cutedsl' in OPS['vision_rope'].kernels and 'cutedsl' in OPS['engram_gate'].kernels\n"
+            "assert not [m for m in sys.modules if m.split('.')[0] in ('cutlass', 'tvm_ffi')]\n")
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
 
 
 def test_every_op_is_registered():
@@ -137,3 +195,70 @@ def test_declared_op_traces_as_custom_op_in_forward_and_backward(device):
     y = torch.randn(4, device=device, requires_grad=True)
     scale(y, 2.0).sum().backward()  # eager: the autograd.Function, its backward the plain launch
     assert torch.equal(y.grad, torch.full((4,), 2.0, device=device)) and seen == [torch.Tensor, torch.Tensor]
+
+
+# -- the staleness mark (dsfuse.bench.env): kernel code moved between files is unchanged ---------
+
+
+def test_moved_kernel_code_is_unchanged_and_a_real_change_is_not(tmp_path):
+    """Compared by commit, the op's kernel code is one collection of top-level definitions: a kernel
+    file renamed, or a definition moved to another kernel file of the op, is current; the backend
+    package's table (its ``__init__.py``) is not kernel code; a code change is ``changed``."""
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    from dsfuse.bench import env
+
+    if shutil.which("git") is None:
+        pytest.skip("needs git")
+    repo = Path(__file__).resolve().parents[1]
+    package = tmp_path / "kernels" / "dsfuse"
+    shutil.copytree(repo / "kernels" / "dsfuse", package, ignore=shutil.ignore_patterns("__pycache__"))
+
+    def git(*args):
+        return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=tmp_path,
+                              check=True, capture_output=True, text=True).stdout.strip()
+
+    git("init", "-q")
+    git("add", "-A")
+    git("commit", "-qm", "run")
+    run = dict(git_commit=git("rev-parse", "HEAD"), kernel_sources=env.kernel_sources("text_rope", package))
+    backend = package / "text_rope" / "triton"
+    assert [p.relative_to(package).as_posix() for p in env.kernel_files("text_rope", package)] == [
+        "text_rope/triton/kernels.py"]  # not the table (__init__.py), not the AOT check
+    (backend / "kernels.py").rename(backend / "rope.py")  # a renamed file
+    state = env.source_state("text_rope", run, package)
+    assert (state["state"], state["how"]) == ("current", "git")
+    source = (backend / "rope.py").read_text()
+    cut = source.index("def _as_4d(")  # a definition moved to another file of the backend
+    end = source.index("\ndef _pow2(")
+    (backend / "rope.py").write_text(source[:cut] + source[end + 1:])
+    (backend / "shapes.py").write_text("import torch\n\n\n" + source[cut:end] + "\n")
+    assert env.source_state("text_rope", run, package)["state"] == "current"
+    (backend / "__init__.py").write_text((backend / "__init__.py").read_text() + "\nEXTRA = 1\n")
+    assert env.source_state("text_rope", run, package)["state"] == "current"  # the table is not kernel code
+    (backend / "shapes.py").write_text((backend / "shapes.py").read_text().replace("return", "return  0 or", 1))
+    state = env.source_state("text_rope", run, package)
+    assert state["state"] == "changed" and state["uncommitted"]
+    git("add", "-A")
+    git("commit", "-qm", "a real change")
+    state = env.source_state("text_rope", run, package)
+    assert state["state"] == "changed" and len(state["since"]) == 1
+
+
+def test_choice_is_logged_with_its_reason(caplog):
+    """A call says which backend served it, and why, on the dsfuse logger at debug level."""
+    from dsfuse.text_rope import apply_rope, rope_angles, yarn_inv_freq
+
+    angles = rope_angles(torch.arange(5)[None], yarn_inv_freq(8, 1e4))
+    q = torch.randn(1, 5, 2, 16)
+    with caplog.at_level(logging.DEBUG, logger="dsfuse"):
+        apply_rope(q, angles)
+        apply_rope(q, angles, backend="triton")
+    messages = [r.getMessage() for r in caplog.records if r.name == "dsfuse"]
+    assert any("backend 'reference' served (asked 'auto'): tensors on cpu" in m for m in messages), messages
+    assert any("backend 'triton' served (asked 'triton')" in m for m in messages), messages
+    caplog.clear()
+    apply_rope(q, angles)  # nothing at the default level
+    assert not [r for r in caplog.records if r.name == "dsfuse"]

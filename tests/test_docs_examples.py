@@ -2,7 +2,8 @@
 of every docs page and of every docstring the API pages render. Each block runs in a fresh process as a
 single-rank job (so an example that starts a process group runs too), with the environment CI has.
 
-Fragments that are not meant to run (recipes, math written as code) use ```py or ```text instead."""
+Fragments that are not meant to run (recipes, math written as code) use ```py or ```text instead. An
+example that needs CUDA (a CUDA Graph) starts with the line ``# needs CUDA`` and runs with the GPU tests."""
 
 import ast
 import os
@@ -55,7 +56,12 @@ def test_examples_are_found():
             "docs/ops/gdn.md"} <= names
 
 
-@pytest.mark.parametrize("name,code", EXAMPLES, ids=[name for name, _ in EXAMPLES])
+CUDA_ONLY = "# needs CUDA"  # an example's first line when it cannot run on a CPU (a CUDA Graph): GPU tests run it
+
+
+@pytest.mark.parametrize("name,code", [
+    pytest.param(name, code, marks=pytest.mark.gpu) if code.startswith(CUDA_ONLY) else (name, code)
+    for name, code in EXAMPLES], ids=[name for name, _ in EXAMPLES])
 def test_example_runs(name, code, tmp_path):
     env = dict(os.environ, PYTHONPATH=str(ROOT / "kernels"), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))

@@ -297,7 +297,7 @@ def test_backward_from_saved_formula_is_autograd(device):
 def test_launch_constants(groups, tile, coef, reverse, device, monkeypatch):
     """Token groups (more and fewer than N), channel blocks (with channel tails) and both token
     orders of the backward."""
-    from dsfuse.engram_gate import triton as eg
+    from dsfuse.engram_gate.triton import kernels as eg
 
     for name, value in (("GROUPS", groups), ("TILE_BLOCK_D", tile), ("COEF_BLOCK_D", coef), ("TILE_REVERSE", reverse)):
         monkeypatch.setattr(eg, name, value)

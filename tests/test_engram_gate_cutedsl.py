@@ -36,7 +36,7 @@ from dsfuse.engram_gate import (
 )
 
 cutedsl_or_skip()
-eg = importlib.import_module("dsfuse.engram_gate.cutedsl")
+eg = importlib.import_module("dsfuse.engram_gate.cutedsl.kernels")
 
 ARCHS = ("sm_90a", "sm_100a")
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)

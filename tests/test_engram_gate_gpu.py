@@ -7,7 +7,7 @@ from helpers import assert_bitwise
 from test_engram_gate import check_all, make
 
 from dsfuse.engram_gate import EngramGatePlan
-from dsfuse.engram_gate import triton as eg_triton
+from dsfuse.engram_gate.triton import kernels as eg_triton
 
 pytestmark = pytest.mark.gpu
 D = 5120  # DeepSeek-V4.1 hidden size

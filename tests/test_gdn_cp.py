@@ -146,7 +146,7 @@ def test_cpu_one_rank_equals_no_cp(tmp_path):
 
 
 def test_cpu_triton_stages_two_ranks(tmp_path):
-    """The Triton path of context parallelism (``cp_local.triton_passes``: the stages, the reverse
+    """The Triton path of context parallelism (``cp_local.fused_passes``: the stages, the reverse
     pass alone for ``D``, the packed gradient row) under the interpreter, against one process."""
     case_list = [dict(c, backend="triton", packed=True) for c in cases(3)
                  if c["name"] in ("one_crossing-float32-l2-h0-ht", "one_document-float32-raw-zero-noht")]

@@ -1,9 +1,9 @@
 """Gated DeltaNet backward stage in Triton: dq, dk, dw and the gate gradient from o and the state update.
 
 The launcher (``launch_dqkwg``) is fed the fp64 reference's own intermediates: the forward
-stages (:func:`chunk_gdn_stages`: ``h``, ``v_new``, ``w``), then :func:`chunk_dv_local` and
-:func:`chunk_state_backward` for ``dh`` and ``dv_new`` from a random ``do`` (and a random
-``dht`` in some cases), each cast to the test dtype. The oracle is :func:`chunk_dqkwg` in fp64
+stages (``chunk_gdn_stages``: ``h``, ``v_new``, ``w``), then ``chunk_dv_local`` and
+``chunk_state_backward`` for ``dh`` and ``dv_new`` from a random ``do`` (and a random
+``dht`` in some cases), each cast to the test dtype. The oracle is ``chunk_dqkwg`` in fp64
 on those same dtype-rounded values (``h``, ``dh``, ``v_new``, ``dv_new``, ``do``; q and k are
 dtype values normalised in fp64), so the error measured is the stage's own. Its padded gate
 is ``chunk_local_cumsum(to_chunks(g))`` (flat past a chunk's end, as
@@ -32,7 +32,7 @@ NaN-poisoned by the conftest, so an unwritten element fails):
 
 On the CPU, Triton's interpreter would multiply bf16 dot operands as integer bit patterns and
 truncate fp32 -> bf16 conversions; the launcher then widens bf16 dot operands to fp32 (exact)
-and rounds to nearest even on the bits (``state._dot``, ``state._round``), so the CPU tests
+and rounds to nearest even on the bits (``common.dot``, ``common.round_to`` in ``dsfuse.gdn.triton.common``), so the CPU tests
 check the GPU's numerics. The same tests run on the GPU (``device`` "cuda") with the same bounds.
 
 Also: two launches give the same bits; a launch with no chunk writes nothing; every tensor

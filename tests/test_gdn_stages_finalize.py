@@ -1,6 +1,6 @@
 """Gated DeltaNet backward, the q/k finalize stage (value-head sum, L2-norm backward) in Triton.
 
-``launch_qk_finalize`` against :func:`dsfuse.gdn.reference_backward._sum_value_heads` and
+``launch_qk_finalize`` against ``dsfuse.gdn.reference_backward._sum_value_heads`` and
 ``_l2norm_backward`` in fp64 on the same inputs (q, k in the test dtype; ``dq_hv``, ``dk_hv``
 fp32), and against the same formulas evaluated by torch in fp32.
 

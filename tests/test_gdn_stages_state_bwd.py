@@ -1,10 +1,10 @@
 """Gated DeltaNet backward stages in Triton: ``dv_local`` and the reverse state pass, against the chunked reference.
 
-Each launcher is fed the fp64 reference's own intermediates (:func:`chunk_gdn_stages`: the
+Each launcher is fed the fp64 reference's own intermediates (``chunk_gdn_stages``: the
 normalised q and k are re-derived by the kernels from the raw inputs, ``w`` and ``g_cum`` are
 the reference's; a random ``do`` and, in some cases, a random ``dht``), cast to the test dtype,
-and compared with the matching reference stage in fp64 (:func:`chunk_dv_local`: ``dv_local``;
-:func:`chunk_state_backward`: ``dh``, ``dv_new``, ``dh0``), converted to the packed layout with
+and compared with the matching reference stage in fp64 (``chunk_dv_local``: ``dv_local``;
+``chunk_state_backward``: ``dh``, ``dv_new``, ``dh0``), converted to the packed layout with
 ``from_chunks``. The reference reads ``g_cum`` in its padded layout as the backward assembly makes
 it, ``chunk_local_cumsum(to_chunks(g))`` (flat past a chunk's end), not ``to_chunks`` of the packed
 ``g_cum``. A chained test runs both kernels one after the other (the state pass reads the
@@ -27,7 +27,7 @@ NaN-poisoned by the conftest, so an unwritten element fails):
 
 On the CPU, Triton's interpreter would multiply bf16 dot operands as integer bit patterns and
 truncates fp32 -> bf16 conversions; the launchers then widen bf16 dot operands to fp32 (exact)
-and round to nearest even on the bits (``state._dot``, ``state._round``), so the CPU tests check
+and round to nearest even on the bits (``common.dot``, ``common.round_to`` in ``dsfuse.gdn.triton.common``), so the CPU tests check
 the GPU's numerics. The same tests run on the GPU (``device`` "cuda") with the same bounds.
 
 Exact: an empty document's ``dh0`` is its ``dht`` (or zero) bit for bit; two runs give the same bits.
@@ -50,6 +50,7 @@ from dsfuse.gdn import chunk_gdn_stages, prepare_chunk_offsets
 from dsfuse.gdn.reference import chunk_local_cumsum, from_chunks, to_chunks
 from dsfuse.gdn.reference_backward import chunk_dv_local, chunk_state_backward
 from dsfuse.gdn.triton import state_bwd
+from dsfuse.gdn.triton.common import BLACKWELL, assume_family
 from dsfuse.gdn.triton.state_bwd import launch_dv_local, launch_state_backward
 from gdn_stage_inputs import DK, DTYPES, DV, F64, head_view, qk_views
 from gdn_stage_inputs import make_inputs as stage_inputs
@@ -226,11 +227,11 @@ def test_chained(heads, gates, dtype, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_blackwell_setting(device, monkeypatch):
+def test_blackwell_setting(device):
     """The state pass in Blackwell's launch setting (16 value channels, 2 warps): four value blocks for V = 64."""
-    monkeypatch.setattr(state_bwd, "family_config", lambda device, hopper, blackwell: blackwell)
-    assert state_bwd.launch_config(torch.device(device), DV)[0] < DV
-    check_chained("docs_1_45_0_130", (1, 3), "model", device, torch.bfloat16, seed=5)
+    with assume_family(BLACKWELL):
+        assert state_bwd.launch_config(torch.device(device), DV)[0] < DV
+        check_chained("docs_1_45_0_130", (1, 3), "model", device, torch.bfloat16, seed=5)
 
 
 @pytest.mark.slow

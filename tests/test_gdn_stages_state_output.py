@@ -1,8 +1,8 @@
 """Gated DeltaNet forward stages in Triton: the state pass and the output, against the chunked reference.
 
-Each launcher is fed the reference's own intermediates (:func:`chunk_gdn_stages` in fp64, the
+Each launcher is fed the reference's own intermediates (``chunk_gdn_stages`` in fp64, the
 inputs the stage reads cast to the test dtype) and compared with the matching reference stage
-(:func:`chunk_state_pass`: ``h``, ``v_new``, ``final_state``; :func:`chunk_output`: ``o``). An
+(``chunk_state_pass``: ``h``, ``v_new``, ``final_state``; ``chunk_output``: ``o``). An
 end-to-end test chains the reference's cumulative gate and WY outputs through both kernels and
 compares ``o`` and the final state with the fp64 token-by-token recurrence.
 
@@ -24,7 +24,7 @@ NaN-poisoned by the conftest, so an unwritten element fails):
 
 On the CPU, Triton's interpreter would multiply bf16 dot operands as integer bit patterns and
 truncates fp32 -> bf16 conversions; the launchers then widen bf16 dot operands to fp32 (exact)
-and round to nearest even on the bits (``state._dot``, ``state._round``), so the CPU tests check
+and round to nearest even on the bits (``common.dot``, ``common.round_to`` in ``dsfuse.gdn.triton.common``), so the CPU tests check
 the GPU's numerics. The same tests run on the GPU (``device`` "cuda") with the same bounds.
 
 Exact: tokens past ``cu_seqlens[-1]`` get ``v_new = o = 0``; an empty document's final state

@@ -1,7 +1,7 @@
 """Gated DeltaNet forward stages in Triton (chunk-local cumulative gate, UT transform, WY
 representation) against the matching stages of the chunked reference in float64.
 
-The reference is :func:`dsfuse.gdn.reference.chunk_gdn_stages` on the same inputs (the
+The reference is ``dsfuse.gdn.reference.chunk_gdn_stages`` on the same inputs (the
 kernels' input dtype, upcast). ``A``, ``w`` and ``u`` are compared with the reference stages
 (``ut_transform``, ``wy_representation``) fed the ``g_cum`` the kernel was given (the cumsum
 kernel's fp32 output), so each stage's error is its own; the whole chain is also compared
@@ -31,7 +31,7 @@ Tolerances (derived, not tuned):
 
 Every element of a chunk's rows is checked (outputs start as NaN, see ``conftest``); rows
 of tokens in no chunk (past ``cu_seqlens[-1]``) are not written by these stages and not
-checked. Gates are the model's (:func:`gdn_gates` from ``A_log`` and a softplus of the
+checked. Gates are the model's (``gdn_gates`` from ``A_log`` and a softplus of the
 projection), mild and strongly decaying (per-token log decay down to about -1000).
 
 Shapes: one sequence with T not a multiple of 64; documents of length 1, shorter than a

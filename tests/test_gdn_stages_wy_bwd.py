@@ -2,15 +2,15 @@
 the chunked reference in fp64.
 
 The launcher is fed the reference's own intermediates: the forward stages of
-:func:`chunk_gdn_stages` (fp64) give ``A`` and ``g_cum``; the backward stages of
-:mod:`dsfuse.gdn.reference_backward` before this one (``chunk_dv_local``,
+``chunk_gdn_stages`` (fp64) give ``A`` and ``g_cum``; the backward stages of
+``dsfuse.gdn.reference_backward`` before this one (``chunk_dv_local``,
 ``chunk_state_backward``, ``chunk_dqkwg``, from a random ``do``) give the real ``dw``, ``du``
 (``= dv_new``) and ``dg_in`` (the gate gradient from the output and the state update). Each is
 cast to what the kernel reads (``A``, ``g_cum``, ``dg_in`` fp32; ``k``, ``v``, ``beta``,
-``dw``, ``du`` in the test dtype), and :func:`wy_backward` followed by
-:func:`chunk_local_cumsum_backward` runs in fp64 on the same cast values. The padded layout's
+``dw``, ``du`` in the test dtype), and ``wy_backward`` followed by
+``chunk_local_cumsum_backward`` runs in fp64 on the same cast values. The padded layout's
 ``G`` comes from ``chunk_local_cumsum(to_chunks(g))`` (flat past a chunk's end), as
-:func:`chunk_gdn_backward_reference` makes it; ``dg_in``'s entry at a short chunk's padded
+``chunk_gdn_backward_reference`` makes it; ``dg_in``'s entry at a short chunk's padded
 last position (the gradient of ``G_last``) moves to the chunk's last token, where the packed
 layout keeps it (the reverse cumulative sum is the same). ``dk`` is in/out: it starts from a
 random fp32 tensor (of ``dk_wy``'s size) and must end as that start plus ``dk_wy``.
@@ -35,7 +35,7 @@ unwritten element fails):
 
 On the CPU, Triton's interpreter would multiply bf16 dot operands as integer bit patterns and
 truncates fp32 -> bf16 conversions; the kernel widens bf16 dot operands to fp32 (exact) and
-rounds on the bits there (``state._dot``, ``state._round``), so the CPU tests check the GPU's
+rounds on the bits there (``common.dot``, ``common.round_to`` in ``dsfuse.gdn.triton.common``), so the CPU tests check the GPU's
 numerics. The same tests run on the GPU (``device`` "cuda") with the same bounds.
 
 Exact (bf16, one value head, packed documents, strong gates): ``dg`` written over ``dg_in``

@@ -4,14 +4,42 @@ import pandas as pd
 import pytest
 import torch
 
-from dsfuse.bench import host_time
+from dsfuse.bench import experiments, host_time, report, tables
 
 
-@pytest.mark.parametrize("op", sorted(host_time.OPS))
+@pytest.mark.parametrize("op", sorted(experiments()))
 def test_every_call_runs(op):
-    """Each listed call runs once on CPU (Triton in the interpreter), so an API change cannot break the run."""
-    for call, provider, fn in host_time.OPS[op](torch.device("cpu")):
+    """Each call of every op with an experiment runs once on CPU (the reference where the call picks
+    ``auto``, Triton in the interpreter where it names it), so an API change cannot break the run."""
+    calls = host_time.op_calls(op, torch.device("cpu"))
+    assert {provider for _, provider, _ in calls} >= {"dsfuse", "eager PyTorch"}
+    assert len({(call, provider) for call, provider, _ in calls}) == len(calls)  # one row each
+    for call, provider, fn in calls:
         fn()
+
+
+def test_gdn_rows_are_the_forward_and_the_autograd_step_of_both_providers():
+    names = [(call, provider) for call, provider, _ in host_time.op_calls("gdn", torch.device("cpu"))]
+    for call in ("forward", "autograd forward+backward"):
+        assert (call, "dsfuse") in names and (call, "eager PyTorch") in names
+
+
+def test_host_time_and_report_do_not_import_each_other():
+    """host_time measures and renders through report; report never imports host_time (no circle)."""
+    import ast
+    import inspect
+
+    def imported(module) -> set[str]:
+        names = set()
+        for node in ast.walk(ast.parse(inspect.getsource(module))):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+            elif isinstance(node, ast.Import):
+                names |= {a.name for a in node.names}
+        return names
+
+    assert "dsfuse.bench.host_time" not in imported(report)
+    assert not any(name.startswith("dsfuse.bench.report") for name in imported(tables))
 
 
 def test_table_medians_and_targets():
@@ -20,7 +48,7 @@ def test_table_medians_and_targets():
                                ("autograd forward+backward", "dsfuse", (250, 190, 260)),
                                ("bare launch", "baseline", (12, 13, 14)))
             for i, v in enumerate(vals)]
-    got = host_time.table(pd.DataFrame(rows)).set_index("call")
+    got = tables.host_time_table(pd.DataFrame(rows)).set_index("call")
     assert got.loc["forward", "dsfuse us"] == "34.0" and got.loc["forward", "met"] == "yes"
     assert got.loc["forward", "eager PyTorch us"] == "61.0"
     assert got.loc["autograd forward+backward", "met"] == "NO"
@@ -33,7 +61,17 @@ def test_cutedsl_target_judges_whole_calls_only():
             for c, vals in (("forward", (14, 15, 16)), ("backward (functional)", (20, 21, 22)),
                             ("forward part: compiled function alone (TVM-FFI call, 6 tensors)", (30, 30, 30)))
             for i, v in enumerate(vals)]
-    got = host_time.table(pd.DataFrame(rows)).set_index("call")
+    got = tables.host_time_table(pd.DataFrame(rows)).set_index("call")
     column = "cutedsl <= 15 us"
     assert got.loc["forward", column] == "yes" and got.loc["backward (functional)", column] == "NO"
     assert got.loc["forward part: compiled function alone (TVM-FFI call, 6 tensors)", column] == ""
+
+
+def test_a_committed_run_renders_its_table_and_figures():
+    """The committed host-time runs render through report (anchor, GPU, table) as before the move."""
+    run_dir = report.latest_host_time("vision_rope", "h200")
+    text = report.render_host_time("vision_rope", run_dir)
+    assert f'<a id="host-time-{run_dir.name}"></a>' in text and "#### Host time per eager call (NVIDIA H200)" in text
+    assert "| backward op (forward call)" in text
+    figures = report.host_time_figures(run_dir)
+    assert figures["backward op (forward call)"]["dsfuse"] > 0

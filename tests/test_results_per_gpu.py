@@ -11,7 +11,7 @@ import pandas as pd
 import pytest
 import yaml
 
-from dsfuse.bench import env, report, tables
+from dsfuse.bench import env, experiments, report, tables
 from dsfuse.bench.__main__ import check_flush, config_for
 
 REPO = Path(__file__).resolve().parents[1]
@@ -72,7 +72,10 @@ def test_committed_runs_link_their_raw_folder_on_the_repository():
 
     url = "https://github.com/dsfuse/dsfuse/tree/main/experiments/text_rope/raw/" + H200_RUN.name
     assert raw_url(H200_RUN) == url
-    assert report.raw_link(H200_RUN, "raw") == f"[raw]({url})"
+    added = env._git("log", "-1", "--diff-filter=A", "--format=%h", "--", f"experiments/text_rope/raw/{H200_RUN.name}")
+    assert added, "the run's raw folder is committed"
+    pinned = url.replace("/tree/main/", f"/tree/{added}/")  # the commit that added the raw data, not a branch
+    assert report.raw_link(H200_RUN, "raw") == f"[raw]({pinned})"
     assert report.raw_link(REPO / "build" / "smoke" / "x", "raw") == "`build/smoke/x`"
 
 
@@ -140,6 +143,13 @@ def test_runs_without_a_hash_are_compared_by_commit():
     assert env.source_state("engram_gate", {})["state"] == "unknown"
 
 
+def _kernel_file(op: str, backend: str) -> str:
+    """The first kernel module of ``op``'s ``backend`` in the registry, as a path under ``kernels/dsfuse/``."""
+    from dsfuse._common.backends import load_all_ops
+
+    return load_all_ops()[op].kernels[backend][0].removeprefix("dsfuse.").replace(".", "/") + ".py"
+
+
 def test_a_hash_of_other_files_is_compared_by_commit():
     """A run whose recorded hash covers another set of files (the CuTe DSL backend was added to the
     hashed files after it) is compared by git over the current files, not called changed by its hash."""
@@ -147,7 +157,7 @@ def test_a_hash_of_other_files_is_compared_by_commit():
         pytest.skip("needs the git checkout")
     run = json.loads((REPO / "experiments" / "engram_gate" / "raw" / "20261201-022130-h200" / "env.json").read_text())
     assert run["kernel_sources"]["files"] == ["kernels/dsfuse/engram_gate/triton.py"]
-    assert "kernels/dsfuse/engram_gate/cutedsl.py" in env.kernel_sources("engram_gate")["files"]
+    assert f"kernels/dsfuse/{_kernel_file('engram_gate', 'cutedsl')}" in env.kernel_sources("engram_gate")["files"]
     assert env.source_state("engram_gate", run)["how"] == "git"
 
 
@@ -167,7 +177,7 @@ def test_an_edit_of_prose_alone_is_not_a_kernel_change(tmp_path):
     git("add", "-A")
     git("commit", "-qm", "run")
     run = dict(git_commit=git("rev-parse", "HEAD"), kernel_sources=env.kernel_sources("text_rope", package))
-    kernel = package / "text_rope" / "triton.py"
+    kernel = package / _kernel_file("text_rope", "triton")
     source = kernel.read_text()
     kernel.write_text(source.replace('"""', '"""Reworded. ', 1) + "\n# a comment\n")
     state = env.source_state("text_rope", run, package)
@@ -180,15 +190,20 @@ def test_the_kernel_hash_covers_the_op_kernels_and_their_package_imports(tmp_pat
     package = tmp_path / "dsfuse"
     shutil.copytree(REPO / "kernels" / "dsfuse", package, ignore=shutil.ignore_patterns("__pycache__"))
     files = [p.relative_to(package).as_posix() for p in env.kernel_files("text_rope", package)]
-    assert files == ["_common/aot.py", "text_rope/triton.py"]  # not api.py, not the package __init__
+    assert files == [_kernel_file("text_rope", "triton")]  # not api.py, not the table (__init__), not aot.py
     vision = [p.relative_to(package).as_posix() for p in env.kernel_files("vision_rope", package)]
-    assert {"vision_rope/triton.py", "vision_rope/cutedsl.py", "_common/cutedsl.py"} <= set(vision)
+    assert {_kernel_file("vision_rope", "triton"), _kernel_file("vision_rope", "cutedsl"),
+            "_common/cutedsl.py"} <= set(vision)
     before = env.kernel_sources("text_rope", package)["sha256"]
     (package / "text_rope" / "api.py").write_text("# changed\n")
     assert env.kernel_sources("text_rope", package)["sha256"] == before
-    with (package / "_common" / "aot.py").open("a") as f:
+    with (package / "_common" / "aot.py").open("a") as f:  # the compile check is not kernel code
         f.write("# changed\n")
-    assert env.kernel_sources("text_rope", package)["sha256"] != before
+    assert env.kernel_sources("text_rope", package)["sha256"] == before
+    before = env.kernel_sources("vision_rope", package)["sha256"]
+    with (package / "_common" / "cutedsl.py").open("a") as f:  # a package module a kernel module imports
+        f.write("# changed\n")
+    assert env.kernel_sources("vision_rope", package)["sha256"] != before
 
 
 def test_a_new_run_records_the_kernel_hash():
@@ -210,16 +225,20 @@ def test_the_config_follows_the_gpu_name():
         config_for("text_rope", "NVIDIA A100-SXM4-80GB")
 
 
-@pytest.mark.parametrize("op", ["text_rope", "vision_rope", "engram_gate"])
+PER_GPU = ("timing", "targets", "peak_tflops")  # what a GPU's config may set its own way (peak: a datasheet figure)
+
+
+@pytest.mark.parametrize("op", sorted(experiments()))
 def test_b200_configs_evict_the_b200_l2_and_keep_the_model_geometry(op):
+    """Every op with an experiment (from the registry) has an H200 and a B200 config that measure the
+    same shapes and providers; the B200's evicts its L2."""
     configs = REPO / "experiments" / op / "configs"
     b200, h200 = (yaml.safe_load((configs / f"{g}.yaml").read_text()) for g in ("b200", "h200"))
     assert b200["timing"]["flush_bytes"] >= 2 * B200_L2
     check_flush(b200, B200_L2, "NVIDIA B200")
     with pytest.raises(SystemExit, match="flush_bytes"):
         check_flush(dict(timing=dict(flush_bytes=B200_L2)), B200_L2, "NVIDIA B200")
-    assert {k: v for k, v in b200.items() if k not in ("timing", "targets")} == \
-        {k: v for k, v in h200.items() if k not in ("timing", "targets")}
+    assert {k: v for k, v in b200.items() if k not in PER_GPU} == {k: v for k, v in h200.items() if k not in PER_GPU}
     assert "copy_bytes" in b200["timing"]  # the bandwidth is measured in the run, never typed
 
 

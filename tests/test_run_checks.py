@@ -102,8 +102,8 @@ def test_cli_smoke_run_checks_dsfuse_kernels(tiny_text_rope_config):
 
 @pytest.mark.slow
 def test_cli_planted_wrong_result_fails_the_run(tiny_text_rope_config):
-    plant = ("import dsfuse.text_rope.api as api; _launch = api.launch_rope; "
-             "api.launch_rope = lambda *a, **k: _launch(*a, **k).add_(1.0)")
+    plant = ("import dsfuse.text_rope.triton.kernels as k; _launch = k.launch_rope; "
+             "k.launch_rope = lambda *a, **kw: _launch(*a, **kw).add_(1.0)")
     done = _bench(tiny_text_rope_config, plant)
     assert done.returncode == 1, done.stdout + done.stderr
     assert "FAILED: 2 dsfuse provider(s) failed their checks: text_rope/dsfuse, text_rope/dsfuse-inplace" in done.stdout

@@ -25,6 +25,7 @@ from dsfuse.vision_rope import (
     vision_rope_backward_reference,
     vision_rope_forward,
 )
+from dsfuse._common.backends import BACKENDS as BACKEND_KINDS
 from dsfuse.vision_rope import api as vr_api
 
 SHAPES = [(16, 1, 64), (16, 7, 64), (16, 77, 64), (3, 130, 8), (5, 33, 32)]  # (H, T, D)
@@ -68,7 +69,7 @@ def test_backward_matches_eager_autograd(shape, dtype, device):
 @pytest.mark.parametrize("shape", [(16, 77, 64), (3, 130, 8), (6, 33, 32)], ids=lambda s: "H{}_T{}_D{}".format(*s))
 def test_launch_constants(shape, block_t, device, monkeypatch):
     """Every tokens-per-program setting gives the same bits, backward and forward."""
-    from dsfuse.vision_rope import triton as vr_triton
+    from dsfuse.vision_rope.triton import kernels as vr_triton
 
     monkeypatch.setattr(vr_triton, "TOKENS_PER_PROGRAM", block_t)
     dq, dk_hdt, dv, cos, sin = grads(*shape, torch.float32, device, seed=3)
@@ -215,24 +216,28 @@ def test_head_dims_the_triton_kernels_refuse(monkeypatch):
         vision_rope_backward(dq, dk_hdt, dv, cos, sin, backend="triton")
     with pytest.raises(ValueError, match=r"backend='triton' cannot serve .*D / 2 = 6 is not a power of two"):
         vision_rope_attention_front(torch.randn(9, 72), cos, sin, 2, backend="triton")
-    asked = []  # the per-backend reasons each public function hands to auto
-    choose = type(vr_api.BACKENDS).choose  # a frozen dataclass: the method is patched on the class
-    monkeypatch.setattr(type(vr_api.BACKENDS), "choose",
-                        lambda self, *a, own=None: asked.append(own) or choose(self, *a, own=own))
+    asked = []  # the call and arguments each public function hands to the registry
+    entry = vr_api.BACKENDS
+    choose = type(entry).choose  # a frozen dataclass: the method is patched on the class
+    monkeypatch.setattr(type(entry), "choose", lambda self, *a, **k: asked.append(k) or choose(self, *a, **k))
     vision_rope_backward(dq, dk_hdt, dv, cos, sin)
     vision_rope_attention_front(torch.randn(9, 72), cos, sin, 2)
-    assert len(asked) == 2 and all(own["triton"]() and own["cutedsl"]() for own in asked)
+    assert [k["call"] for k in asked] == ["backward", "forward"]
+    for k in asked:  # every backend with a kernel for the call refuses D = 12 by its own reasons
+        assert all(entry.own_reasons(name, k["call"], k["args"], auto=True) for name in entry.serving(k["call"]))
     dq16, dk16, dv16 = torch.randn(2, 9, 16), torch.randn(2, 16, 9), torch.randn(2, 9, 16)
     c16, s16 = vision_cos_sin(3, 3, 8)
     vision_rope_backward(dq16, dk16, dv16, c16, s16)
-    assert asked[-1]["triton"]() == []
+    assert entry.own_reasons("triton", "backward", asked[-1]["args"]) == []
     monkeypatch.undo()
     monkeypatch.setattr("dsfuse._common.backends._FAMILIES", {0: "sm_90"})
     cuda = torch.device("cuda", 0)
-    own = {"triton": lambda: vr_api._triton_reasons(12), "cutedsl": lambda: ["D = 12"]}
-    assert vr_api.BACKENDS.choose("auto", cuda, torch.bfloat16, own=own) == "reference"
-    assert vr_api.BACKENDS.choose("auto", cuda, torch.bfloat16, own={"triton": lambda: vr_api._triton_reasons(16),
-                                                                      "cutedsl": lambda: ["x"]}) == "triton"
+    args12 = (dq, dk_hdt.transpose(1, 2), dv, cos, sin)
+    assert entry.choose("auto", cuda, torch.float32, call="backward", args=args12) == "reference"
+    args16 = (dq16, dk16.transpose(1, 2), dv16, c16, s16)
+    served = [name for name in entry.auto_order(cuda) if BACKEND_KINDS[name].installed]  # the extra may be left out
+    assert entry.choose("auto", cuda, torch.float32, call="backward", args=args16) == served[0]
+    assert entry.choose("auto", cuda, torch.float32, call="forward", args=(torch.randn(9, 96), c16, s16, 2)) == "triton"
 
 
 @pytest.mark.parametrize("device", DEVICES)

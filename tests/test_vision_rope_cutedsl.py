@@ -38,7 +38,7 @@ from dsfuse.vision_rope import (
 from dsfuse.vision_rope import api as vr_api
 
 cutedsl_or_skip()
-vc = importlib.import_module("dsfuse.vision_rope.cutedsl")
+vc = importlib.import_module("dsfuse.vision_rope.cutedsl.kernels")
 
 ARCHS = ("sm_90a", "sm_100a")
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -138,17 +138,17 @@ def test_registration_and_auto(monkeypatch):
     """Registered with its kernel module and dtypes; ``auto`` takes it first on Hopper (measured there),
     Triton on Blackwell (not measured), and Triton where the kernel does not compile for the call."""
     entry = vr_api.BACKENDS
-    assert entry.kernels["cutedsl"] == ("dsfuse.vision_rope.cutedsl",)
+    assert entry.kernels["cutedsl"] == ("dsfuse.vision_rope.cutedsl.kernels",)
     assert tuple(entry.dtypes["cutedsl"]) == vc.FUSED_DTYPES
     assert entry.preference == {"sm_90": ("cutedsl", "triton"), "sm_100": ("triton",)}
     monkeypatch.setattr("dsfuse._common.backends._FAMILIES", {0: "sm_90"})
     cuda = torch.device("cuda", 0)
-    dq, _, _, cos, sin = grads(16, 33, 64, torch.bfloat16, "cpu", seed=1)
-    own = {"cutedsl": lambda: vr_api._cutedsl_reasons(dq, cos, sin)}
-    assert entry.choose("auto", cuda, torch.bfloat16, own=own) == "cutedsl"
-    dq6, _, _, cos6, sin6 = grads(2, 33, 12, torch.bfloat16, "cpu", seed=1)  # D = 12: not a multiple of 8
-    own = {"cutedsl": lambda: vr_api._cutedsl_reasons(dq6, cos6, sin6)}
-    assert entry.choose("auto", cuda, torch.bfloat16, own=own) == "triton"
+    dq, dk_hdt, dv, cos, sin = grads(16, 33, 64, torch.bfloat16, "cpu", seed=1)
+    args = (dq, dk_hdt.transpose(1, 2), dv, cos, sin)
+    assert entry.choose("auto", cuda, torch.bfloat16, call="backward", args=args) == "cutedsl"
+    dq6, dk6, dv6, cos6, sin6 = grads(2, 33, 12, torch.bfloat16, "cpu", seed=1)  # D = 12: not a multiple of 8
+    args = (dq6, dk6.transpose(1, 2), dv6, cos6, sin6)
+    assert entry.choose("auto", cuda, torch.bfloat16, call="backward", args=args) == "reference"  # D / 2 = 6 too
     assert [spec.name for spec in vc.AOT_SPECS] == ["vision_rope_bwd_bf16", "vision_rope_bwd_bf16_no_v"]
 
 
@@ -201,7 +201,7 @@ def test_refusals_name_their_reason():
     finally:
         object.__setattr__(kind, "installed", True)
     qkv = torch.randn(9, 3 * 4 * 8)
-    with pytest.raises(ValueError, match="the CuTe DSL backend has the backward only"):
+    with pytest.raises(ValueError, match="the CuTe DSL backend has no forward kernel for vision_rope"):
         vision_rope_forward(qkv, cos, sin, 4, backend="cutedsl")
 
     assert "not a multiple of 8" in vc.shape_reasons(torch.bfloat16, 2, 12)[0]
@@ -267,7 +267,7 @@ def test_model_geometries_bitwise(grid):
 def test_without_dv_the_v_columns_are_zero(dtype):
     """dv=None (the differentiable forward's gradient of q and k alone): +0.0 in the v columns."""
     dq, dk_hdt, dv, cos, sin = grads(16, 77, 64, dtype, CUDA, seed=5)
-    got = vr_api.backward_op_cutedsl(dq, dk_hdt.transpose(1, 2), None, cos, sin)
+    got = vr_api.backward_ops["cutedsl"](dq, dk_hdt.transpose(1, 2), None, cos, sin)
     want = vision_rope_backward_autograd(dq, dk_hdt, torch.zeros_like(dv), cos, sin)
     assert_bitwise(got, want, "no dV")
     assert (got[:, 2 * 16 * 64:].view(torch.int16 if dtype != torch.float32 else torch.int32) == 0).all()
@@ -370,9 +370,9 @@ def test_auto_takes_cutedsl_on_hopper_where_it_serves(monkeypatch):
     if gpu_family(torch.device(CUDA)) != "sm_90":
         pytest.skip("the measured order is Hopper's")
     ran = Counter()
-    for name in ("backward_op", "backward_op_cutedsl"):
-        op = getattr(vr_api, name)
-        monkeypatch.setattr(vr_api, name, lambda *a, _op=op, _name=name: ran.update([_name]) or _op(*a))
+    for backend, name in (("triton", "backward_op"), ("cutedsl", "backward_op_cutedsl")):
+        op = vr_api.backward_ops[backend]
+        monkeypatch.setitem(vr_api.backward_ops, backend, lambda *a, _op=op, _name=name: ran.update([_name]) or _op(*a))
     args = model_grads(39, 39, 11)
     assert_bitwise(vision_rope_backward(*args), vision_rope_backward_autograd(*args), "auto, functional")
     assert ran == {"backward_op_cutedsl": 1}

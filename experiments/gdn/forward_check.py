@@ -25,7 +25,8 @@ import torch
 from dsfuse.bench import env as env_mod
 from dsfuse.bench.harness import Timer, bits, capture_graph, write_csv
 from dsfuse.gdn import chunk_gdn, gdn_gates, naive_recurrent_gdn
-from dsfuse.gdn.api import TRITON_FORWARD, _validate
+from dsfuse.gdn.api import _validate
+from dsfuse.gdn.triton import FORWARD as TRITON_FORWARD
 from dsfuse.gdn.schedule import stage_calls
 
 HEADS, VALUE_HEADS, DIM = 16, 48, 128

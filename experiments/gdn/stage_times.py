@@ -9,7 +9,7 @@ final state), L2 norm on and off (the config's ``l2norm``):
 
 1. Stage times: every forward stage call of :func:`dsfuse.gdn.schedule.stage_calls` and every
    backward stage call of :func:`dsfuse.gdn.schedule.backward_calls` (Triton stages,
-   ``dsfuse.gdn.api.TRITON_FORWARD`` / ``TRITON_BACKWARD``; q, k, v head views of one packed row
+   ``dsfuse.gdn.triton.FORWARD`` / ``BACKWARD``; q, k, v head views of one packed row
    and dq, dk, dv written into one packed gradient row, as ``chunk_gdn`` does for them), each
    captured alone in a CUDA Graph and replayed with the L2 overwritten before each call
    (:class:`dsfuse.bench.harness.Timer`, evicted regime); also the whole forward and the whole
@@ -59,7 +59,8 @@ def experiment_case(config: dict, mode: str, l2: bool):
 def stage_rows(config: dict, l2: bool, timer: Timer, samples: int, device: torch.device) -> list[dict]:
     """Per-stage and whole-pass samples of the Triton forward and backward at the experiment's shape."""
     from dsfuse.gdn import schedule
-    from dsfuse.gdn.api import TRITON_BACKWARD, TRITON_FORWARD
+    from dsfuse.gdn.triton import BACKWARD as TRITON_BACKWARD
+    from dsfuse.gdn.triton import FORWARD as TRITON_FORWARD
     from dsfuse.gdn.packed import packed_grad_row
 
     case = experiment_case(config, "fwd+bwd", l2)

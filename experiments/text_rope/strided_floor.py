@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from dsfuse.bench.harness import Timer, capture_graph, write_csv
-from dsfuse.text_rope import triton as rope_triton
+from dsfuse.text_rope.triton import kernels as rope_triton
 
 SHAPE = (1, 4096, 64, 512)
 ROTARY = 64

@@ -14,7 +14,7 @@ import argparse
 import torch
 
 from dsfuse.bench.harness import Timer, capture_graph, sweep
-from dsfuse.text_rope import triton as rope_triton
+from dsfuse.text_rope.triton import kernels as rope_triton
 
 SETTINGS = {"elements": [1024, 2048, 4096, 8192, 16384], "warps": [1, 2, 4, 8], "mode": ["fwd", "bwd", "inplace"],
             "regime": ["evicted"]}

@@ -21,7 +21,7 @@ import functools
 import torch
 
 from dsfuse.bench.harness import Timer, capture_graph, sweep
-from dsfuse.vision_rope import triton as vr_triton
+from dsfuse.vision_rope.triton import kernels as vr_triton
 from dsfuse.vision_rope.reference import vision_rope_backward_reference
 
 HEADS, DIM = 16, 64

@@ -19,7 +19,7 @@ import torch
 from tune_blocks import DIM, HEADS, problem  # the Triton sweep's inputs, same seeds (dK: p["dk"]["hdt"])
 
 from dsfuse.bench.harness import Timer, capture_graph, sweep
-from dsfuse.vision_rope import triton as vr_triton
+from dsfuse.vision_rope.triton import kernels as vr_triton
 
 TILE_BYTES, HEADS_PER_CTA = (64, 128), (1, 2, 4)
 
@@ -37,7 +37,7 @@ def settings(tokens_list: list[int]) -> list[dict]:
 
 def build(s: dict):
     """The CUDA Graph of one setting, after checking the backward bitwise (the copy is not checked)."""
-    from dsfuse.vision_rope import cutedsl as vr_cutedsl
+    from dsfuse.vision_rope.cutedsl import kernels as vr_cutedsl
 
     p = problem(s["tokens"])
     dev = p["out"].device

@@ -1,8 +1,19 @@
 """Shared machinery of every op: validation vocabulary, op declaration, backends, launch helpers."""
 
-from dsfuse._common.backends import AUTO, BACKENDS, REFERENCE, OpBackends, gpu_family, interpreting, register
+from dsfuse._common.backends import (
+    AUTO,
+    BACKENDS,
+    KERNEL_DTYPES,
+    REFERENCE,
+    BackendTable,
+    OpBackends,
+    gpu_family,
+    interpreting,
+    no_reasons,
+    register,
+)
 from dsfuse._common.launch import on_stream
-from dsfuse._common.op import DeclaredOp, declare_op, tracing
+from dsfuse._common.op import DeclaredOp, declare_backend_ops, declare_op, tracing
 from dsfuse._common.validation import (
     FLOAT_DTYPES,
     addresses_known,
@@ -24,7 +35,9 @@ __all__ = [
     "AUTO",
     "BACKENDS",
     "FLOAT_DTYPES",
+    "KERNEL_DTYPES",
     "REFERENCE",
+    "BackendTable",
     "DeclaredOp",
     "OpBackends",
     "addresses_known",
@@ -40,10 +53,12 @@ __all__ = [
     "check_shape",
     "tracing",
     "check_tensor",
+    "declare_backend_ops",
     "declare_op",
     "gpu_family",
     "interpreting",
     "memory_span",
+    "no_reasons",
     "on_stream",
     "register",
 ]

@@ -5,36 +5,45 @@ A backend is a way to compute an op's math:
 * ``reference``: the op's eager PyTorch reference (``<op>/reference.py``); serves every call.
 * ``triton``: the fused Triton kernels; CUDA tensors, or CPU tensors under Triton's
   interpreter (``TRITON_INTERPRET=1``, how CI runs them).
-* ``cutedsl`` (registered by the ops that have CuTe DSL kernels): CUDA only, needs the
-  ``cutedsl`` extra.
+* ``cutedsl``: the fused CuTe DSL kernels; CUDA only, needs the ``cutedsl`` extra.
 
-Each op registers an :class:`OpBackends`: the modules that hold its kernels per backend
-(where the AOT check finds them), the dtypes each fused backend computes in, and the
-order ``backend="auto"`` tries the fused backends in on each GPU family. Every public
-entry point asks :func:`choose` (after validating its arguments, so a call is accepted
-or refused the same way whatever serves it):
+Each fused backend of an op is a package, ``dsfuse/<op>/<backend>/``, whose ``__init__.py`` exports
+one [`BackendTable`][dsfuse._common.backends.BackendTable] named ``TABLE``: the dtypes it computes in,
+the calls it serves with each call's reasons against it, its kernel modules (where the AOT check
+finds ``AOT_SPECS``) and a loader of its launchers (or stage tables), imported on first use, so a
+table imports without its backend's package. [`register`][dsfuse._common.backends.register]
+(``BACKENDS = register("<op>")`` in the op's ``api.py``) finds the tables; the op's code never
+names a backend. Every public entry point asks
+[`OpBackends.choose`][dsfuse._common.backends.OpBackends.choose] (after validating its arguments,
+so a call is accepted or refused the same way whatever serves it):
 
-* ``backend="<name>"``: that backend, or ``ValueError`` naming every reason it cannot
-  serve the call;
-* ``backend="auto"``: on CUDA the first fused backend of the GPU family's order that
-  serves the call, else the reference; on the CPU the reference (the interpreter is
-  for tests, never picked by ``auto``).
+* ``backend="<name>"``: that backend, or ``ValueError`` naming every reason it cannot serve the
+  call;
+* ``backend="auto"``: on CUDA the first fused backend of the GPU family's order that serves the
+  call, else the reference; on the CPU the reference (the interpreter is for tests, never picked
+  by ``auto``).
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
+import logging
 import os
 import pkgutil
 import sys
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
+from dsfuse._common.op import tracing
+
 AUTO = "auto"
 REFERENCE = "reference"
+LOG = logging.getLogger("dsfuse")
 
 
 def interpreting() -> bool:
@@ -79,6 +88,9 @@ class Backend:
     interpreter_on_cpu: bool = False  # runs CPU tensors under TRITON_INTERPRET=1
     aot_archs: tuple[str, ...] = ()  # targets the AOT check compiles its kernels for
     also_needs: tuple[str, ...] = ()  # other importable modules of the same extra
+    # its tables' reasons read data pointers: while torch.compile traces (fake tensors) ``auto`` does
+    # not pick it, and a call that names it is checked by its declared op when that runs
+    reasons_need_addresses: bool = False
     installed: bool = field(init=False)  # looked up once, so torch.compile traces no import machinery
 
     def __post_init__(self):
@@ -104,102 +116,287 @@ class Backend:
 BACKENDS: dict[str, Backend] = {
     "triton": Backend("triton", "Triton", "triton", interpreter_on_cpu=True, aot_archs=("sm_90", "sm_100")),
     "cutedsl": Backend("cutedsl", "CuTe DSL", "cutlass", extra="cutedsl", aot_archs=("sm_90a", "sm_100a"),
-                       also_needs=("tvm_ffi",)),
+                       also_needs=("tvm_ffi",), reasons_need_addresses=True),
 }
+
+KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # what the fused kernels so far compute in
+
+
+# -- the GPU of a device (looked up once per device index) -----------------------------------
+
+_CAPABILITIES: dict[int, tuple[int, int]] = {}
+_FAMILIES: dict[int, str] = {}
+
+
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def capability(device: torch.device) -> tuple[int, int]:
+    """``(major, minor)`` compute capability of a CUDA device, looked up once per device."""
+    index = _index(device)
+    if index not in _CAPABILITIES:
+        _CAPABILITIES[index] = tuple(torch.cuda.get_device_capability(index))
+    return _CAPABILITIES[index]
 
 
 def gpu_family(device: torch.device) -> str:
-    """``"sm_90"`` (Hopper), ``"sm_100"`` (Blackwell), ... for a CUDA device; ``"cpu"`` otherwise."""
+    """``"sm_90"`` (Hopper), ``"sm_100"`` (Blackwell), ... for a CUDA device; ``"cpu"`` otherwise.
+
+    The device-to-family lookup for ``auto``'s order and per-family launch constants (one
+    capability lookup per device, `capability`)."""
     if device.type != "cuda":
         return "cpu"
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _FAMILIES:
-        _FAMILIES[index] = f"sm_{torch.cuda.get_device_capability(index)[0]}0"
-    return _FAMILIES[index]
-
-
-_FAMILIES: dict[int, str] = {}
+    index = _index(device)
+    family = _FAMILIES.get(index)
+    if family is None:
+        family = _FAMILIES[index] = f"sm_{capability(device)[0]}0"
+    return family
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+# -- what one fused backend of an op offers --------------------------------------------------
+
+Reasons = Callable[..., Sequence[str]]
+
+
+def no_reasons(*args) -> list[str]:
+    """A call a backend serves whenever its dtype, device and package allow (no reasons of its own)."""
+    return []
+
+
+@dataclass(frozen=True)
+class BackendTable:
+    """One fused backend of one op: what ``dsfuse/<op>/<backend>/__init__.py`` exports as ``TABLE``.
+
+    ``backend``: a key of ``BACKENDS`` (``"triton"``, ``"cutedsl"``). ``dtypes``: the dtypes its
+    kernels compute in. ``calls``: the op's calls it serves (``"forward"``, ``"backward"``, ...),
+    each with a function of the call's arguments (those its launcher takes) giving the reasons it
+    cannot serve that call (``no_reasons`` where there are none); a call it does not list, it does
+    not serve. ``kernels``: the modules holding its kernels, each with ``AOT_SPECS`` (the AOT check
+    compiles them). ``load``: imports the kernel modules and returns ``{call: launcher}`` (a stage
+    table for an op of stages) plus any helper the op's code reads (e.g. a workspace size), called
+    once, on first use. ``auto``: GPU family -> this backend's place in ``auto``'s order there
+    (lower first; ``None``: ``auto`` never picks it there, it serves calls that name it); on a
+    family no table names, the order of the tables (``BACKENDS``' order). With a second fused
+    backend the order of a family is the one measured faster on it (the op's page cites the run).
+    """
+
+    backend: str
+    dtypes: tuple[torch.dtype, ...]
+    calls: Mapping[str, Reasons]
+    kernels: tuple[str, ...]
+    load: Callable[[], Mapping[str, Any]]
+    auto: Mapping[str, int | None] = field(default_factory=dict)
+    _loaded: list = field(default_factory=list, init=False, repr=False, compare=False)
+
+    def launchers(self) -> Mapping[str, Any]:
+        """``load()``'s mapping, loaded once (imports the kernel modules, so the backend's package)."""
+        if not self._loaded:
+            with _LOAD_LOCK:
+                if not self._loaded:
+                    loaded = dict(self.load())
+                    if missing := set(self.calls) - set(loaded):
+                        raise RuntimeError(f"{self.backend}: load() gave no launcher for the calls {sorted(missing)}")
+                    self._loaded.append(loaded)
+        return self._loaded[0]
+
+
+_LOAD_LOCK = threading.Lock()
+
+
 @dataclass(frozen=True)
 class OpBackends:
-    """What one op offers beyond its reference.
+    """What one op offers beyond its reference: its backends' tables, in ``BACKENDS``' order.
 
-    ``kernels``: fused backend name -> the modules holding its kernels and ``AOT_SPECS``.
-    ``dtypes``: fused backend name -> the dtypes it computes in (the reference takes any
-    dtype the op's validation accepts). ``preference``: GPU family -> the order ``auto``
-    tries the fused backends in; a family not listed uses the order of ``kernels``. With a
-    second fused backend, the order of a family is the one measured faster on it (the op's
-    page cites the run).
+    Built by [`register`][dsfuse._common.backends.register] from the op's backend packages;
+    ``kernels``, ``dtypes`` and ``preference`` are read from the tables.
     """
 
     op: str
-    kernels: dict[str, tuple[str, ...]]
-    dtypes: dict[str, tuple[torch.dtype, ...]]
-    preference: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    tables: tuple[BackendTable, ...]
+
+    def __post_init__(self):
+        by_name = {table.backend: table for table in self.tables}
+        for name in by_name:
+            if name not in BACKENDS:
+                raise ValueError(f"{self.op}: unknown backend {name!r}; known: {sorted(BACKENDS)}")
+        if len(by_name) != len(self.tables):
+            raise ValueError(f"{self.op}: two tables of one backend: {[t.backend for t in self.tables]}")
+        object.__setattr__(self, "_by_name", by_name)
+        families = sorted({family for table in self.tables for family in table.auto})
+        object.__setattr__(self, "_orders", {family: self._order(family) for family in families})
+        object.__setattr__(self, "_default_order", self._order(None))
+
+    def _order(self, family: str | None) -> tuple[str, ...]:
+        """``auto``'s order on ``family``: the tables' ranks there, then the unranked in table order."""
+        ranked = []
+        for i, table in enumerate(self.tables):
+            rank = table.auto.get(family, 1000 + i) if family is not None else 1000 + i
+            if rank is not None:
+                ranked.append((rank, i, table.backend))
+        return tuple(name for _, _, name in sorted(ranked))
+
+    @property
+    def kernels(self) -> dict[str, tuple[str, ...]]:
+        """Fused backend name -> the modules holding its kernels and ``AOT_SPECS``."""
+        return {table.backend: table.kernels for table in self.tables}
+
+    @property
+    def dtypes(self) -> dict[str, tuple[torch.dtype, ...]]:
+        """Fused backend name -> the dtypes it computes in (the reference takes any the op accepts)."""
+        return {table.backend: table.dtypes for table in self.tables}
+
+    @property
+    def preference(self) -> dict[str, tuple[str, ...]]:
+        """GPU family -> the order ``auto`` tries the fused backends in, for the families a table names."""
+        return dict(self._orders)
+
+    @property
+    def first(self) -> str:
+        """The op's first fused backend (its declared ops carry no backend suffix)."""
+        return self.tables[0].backend
+
+    def table(self, backend: str) -> BackendTable:
+        return self._by_name[backend]
+
+    def serving(self, call: str) -> tuple[str, ...]:
+        """The fused backends that have a kernel for ``call``, in table order."""
+        return tuple(table.backend for table in self.tables if call in table.calls)
+
+    def load(self, backend: str) -> Mapping[str, Any]:
+        """``backend``'s launchers (and helpers), its kernel modules imported on first use."""
+        return self._by_name[backend].launchers()
 
     def names(self) -> tuple[str, ...]:
-        return (AUTO, *self.kernels, REFERENCE)
+        return (AUTO, *self._by_name, REFERENCE)
 
     def reasons_against(self, backend: str, device: torch.device, dtype: torch.dtype,
-                        extra: Sequence[str] = ()) -> list[str]:
-        """Why ``backend`` cannot serve a call on ``device`` in ``dtype`` (empty when it can).
-
-        ``extra``: the call's own reasons against every fused backend (e.g. an input that
-        requires a gradient the kernels do not give).
-        """
+                        extra: Sequence[str] = (), call: str | None = None) -> list[str]:
+        """Why ``backend`` cannot serve a call on ``device`` in ``dtype``, before its own reasons
+        (empty when none): its package, the device, the dtype, a ``call`` it has no kernel for, and
+        ``extra``, the call's reasons against every fused backend (e.g. an input that requires a
+        gradient the kernels do not give)."""
         if backend == REFERENCE:
             return []
+        table = self._by_name[backend]
         reasons = BACKENDS[backend].reasons_against(device)
-        if dtype not in self.dtypes[backend]:
-            names = ", ".join(map(_dtype_name, self.dtypes[backend]))
+        if dtype not in table.dtypes:
+            names = ", ".join(map(_dtype_name, table.dtypes))
             reasons.append(f"dtype {_dtype_name(dtype)} is not one of {names}")
+        if call is not None and call not in table.calls:
+            reasons.append(f"the {BACKENDS[backend].title} backend has no {call} kernel for {self.op} "
+                           f"(it has: {', '.join(table.calls)})")
         return reasons + list(extra)
 
+    def own_reasons(self, backend: str, call: str, args: Sequence[Any], auto: bool = False) -> list[str]:
+        """``backend``'s own reasons against ``call`` with these arguments (its table's function).
+
+        A backend whose reasons read data pointers has none to give while torch.compile traces:
+        ``auto`` is told so (it takes another backend), a call that names it is checked by its
+        declared op when that runs. Under ``auto`` a kernel module that does not import (another
+        ``cutlass`` package) is a reason; a call that names the backend gets the ``ImportError``."""
+        if BACKENDS[backend].reasons_need_addresses and _tracing(args):
+            return [f"tracing: the {BACKENDS[backend].title} kernels' layout needs addresses, known at run time"] \
+                if auto else []
+        try:
+            return list(self._by_name[backend].calls[call](*args))
+        except ImportError as err:
+            if not auto:
+                raise
+            return [f"the {BACKENDS[backend].title} kernels of {self.op} do not import ({err})"]
+
+    def check_at_run_time(self, backend: str, call: str, args: Sequence[Any]) -> None:
+        """In a declared op's launch: ``ValueError`` with ``backend``'s own reasons against ``call``
+        where they need addresses (deferred while torch.compile traced the call); nothing else."""
+        if not BACKENDS[backend].reasons_need_addresses or _tracing(args):
+            return
+        if reasons := list(self._by_name[backend].calls[call](*args)):
+            raise ValueError(f"backend={backend!r} cannot serve this {self.op} call: " + "; ".join(reasons))
+
     def choose(self, backend: str, device: torch.device, dtype: torch.dtype, extra: Sequence[str] = (),
-               own: Mapping[str, Callable[[], Sequence[str]]] | None = None) -> str:
+               call: str | None = None, args: Sequence[Any] = ()) -> str:
         """The backend that serves this call (see the module docstring).
 
-        ``own``: backend name -> a function giving the call's reasons against that backend alone
-        (e.g. a head dim only one backend compiles for), asked by ``auto`` when the backend is
-        otherwise available (so a backend's module is imported only where it is installed). An
-        explicit backend is checked by the caller's own messages instead."""
+        ``call`` and ``args``: the call (a key of the tables' ``calls``) and its arguments, for each
+        backend's own reasons. ``auto`` asks a backend's own reasons only where the rest allow it
+        (so a backend's module is imported only where it is installed); a named backend gets the
+        rest first, then its own reasons, in the ``ValueError``."""
         if backend not in self.names():
             raise ValueError(f"backend: expected one of {self.names()} for {self.op}, got {backend!r}")
         if backend == REFERENCE:
-            return REFERENCE
+            return self._served(backend, REFERENCE, "asked for", call)
         if backend != AUTO:
-            reasons = self.reasons_against(backend, device, dtype, extra)
+            reasons = self.reasons_against(backend, device, dtype, extra, call)
+            if not reasons and call is not None:
+                reasons = self.own_reasons(backend, call, args)
             if reasons:
                 raise ValueError(f"backend={backend!r} cannot serve this {self.op} call: " + "; ".join(reasons))
-            return backend
+            return self._served(backend, backend, "asked for", call)
         if device.type != "cuda":
-            return REFERENCE
-        own = own or {}
-        for name in self.preference.get(gpu_family(device), tuple(self.kernels)):
-            if not self.reasons_against(name, device, dtype, extra) and not (name in own and own[name]()):
-                return name
-        return REFERENCE
+            return self._served(backend, REFERENCE, f"tensors on {device.type}: auto runs the reference there", call)
+        skipped = []
+        for name in self.auto_order(device):
+            reasons = self.reasons_against(name, device, dtype, extra, call)
+            if not reasons and call is not None:
+                reasons = self.own_reasons(name, call, args, auto=True)
+            if not reasons:
+                return self._served(backend, name, "; ".join(skipped) or f"first in auto's order on {device}", call)
+            skipped.append(f"not {name}: " + ", ".join(reasons))
+        return self._served(backend, REFERENCE, "; ".join(skipped) or "no fused backend on this GPU", call)
+
+    def _served(self, asked: str, chosen: str, why: str, call: str | None) -> str:
+        """Log which backend serves the call, and why, at debug level on the ``dsfuse`` logger
+        (``logging.getLogger("dsfuse").setLevel(logging.DEBUG)`` shows it); return ``chosen``."""
+        if not torch.compiler.is_compiling() and LOG.isEnabledFor(logging.DEBUG):  # no logger while tracing
+            LOG.debug("%s%s: backend %r served (asked %r): %s", self.op, f" {call}" if call else "", chosen, asked, why)
+        return chosen
+
+    def auto_order(self, device: torch.device) -> tuple[str, ...]:
+        """The fused backends ``auto`` tries on ``device``'s GPU family, in order."""
+        return self._orders.get(gpu_family(device), self._default_order)
+
+
+def _tracing(args: Sequence[Any]) -> bool:
+    """True while torch.compile traces (no data pointers; see ``dsfuse._common.op.tracing``)."""
+    return tracing(*args)
+
+
+def kernel_module_getattr(module: str) -> Callable[[str], Any]:
+    """A backend package's module ``__getattr__``: a name the table does not define is read from its
+    kernel module ``module``, imported on first use (so ``dsfuse.<op>.<backend>.<name>`` keeps
+    naming the kernel module's functions and constants, and importing the table imports nothing)."""
+
+    def __getattr__(name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(importlib.import_module(module), name)
+
+    return __getattr__
 
 
 OPS: dict[str, OpBackends] = {}
 
 
-def register(entry: OpBackends) -> OpBackends:
-    """Register an op's backends (once, at import of its ``api`` module)."""
-    for name in entry.kernels:
-        if name not in BACKENDS:
-            raise ValueError(f"{entry.op}: unknown backend {name!r}; known: {sorted(BACKENDS)}")
-    if set(entry.dtypes) != set(entry.kernels):
-        raise ValueError(f"{entry.op}: dtypes name backends {sorted(entry.dtypes)}, kernels {sorted(entry.kernels)}")
-    for family, order in entry.preference.items():
-        if not set(order) <= set(entry.kernels):
-            raise ValueError(f"{entry.op}: the {family} preference {order} names a backend without kernels")
-    OPS[entry.op] = entry
+def register(op: str) -> OpBackends:
+    """Register ``op``'s fused backends (once, at import of its ``api`` module): the ``TABLE`` of
+    every package ``dsfuse.<op>.<backend>`` for ``backend`` in ``BACKENDS``, in that order."""
+    tables = []
+    for name in BACKENDS:
+        module = f"dsfuse.{op}.{name}"
+        if importlib.util.find_spec(module) is None:
+            continue
+        table = getattr(importlib.import_module(module), "TABLE", None)
+        if not isinstance(table, BackendTable) or table.backend != name:
+            raise TypeError(f"{module}: expected a BackendTable of backend {name!r} named TABLE, got {table!r}")
+        tables.append(table)
+    if not tables:
+        raise ValueError(f"{op}: no backend package (dsfuse.{op}.<backend> for a backend of {list(BACKENDS)})")
+    entry = OpBackends(op, tuple(tables))
+    OPS[op] = entry
     return entry
 
 

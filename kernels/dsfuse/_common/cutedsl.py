@@ -1,17 +1,17 @@
 """What every CuTe DSL backend shares: the lazy import, the target architecture of a compile, the
 compile cache, and the call path.
 
-* :func:`require` imports ``cutlass`` (the ``cutedsl`` extra) on first use, so importing dsfuse
+* `require` imports ``cutlass`` (the ``cutedsl`` extra) on first use, so importing dsfuse
   never needs it; without it an ``ImportError`` names the extra.
-* :func:`target` / :func:`arch_of`: a compile targets ``CUTE_DSL_ARCH`` (``sm_90a``, ``sm_100a``);
-  :func:`compile` sets it for the one compile, so the CPU can compile for any GPU (the AOT test).
-* :class:`KernelCache`: one compiled function per key, the key naming everything that changes the
+* `target` / `arch_of`: a compile targets ``CUTE_DSL_ARCH`` (``sm_90a``, ``sm_100a``);
+  `compile` sets it for the one compile, so the CPU can compile for any GPU (the AOT test).
+* `KernelCache`: one compiled function per key, the key naming everything that changes the
   generated code (dtype, compile-time sizes, target); lengths that vary between calls (tokens) are
   symbolic in the compiled function, so a new length never compiles. ``compiles`` counts the builds
   (tests assert that a second call compiles nothing).
 * The call path: compiled with ``--enable-tvm-ffi`` (``apache-tvm-ffi``, part of the extra): torch
   tensors passed directly, the kernels launched on the current torch stream (the compiled functions
-  read it from the TVM-FFI environment), no per-call wrapping. :func:`require` asks for both packages.
+  read it from the TVM-FFI environment), no per-call wrapping. `require` asks for both packages.
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ inputs (e.g. the v part of a packed qkv row): eagerly the ``autograd.Function`` 
 them and hands their gradients to ``backward``; under compilation they are plain views
 outside the custom op, their gradients flow through torch's own view backward, and
 ``backward`` receives ``None`` for them. ``aliasing(*args)`` returns the ``(outputs,
-inputs)`` dicts of :func:`~dsfuse._common.validation.check_outputs_free` for an op that
+inputs)`` dicts of [`check_outputs_free`][dsfuse._common.validation.check_outputs_free] for an op that
 writes into arguments: the custom op checks them at run time (tracing has no addresses;
 eager calls were validated before the launch, and launchers never check).
 """
@@ -98,13 +98,33 @@ def _tracing(args) -> bool:
 
 
 def tracing(*args) -> bool:
-    """True while torch.compile traces these arguments (see :func:`_tracing`): no data, no addresses."""
+    """True while torch.compile traces these arguments (see `_tracing`): no data, no addresses."""
     return _tracing(args)
 
 
 def declare_op(name: str, launch: Callable, **kwargs) -> DeclaredOp:
     """Declare ``launch`` as the op ``dsfuse::<name>`` (see the module docstring)."""
     return DeclaredOp(name, launch, **kwargs)
+
+
+def declare_backend_ops(entry, name: str, call: str, build: Callable[[str], Callable | tuple[Callable, dict]],
+                        **kwargs) -> dict[str, DeclaredOp]:
+    """One declared op per fused backend of ``entry`` (an op's
+    [`OpBackends`][dsfuse._common.backends.OpBackends]) that serves ``call``: ``dsfuse::<name>`` for
+    the op's first backend, ``dsfuse::<name>_<backend>`` for every other (its twin, so that
+    ``backend="<backend>"`` traces under ``torch.compile(fullgraph=True)`` too).
+
+    ``build(backend)`` gives that backend's launch function (annotated: its schema), or
+    ``(launch, options)`` with keyword arguments of ``declare_op`` that depend on the backend (e.g.
+    a ``backward`` that calls the backend's own backward op); ``kwargs`` are those of every
+    backend. Returns ``{backend: op}``."""
+    ops = {}
+    for backend in entry.serving(call):
+        built = build(backend)
+        launch, options = built if isinstance(built, tuple) else (built, {})
+        suffix = "" if backend == entry.first else f"_{backend}"
+        ops[backend] = DeclaredOp(f"{name}{suffix}", launch, **kwargs, **options)
+    return ops
 
 
 def _padded(backward: Callable, n_inputs: int) -> Callable:

@@ -146,6 +146,17 @@ def report(op: str, smoke: bool, gpus: set[str] | None = None) -> list[Path]:
     return written
 
 
+def write_status(smoke: bool) -> None:
+    """The status of every op (``results/status.md`` and the README's block), from the results of every
+    GPU; not for a smoke run, whose results measure nothing."""
+    if smoke:
+        return
+    from dsfuse.bench import status
+
+    for path in status.write(repo_root(), sorted(experiments())):
+        print(f"wrote {path}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m dsfuse.bench", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -176,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
         gpus = {this_gpu()} if args.this_gpu else (set(args.gpus) if args.gpus else None)
         for op in ops:
             report(op, smoke, gpus)
+        write_status(smoke)
         return 0
     summary = []
     for op in ops:
@@ -185,6 +197,8 @@ def main(argv: list[str] | None = None) -> int:
 
             report(op, smoke, {run_gpu(run_dir)})
         summary += checks.summarize(op, run_dir)
+    if args.report:
+        write_status(smoke)
     print("\nChecks of this run (dsfuse providers must pass; controls that fail are flagged and not used):")
     print(checks.render(summary))
     return 1 if checks.failures(summary) else 0

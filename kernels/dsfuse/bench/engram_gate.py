@@ -222,3 +222,121 @@ def report_extra(run_dir: Path) -> list[str]:
             "",
             tabulate(table, headers=["case", "clock/cache", "fastest control (us)", "its gate us", "dsfuse gate us",
                                      "gate floor us", "measured", "expected", "at gate floor"], tablefmt="github"), ""]
+
+
+# -- the op's piece of the tools that loop over every op (host time, fingerprints, ncu) --------
+
+
+def host_time_calls(dev: torch.device) -> list[tuple]:
+    """``(call, provider, fn)`` rows of ``python -m dsfuse.bench.host_time`` on tiny tensors (4 tokens,
+    4 streams of 5120): functional forward and backward, autograd forward+backward and eager PyTorch,
+    the plan, the forward's parts; on a GPU with the ``cutedsl`` extra, the CuTe DSL calls and parts."""
+    from dsfuse.bench.host_time import backward_of, cutedsl_rows
+    from dsfuse.engram_gate import (EngramGatePlan, engram_gate, engram_gate_backward, engram_gate_forward,
+                                    engram_gate_reference)
+    from dsfuse.engram_gate import api
+
+    n, streams, dim, eps = 4, 4, 5120, 1e-20
+    x = torch.randn(n, streams, dim, device=dev).bfloat16()
+    kv = torch.randn(n, (streams + 1) * dim, device=dev).bfloat16()
+    weight = torch.rand(streams, dim, device=dev)
+    mask = torch.ones(n, dtype=torch.bool, device=dev)
+    dout = torch.randn_like(x)
+    leaves = [t.clone().requires_grad_() for t in (x, kv, weight)]
+    out, saved = engram_gate_forward(x, kv, weight, mask, eps=eps)
+    grads = [torch.empty_like(x), torch.empty_like(kv), torch.empty_like(weight)]
+    plan = EngramGatePlan(streams=streams, dim=dim, max_tokens=n, device=dev, eps=eps)
+    return [
+        ("forward", "dsfuse", lambda: engram_gate_forward(x, kv, weight, mask, eps=eps)),
+        ("forward", "eager PyTorch", lambda: engram_gate_reference(x, kv, weight, mask, eps=eps)),
+        ("autograd forward+backward", "dsfuse",
+         backward_of(lambda a, b, c: engram_gate(a, b, c, mask, eps=eps), leaves, [dout])),
+        ("autograd forward+backward", "eager PyTorch",
+         backward_of(lambda a, b, c: engram_gate_reference(a, b, c, mask, eps=eps)[0], leaves, [dout])),
+        ("backward (functional)", "dsfuse", lambda: engram_gate_backward(dout, x, kv, weight, mask, saved, eps=eps)),
+        ("plan forward", "dsfuse", lambda: plan.forward(x, kv, weight, mask, out, saved)),
+        ("plan backward", "dsfuse", lambda: plan.backward(dout, x, kv, weight, mask, saved, *grads)),
+        ("forward part: validation", "dsfuse", lambda: api._check_inputs(x, kv, weight, mask, eps, 1e-6)),
+        ("forward part: launch (allocate + 1 Triton launch)", "dsfuse",
+         lambda: api.forward_ops["triton"](x, kv, weight, mask, eps, 1e-6)),
+    ] + cutedsl_rows(dev, lambda: _host_time_cutedsl_rows(dev, x, kv, weight, mask, dout, saved, out, grads, eps))
+
+
+def _host_time_cutedsl_rows(dev, x, kv, weight, mask, dout, saved, out, grads, eps) -> list[tuple]:
+    """The CuTe DSL backend's calls, plan and parts: where its host time goes."""
+    from dsfuse.engram_gate import EngramGatePlan, engram_gate_backward, engram_gate_forward
+    from dsfuse.engram_gate.cutedsl import kernels as ec
+
+    n, streams, dim = x.shape
+    clamp = 1e-6
+    plan = EngramGatePlan(streams=streams, dim=dim, max_tokens=n, device=dev, eps=eps, backend="cutedsl")
+    forward = ec._forward_fn(x.dtype, streams, dim, ec._arch(x.device))  # compiled by the plan
+    mask8 = mask.view(torch.uint8)
+    workspace = torch.empty(ec.workspace_elements(n, streams, dim), device=dev)
+    return [
+        ("forward", "dsfuse cutedsl", lambda: engram_gate_forward(x, kv, weight, mask, eps=eps, backend="cutedsl")),
+        ("backward (functional)", "dsfuse cutedsl",
+         lambda: engram_gate_backward(dout, x, kv, weight, mask, saved, eps=eps, backend="cutedsl")),
+        ("plan forward", "dsfuse cutedsl", lambda: plan.forward(x, kv, weight, mask, out, saved)),
+        ("plan backward", "dsfuse cutedsl", lambda: plan.backward(dout, x, kv, weight, mask, saved, *grads)),
+        ("forward part: launcher (geometry check + compiled function)", "dsfuse cutedsl",
+         lambda: ec.launch_forward(x, kv, weight, mask, out, saved, eps=eps, clamp=clamp)),
+        ("forward part: compiled function alone (TVM-FFI call, 6 tensors)", "dsfuse cutedsl",
+         lambda: forward(x, kv, weight, mask8, out, saved, eps, clamp)),
+        ("backward part: launcher (2 compiled functions)", "dsfuse cutedsl",
+         lambda: ec.launch_backward(dout, x, kv, weight, saved, *grads, workspace, clamp=clamp)),
+    ]
+
+
+def fingerprint_cases() -> dict:
+    """``{entry: outputs(device)}`` of ``scripts/output_hashes.py``: functional forward and backward, the
+    plan and autograd at the model's shape (N = 4096 tokens, 4 streams of 5120, bf16, about 10% of the
+    tokens masked, eps 1e-20); inputs drawn on the CPU from seed 3."""
+
+    def outputs(device: torch.device) -> dict[str, torch.Tensor]:
+        from dsfuse.engram_gate import EngramGatePlan, engram_gate, engram_gate_backward, engram_gate_forward
+
+        gen = torch.Generator().manual_seed(3)
+
+        def randn(shape, dtype):
+            return torch.randn(shape, generator=gen, dtype=torch.float32).to(dtype).to(device)
+
+        n, streams, dim, eps = 4096, 4, 5120, 1e-20
+        x = randn((n, streams, dim), torch.bfloat16)
+        kv = randn((n, (streams + 1) * dim), torch.bfloat16)
+        weight = (torch.rand((streams, dim), generator=gen) * 2).to(device)
+        mask = (torch.rand(n, generator=gen) > 0.1).to(device)
+        dout = randn(x.shape, torch.bfloat16)
+        o, saved = engram_gate_forward(x, kv, weight, mask, eps=eps)
+        dx, dkv, dw = engram_gate_backward(dout, x, kv, weight, mask, saved, eps=eps)
+        out = {"fwd_out": o, "fwd_saved": saved, "bwd_dx": dx, "bwd_dkv": dkv, "bwd_dweight": dw}
+        plan = EngramGatePlan(streams=streams, dim=dim, max_tokens=n, device=device, eps=eps)
+        po, ps = plan.forward(x, kv, weight, mask, torch.empty_like(x), torch.empty(n, streams, 4, device=device))
+        pg = plan.backward(dout, x, kv, weight, mask, ps, torch.empty_like(x), torch.empty_like(kv),
+                           torch.empty(streams, dim, device=device))
+        out.update(plan_out=po, plan_saved=ps, plan_dx=pg[0], plan_dkv=pg[1], plan_dweight=pg[2])
+        leaves = [t.clone().requires_grad_() for t in (x, kv, weight)]
+        engram_gate(*leaves, mask, eps=eps).backward(dout)
+        out.update(autograd_out=engram_gate(x, kv, weight, mask, eps=eps), autograd_dx=leaves[0].grad,
+                   autograd_dkv=leaves[1].grad, autograd_dweight=leaves[2].grad)
+        return out
+
+    return {OP: outputs}
+
+
+def ncu_calls(dev: torch.device, backends: list[str]) -> dict:
+    """``{call: fn}`` of ``scripts/ncu_backends.py``: the forward and the backward at N = 4096 (4 streams
+    x 5120, bf16; the experiment's inputs, ``gate_inputs``) on each backend, into given outputs."""
+    from dsfuse.engram_gate import engram_gate_backward, engram_gate_forward
+
+    x, kv, weight, mask, dout, eps = gate_inputs(4096, dev)
+    out, saved = engram_gate_forward(x, kv, weight, mask, eps=eps)
+    grads = [torch.empty_like(x), torch.empty_like(kv), torch.empty_like(weight)]
+    found = {}
+    for backend in backends:
+        found[f"fwd N4096: {backend}"] = (
+            lambda b=backend: engram_gate_forward(x, kv, weight, mask, eps=eps, out=out, saved=saved, backend=b))
+        found[f"bwd N4096: {backend}"] = (
+            lambda b=backend: engram_gate_backward(dout, x, kv, weight, mask, saved, eps=eps, dx=grads[0],
+                                                   dkv=grads[1], dweight=grads[2], backend=b))
+    return found

@@ -1,12 +1,13 @@
 """env.json: what a run ran on, and whether the kernels it measured are still the current source.
 
-* :func:`collect`: the run's environment (GPU, driver, CUDA, package versions, commit, date) and,
+* `collect`: the run's environment (GPU, driver, CUDA, package versions, commit, date) and,
   for an op, ``kernel_sources``: the sha256 of the files that determine its kernels
-  (:func:`kernel_files`).
-* :func:`gpu_key`: the folder name of a GPU, derived from its device name (``"NVIDIA H200"`` ->
+  (`kernel_files`).
+* `gpu_key`: the folder name of a GPU, derived from its device name (``"NVIDIA H200"`` ->
   ``h200``); results, plots and configs are found per GPU by this name, never typed.
-* :func:`source_state`: whether an op's kernel source changed since a run (by the recorded hash,
-  else by comparing the code (docstrings aside) with the run's commit through git; ``unknown`` without either).
+* `source_state`: whether an op's kernel source changed since a run (by the recorded hash, else by
+  comparing the code (docstrings aside) with the run's commit through git, as one collection of
+  top-level definitions, so code moved between files is unchanged; ``unknown`` without either).
 """
 
 from __future__ import annotations
@@ -104,23 +105,53 @@ def gpu_key(gpu_name: str | None) -> str:
 # -- the kernel sources of an op and whether they changed since a run ------------------------
 
 
-def _module_file(module: str, package_dir: Path) -> Path | None:
+class _Tree:
+    """The package's files in the working tree (``commit=None``) or at a commit (through git), as
+    paths relative to the package directory."""
+
+    def __init__(self, package_dir: Path, commit: str | None = None):
+        self.package_dir, self.commit = package_dir, commit
+        self.root = package_dir.parents[1]
+        self._files: set[str] | None = None
+
+    def files(self) -> set[str]:
+        if self._files is None:
+            if self.commit is None:
+                self._files = {p.relative_to(self.package_dir).as_posix() for p in self.package_dir.rglob("*.py")}
+            else:
+                prefix = self.package_dir.relative_to(self.root).as_posix()
+                listing = _git("ls-tree", "-r", "--name-only", self.commit, "--", prefix, root=self.root) or ""
+                self._files = {name[len(prefix) + 1:] for name in listing.splitlines() if name.endswith(".py")}
+        return self._files
+
+    def read(self, name: str) -> str | None:
+        if name not in self.files():
+            return None
+        if self.commit is None:
+            return (self.package_dir / name).read_text()
+        return _git("show", f"{self.commit}:{self.package_dir.relative_to(self.root).as_posix()}/{name}",
+                    root=self.root)
+
+
+def _module_file(module: str, tree: _Tree) -> str | None:
     """The file of module ``dsfuse.<...>``, if it is a module of the package (packages themselves,
     their ``__init__.py``, are not followed: they gather the API, not the kernels)."""
     parts = module.split(".")
     if parts[0] != "dsfuse" or len(parts) < 2:
         return None
-    path = package_dir.joinpath(*parts[1:]).with_suffix(".py")
-    return path if path.is_file() else None
+    name = "/".join(parts[1:]) + ".py"
+    return name if name in tree.files() else None
 
 
-def _imported_files(path: Path, package_dir: Path) -> set[Path]:
-    """Package files named by the module-level imports of ``path`` (``from dsfuse.x import y`` names
-    ``x`` and, when ``y`` is a module, ``x/y.py``; relative imports resolved from ``path``)."""
-    tree = ast.parse(path.read_text(), filename=str(path))
-    here = ".".join(("dsfuse",) + path.relative_to(package_dir).with_suffix("").parts[:-1])
-    found: set[Path] = set()
-    for node in tree.body:
+def _imported_files(name: str, tree: _Tree) -> set[str]:
+    """Package files named by the module-level imports of file ``name`` (``from dsfuse.x import y``
+    names ``x`` and, when ``y`` is a module, ``x/y.py``; relative imports resolved from ``name``)."""
+    source = tree.read(name)
+    if source is None:
+        return set()
+    here = ".".join(("dsfuse",) + tuple(name.removesuffix(".py").split("/"))[:-1])
+    found: set[str] = set()
+    for node in ast.parse(source, filename=name).body:
         if isinstance(node, ast.Import):
             modules = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -131,39 +162,60 @@ def _imported_files(path: Path, package_dir: Path) -> set[Path]:
             modules = [base] + [f"{base}.{alias.name}" for alias in node.names]
         else:
             continue
-        found |= {f for f in (_module_file(m, package_dir) for m in modules if m) if f is not None}
+        found |= {f for f in (_module_file(m, tree) for m in modules if m) if f is not None}
     return found
 
 
-BACKEND_MODULES = ("triton", "cutedsl")  # the kernel modules of an op, one per backend
+def _backend_names() -> tuple[str, ...]:
+    """The backends an op's kernels are written for (the registry's kinds: ``triton``, ``cutedsl``)."""
+    from dsfuse._common.backends import BACKENDS
+
+    return tuple(BACKENDS)
+
+
 # imported by kernel modules for a flag or a predicate (interpreting(), addresses_known()), not kernel
-# code: the backend registry and the argument checks change what is accepted or chosen, not a kernel
-NOT_KERNEL_CODE = ("_common/backends.py", "_common/validation.py")
+# code: the backend registry and the argument checks change what is accepted or chosen, not a kernel.
+# A backend package's ``__init__.py`` (its table for the registry) is not kernel code either.
+# The AOT compile check (`_common/aot.py`, each kernel module's ``AOT_SPECS`` and its ``_aot_specs``
+# builder) says which specialisations CI compiles without a GPU: it changes no launch either.
+NOT_KERNEL_CODE = ("_common/backends.py", "_common/validation.py", "_common/aot.py")
+
+
+def _aot_declaration(node: ast.stmt) -> bool:
+    """``AOT_SPECS = ...`` or ``def _aot_specs(...)``: what the AOT check compiles, not kernel code."""
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        return node.name == "_aot_specs"
+    targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
+    return any(isinstance(t, ast.Name) and t.id == "AOT_SPECS" for t in targets)
+
+
+def _kernel_names(op: str, tree: _Tree) -> list[str]:
+    """`kernel_files` of ``tree``, as paths relative to the package directory."""
+    todo = []
+    for backend in _backend_names():
+        todo += sorted(n for n in tree.files() if n.startswith(f"{op}/{backend}/") and not n.endswith("/__init__.py"))
+        todo += [f"{op}/{backend}.py"] if f"{op}/{backend}.py" in tree.files() else []
+    names: set[str] = set()
+    while todo:
+        name = todo.pop()
+        if name in names or name in NOT_KERNEL_CODE:  # not kernel code, nor what it imports
+            continue
+        names.add(name)
+        todo += sorted(_imported_files(name, tree) - names)
+    return sorted(n for n in names if not n.endswith("/__init__.py"))
 
 
 def kernel_files(op: str, package_dir: Path = PACKAGE_DIR) -> list[Path]:
     """The files that determine ``op``'s kernels, of every backend: ``dsfuse/<op>/<backend>.py`` or
-    every ``.py`` under ``dsfuse/<op>/<backend>/`` (``triton``, ``cutedsl``), and, transitively, the
-    package modules they import at module level (not the packages' ``__init__.py`` that Python runs
-    on the way, nor ``NOT_KERNEL_CODE``). Sorted; empty for an unknown op."""
-    op_dir = package_dir / op
-    todo = []
-    for backend in BACKEND_MODULES:
-        todo += sorted(op_dir.glob(f"{backend}/**/*.py"))
-        todo += [op_dir / f"{backend}.py"] if (op_dir / f"{backend}.py").is_file() else []
-    files: set[Path] = set()
-    while todo:
-        path = todo.pop()
-        if path in files:
-            continue
-        files.add(path)
-        todo += sorted(_imported_files(path, package_dir) - files)
-    skip = {package_dir / name for name in NOT_KERNEL_CODE}
-    return sorted(files - skip)
+    every ``.py`` under ``dsfuse/<op>/<backend>/`` (``triton``, ``cutedsl``) but the package's
+    ``__init__.py`` (its table for the registry), and, transitively, the package modules they
+    import at module level (not the packages' ``__init__.py`` that Python runs on the way, nor
+    ``NOT_KERNEL_CODE``). Sorted; empty for an unknown op."""
+    return [package_dir / name for name in _kernel_names(op, _Tree(package_dir))]
 
 
 def kernel_sources(op: str, package_dir: Path = PACKAGE_DIR) -> dict:
-    """``{"sha256": ..., "files": [...]}`` of :func:`kernel_files` (paths relative to the repository)."""
+    """``{"sha256": ..., "files": [...]}`` of `kernel_files` (paths relative to the repository)."""
     root = package_dir.parents[1]
     digest = hashlib.sha256()
     names = []
@@ -179,12 +231,14 @@ def source_state(op: str, env: dict, package_dir: Path = PACKAGE_DIR) -> dict:
 
     Returns ``state`` (``current``, ``changed`` or ``unknown``), ``how`` (``hash`` or ``git``),
     ``commit`` (the run's), ``files`` (the kernel files compared) and ``since`` (for ``git``: the
-    commits that touched them after the run's commit, newest first, and ``uncommitted`` when the
-    working tree differs from HEAD). A run that recorded ``kernel_sources`` of the same files with
-    the current hash is current. Otherwise the files at the run's commit are compared with the
-    working tree as code (``git show``, parsed, docstrings dropped: an edit of prose alone is not a
-    kernel change); a run that hashed another set of files (a backend added since) is compared the
-    same way. Without git (or the commit) a differing hash says ``changed``, no hash ``unknown``.
+    commits that touched the differing files after the run's commit, newest first, and
+    ``uncommitted`` when the working tree differs from HEAD there). A run that recorded
+    ``kernel_sources`` of the same files with the current hash is current. Otherwise the op's
+    kernel files at the run's commit are compared with the working tree's as code: every top-level
+    statement but the imports, parsed, docstrings dropped, collected over the op's kernel files and
+    sorted (an edit of prose alone, or code moved between files or renamed files, is not a kernel
+    change); a run that hashed another set of files (a backend added since) is compared the same
+    way. Without git (or the commit) a differing hash says ``changed``, no hash ``unknown``.
     """
     root = package_dir.parents[1]
     commit = env.get("git_commit")
@@ -200,30 +254,48 @@ def source_state(op: str, env: dict, package_dir: Path = PACKAGE_DIR) -> dict:
             out.update(how="hash", state="changed")
         return out
     out["how"] = "git"
-    differ = [name for name in now["files"] if _code_at(commit, name, root) != _code((root / name).read_text())]
-    if not differ:  # a tree with uncommitted changes at the run: the commit is not all it measured
+    then_tree, now_tree = _Tree(package_dir, commit), _Tree(package_dir)
+    then = {name: _definitions(then_tree.read(name)) for name in _kernel_names(op, then_tree)}
+    current = {name: _definitions(now_tree.read(name)) for name in _kernel_names(op, now_tree)}
+    all_then = sorted(d for defs in then.values() for d in defs)
+    all_now = sorted(d for defs in current.values() for d in defs)
+    if all_then == all_now:  # a tree with uncommitted changes at the run: the commit is not all it measured
         out["state"] = "unknown" if env.get("git_dirty") else "current"
         return out
     out["state"] = "changed"
+    only_then, only_now = set(all_then) - set(all_now), set(all_now) - set(all_then)
+    if not (only_then or only_now):  # the same definitions, another count of one of them
+        only_then, only_now = set(all_then), set(all_now)
+    prefix = package_dir.relative_to(root).as_posix()
+    differ = sorted({f"{prefix}/{name}" for name, defs in then.items() if only_then & set(defs)}
+                    | {f"{prefix}/{name}" for name, defs in current.items() if only_now & set(defs)})
     log = _git("log", "--format=%h", f"{commit}..HEAD", "--", *differ, root=root)
     out["since"] = log.split() if log else []
     out["uncommitted"] = bool(_git("status", "--porcelain", "--", *differ, root=root))
     return out
 
 
-def _code_at(commit: str, name: str, root: Path) -> str | None:
-    """The code of file ``name`` at ``commit`` (``None`` where it did not exist)."""
-    source = _git("show", f"{commit}:{name}", root=root)
-    return None if source is None else _code(source)
+def _definitions(source: str | None) -> list[str]:
+    """The code of a module's top-level statements but its imports and docstring, one string each
+    (docstrings and comments dropped, positions not recorded: a definition moved to another file or
+    line reads the same)."""
+    if source is None:
+        return []
+    tree = _strip_docstrings(ast.parse(source))
+    return [ast.dump(node) for node in tree.body
+            if not isinstance(node, (ast.Import, ast.ImportFrom, ast.Pass)) and not _aot_declaration(node)]
 
 
-def _code(source: str) -> str:
-    """A module's code without its docstrings (and comments, which the parser drops)."""
-    tree = ast.parse(source)
+def _strip_docstrings(tree: ast.AST) -> ast.AST:
     for node in ast.walk(tree):
         body = getattr(node, "body", None)
         if (isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and body
                 and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
                 and isinstance(body[0].value.value, str)):
             node.body = body[1:] or [ast.Pass()]
-    return ast.dump(tree)
+    return tree
+
+
+def _code(source: str) -> str:
+    """A module's code without its docstrings (and comments, which the parser drops)."""
+    return ast.dump(_strip_docstrings(ast.parse(source)))

@@ -536,3 +536,86 @@ def report_extra(run_dir: Path) -> list[str]:
                 "It is a baseline only in the cases where every one of its checks against FP64 passed in this run")
         lines += [note + (f"; it failed in {', '.join(failing)}." if failing else "."), ""]
     return lines
+
+
+# -- the op's piece of the tools that loop over every op (host time, fingerprints, ncu) --------
+
+MODEL_CONFIG = "experiments/gdn/model.yaml"  # (H, HV) = (16, 48), K = V = 128
+HOST_TIME_TOKENS, HOST_TIME_DOCUMENTS = 128, 2  # documents of 97 and 31 tokens: a few tiny kernels per stage
+SEED_TOKENS, SEED_DOCUMENTS = 32768, 5  # the seed's shape (configs/h200.yaml): 8847, 2949, 11141, 5899, 3932 tokens
+FINGERPRINT_SEED = 4  # the other ops' fingerprints use seeds 1 to 3
+
+
+def _tool_case(mode: str, tokens: int, documents: int, backend: str) -> Case:
+    """One case of this experiment (model geometry, bf16, L2 norm on) for the tools below."""
+    config = dict(model_config=MODEL_CONFIG, tokens=tokens, documents=documents, dtype="bfloat16", modes=[mode],
+                  l2norm=[True], backend=backend)
+    return cases(config)[0]
+
+
+def _reference_gdn(case: Case, inputs: dict):
+    """The chunked reference in fp32 (eager PyTorch), as a ``make_gdn`` of ``_build``."""
+    from dsfuse.gdn import chunk_gdn_reference
+
+    def gdn(q, k, v, g, beta, h0):
+        return chunk_gdn_reference(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                                   cu_seqlens=inputs["cu_seqlens"], use_qk_l2norm_in_kernel=case.params["l2norm"],
+                                   compute_dtype=torch.float32)
+
+    return gdn
+
+
+def host_time_calls(dev: torch.device) -> list[tuple]:
+    """``(call, provider, fn)`` rows of ``python -m dsfuse.bench.host_time``: ``chunk_gdn`` (backend
+    ``auto``) on packed views of the projection row and the fp32 chunked reference on split views
+    (eager PyTorch), forward and autograd forward+backward (the experiment's steps, ``_build``), and
+    the validation; T = 128 tokens in 2 documents (97 and 31), (H, HV) = (16, 48), K = V = 128, bf16,
+    L2 norm on, an initial state and the final state: tiny, so the GPU keeps up with the host."""
+    from dsfuse.gdn import api
+
+    case = _tool_case("fwd+bwd", HOST_TIME_TOKENS, HOST_TIME_DOCUMENTS, "auto")
+    fwd = _tool_case("fwd", HOST_TIME_TOKENS, HOST_TIME_DOCUMENTS, "auto")
+    inputs = make_inputs(case, dev, seed=0)
+    p = case.params
+    q, k, v = packed_views(inputs["row"], p["heads"], p["value_heads"])
+    g, beta, h0, cu = inputs["g"], inputs["beta"], inputs["initial_state"], inputs["cu_seqlens"]
+    return [
+        ("forward", "dsfuse", _build(packed_views, dsfuse_gdn)(fwd, inputs)),
+        ("forward", "eager PyTorch", _build(split_views, _reference_gdn)(fwd, inputs)),
+        ("autograd forward+backward", "dsfuse", _build(packed_views, dsfuse_gdn)(case, inputs)),
+        ("autograd forward+backward", "eager PyTorch", _build(split_views, _reference_gdn)(case, inputs)),
+        ("forward part: validation", "dsfuse", lambda: api._validate(q, k, v, g, beta, None, h0, cu)),
+    ]
+
+
+def fingerprint_outputs(device: torch.device, tokens: int = SEED_TOKENS, documents: int = SEED_DOCUMENTS,
+                        backend: str = "triton") -> dict[str, torch.Tensor]:
+    """Outputs and gradients of one forward+backward of ``chunk_gdn`` on packed views of the row (the
+    experiment's ``fwd+bwd`` step of provider ``dsfuse-packed``): ``o``, ``final_state``, the packed
+    row gradient's parts ``dq``, ``dk``, ``dv``, and ``dg``, ``dbeta``, ``dh0``. The experiment's
+    inputs (``make_inputs``) drawn on the CPU from seed 4, then moved to ``device``; ``cu_seqlens``
+    stays on the host, as in the experiment."""
+    case = _tool_case("fwd+bwd", tokens, documents, backend)
+    inputs = {name: t if name == "cu_seqlens" else t.to(device)
+              for name, t in make_inputs(case, torch.device("cpu"), FINGERPRINT_SEED).items()}
+    return dict(zip(OUTPUTS, _build(packed_views, dsfuse_gdn)(case, inputs)()))
+
+
+def fingerprint_cases() -> dict:
+    """``{entry: outputs(device)}`` of ``scripts/output_hashes.py``: ``fingerprint_outputs`` at the
+    seed's shape, T = 32,768 tokens in five documents (8847, 2949, 11141, 5899, 3932: ``document_bounds``),
+    (H, HV) = (16, 48), K = V = 128, bf16, L2 norm on, Triton backend."""
+    return {OP: fingerprint_outputs}
+
+
+def ncu_calls(dev: torch.device, backends: list[str]) -> dict:
+    """``{call: fn}`` of ``scripts/ncu_backends.py``: the forward and the backward alone (the experiment's
+    ``fwd`` and ``bwd`` steps of ``dsfuse-packed``) at the seed's shape (T = 32,768 in five documents,
+    (H, HV) = (16, 48), K = V = 128, bf16, L2 norm on) on each backend."""
+    inputs = make_inputs(_tool_case("fwd", SEED_TOKENS, SEED_DOCUMENTS, "triton"), dev, seed=0)
+    found = {}
+    for backend in backends:
+        for mode in ("fwd", "bwd"):
+            case = _tool_case(mode, SEED_TOKENS, SEED_DOCUMENTS, backend)
+            found[f"{mode} T{SEED_TOKENS}: {backend}"] = _build(packed_views, dsfuse_gdn)(case, inputs)
+    return found

@@ -1,7 +1,7 @@
 """Result tables, plots and figures generated from raw run data (never typed by hand), per GPU.
 
 ``render(op, raw_root, results_root, plots_root)`` files every run under ``raw_root`` by the GPU
-it ran on (:func:`dsfuse.bench.env.gpu_key` of its env.json ``gpu_name``: ``NVIDIA H200`` ->
+it ran on (`dsfuse.bench.env.gpu_key` of its env.json ``gpu_name``: ``NVIDIA H200`` ->
 ``h200``) and writes, per GPU:
 
 * ``results/<gpu>/<op>.md``: the tables of that GPU's newest run, under the run's anchor
@@ -36,6 +36,7 @@ from __future__ import annotations
 import importlib
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 import matplotlib
@@ -45,14 +46,15 @@ import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 import yaml  # noqa: E402
 
-from dsfuse.bench.env import gpu_key, source_state  # noqa: E402
-from dsfuse.bench.paths import raw_url, relative  # noqa: E402
+from dsfuse.bench.env import _git, gpu_key, source_state  # noqa: E402
+from dsfuse.bench.paths import raw_url, relative, repo_root, repo_url  # noqa: E402
 from dsfuse.bench.tables import (  # noqa: E402
     CLOCK_REGIMES,  # noqa: F401  (part of this module's interface)
     REPEATS,
     blocks_table,
     check_table,
     host_table,
+    host_time_table,
     latency_table,
     markdown,
     probe_keys,
@@ -111,7 +113,7 @@ def latest_run(raw_root: Path, gpu: str | None = None) -> Path:
 
 def tuning_by_gpu(tuning_dir: Path) -> dict[str, list[Path]]:
     """Sweep CSVs under ``raw/tuning/`` by GPU: from ``<stem>.env.json`` beside a file (written by
-    :func:`dsfuse.bench.harness.sweep`), else from the folder's ``env.json`` (the environment of the
+    `dsfuse.bench.harness.sweep`), else from the folder's ``env.json`` (the environment of the
     files measured before sweeps recorded theirs), else ``unknown-gpu``."""
     tuning_dir = Path(tuning_dir)
     folder = _env(tuning_dir).get("gpu_name") if (tuning_dir / "env.json").exists() else None
@@ -238,7 +240,7 @@ def render(op: str, raw_root: Path, results_dir: Path, plots_dir: Path, smoke: b
     indexes; return the paths written (per GPU: tables, plots, runs, figures, host time, tuning)."""
     raw_root, results_dir, plots_dir = Path(raw_root), Path(results_dir), Path(plots_dir)
     runs = runs_by_gpu(raw_root)
-    host = runs_by_gpu(raw_root / "host-time", marker="host_time.csv")
+    host = runs_by_gpu(raw_root / "host-time", marker=HOST_TIME_MARKER)
     tuning = tuning_by_gpu(raw_root / "tuning")
     written: list[Path] = []
     for gpu in sorted(set(runs) | set(host) | set(tuning)):
@@ -276,10 +278,8 @@ def render_gpu(op: str, gpu: str, runs: list[Path], results_dir: Path, plots_dir
         for run_dir in runs:
             figures["runs"][run_dir.name] = run_figures(op, run_dir)
     if host_runs:
-        from dsfuse.bench import host_time
-
-        written.append(_write(results_dir / f"{op}_host_time.md", host_time.render(op, host_runs[-1])))
-        figures["host_time"] = {r.name: host_time.figures(r) for r in host_runs}
+        written.append(_write(results_dir / f"{op}_host_time.md", render_host_time(op, host_runs[-1])))
+        figures["host_time"] = {r.name: host_time_figures(r) for r in host_runs}
         figures.setdefault("gpu_name", _env(host_runs[-1]).get("gpu_name"))
     if tuning_files:
         written.append(write_tuning(op, tuning_files[0].parent, results_dir, files=tuning_files))
@@ -352,24 +352,36 @@ def state_lines(state: dict) -> list[str]:
 
 
 def run_table(run_id: str, env: dict, run_dir: Path) -> pd.DataFrame:
-    """One row: run, date, commit, GPU, torch, triton, CUDA, driver, raw folder (a link)."""
+    """One row: run (its id is its UTC stamp), commit, GPU, torch, triton, CUDA, driver, raw folder (a link)."""
     pk = env.get("packages", {})
     device = gpu_title(env)
     if env.get("gpu_name"):
         device += f" ({env.get('sm_count')} SMs, sm_{str(env.get('compute_capability', '?')).replace('.', '')})"
     commit = f"`{short(env.get('git_commit'))}`" + (" (dirty tree)" if env.get("git_dirty") else "")
-    raw = raw_link(run_dir, relative(run_dir))
-    return pd.DataFrame([[f"`{run_id}`", env.get("date_utc", "?"), commit, device, pk.get("torch"), pk.get("triton"),
+    raw = raw_link(run_dir, "raw data")
+    return pd.DataFrame([[f"`{run_id}`", commit, device, pk.get("torch"), pk.get("triton"),
                           env.get("torch_cuda") or "n/a", env.get("driver") or "n/a", raw]],
-                        columns=["run", "date (UTC)", "commit", "device", "torch", "triton", "CUDA", "driver",
+                        columns=["run (UTC stamp)", "commit", "device", "torch", "triton", "CUDA", "driver",
                                  "raw data"]).astype(str)
 
 
 def raw_link(run_dir: Path, label: str) -> str:
-    """A link to the run's folder on the repository (``repo_url``), or its path where it is not one of
-    the repository's committed folders (smoke runs under build/, folders outside the checkout)."""
+    """A link to the run's folder on the repository (``repo_url``), pinned to the commit that added it
+    (``main`` until it is committed: render again after committing the raw data), or its path where it
+    is not one of the repository's committed folders (smoke runs under build/, folders outside it)."""
     where = relative(run_dir)
-    return f"`{where}`" if where.startswith(("build/", "/")) else f"[{label}]({raw_url(run_dir)})"
+    return f"`{where}`" if where.startswith(("build/", "/")) else f"[{label}]({pinned_url(run_dir)})"
+
+
+def pinned_url(folder: Path) -> str:
+    """``raw_url`` of a committed folder at the commit that added it (``main`` before it is committed)."""
+    added = _git("log", "-1", "--diff-filter=A", "--format=%h", "--", relative(folder))
+    return raw_url(folder, branch=added or "main")
+
+
+def commit_link(commit: str | None) -> str:
+    """The run's commit as a link to the repository's tree at that commit (the code it measured)."""
+    return f"[`{short(commit)}`]({repo_url()}/tree/{commit})" if commit else "`?`"
 
 
 def run_line(run_id: str, env: dict) -> str:
@@ -418,18 +430,92 @@ def junit_section(run_dir: Path, op: str) -> list[str]:
             for line in _junit_summary(junit, op) + [""]]
 
 
-def extra_section(op: str, run_dir: Path) -> list[str]:
-    """The op's own sections: ``report_extra(run_dir)`` of its bench module, where it has one."""
+def op_function(op: str, name: str, required: bool = True) -> Callable | None:
+    """``dsfuse.bench.<op>.<name>``: the op's own piece of a tool that loops over every op with an
+    experiment (``dsfuse.bench.experiments()``), e.g. ``host_time_calls``, ``fingerprint_cases``,
+    ``ncu_calls``. Where the op has no experiment module or the module has no such function: None
+    when not ``required``, else ``LookupError`` naming the op and the function (a tool never skips
+    an op silently)."""
     from dsfuse.bench import experiments
 
     module = experiments().get(op)
-    extra = getattr(importlib.import_module(module), "report_extra", None) if module else None
+    found = getattr(importlib.import_module(module), name, None) if module else None
+    if found is None and required:
+        where = f"its experiment module {module} has no function {name}()" if module else \
+            f"it has no experiment module dsfuse.bench.{op} (ops with one: {sorted(experiments())})"
+        raise LookupError(f"op {op!r}: {where}; each op with an experiment defines {name}() in "
+                          f"kernels/dsfuse/bench/{op}.py (docs/conventions.md)")
+    return found
+
+
+def extra_section(op: str, run_dir: Path) -> list[str]:
+    """The op's own sections: ``report_extra(run_dir)`` of its bench module, where it has one."""
+    extra = op_function(op, "report_extra", required=False)
     return extra(run_dir) if extra is not None else []
 
 
 def checks_section(validation: pd.DataFrame) -> list[str]:
     return section("Correctness checks of the benchmark providers (before and after timing)",
                    markdown(check_table(validation)))
+
+
+# -- host time (runs of python -m dsfuse.bench.host_time) -----------------------------------
+
+HOST_TIME_MARKER = "host_time.csv"
+
+
+def host_time_root(op: str) -> Path:
+    """Where the host-time runs of ``op`` are: ``experiments/<op>/raw/host-time/``."""
+    return repo_root() / "experiments" / op / "raw" / "host-time"
+
+
+def render_host_time(op: str, run_dir: Path) -> str:
+    """The host-time table of one run, under its anchor (``host-time-<run-id>``), with the run's
+    commit, versions, raw folder and whether the op's kernel source changed since."""
+    samples = pd.read_csv(run_dir / HOST_TIME_MARKER)
+    env = json.loads((run_dir / "env.json").read_text())
+    return "\n".join([
+        f"<!-- generated by python -m dsfuse.bench report {op} from {relative(run_dir)}; do not edit -->", "",
+        f'<a id="{anchor(run_dir.name, "host-time")}"></a>', "",
+        f"#### Host time per eager call ({env['gpu_name']})", "",
+        *state_lines(source_state(op, env)),
+        f"Median of {samples['sample'].nunique()} samples of a loop without synchronisation on tiny tensors; run "
+        f"`{run_dir.name}` ({env.get('date_utc')}), torch {env['packages']['torch']}, triton "
+        f"{env['packages']['triton']}, commit `{str(env['git_commit'])[:10]}`, raw data "
+        f"[{relative(run_dir)}]({pinned_url(run_dir)}).",
+        "",
+        markdown(host_time_table(samples)),
+        "",
+    ])
+
+
+def host_time_figures(run_dir: Path) -> dict:
+    """``{call: {provider: median host us}}`` of one host-time run (for the pages' prose)."""
+    samples = pd.read_csv(run_dir / HOST_TIME_MARKER)
+    med = samples.groupby(["call", "provider"], sort=False)["host_us"].median()
+    out: dict = {}
+    for (call, provider), us in med.items():
+        out.setdefault(call, {})[provider] = round(float(us), 4)
+    return out
+
+
+def latest_host_time(op: str, gpu: str | None = None) -> Path:
+    """The newest host-time run of ``op`` (on ``gpu``, a folder name such as ``h200``, when given)."""
+    root = host_time_root(op)
+    runs = runs_by_gpu(root, marker=HOST_TIME_MARKER).get(gpu, []) if gpu else runs_of(root, marker=HOST_TIME_MARKER)
+    if not runs:
+        raise FileNotFoundError(f"no host-time run for {op} under experiments/{op}/raw/host-time/")
+    return runs[-1]
+
+
+def write_host_time(op: str, gpus: set[str] | None = None) -> list[Path]:
+    """``results/<gpu>/<op>_host_time.md`` from each GPU's newest host-time run (only ``gpus`` when
+    given), and the op's all-GPU indexes."""
+    results = repo_root() / "results"
+    written = [_write(results / gpu / f"{op}_host_time.md", render_host_time(op, runs[-1]))
+               for gpu, runs in runs_by_gpu(host_time_root(op), marker=HOST_TIME_MARKER).items()
+               if gpus is None or gpu in gpus]
+    return written + write_indexes(op, results) if written else []
 
 
 # -- every run of a GPU, and the indexes the page includes ----------------------------------
@@ -461,6 +547,16 @@ def _junit_counts(run_dir: Path, op: str) -> str:
         "all passed" if not failed else f"{failed} failed")
 
 
+def gpu_tests_cell(run_dir: Path, op: str) -> str:
+    """The GPU test sessions stored with the run, else a link to the op's GPU test log folder
+    (``raw/gpu-tests/``, whose README says which commit each session tested)."""
+    stored = _junit_counts(run_dir, op)
+    logs = run_dir.parent / "gpu-tests"
+    if stored == "none stored" and logs.is_dir():
+        return f"[logs by commit]({raw_url(logs)})"
+    return stored
+
+
 def runs_index(op: str, runs: list[Path]) -> str:
     """Every run of ``op`` on one GPU, newest first, each under its anchor (the newest links to its tables)."""
     env = _env(runs[-1])
@@ -470,10 +566,10 @@ def runs_index(op: str, runs: list[Path]) -> str:
         state = source_state(op, e)["state"]
         name = (f"[`{run_dir.name}`](#{anchor(run_dir.name)}) (tables above)" if run_dir == runs[-1]
                 else f'<a id="{anchor(run_dir.name)}"></a>`{run_dir.name}`')
-        rows.append([name, e.get("date_utc", "?"), f"`{short(e.get('git_commit'))}`",
+        rows.append([name, commit_link(e.get("git_commit")),
                      {"current": "current", "changed": "changed since", "unknown": "unknown"}[state],
-                     measured(run_dir), _junit_counts(run_dir, op), raw_link(run_dir, "raw")])
-    table = pd.DataFrame(rows, columns=["run", "date (UTC)", "commit", "kernel source", "measured",
+                     measured(run_dir), gpu_tests_cell(run_dir, op), raw_link(run_dir, "raw")])
+    table = pd.DataFrame(rows, columns=["run (UTC stamp)", "commit", "kernel source", "measured",
                                         "GPU test sessions", "raw data"])
     return "\n".join([
         f"<!-- generated by `python -m dsfuse.bench report {op}` from {relative(runs[-1].parent)}; do not edit -->",

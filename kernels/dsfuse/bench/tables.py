@@ -1,7 +1,7 @@
-"""The report's tables, one small builder each; :mod:`dsfuse.bench.report` composes them.
+"""The report's tables, one small builder each; `dsfuse.bench.report` composes them.
 
 Every builder returns a DataFrame whose columns are the table's headers and whose cells are
-what the table shows (mostly strings formatted by :func:`fmt`); :func:`markdown` renders it
+what the table shows (mostly strings formatted by `fmt`); `markdown` renders it
 as a GitHub table. As with any tabulate table, numeric-looking cells are read as numbers:
 their column is right-aligned and their digits are those of tabulate's number format.
 """
@@ -18,6 +18,9 @@ TARGET_COLUMNS = ["case", "provider", "clock/cache", "target", "median us", "of 
 CHECK_COLUMNS = ["case", "provider", "check", "status", "stages passed", "note"]
 NOTE_CHARS = 160  # longest note of the checks table
 REPEATS = ("round", "block")  # probe columns that repeat a setting: one median over all of them
+HOST_TARGET_US = {"forward": 35.0, "autograd forward+backward": 200.0}  # host us per eager call (dsfuse)
+HOST_CUTEDSL_TARGET_US = 15.0  # every whole eager call of a CuTe DSL backend (provider ``dsfuse cutedsl``)
+HOST_PROVIDERS = ("dsfuse", "dsfuse cutedsl", "eager PyTorch", "baseline")  # the host-time table's columns
 
 
 def fmt(x: float, digits: int = 1) -> str:
@@ -27,7 +30,7 @@ def fmt(x: float, digits: int = 1) -> str:
 def markdown(table: pd.DataFrame, **kwargs) -> str:
     """``table`` as a GitHub Markdown table, without its index (tabulate options in ``kwargs``).
 
-    Numbers print as plain decimals (``floatfmt='.12g'``: the digits :func:`fmt` wrote, never
+    Numbers print as plain decimals (``floatfmt='.12g'``: the digits `fmt` wrote, never
     scientific notation, as tabulate's default ``g`` gives from a million on, e.g. smoke-run medians).
     """
     kwargs.setdefault("floatfmt", ".12g")
@@ -42,7 +45,7 @@ def frame(rows: list[list], columns: list[str]) -> pd.DataFrame:
 
 
 def ratio_table(ratios: pd.DataFrame) -> pd.DataFrame:
-    """One row per candidate, case and clock/cache regime (rows of :func:`report.summarize`'s ratios)."""
+    """One row per candidate, case and clock/cache regime (rows of `report.summarize`'s ratios)."""
     ordered = ratios.sort_values(["mode", "case", "candidate", "clock", "regime"])
     return frame([ratio_row(r) for r in ordered.itertuples()], RATIO_COLUMNS)
 
@@ -179,6 +182,26 @@ def blocks_table(df: pd.DataFrame) -> pd.DataFrame:
     wide = evicted.groupby(["mode", "elements", "warps"])["us"].median().unstack("warps")
     rows = [[mode, elements] + [fmt(v) for v in row] for (mode, elements), row in wide.iterrows()]
     return frame(rows, ["mode", "elements"] + [str(w) for w in wide.columns])
+
+
+def host_time_table(samples: pd.DataFrame) -> pd.DataFrame:
+    """A host-time run (``host_time.csv`` of ``python -m dsfuse.bench.host_time run``): the median host
+    us per call and provider, the target of the call and whether dsfuse meets it; with a CuTe DSL
+    provider, whether each of its whole calls (not the rows of a call's parts) meets 15 us."""
+    med = samples.groupby(["call", "provider"], sort=False)["host_us"].median().unstack("provider")
+    out = pd.DataFrame({"call": med.index})
+    for provider in HOST_PROVIDERS:
+        if provider in med:
+            out[f"{provider} us"] = [f"{v:.1f}" if pd.notna(v) else "" for v in med[provider]]
+    out["target us"] = [f"<= {HOST_TARGET_US[c]:.0f}" if c in HOST_TARGET_US else "" for c in med.index]
+    judged = [c in HOST_TARGET_US and "dsfuse" in med and pd.notna(med.loc[c, "dsfuse"]) for c in med.index]
+    out["met"] = [("yes" if med.loc[c, "dsfuse"] <= HOST_TARGET_US[c] else "NO") if j else ""
+                  for c, j in zip(med.index, judged)]
+    if "dsfuse cutedsl" in med:
+        out[f"cutedsl <= {HOST_CUTEDSL_TARGET_US:.0f} us"] = [
+            "" if pd.isna(v) or " part: " in c else ("yes" if v <= HOST_CUTEDSL_TARGET_US else "NO")
+            for c, v in zip(med.index, med["dsfuse cutedsl"])]
+    return out
 
 
 def host_table(df: pd.DataFrame) -> pd.DataFrame:

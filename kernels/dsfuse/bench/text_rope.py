@@ -205,3 +205,83 @@ def _fla_applies(case: Case) -> str | None:
 
 def _dsfuse(values, angles, inverse, *, inplace):
     return apply_rope(values, angles, inverse, inplace=inplace, backend="triton")
+
+
+# -- the op's piece of the tools that loop over every op (host time, fingerprints, ncu) --------
+
+
+def host_time_calls(dev: torch.device) -> list[tuple]:
+    """``(call, provider, fn)`` rows of ``python -m dsfuse.bench.host_time`` on tiny tensors (64 tokens, 8
+    heads of 512): the public call and eager PyTorch, forward and autograd forward+backward, and the
+    forward's parts."""
+    from dsfuse.bench.host_time import backward_of
+    from dsfuse.text_rope import api, apply_rope, rope_reference
+
+    values = torch.randn(1, 64, 8, 512, device=dev).bfloat16()
+    angles = torch.rand(1, 64, 32, device=dev)
+    leaf = values.clone().requires_grad_()
+    grad = torch.randn_like(values)
+    freqs = api._freqs(angles)
+    out = torch.empty_like(values)
+    return [
+        ("forward", "dsfuse", lambda: apply_rope(values, angles)),
+        ("forward", "eager PyTorch", lambda: rope_reference(values, angles)),
+        ("autograd forward+backward", "dsfuse", backward_of(apply_rope, [leaf, angles], [grad])),
+        ("autograd forward+backward", "eager PyTorch", backward_of(rope_reference, [leaf, angles], [grad])),
+        ("forward part: validation", "dsfuse", lambda: api._validate(values, angles, False, None)),
+        ("forward part: backend choice", "dsfuse", lambda: api.BACKENDS.choose("auto", values.device, values.dtype)),
+        ("forward part: freqs (torch.polar, 1 kernel)", "dsfuse", lambda: api._freqs(angles)),
+        ("forward part: rotation (allocate + 1 Triton launch)", "dsfuse",
+         lambda: api.rotate_ops["triton"](values, freqs, False, False)),
+        ("forward part: rotation into out (1 Triton launch)", "dsfuse",
+         lambda: api.BACKENDS.load("triton")["rope"](values, freqs, out, conj=False)),
+    ]
+
+
+def fingerprint_cases() -> dict:
+    """``{entry: outputs(device)}`` of ``scripts/output_hashes.py``: every path of the public API
+    (functional, inverse, ``out=``, in place, autograd, in place on a non-leaf) at the model's shape,
+    q ``[1, 4096, 64, 512]`` and kv ``[1, 4096, 512]`` bf16, YaRN angles of positions up to 10^6;
+    inputs drawn on the CPU from seed 1."""
+
+    def outputs(device: torch.device) -> dict[str, torch.Tensor]:
+        from dsfuse.text_rope import apply_rope, rope_angles, yarn_inv_freq
+
+        gen = torch.Generator().manual_seed(1)
+
+        def randn(shape, dtype):
+            return torch.randn(shape, generator=gen, dtype=torch.float32).to(dtype).to(device)
+
+        inv_freq = yarn_inv_freq(64, 160000.0, factor=16.0, original_max_position=65536)
+        pos = torch.randint(0, 1_000_000, (1, 4096), generator=gen)
+        angles = rope_angles(pos, inv_freq).to(device)
+        q = randn((1, 4096, 64, 512), torch.bfloat16)
+        kv = randn((1, 4096, 512), torch.bfloat16)
+        dq = randn(q.shape, torch.bfloat16)
+        out = {"q_fwd": apply_rope(q, angles), "q_inverse": apply_rope(q, angles, inverse=True),
+               "kv_fwd": apply_rope(kv, angles)}
+        buf = torch.empty_like(q)
+        out["q_out"] = apply_rope(q, angles, out=buf).clone()
+        out["q_inplace"] = apply_rope(q.clone(), angles, inplace=True)
+        leaf = q.clone().requires_grad_()
+        apply_rope(leaf, angles).backward(dq)
+        out["q_grad"] = leaf.grad
+        leaf = q.clone().requires_grad_()
+        apply_rope(leaf * 1, angles, inplace=True).backward(dq)  # in place on a non-leaf
+        out["q_inplace_grad"] = leaf.grad
+        return out
+
+    return {OP: outputs}
+
+
+def ncu_calls(dev: torch.device, backends: list[str]) -> dict:
+    """``{call: fn}`` of ``scripts/ncu_backends.py``: the forward of q at the model's shape
+    (``[1, 4096, 64, 512]`` bf16, into a given output) on each backend."""
+    from dsfuse.text_rope import apply_rope
+
+    gen = torch.Generator(device=dev).manual_seed(0)
+    q = torch.randn(1, 4096, 64, 512, device=dev, generator=gen).bfloat16()
+    angles = torch.rand(1, 4096, 32, device=dev, generator=gen) * 6.3
+    out = torch.empty_like(q)
+    return {f"fwd T4096: {backend}": (lambda b=backend: apply_rope(q, angles, out=out, backend=b))
+            for backend in backends}

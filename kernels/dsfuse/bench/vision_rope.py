@@ -220,3 +220,109 @@ def report_extra(run_dir: Path) -> list[str]:
     lines += [tabulate(table, headers=["geometry", "tokens", "eager ms", "dsfuse ms", "GPU ratio [min, max]",
                                        "wall ratio"], tablefmt="github"), ""]
     return lines
+
+
+# -- the op's piece of the tools that loop over every op (host time, fingerprints, ncu) --------
+
+
+def host_time_calls(dev: torch.device) -> list[tuple]:
+    """``(call, provider, fn)`` rows of ``python -m dsfuse.bench.host_time`` on tiny tensors (an 8 x 8
+    grid, 16 heads of 64): the backward op and eager PyTorch, the attention front's autograd
+    forward+backward, the launch; on a GPU with the ``cutedsl`` extra, the CuTe DSL backward and its parts."""
+    from dsfuse.bench.host_time import backward_of, cutedsl_rows
+    from dsfuse.vision_rope import (attention_front, vision_cos_sin, vision_rope_attention_front,
+                                    vision_rope_backward, vision_rope_backward_reference)
+    from dsfuse.vision_rope import api
+
+    heads, tokens, dim = 16, 64, 64
+    cos, sin = vision_cos_sin(8, 8, dim // 2, device=dev)
+    dq, dv = (torch.randn(heads, tokens, dim, device=dev).bfloat16() for _ in range(2))
+    dk_hdt = torch.randn(heads, dim, tokens, device=dev).bfloat16()
+    qkv = torch.randn(tokens, 3 * heads * dim, device=dev).bfloat16().requires_grad_()
+    grads = [dq, dk_hdt.transpose(1, 2), dv]
+    return [
+        ("backward op (forward call)", "dsfuse",
+         lambda: vision_rope_backward(dq, dk_hdt, dv, cos, sin, backend="triton")),
+        ("backward op (forward call)", "eager PyTorch",
+         lambda: vision_rope_backward_reference(dq, dk_hdt, dv, cos, sin)),
+        ("autograd forward+backward", "dsfuse",
+         backward_of(lambda x: vision_rope_attention_front(x, cos, sin, heads, backend="triton"), [qkv], grads)),
+        ("autograd forward+backward", "eager PyTorch",
+         backward_of(lambda x: attention_front(x, cos, sin, heads), [qkv], grads)),
+        ("forward part: launch (allocate + 1 Triton launch)", "dsfuse",
+         lambda: api.backward_ops["triton"](dq, dk_hdt.transpose(1, 2), dv, cos, sin)),
+    ] + cutedsl_rows(dev, lambda: _host_time_cutedsl_rows(dq, dk_hdt, dv, cos, sin))
+
+
+def _host_time_cutedsl_rows(dq, dk_hdt, dv, cos, sin) -> list[tuple]:
+    """The public call on the CuTe DSL backward, and its parts: where its host time goes."""
+    from dsfuse.vision_rope import api, vision_rope_backward
+    from dsfuse.vision_rope.cutedsl import kernels as vc
+
+    heads, _, dim = dq.shape
+    out = api._new_dqkv(dq)
+    kernel = vc._kernel(dq.dtype, heads, dim, True, dq.device)  # compiles here, not in the loop
+    dk_htd = dk_hdt.transpose(1, 2)
+    return [
+        ("backward op (forward call)", "dsfuse cutedsl",
+         lambda: vision_rope_backward(dq, dk_hdt, dv, cos, sin, backend="cutedsl")),
+        ("backward part: into out (validation + launcher, no allocation)", "dsfuse cutedsl",
+         lambda: vision_rope_backward(dq, dk_hdt, dv, cos, sin, out=out, backend="cutedsl")),
+        ("backward part: allocate out (torch.empty)", "dsfuse cutedsl", lambda: api._new_dqkv(dq)),
+        ("backward part: launcher (layout checks + compiled function)", "dsfuse cutedsl",
+         lambda: vc.launch_backward(dq, dk_htd, dv, cos, sin, out)),
+        ("backward part: compiled function alone (TVM-FFI call, 6 tensors)", "dsfuse cutedsl",
+         lambda: kernel(dq, dk_hdt, dv, cos, sin, out)),
+    ]
+
+
+def fingerprint_cases() -> dict:
+    """``{entry: outputs(device)}`` of ``scripts/output_hashes.py``: the backward op (functional and
+    ``out=``) and the attention front's outputs and gradient at the model's largest grid (93 x 93 =
+    8649 tokens, 16 heads of 64, bf16, dK in its ``[H, D, T]`` storage); inputs drawn on the CPU from seed 2."""
+
+    def outputs(device: torch.device) -> dict[str, torch.Tensor]:
+        from dsfuse.vision_rope import vision_cos_sin, vision_rope_attention_front, vision_rope_backward
+
+        gen = torch.Generator().manual_seed(2)
+
+        def randn(shape, dtype):
+            return torch.randn(shape, generator=gen, dtype=torch.float32).to(dtype).to(device)
+
+        heads, dim, tokens = 16, 64, 8649
+        cos, sin = vision_cos_sin(93, 93, dim // 2, 10000.0, device=device)
+        dq = randn((heads, tokens, dim), torch.bfloat16)
+        dk_hdt = randn((heads, dim, tokens), torch.bfloat16)
+        dv = randn((heads, tokens, dim), torch.bfloat16)
+        out = {"dqkv": vision_rope_backward(dq, dk_hdt, dv, cos, sin)}
+        buf = torch.empty_like(out["dqkv"])
+        out["dqkv_out"] = vision_rope_backward(dq, dk_hdt, dv, cos, sin, out=buf).clone()
+        qkv = randn((tokens, 3 * heads * dim), torch.bfloat16).requires_grad_()
+        q, k, v = vision_rope_attention_front(qkv, cos, sin, heads)
+        out.update(front_q=q, front_k=k)
+        (q * dq + k * dk_hdt.transpose(1, 2) + v * dv).float().sum().backward()
+        out["front_qkv_grad"] = qkv.grad
+        return out
+
+    return {OP: outputs}
+
+
+def ncu_calls(dev: torch.device, backends: list[str]) -> dict:
+    """``{call: fn}`` of ``scripts/ncu_backends.py``: the backward at T = 8649 (the model's 93 x 93 grid;
+    16 heads x 64, bf16, dK in its ``[H, D, T]`` storage) on each backend, and a copy of the same bytes."""
+    from dsfuse.vision_rope import vision_rope_backward
+
+    gen = torch.Generator(device=dev).manual_seed(0)
+    heads, tokens, dim = 16, 8649, 64
+    dq, dv = (torch.randn(heads, tokens, dim, device=dev, generator=gen).bfloat16() for _ in range(2))
+    dk_hdt = torch.randn(heads, dim, tokens, device=dev, generator=gen).bfloat16()
+    angles = torch.rand(tokens, dim // 2, device=dev, generator=gen) * 6.3
+    cos, sin = angles.cos(), angles.sin()
+    dqkv = torch.empty(tokens, 3 * heads * dim, device=dev, dtype=torch.bfloat16)
+    src = torch.empty(dqkv.numel() + cos.numel() * 2 * 2, dtype=torch.bfloat16, device=dev)  # same bytes read
+    dst = torch.empty_like(src)
+    found = {"bwd T8649: copy of the bytes it reads": lambda: torch.add(src, 0, out=dst)}  # a kernel
+    for backend in backends:
+        found[f"bwd T8649: {backend}"] = (
+            lambda b=backend: vision_rope_backward(dq, dk_hdt, dv, cos, sin, out=dqkv, backend=b))
+    return found

@@ -1,26 +1,27 @@
 """Public API of the Engram gate.
 
-Layers: the launchers (``dsfuse.engram_gate.triton``, and ``dsfuse.engram_gate.cutedsl`` for
-``backend="cutedsl"``, imported on first use); the functional entry points
+Layers: the backends' launchers (``dsfuse.engram_gate.triton``, and ``dsfuse.engram_gate.cutedsl``
+for ``backend="cutedsl"``, imported on first use), reached through the registry (``BACKENDS``); the
+functional entry points
 ``engram_gate_forward`` / ``engram_gate_backward`` (caller-owned outputs, saved
 state and workspace allowed); ``EngramGatePlan``, the prepared form that validates
 and compiles once, then executes with no allocation, no JIT and no host synchronisation
 (CUDA Graph capturable); ``engram_gate``, differentiable through the declared ops
-(``dsfuse._common.declare_op``) ``dsfuse::engram_gate_fwd`` / ``dsfuse::engram_gate_bwd`` (Triton) and
-``dsfuse::engram_gate_fwd_cutedsl`` / ``dsfuse::engram_gate_bwd_cutedsl`` (CuTe DSL), so
+(``dsfuse._common.declare_backend_ops``) ``dsfuse::engram_gate_fwd`` / ``dsfuse::engram_gate_bwd``
+(Triton) and ``dsfuse::engram_gate_fwd_cutedsl`` / ``dsfuse::engram_gate_bwd_cutedsl`` (CuTe DSL), so
 ``torch.compile(fullgraph=True)`` traces either backend as opaque nodes.
 """
 
 from __future__ import annotations
 
-import importlib
-
 import torch
 
 from dsfuse._common import (
     BACKENDS as FUSED_BACKENDS,
+)
+from dsfuse._common import (
+    KERNEL_DTYPES,
     REFERENCE,
-    OpBackends,
     check_aligned,
     check_contiguous,
     check_dtype,
@@ -30,45 +31,16 @@ from dsfuse._common import (
     check_same_dtype,
     check_shape,
     check_tensor,
-    declare_op,
+    declare_backend_ops,
     on_stream,
     register,
 )
-from dsfuse.engram_gate import triton as _triton
 from dsfuse.engram_gate.reference import engram_gate_reference
-from dsfuse.engram_gate.triton import MAX_DIM, workspace_elements
 
 __all__ = ["EngramGatePlan", "engram_gate", "engram_gate_backward", "engram_gate_forward"]
 
-FUSED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-CUTEDSL = "cutedsl"
-# ``auto`` takes Triton on Hopper and Blackwell; the CuTe DSL backend is chosen by name. Measured on the
-# H200 (experiments/engram_gate/raw/20261201-022130-h200, cited on the op page): Triton's forward and
-# forward + backward are the faster; the CuTe DSL backward alone is faster, but the backends' last
-# bits differ, so auto does not change them with the extras installed. No B200 run yet.
-BACKENDS = register(OpBackends("engram_gate",
-                               kernels={"triton": ("dsfuse.engram_gate.triton",),
-                                        CUTEDSL: ("dsfuse.engram_gate.cutedsl",)},
-                               dtypes={"triton": FUSED_DTYPES, CUTEDSL: FUSED_DTYPES},
-                               preference={"sm_90": ("triton",), "sm_100": ("triton",)}))
-
-
-def _kernels(backend: str):
-    """The launcher module of a fused backend (the CuTe DSL one imported on first use: it needs
-    the ``cutedsl`` extra)."""
-    if backend == CUTEDSL:
-        return importlib.import_module("dsfuse.engram_gate.cutedsl")
-    return _triton
-
-
-def _check_cutedsl(x: torch.Tensor, backward: bool, **tensors) -> None:
-    """What the CuTe DSL kernels ask beyond the validated layouts: a geometry they compile for, and
-    128-bit aligned rows (16-byte aligned data pointers and row strides)."""
-    cute_mod = _kernels(CUTEDSL)
-    reasons = cute_mod.shape_reasons(x.dtype, x.shape[1], x.shape[2], backward=backward)
-    reasons += cute_mod.layout_reasons(x=x, **tensors)
-    if reasons:
-        raise ValueError("backend='cutedsl' cannot serve this engram_gate call: " + "; ".join(reasons))
+FUSED_DTYPES = KERNEL_DTYPES
+BACKENDS = register("engram_gate")  # auto's order per GPU family: the backend packages' tables
 
 
 # -- validation ------------------------------------------------------------------------------
@@ -128,7 +100,7 @@ def _check_forward_outputs(x, kv, weight, token_mask, out, saved) -> None:
 
 
 def _check_backward_args(dout, x, kv, weight, token_mask, saved, dx, dkv, dweight, workspace,
-                         workspace_elements=workspace_elements) -> None:
+                         workspace_elements) -> None:
     """Everything but the inputs (checked by ``_check_inputs``): gradients in, outputs, aliasing.
     ``workspace_elements``: the sizing of the backend that runs the call."""
     n, streams, dim = x.shape
@@ -148,12 +120,6 @@ def _check_backward_args(dout, x, kv, weight, token_mask, saved, dx, dkv, dweigh
                              f"{x.device}, got {workspace.dtype} with {workspace.numel()} on {workspace.device}")
     check_outputs_free({"dx": dx, "dkv": dkv, "dweight": dweight, "workspace": workspace},
                        {"dout": dout, "x": x, "kv": kv, "weight": weight, "token_mask": token_mask, "saved": saved})
-
-
-def _fused_reasons(x: torch.Tensor) -> list[str]:
-    """Why the kernels cannot serve a gate of this width (the forward keeps a row in registers)."""
-    dim = x.shape[-1]
-    return [f"D = {dim} is above the kernels' limit of {MAX_DIM} channels per row"] if dim > MAX_DIM else []
 
 
 # -- functional ------------------------------------------------------------------------------
@@ -197,11 +163,17 @@ def engram_gate_forward(
         The forward of one layer's gate, then its backward from the saved state:
 
         ```python
+        import torch
         from dsfuse.engram_gate import engram_gate_backward, engram_gate_forward
 
-        # x [N, 4, 5120] bf16, kv [N, 5 * 5120] bf16,
-        # weight fp32 [4, 5120], token_mask bool [N]
+        device = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: the reference
+        bf16 = dict(device=device, dtype=torch.bfloat16)
+        x = torch.randn(64, 4, 5120, **bf16)             # [N, S, D]
+        kv = torch.randn(64, 5 * 5120, **bf16)           # [N, (S + 1) D]
+        weight = torch.randn(4, 5120, device=device)     # fp32 [S, D]
+        token_mask = torch.ones(64, dtype=torch.bool, device=device)
         out, saved = engram_gate_forward(x, kv, weight, token_mask, eps=1e-20)
+        dout = torch.randn_like(out)
         dx, dkv, dweight = engram_gate_backward(
             dout, x, kv, weight, token_mask, saved, eps=1e-20
         )
@@ -209,7 +181,7 @@ def engram_gate_forward(
     """
     n, streams, dim = _check_inputs(x, kv, weight, token_mask, eps, clamp)
     _check_forward_outputs(x, kv, weight, token_mask, out, saved)
-    which = BACKENDS.choose(backend, x.device, x.dtype, _fused_reasons(x))
+    which = BACKENDS.choose(backend, x.device, x.dtype, call="forward", args=(x, kv, weight, token_mask, out, saved))
     with on_stream(stream, x.device):
         if which == REFERENCE:
             ref_out, ref_saved = engram_gate_reference(x, kv, weight, token_mask, eps=eps, clamp=clamp)
@@ -217,9 +189,7 @@ def engram_gate_forward(
                     (ref_saved if saved is None else saved.copy_(ref_saved)))
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device) if out is None else out
         saved = torch.empty((n, streams, 4), dtype=torch.float32, device=x.device) if saved is None else saved
-        if which == CUTEDSL:
-            _check_cutedsl(x, False, kv=kv, weight=weight, out=out, saved=saved)
-        _kernels(which).launch_forward(x, kv, weight, token_mask, out, saved, eps=eps, clamp=clamp)
+        BACKENDS.load(which)["forward"](x, kv, weight, token_mask, out, saved, eps=eps, clamp=clamp)
         return out, saved
 
 
@@ -268,11 +238,13 @@ def engram_gate_backward(
         The triple ``(dx, dkv, dweight)``; repeated calls on the same inputs are bitwise equal.
     """
     n, streams, dim = _check_inputs(x, kv, weight, token_mask, eps, clamp)
-    # the workspace is sized by the backend asked for (validated before the choice, like the rest)
-    cute = backend == CUTEDSL and FUSED_BACKENDS[CUTEDSL].installed
-    sizing = _kernels(CUTEDSL).workspace_elements if cute else workspace_elements
+    # the workspace is sized by the backend asked for (validated before the choice, like the rest); auto,
+    # the reference or a backend not installed: the op's first backend
+    asked = backend if backend in BACKENDS.kernels and FUSED_BACKENDS[backend].installed else BACKENDS.first
+    sizing = BACKENDS.load(asked)["workspace_elements"]
     _check_backward_args(dout, x, kv, weight, token_mask, saved, dx, dkv, dweight, workspace, sizing)
-    which = BACKENDS.choose(backend, x.device, x.dtype, _fused_reasons(x))
+    which = BACKENDS.choose(backend, x.device, x.dtype, call="backward",
+                            args=(dout, x, kv, weight, saved, dx, dkv, dweight, workspace))
     with on_stream(stream, x.device):
         if which == REFERENCE:
             grads = _reference_backward(dout, x, kv, weight, token_mask, eps, clamp)
@@ -280,16 +252,13 @@ def engram_gate_backward(
         dx = torch.empty(x.shape, dtype=x.dtype, device=x.device) if dx is None else dx
         dkv = torch.empty(kv.shape, dtype=kv.dtype, device=x.device) if dkv is None else dkv
         dweight = torch.empty((streams, dim), dtype=torch.float32, device=x.device) if dweight is None else dweight
-        sizing = _kernels(which).workspace_elements  # the backend chosen (auto may pick another than asked)
+        sizing = BACKENDS.load(which)["workspace_elements"]  # the backend chosen (auto may pick another)
         if workspace is None:
             workspace = torch.empty(sizing(n, streams, dim), dtype=torch.float32, device=x.device)
         elif workspace.numel() < sizing(n, streams, dim):
             raise ValueError(f"workspace: expected at least {sizing(n, streams, dim)} fp32 elements for the {which} "
                              f"backend, got {workspace.numel()}")
-        if which == CUTEDSL:
-            _check_cutedsl(x, True, dout=dout, kv=kv, weight=weight, saved=saved, dx=dx, dkv=dkv, dweight=dweight,
-                           workspace=workspace)
-        _kernels(which).launch_backward(dout, x, kv, weight, saved, dx, dkv, dweight, workspace, clamp=clamp)
+        BACKENDS.load(which)["backward"](dout, x, kv, weight, saved, dx, dkv, dweight, workspace, clamp=clamp)
         return dx, dkv, dweight
 
 
@@ -336,18 +305,25 @@ class EngramGatePlan:
         eps: the model's ``rms_norm_eps`` (1e-20 in the released config).
         clamp: lower bound of ``|dot|`` under the signed square root.
         dtype: the dtype of ``x``, ``kv`` and their gradients (bf16, fp16 or fp32).
-        backend: ``"triton"`` (default) or ``"cutedsl"``: the kernels the plan compiles at
-            construction and runs (``"cutedsl"`` also checks the 128-bit layout of every call's
-            tensors: 16-byte aligned data pointers and row strides).
+        backend: a fused backend, ``"triton"`` or ``"cutedsl"`` (default ``None``: the op's first,
+            Triton): the kernels the plan compiles at construction and runs (``"cutedsl"`` also
+            checks the 128-bit layout of every call's tensors: 16-byte aligned data pointers and
+            row strides).
 
     Examples:
         One training step's gate captured in a CUDA Graph and replayed on new inputs
         written into the same buffers:
 
         ```python
+        # needs CUDA (a CUDA Graph)
         import torch
         from dsfuse.engram_gate import EngramGatePlan
 
+        bf16 = dict(device="cuda", dtype=torch.bfloat16)
+        x, kv = torch.randn(4096, 4, 5120, **bf16), torch.randn(4096, 5 * 5120, **bf16)
+        weight = torch.randn(4, 5120, device="cuda")
+        token_mask = torch.ones(4096, dtype=torch.bool, device="cuda")
+        dout = torch.randn_like(x)
         plan = EngramGatePlan(
             streams=4, dim=5120, max_tokens=8192, device="cuda", eps=1e-20
         )
@@ -363,7 +339,7 @@ class EngramGatePlan:
     """
 
     def __init__(self, *, streams: int = 4, dim: int = 5120, max_tokens: int, device, eps: float,
-                 clamp: float = 1e-6, dtype: torch.dtype = torch.bfloat16, backend: str = "triton"):
+                 clamp: float = 1e-6, dtype: torch.dtype = torch.bfloat16, backend: str | None = None):
         self.streams, self.dim, self.max_tokens = streams, dim, max_tokens
         # the device with its index ("cuda" -> "cuda:0"), as tensors report theirs
         self.device = torch.empty(0, device=device).device
@@ -372,35 +348,46 @@ class EngramGatePlan:
             raise ValueError(f"max_tokens: expected >= 1, got {max_tokens}")
         if dtype not in FUSED_DTYPES:
             raise TypeError(f"dtype: expected one of bf16, fp16, fp32, got {dtype}")
-        if backend not in ("triton", CUTEDSL):
-            raise ValueError(f"backend: expected 'triton' or 'cutedsl' for a plan, got {backend!r}")
+        backend = BACKENDS.first if backend is None else backend
+        if backend not in BACKENDS.kernels:
+            names = " or ".join(repr(name) for name in BACKENDS.kernels)
+            raise ValueError(f"backend: expected {names} for a plan, got {backend!r}")
         self.backend = backend
+        title = FUSED_BACKENDS[backend].title
         if reasons := FUSED_BACKENDS[backend].reasons_against(self.device):
-            title = FUSED_BACKENDS[backend].title
             raise ValueError(f"device: the plan runs the {title} kernels: {'; '.join(reasons)}")
-        self._kernels = _kernels(backend)
-        if backend == CUTEDSL and (reasons := self._kernels.shape_reasons(dtype, streams, dim, backward=True)):
-            raise ValueError(f"dim: the plan runs the CuTe DSL kernels: {'; '.join(reasons)}")
-        self._launch_forward, self._launch_backward = self._kernels.launch_forward, self._kernels.launch_backward
-        self.workspace = torch.empty(self._kernels.workspace_elements(max_tokens, streams, dim), dtype=torch.float32,
+        warm_up = self._warm_up_inputs()
+        if reasons := BACKENDS.own_reasons(backend, "backward", warm_up["backward"]):
+            raise ValueError(f"dim: the plan runs the {title} kernels: {'; '.join(reasons)}")
+        kernels = BACKENDS.load(backend)
+        self._launch_forward, self._launch_backward = kernels["forward"], kernels["backward"]
+        self._workspace_elements = kernels["workspace_elements"]
+        self.workspace = torch.empty(self._workspace_elements(max_tokens, streams, dim), dtype=torch.float32,
                                      device=self.device)
         self._checked = {"forward": None, "backward": None}  # the metadata of each direction's last checked call
         self._warm_up()
 
-    def _warm_up(self) -> None:
-        """One launch of each kernel on a 2-token problem: compiles what execution will run."""
+    def _warm_up_inputs(self) -> dict:
+        """A 2-token problem of the plan's geometry: the arguments of each direction's launch but the
+        workspace (``backward``: without it)."""
         s, d, dev = self.streams, self.dim, self.device
         x = torch.zeros(2, s, d, dtype=self.dtype, device=dev)
         kv = torch.zeros(2, (s + 1) * d, dtype=self.dtype, device=dev)
         w = torch.zeros(s, d, dtype=torch.float32, device=dev)
         mask = torch.ones(2, dtype=torch.bool, device=dev)
         out, saved = torch.empty_like(x), torch.empty(2, s, 4, device=dev)
-        self._launch_forward(x, kv, w, mask, out, saved, eps=self.eps, clamp=self.clamp)
-        self._launch_backward(x, x, kv, w, saved, out, torch.empty_like(kv), torch.empty(s, d, device=dev),
-                              self.workspace, clamp=self.clamp)
+        return {"forward": (x, kv, w, mask, out, saved),
+                "backward": (x, x, kv, w, saved, out, torch.empty_like(kv), torch.empty(s, d, device=dev))}
 
-    def _check(self, x, kv, weight, token_mask, **tensors) -> int:
-        """Metadata checks of one execution (no synchronisation); returns N."""
+    def _warm_up(self) -> None:
+        """One launch of each kernel on a 2-token problem: compiles what execution will run."""
+        inputs = self._warm_up_inputs()
+        self._launch_forward(*inputs["forward"], eps=self.eps, clamp=self.clamp)
+        self._launch_backward(*inputs["backward"], self.workspace, clamp=self.clamp)
+
+    def _check(self, call: str, args: tuple, x, kv, weight, token_mask, **tensors) -> int:
+        """Metadata checks of one execution (no synchronisation) of ``call`` with the launch arguments
+        ``args``; returns N."""
         n = x.shape[0] if isinstance(x, torch.Tensor) else 0
         tensors = dict(x=x, kv=kv, weight=weight, token_mask=token_mask) | tensors
         if not 1 <= n <= self.max_tokens:
@@ -411,9 +398,8 @@ class EngramGatePlan:
                 raise ValueError(f"{name}: expected device {self.device} (the plan's), got {t.device}")
             check_aligned(name, t)  # another alignment would be another compiled specialisation
         _check_inputs(x, kv, weight, token_mask, self.eps, self.clamp)
-        if self.backend == CUTEDSL and (reasons := self._kernels.layout_reasons(
-                **{name: t for name, t in tensors.items() if name != "token_mask"})):
-            raise ValueError("the plan runs the CuTe DSL kernels: " + "; ".join(reasons))
+        if reasons := BACKENDS.own_reasons(self.backend, call, args):
+            raise ValueError(f"the plan runs the {FUSED_BACKENDS[self.backend].title} kernels: " + "; ".join(reasons))
         if x.dtype != self.dtype or tuple(x.shape[1:]) != (self.streams, self.dim):
             raise ValueError(f"x: expected {self.dtype} [N, {self.streams}, {self.dim}] (the plan's), got "
                              f"{x.dtype} {list(x.shape)}")
@@ -439,7 +425,8 @@ class EngramGatePlan:
         """
         seen = _metadata((x, kv, weight, token_mask, out, saved))
         if seen is None or seen != self._checked["forward"]:
-            self._check(x, kv, weight, token_mask, out=out, saved=saved)
+            self._check("forward", (x, kv, weight, token_mask, out, saved), x, kv, weight, token_mask, out=out,
+                        saved=saved)
             _check_forward_outputs(x, kv, weight, token_mask, out, saved)
             self._checked["forward"] = seen
         with on_stream(stream, self.device):
@@ -471,9 +458,10 @@ class EngramGatePlan:
         """
         seen = _metadata((dout, x, kv, weight, token_mask, saved, dx, dkv, dweight))
         if seen is None or seen != self._checked["backward"]:
-            self._check(x, kv, weight, token_mask, dout=dout, saved=saved, dx=dx, dkv=dkv, dweight=dweight)
+            self._check("backward", (dout, x, kv, weight, saved, dx, dkv, dweight, self.workspace), x, kv, weight,
+                        token_mask, dout=dout, saved=saved, dx=dx, dkv=dkv, dweight=dweight)
             _check_backward_args(dout, x, kv, weight, token_mask, saved, dx, dkv, dweight, self.workspace,
-                                 self._kernels.workspace_elements)
+                                 self._workspace_elements)
             self._checked["backward"] = seen
         with on_stream(stream, self.device):
             self._launch_backward(dout, x, kv, weight, saved, dx, dkv, dweight, self.workspace, clamp=self.clamp)
@@ -483,57 +471,57 @@ class EngramGatePlan:
 # -- differentiable --------------------------------------------------------------------------
 
 
-def _declare(backend: str, suffix: str):
-    """The declared forward and backward ops of one fused backend (``dsfuse::engram_gate_fwd<suffix>``,
-    ``dsfuse::engram_gate_bwd<suffix>``): what ``engram_gate`` calls, eagerly or under torch.compile."""
+def _backward(backend: str):
+    def _backward(dout: torch.Tensor, x: torch.Tensor, kv: torch.Tensor, weight: torch.Tensor, saved: torch.Tensor,
+                  clamp: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Launch on the inputs of a validated forward into new gradients and workspace."""
+        n, streams, dim = x.shape
+        kernels = BACKENDS.load(backend)
+        dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        dkv = torch.empty(kv.shape, dtype=kv.dtype, device=x.device)
+        dweight = torch.empty((streams, dim), dtype=torch.float32, device=x.device)
+        workspace = torch.empty(kernels["workspace_elements"](n, streams, dim), dtype=torch.float32, device=x.device)
+        BACKENDS.check_at_run_time(backend, "backward", (dout, x, kv, weight, saved))
+        kernels["backward"](dout, x, kv, weight, saved, dx, dkv, dweight, workspace, clamp=clamp)
+        return dx, dkv, dweight
 
+    return _backward
+
+
+backward_ops = declare_backend_ops(BACKENDS, "engram_gate_bwd", "backward", _backward,
+                                   fake=lambda dout, x, kv, weight, saved, clamp: (
+                                       torch.empty_like(x), torch.empty_like(kv), weight.new_empty(weight.shape)))
+
+
+def _save(ctx, inputs, output):
+    x, kv, weight, _, _, clamp = inputs
+    ctx.save_for_backward(x, kv, weight, output[1])
+    ctx.clamp = clamp
+
+
+def _forward(backend: str):
     def _forward(x: torch.Tensor, kv: torch.Tensor, weight: torch.Tensor, token_mask: torch.Tensor, eps: float,
                  clamp: float) -> tuple[torch.Tensor, torch.Tensor]:
         """Launch on validated inputs into new ``out`` and ``saved``."""
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
         saved = torch.empty((x.shape[0], x.shape[1], 4), dtype=torch.float32, device=x.device)
-        if backend == CUTEDSL:  # here, not in engram_gate: under torch.compile only the op sees addresses
-            _check_cutedsl(x, False, kv=kv, weight=weight)
-        _kernels(backend).launch_forward(x, kv, weight, token_mask, out, saved, eps=eps, clamp=clamp)
+        # here, not in engram_gate: under torch.compile only the op sees addresses
+        BACKENDS.check_at_run_time(backend, "forward", (x, kv, weight, token_mask))
+        BACKENDS.load(backend)["forward"](x, kv, weight, token_mask, out, saved, eps=eps, clamp=clamp)
         return out, saved
-
-    def _backward(dout: torch.Tensor, x: torch.Tensor, kv: torch.Tensor, weight: torch.Tensor, saved: torch.Tensor,
-                  clamp: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Launch on the inputs of a validated forward into new gradients and workspace."""
-        n, streams, dim = x.shape
-        kernels = _kernels(backend)
-        dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-        dkv = torch.empty(kv.shape, dtype=kv.dtype, device=x.device)
-        dweight = torch.empty((streams, dim), dtype=torch.float32, device=x.device)
-        workspace = torch.empty(kernels.workspace_elements(n, streams, dim), dtype=torch.float32, device=x.device)
-        if backend == CUTEDSL:
-            _check_cutedsl(x, True, dout=dout, kv=kv)
-        kernels.launch_backward(dout, x, kv, weight, saved, dx, dkv, dweight, workspace, clamp=clamp)
-        return dx, dkv, dweight
-
-    _forward.__name__, _backward.__name__ = f"_forward{suffix}", f"_backward{suffix}"
-    backward_op = declare_op(f"engram_gate_bwd{suffix}", _backward,
-                             fake=lambda dout, x, kv, weight, saved, clamp: (
-                                 torch.empty_like(x), torch.empty_like(kv), weight.new_empty(weight.shape)))
-
-    def _save(ctx, inputs, output):
-        x, kv, weight, _, _, clamp = inputs
-        ctx.save_for_backward(x, kv, weight, output[1])
-        ctx.clamp = clamp
 
     def _forward_grad(ctx, dout, dsaved):
         """``x``, ``kv`` and ``weight`` get gradients from the saved state; the mask and ``saved`` do not."""
         x, kv, weight, saved = ctx.saved_tensors
-        return backward_op(dout.contiguous(), x, kv, weight, saved, ctx.clamp)
+        return backward_ops[backend](dout.contiguous(), x, kv, weight, saved, ctx.clamp)
 
-    forward_op = declare_op(f"engram_gate_fwd{suffix}", _forward, setup=_save, backward=_forward_grad,
-                            non_differentiable=(1,), fake=lambda x, kv, weight, token_mask, eps, clamp: (
-                                torch.empty_like(x), x.new_empty((x.shape[0], x.shape[1], 4), dtype=torch.float32)))
-    return forward_op, backward_op
+    return _forward, {"backward": _forward_grad}
 
 
-forward_op, backward_op = _declare("triton", "")
-forward_op_cutedsl, backward_op_cutedsl = _declare(CUTEDSL, "_cutedsl")
+forward_ops = declare_backend_ops(BACKENDS, "engram_gate_fwd", "forward", _forward, setup=_save,
+                                  non_differentiable=(1,), fake=lambda x, kv, weight, token_mask, eps, clamp: (
+                                      torch.empty_like(x), x.new_empty((x.shape[0], x.shape[1], 4),
+                                                                       dtype=torch.float32)))
 
 
 def engram_gate(x: torch.Tensor, kv: torch.Tensor, weight: torch.Tensor, token_mask: torch.Tensor, *, eps: float,
@@ -547,15 +535,20 @@ def engram_gate(x: torch.Tensor, kv: torch.Tensor, weight: torch.Tensor, token_m
 
     Examples:
         ```python
+        import torch
         from dsfuse.engram_gate import engram_gate
 
+        device = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: the reference
+        bf16 = dict(device=device, dtype=torch.bfloat16, requires_grad=True)
+        x, kv = torch.randn(64, 4, 5120, **bf16), torch.randn(64, 5 * 5120, **bf16)
+        weight = torch.randn(4, 5120, device=device, requires_grad=True)
+        token_mask = torch.ones(64, dtype=torch.bool, device=device)
         out = engram_gate(x, kv, weight, token_mask, eps=1e-20)
-        out.backward(dout)  # x.grad, kv.grad (packed like kv), weight.grad
+        out.backward(torch.randn_like(out))  # x.grad, kv.grad (packed like kv), weight.grad
         ```
     """
     _check_inputs(x, kv, weight, token_mask, eps, clamp)
-    which = BACKENDS.choose(backend, x.device, x.dtype, _fused_reasons(x))
+    which = BACKENDS.choose(backend, x.device, x.dtype, call="forward", args=(x, kv, weight, token_mask))
     if which == REFERENCE:
         return engram_gate_reference(x, kv, weight, token_mask, eps=eps, clamp=clamp)[0]
-    op = forward_op_cutedsl if which == CUTEDSL else forward_op
-    return op(x, kv, weight, token_mask, float(eps), float(clamp))[0]
+    return forward_ops[which](x, kv, weight, token_mask, float(eps), float(clamp))[0]

@@ -5,7 +5,7 @@ Layouts: ``x`` ``[N, S, D]`` bf16 (``S = 4`` residual streams of width ``D = 512
 shared value; ``weight`` fp32 ``[S, D]`` (the model's ``q_weight * k_weight``);
 ``token_mask`` bool ``[N]`` (False for image tokens and padding):
 
-```python
+```text
 h = x.float();  key = kv[:, :S*D].float().view(N, S, D);  value = kv[:, S*D:].float()
 rx = rsqrt(mean(h * h, -1) + eps);  rk = rsqrt(mean(key * key, -1) + eps)          # [N, S]
 dot = sum(h * weight * key, -1) * rx * rk * D ** -0.5                            # [N, S]

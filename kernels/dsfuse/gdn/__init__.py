@@ -1,8 +1,9 @@
 """Gated DeltaNet (chunked, grouped value heads, variable-length documents).
 
-The references (the oracles), the forward and backward as Triton stages (``dsfuse.gdn.triton``)
-strung together by ``dsfuse.gdn.schedule``, :func:`chunk_gdn` and :func:`packed_qkv_views`;
-context parallelism over ``torch.distributed`` (``dsfuse.gdn.cp``, :func:`cp_shards`).
+The references (the oracles), the forward and backward as a backend's stages (the Triton ones in
+``dsfuse.gdn.triton``) strung together by ``dsfuse.gdn.schedule``, [`chunk_gdn`][dsfuse.gdn.chunk_gdn]
+and [`packed_qkv_views`][dsfuse.gdn.packed_qkv_views]; context parallelism over
+``torch.distributed`` (``dsfuse.gdn.cp``, [`cp_shards`][dsfuse.gdn.cp_shards]).
 """
 
 from dsfuse.gdn.api import chunk_gdn

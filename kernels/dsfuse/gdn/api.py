@@ -1,9 +1,11 @@
-"""Public API of Gated DeltaNet: :func:`chunk_gdn`.
+"""Public API of Gated DeltaNet: [`chunk_gdn`][dsfuse.gdn.chunk_gdn].
 
-Keyword-compatible with flash-linear-attention's ``chunk_gated_delta_rule``. The Triton backend
-runs the chunked forward and backward as stage kernels (:mod:`dsfuse.gdn.schedule`), declared
-(``dsfuse._common.declare_op``) as ``dsfuse::gdn_fwd`` and ``dsfuse::gdn_bwd``: one opaque node
-each under ``torch.compile``, an ``autograd.Function`` eagerly. The forward keeps ``g_cum`` and
+Keyword-compatible with flash-linear-attention's ``chunk_gated_delta_rule``. A fused backend runs
+the chunked forward and backward as stage kernels (``dsfuse.gdn.schedule``) from its stage tables,
+reached through the registry (``BACKENDS``; the Triton stages in ``dsfuse.gdn.triton``), declared
+(``dsfuse._common.declare_backend_ops``) as ``dsfuse::gdn_fwd`` and ``dsfuse::gdn_bwd`` (the first
+backend's; another backend's carry its name as a suffix): one opaque node each under
+``torch.compile``, an ``autograd.Function`` eagerly. The forward keeps ``g_cum`` and
 ``A`` for the backward, which recomputes ``w``, ``u``, ``h`` and ``v_new``.
 """
 
@@ -15,39 +17,23 @@ import torch.distributed
 from dsfuse._common import (
     FLOAT_DTYPES,
     REFERENCE,
-    OpBackends,
-    check_dtype,
     check_contiguous,
+    check_dtype,
     check_same_device,
     check_same_dtype,
     check_shape,
     check_tensor,
-    declare_op,
+    declare_backend_ops,
     register,
     tracing,
 )
-from dsfuse.gdn import schedule
+from dsfuse.gdn import cp, cp_local, schedule
 from dsfuse.gdn.packed import packed_grad_row
 from dsfuse.gdn.reference import CHUNK_SIZE, chunk_gdn_reference
-from dsfuse.gdn.triton import cumsum, dqkwg, finalize, output, state, state_bwd, wy, wy_bwd
 
 __all__ = ["chunk_gdn"]
 
-FUSED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-HEAD_DIMS = (16, 32, 64, 128)  # the head dims the Triton stages are written for
-STAGE_MODULES = ("cumsum", "wy", "state", "output", "state_bwd", "dqkwg", "wy_bwd", "finalize")
-BACKENDS = register(OpBackends(
-    "gdn",
-    kernels={"triton": tuple(f"dsfuse.gdn.triton.{m}" for m in STAGE_MODULES)},
-    dtypes={"triton": FUSED_DTYPES},
-))
-TRITON_FORWARD = schedule.ForwardStages(cumsum=cumsum.launch_chunk_cumsum, wy=wy.launch_wy,
-                                        state=state.launch_state_pass, output=output.launch_output)
-TRITON_BACKWARD = schedule.BackwardStages(w_u=wy.launch_w_u, state=state.launch_state_pass,
-                                          dv_local=state_bwd.launch_dv_local,
-                                          state_backward=state_bwd.launch_state_backward,
-                                          dqkwg=dqkwg.launch_dqkwg, wy_backward=wy_bwd.launch_wy_backward,
-                                          finalize=finalize.launch_qk_finalize)
+BACKENDS = register("gdn")  # the backend packages' tables: dtypes, reasons, stage tables
 
 
 def _document_bounds(cu_seqlens, batch: int, tokens: int) -> list[int]:
@@ -110,19 +96,6 @@ def _validate(q, k, v, g, beta, scale, initial_state, cu_seqlens) -> list[int] |
     return bounds
 
 
-def _reasons_against_fused(q, k, v, g, beta, initial_state) -> list[str]:
-    reasons = []
-    for name, dim in (("K", q.shape[-1]), ("V", v.shape[-1])):
-        if dim not in HEAD_DIMS:
-            reasons.append(f"head dim {name} = {dim} is not one of {HEAD_DIMS}")
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.stride(-1) != 1:
-            reasons.append(f"{name} has channel stride {t.stride(-1)} (the kernels read unit-stride channels)")
-    if beta.dtype != q.dtype:
-        reasons.append("beta's dtype differs from q's")
-    return reasons
-
-
 def chunk_gdn(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -163,14 +136,14 @@ def chunk_gdn(
             group, ``cu_seqlens`` (required, ``B = 1``) are the *global* document offsets of a row
             of ``T`` tokens, the same on every rank, and ``q``, ``k``, ``v``, ``g``, ``beta`` hold
             this rank's share of it, tokens ``shard.start:shard.end`` of
-            :func:`dsfuse.gdn.cp_shards` (``floor(r T / W)`` to ``floor((r + 1) T / W)``);
+            [`cp_shards`][dsfuse.gdn.cp_shards] (``floor(r T / W)`` to ``floor((r + 1) T / W)``);
             ``initial_state`` (if any) is the global ``[N, HV, K, V]`` on every rank, and the final
             state is returned whole on every rank. Gradients are those of the sum of every rank's
             loss: each rank gets its share's ``dq``, ``dk``, ``dv``, ``dg``, ``dbeta``, and
             ``initial_state``'s gradient in the rows of the documents that start in its share
             (zeros elsewhere: sum it over the ranks). Every rank must make the same call (same
             ``cu_seqlens``, flags and shapes but ``T``). Eager only (not under ``torch.compile``);
-            deterministic for a given world size (:mod:`dsfuse.gdn.cp`).
+            deterministic for a given world size (``dsfuse.gdn.cp``).
 
     Returns:
         The pair ``(o, final_state)``: ``o`` ``[B, T, HV, V]`` in ``v``'s dtype, and the final
@@ -178,14 +151,14 @@ def chunk_gdn(
 
     Gradients: ``q``, ``k``, ``v``, ``g``, ``beta`` and ``initial_state`` (through ``o`` and the
     final state), deterministic (fixed reduction orders, no atomics). When ``q``, ``k``, ``v`` are
-    head views of one packed row (:func:`dsfuse.gdn.packed_qkv_views`, or plain split views of
+    head views of one packed row ([`packed_qkv_views`][dsfuse.gdn.packed_qkv_views], or plain split views of
     such a row), the backward writes ``dq``, ``dk``, ``dv`` into one packed gradient row.
     """
     if cp_group is not None:
         return _chunk_gdn_cp(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
                              use_qk_l2norm_in_kernel, backend, cp_group)
     bounds = _validate(q, k, v, g, beta, scale, initial_state, cu_seqlens)
-    which = BACKENDS.choose(backend, v.device, v.dtype, _reasons_against_fused(q, k, v, g, beta, initial_state))
+    which = BACKENDS.choose(backend, v.device, v.dtype, call="forward", args=(q, k, v, g, beta, initial_state))
     if scale is None:
         scale = q.shape[-1] ** -0.5
     if which == REFERENCE:
@@ -194,17 +167,15 @@ def chunk_gdn(
                                    use_qk_l2norm_in_kernel, compute_dtype=compute)
     if bounds is not None:  # validated on the host: the op reads this copy (no second device read)
         cu_seqlens = torch.tensor(bounds, dtype=torch.int64)
-    o, final_state, _, _ = forward_op(q, k, v, g, beta, initial_state, cu_seqlens, float(scale), output_final_state,
-                                      use_qk_l2norm_in_kernel)
+    o, final_state, _, _ = forward_ops[which](q, k, v, g, beta, initial_state, cu_seqlens, float(scale),
+                                              output_final_state, use_qk_l2norm_in_kernel)
     return o, final_state if output_final_state else None
 
 
 def _chunk_gdn_cp(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm,
                   backend, group):
-    """:func:`chunk_gdn` over the ranks of ``group`` (validation, then :func:`dsfuse.gdn.cp.chunk_gdn_cp`)."""
+    """`chunk_gdn` over the ranks of ``group`` (validation, then ``dsfuse.gdn.cp.chunk_gdn_cp``)."""
     import torch.distributed as dist
-
-    from dsfuse.gdn import cp, cp_local
 
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError("cp_group: torch.distributed is not initialised (call init_process_group first)")
@@ -234,14 +205,15 @@ def _chunk_gdn_cp(q, k, v, g, beta, scale, initial_state, output_final_state, cu
         check_shape("initial_state", initial_state, (num_docs, v.shape[2], k.shape[3], v.shape[3]),
                     "[N, HV, K, V] for the N documents of the global cu_seqlens")
         check_contiguous("initial_state", initial_state, "[N, HV, K, V]")
-    which = BACKENDS.choose(backend, v.device, v.dtype, _reasons_against_fused(q, k, v, g, beta, initial_state))
+    which = BACKENDS.choose(backend, v.device, v.dtype, call="forward", args=(q, k, v, g, beta, initial_state))
     if scale is None:
         scale = q.shape[-1] ** -0.5
     if which == REFERENCE:
         compute = torch.float64 if v.dtype == torch.float64 else torch.float32
         passes = cp_local.reference_passes(float(scale), use_qk_l2norm, compute)
     else:
-        passes = cp_local.triton_passes(float(scale), use_qk_l2norm)
+        stages = BACKENDS.load(which)
+        passes = cp_local.fused_passes(stages["forward"], stages["backward"], float(scale), use_qk_l2norm)
     o, final_state = cp.chunk_gdn_cp(q, k, v, g, beta, initial_state, output_final_state, passes, shards, group)
     return o, final_state
 
@@ -255,16 +227,33 @@ def _bounds(cu_seqlens: torch.Tensor | None, batch: int, tokens: int) -> list[in
     return None if cu_seqlens is None else _document_bounds(cu_seqlens, batch, tokens)
 
 
-def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-             initial_state: torch.Tensor | None, cu_seqlens: torch.Tensor | None, scale: float,
-             output_final_state: bool, use_qk_l2norm: bool
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(o, final_state or an empty tensor, g_cum, A)`` of validated inputs."""
-    out = schedule.forward(TRITON_FORWARD, q, k, v, g, beta, scale=scale, initial_state=initial_state,
-                           output_final_state=output_final_state, cu_seqlens=_bounds(cu_seqlens, *q.shape[:2]),
-                           use_qk_l2norm=use_qk_l2norm)
-    final_state = out.final_state if out.final_state is not None else v.new_empty(0, dtype=torch.float32)
-    return out.o, final_state, out.g_cum, out.A
+def _forward(backend: str):
+    def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                 initial_state: torch.Tensor | None, cu_seqlens: torch.Tensor | None, scale: float,
+                 output_final_state: bool, use_qk_l2norm: bool
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(o, final_state or an empty tensor, g_cum, A)`` of validated inputs."""
+        out = schedule.forward(BACKENDS.load(backend)["forward"], q, k, v, g, beta, scale=scale,
+                               initial_state=initial_state, output_final_state=output_final_state,
+                               cu_seqlens=_bounds(cu_seqlens, *q.shape[:2]), use_qk_l2norm=use_qk_l2norm)
+        final_state = out.final_state if out.final_state is not None else v.new_empty(0, dtype=torch.float32)
+        return out.o, final_state, out.g_cum, out.A
+
+    def _forward_grad(ctx, do, dht, *_):
+        """``q``, ``k``, ``v``, ``g``, ``beta`` and ``initial_state`` get gradients; ``o``'s and the
+        final state's gradients come in (``g_cum`` and ``A`` are internal)."""
+        q, k, v, beta, initial_state, cu_seqlens, g_cum, A = ctx.saved_tensors
+        if dht is not None and dht.numel() == 0:
+            dht = None
+        if tracing(q, do):
+            dq, dk, dv, dg, dbeta, dh0 = backward_ops[backend](q, k, v, beta, g_cum, A, do, dht, initial_state,
+                                                               cu_seqlens, ctx.scale, ctx.use_qk_l2norm)
+        else:
+            dq, dk, dv, dg, dbeta, dh0 = _run_backward(backend, q, k, v, beta, g_cum, A, do, dht, initial_state,
+                                                       cu_seqlens, ctx.scale, ctx.use_qk_l2norm, packed=True)
+        return dq, dk, dv, dg, dbeta, dh0 if initial_state is not None else None
+
+    return _forward, {"backward": _forward_grad}
 
 
 def _forward_fake(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state, use_qk_l2norm):
@@ -276,10 +265,10 @@ def _forward_fake(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_fin
             v.new_empty((batch * tokens, heads_v, CHUNK_SIZE), dtype=torch.float32))
 
 
-def _run_backward(q, k, v, beta, g_cum, A, do, dht, initial_state, cu_seqlens, scale, use_qk_l2norm,
+def _run_backward(backend, q, k, v, beta, g_cum, A, do, dht, initial_state, cu_seqlens, scale, use_qk_l2norm,
                   packed: bool) -> schedule.Gradients:
-    """The Triton backward; ``packed``: write ``dq``, ``dk``, ``dv`` into one gradient row when
-    ``q``, ``k``, ``v`` are head views of one packed row (eager only: a custom op's outputs may
+    """``backend``'s backward stages; ``packed``: write ``dq``, ``dk``, ``dv`` into one gradient row
+    when ``q``, ``k``, ``v`` are head views of one packed row (eager only: a custom op's outputs may
     not alias each other)."""
     if do.stride(-1) != 1:
         do = do.contiguous()
@@ -287,20 +276,23 @@ def _run_backward(q, k, v, beta, g_cum, A, do, dht, initial_state, cu_seqlens, s
         dht = dht.contiguous() if dht.numel() else None
     views = packed_grad_row(q, k, v) if packed else None
     dq, dk, dv = (None, None, None) if views is None else views[1:]
-    return schedule.backward(TRITON_BACKWARD, q, k, v, beta, g_cum, A, do, dht, scale=scale,
+    return schedule.backward(BACKENDS.load(backend)["backward"], q, k, v, beta, g_cum, A, do, dht, scale=scale,
                              initial_state=initial_state, cu_seqlens=_bounds(cu_seqlens, *q.shape[:2]),
                              use_qk_l2norm=use_qk_l2norm, dq=dq, dk=dk, dv=dv)
 
 
-def _backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, g_cum: torch.Tensor,
-              A: torch.Tensor, do: torch.Tensor, dht: torch.Tensor | None, initial_state: torch.Tensor | None,
-              cu_seqlens: torch.Tensor | None, scale: float, use_qk_l2norm: bool
-              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(dq, dk, dv, dg, dbeta, dh0 or an empty tensor)`` in new tensors."""
-    grads = _run_backward(q, k, v, beta, g_cum, A, do, dht, initial_state, cu_seqlens, scale, use_qk_l2norm,
-                          packed=False)
-    dh0 = grads.dh0 if grads.dh0 is not None else v.new_empty(0, dtype=torch.float32)
-    return grads.dq, grads.dk, grads.dv, grads.dg, grads.dbeta, dh0
+def _backward(backend: str):
+    def _backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, g_cum: torch.Tensor,
+                  A: torch.Tensor, do: torch.Tensor, dht: torch.Tensor | None, initial_state: torch.Tensor | None,
+                  cu_seqlens: torch.Tensor | None, scale: float, use_qk_l2norm: bool
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(dq, dk, dv, dg, dbeta, dh0 or an empty tensor)`` in new tensors."""
+        grads = _run_backward(backend, q, k, v, beta, g_cum, A, do, dht, initial_state, cu_seqlens, scale,
+                              use_qk_l2norm, packed=False)
+        dh0 = grads.dh0 if grads.dh0 is not None else v.new_empty(0, dtype=torch.float32)
+        return grads.dq, grads.dk, grads.dv, grads.dg, grads.dbeta, dh0
+
+    return _backward
 
 
 def _backward_fake(q, k, v, beta, g_cum, A, do, dht, initial_state, cu_seqlens, scale, use_qk_l2norm):
@@ -310,7 +302,7 @@ def _backward_fake(q, k, v, beta, g_cum, A, do, dht, initial_state, cu_seqlens, 
             beta.new_empty(beta.shape), dh0)
 
 
-backward_op = declare_op("gdn_bwd", _backward, fake=_backward_fake)
+backward_ops = declare_backend_ops(BACKENDS, "gdn_bwd", "backward", _backward, fake=_backward_fake)
 
 
 def _save(ctx, inputs, output):
@@ -319,20 +311,5 @@ def _save(ctx, inputs, output):
     ctx.scale, ctx.use_qk_l2norm = scale, use_qk_l2norm
 
 
-def _forward_grad(ctx, do, dht, *_):
-    """``q``, ``k``, ``v``, ``g``, ``beta`` and ``initial_state`` get gradients; ``o``'s and the
-    final state's gradients come in (``g_cum`` and ``A`` are internal)."""
-    q, k, v, beta, initial_state, cu_seqlens, g_cum, A = ctx.saved_tensors
-    if dht is not None and dht.numel() == 0:
-        dht = None
-    if tracing(q, do):
-        dq, dk, dv, dg, dbeta, dh0 = backward_op(q, k, v, beta, g_cum, A, do, dht, initial_state, cu_seqlens,
-                                                 ctx.scale, ctx.use_qk_l2norm)
-    else:
-        dq, dk, dv, dg, dbeta, dh0 = _run_backward(q, k, v, beta, g_cum, A, do, dht, initial_state, cu_seqlens,
-                                                   ctx.scale, ctx.use_qk_l2norm, packed=True)
-    return dq, dk, dv, dg, dbeta, dh0 if initial_state is not None else None
-
-
-forward_op = declare_op("gdn_fwd", _forward, fake=_forward_fake, setup=_save, backward=_forward_grad,
-                        non_differentiable=(2, 3))
+forward_ops = declare_backend_ops(BACKENDS, "gdn_fwd", "forward", _forward, fake=_forward_fake, setup=_save,
+                                  non_differentiable=(2, 3))

@@ -1,9 +1,10 @@
-"""The local passes of context parallelism (:class:`dsfuse.gdn.cp.LocalPasses`) for each backend.
+"""The local passes of context parallelism (``dsfuse.gdn.cp.LocalPasses``) for each backend.
 
-Triton: the forward and backward stages of :mod:`dsfuse.gdn.schedule`, exactly as a call without
+A fused backend (`fused_passes`, given its stage tables by the caller, which read them from the
+registry): the forward and backward stages of ``dsfuse.gdn.schedule``, exactly as a call without
 context parallelism runs them (so a world of one rank gives the same bits), the gradients of packed
 q/k/v views written into one packed row; the incoming state's gradient alone (``first_dh0``) runs
-only the stages it depends on (:data:`dsfuse.gdn.schedule.DH0_STAGES`) over the first document.
+only the stages it depends on (``dsfuse.gdn.schedule.DH0_STAGES``) over the first document.
 
 Reference: the chunked PyTorch reference, its backward by ``torch.autograd.grad`` of a recomputed
 forward (the CPU path of the tests).
@@ -14,17 +15,18 @@ from __future__ import annotations
 import torch
 
 from dsfuse.gdn import schedule
-from dsfuse.gdn.api import TRITON_BACKWARD, TRITON_FORWARD
 from dsfuse.gdn.cp import LocalPasses
 from dsfuse.gdn.packed import packed_grad_row
 from dsfuse.gdn.reference import chunk_gdn_reference
 
 
-def triton_passes(scale: float, use_qk_l2norm: bool) -> LocalPasses:
+def fused_passes(forward_stages: schedule.ForwardStages, backward_stages: schedule.BackwardStages, scale: float,
+                 use_qk_l2norm: bool) -> LocalPasses:
+    """The local passes of a fused backend, run by its stage tables."""
     common = dict(scale=scale, use_qk_l2norm=use_qk_l2norm)
 
     def forward(q, k, v, g, beta, h0, bounds):
-        out = schedule.forward(TRITON_FORWARD, q, k, v, g, beta, initial_state=h0, output_final_state=True,
+        out = schedule.forward(forward_stages, q, k, v, g, beta, initial_state=h0, output_final_state=True,
                                cu_seqlens=bounds, **common)
         return out.o, out.final_state, (q, k, v, beta, h0, bounds, out.g_cum, out.A)
 
@@ -34,7 +36,7 @@ def triton_passes(scale: float, use_qk_l2norm: bool) -> LocalPasses:
         dq, dk, dv = (None, None, None) if views is None else views[1:]
         do = do if do.stride(-1) == 1 else do.contiguous()
         dht = None if dht is None else dht.contiguous()
-        return tuple(schedule.backward(TRITON_BACKWARD, q, k, v, beta, g_cum, A, do, dht, initial_state=h0,
+        return tuple(schedule.backward(backward_stages, q, k, v, beta, g_cum, A, do, dht, initial_state=h0,
                                        cu_seqlens=bounds, dq=dq, dk=dk, dv=dv, **common))
 
     def first_dh0(saved, do, dht, length):
@@ -42,7 +44,7 @@ def triton_passes(scale: float, use_qk_l2norm: bool) -> LocalPasses:
         do = do if do.stride(-1) == 1 else do.contiguous()
         first = [t[:, :length] for t in (q, k, v, beta)]
         dht = None if dht is None else dht[None].contiguous()
-        calls, grads = schedule.backward_calls(TRITON_BACKWARD, *first, g_cum[:length], A[:length], do[:, :length],
+        calls, grads = schedule.backward_calls(backward_stages, *first, g_cum[:length], A[:length], do[:, :length],
                                                dht, initial_state=h0[:1], cu_seqlens=[0, length], **common)
         names = [name for name, _ in calls]
         if not set(schedule.DH0_STAGES) <= set(names):

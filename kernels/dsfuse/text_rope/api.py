@@ -2,12 +2,14 @@
 
 Layers, bottom up:
 
-1. ``dsfuse.text_rope.triton.launch_rope``: one kernel launch into a given output.
-2. Declared ops (``dsfuse._common.declare_op``): ``dsfuse::text_rope_freqs``,
-   ``dsfuse::text_rope`` (differentiable: its gradient is the conjugate rotation),
-   ``dsfuse::text_rope_out`` and ``dsfuse::text_rope_`` (in place, differentiable in
-   eager mode). ``torch.compile(fullgraph=True)`` traces them as opaque nodes, so the
-   frequencies and the rotation keep their eager bits; eager calls skip the dispatcher.
+1. The backends' launchers of the call ``"rope"`` (one kernel launch into a given output; the
+   Triton one in ``dsfuse.text_rope.triton``), reached through the registry (``BACKENDS``).
+2. Declared ops (``dsfuse._common.declare_op``, one per fused backend by
+   ``declare_backend_ops``): ``dsfuse::text_rope_freqs``, ``dsfuse::text_rope``
+   (differentiable: its gradient is the conjugate rotation), ``dsfuse::text_rope_out`` and
+   ``dsfuse::text_rope_`` (in place, differentiable in eager mode).
+   ``torch.compile(fullgraph=True)`` traces them as opaque nodes, so the frequencies and the
+   rotation keep their eager bits; eager calls skip the dispatcher.
 3. [apply_rope][dsfuse.text_rope.apply_rope]: validation, backend choice, stream, ``out=``/``inplace``.
 """
 
@@ -17,22 +19,24 @@ import torch
 
 from dsfuse._common import (
     REFERENCE,
-    OpBackends,
     check_dtype,
     check_outputs_free,
     check_same_device,
     check_tensor,
+    declare_backend_ops,
     declare_op,
     on_stream,
     register,
 )
-from dsfuse.text_rope.reference import rope_freqs, rope_reference, rope_reference_inplace
-from dsfuse.text_rope.triton import FUSED_DTYPES, launch_rope
+from dsfuse.text_rope.reference import (
+    rope_freqs,
+    rope_reference,
+    rope_reference_inplace,
+)
 
 __all__ = ["apply_rope"]
 
-BACKENDS = register(OpBackends("text_rope", kernels={"triton": ("dsfuse.text_rope.triton",)},
-                               dtypes={"triton": FUSED_DTYPES}))
+BACKENDS = register("text_rope")
 
 
 # -- declared ops ----------------------------------------------------------------------------
@@ -48,43 +52,56 @@ def _freqs(angles: torch.Tensor) -> torch.Tensor:
 freqs_op = declare_op("text_rope_freqs", _freqs, fake=lambda angles: angles.new_empty((*angles.shape, 2)))
 
 
-def _rotate(values: torch.Tensor, freqs: torch.Tensor, conj: bool, grad_sum: bool) -> torch.Tensor:
-    out = torch.empty(values.shape, dtype=values.dtype, device=values.device)
-    return launch_rope(values, freqs, out, conj=conj, grad_sum=grad_sum)
-
-
 def _save_freqs(ctx, inputs, output):
     ctx.save_for_backward(inputs[1])
     ctx.conj = inputs[2]
 
 
-def _rotate_back(ctx, grad):
-    """d(x * f)/dx applied to grad is grad * conj(f); ``grad_sum`` reproduces eager's sum of the
-    copied-channel and rotated-channel gradient paths (-0.0 -> +0.0)."""
-    (freqs,) = ctx.saved_tensors
-    return (rotate_op(grad, freqs, not ctx.conj, True),)
+def _rotate_back(backend: str):
+    def backward(ctx, grad):
+        """d(x * f)/dx applied to grad is grad * conj(f); ``grad_sum`` reproduces eager's sum of the
+        copied-channel and rotated-channel gradient paths (-0.0 -> +0.0)."""
+        (freqs,) = ctx.saved_tensors
+        return (rotate_ops[backend](grad, freqs, not ctx.conj, True),)
+
+    return backward
 
 
-rotate_op = declare_op("text_rope", _rotate, setup=_save_freqs, backward=_rotate_back,
-                       fake=lambda values, freqs, conj, grad_sum: torch.empty_like(
-                           values, memory_format=torch.contiguous_format))
+def _rotating(backend: str):
+    def _rotate(values: torch.Tensor, freqs: torch.Tensor, conj: bool, grad_sum: bool) -> torch.Tensor:
+        out = torch.empty(values.shape, dtype=values.dtype, device=values.device)
+        return BACKENDS.load(backend)["rope"](values, freqs, out, conj=conj, grad_sum=grad_sum)
+
+    return _rotate, {"backward": _rotate_back(backend)}
 
 
-def _rotate_into(values: torch.Tensor, freqs: torch.Tensor, conj: bool, out: torch.Tensor) -> torch.Tensor:
-    return launch_rope(values, freqs, out, conj=conj)
+rotate_ops = declare_backend_ops(BACKENDS, "text_rope", "rope", _rotating, setup=_save_freqs,
+                                 fake=lambda values, freqs, conj, grad_sum: torch.empty_like(
+                                     values, memory_format=torch.contiguous_format))
 
 
-rotate_into_op = declare_op("text_rope_out", _rotate_into, mutates=("out",),
-                            aliasing=lambda values, freqs, conj, out: ({"out": out}, {"values": values, "freqs": freqs}))
+def _rotating_into(backend: str):
+    def _rotate_into(values: torch.Tensor, freqs: torch.Tensor, conj: bool, out: torch.Tensor) -> torch.Tensor:
+        return BACKENDS.load(backend)["rope"](values, freqs, out, conj=conj)
+
+    return _rotate_into
 
 
-def _rotate_inplace(values: torch.Tensor, freqs: torch.Tensor, conj: bool) -> torch.Tensor:
-    return launch_rope(values, freqs, values, conj=conj, copy=False)
+rotate_into_ops = declare_backend_ops(
+    BACKENDS, "text_rope_out", "rope", _rotating_into, mutates=("out",),
+    aliasing=lambda values, freqs, conj, out: ({"out": out}, {"values": values, "freqs": freqs}))
 
 
-rotate_inplace_op = declare_op("text_rope_", _rotate_inplace, mutates=("values",), dirty="values",
-                               setup=_save_freqs, backward=_rotate_back,
-                               aliasing=lambda values, freqs, conj: ({"values": values}, {"freqs": freqs}))
+def _rotating_inplace(backend: str):
+    def _rotate_inplace(values: torch.Tensor, freqs: torch.Tensor, conj: bool) -> torch.Tensor:
+        return BACKENDS.load(backend)["rope"](values, freqs, values, conj=conj, copy=False)
+
+    return _rotate_inplace, {"backward": _rotate_back(backend)}
+
+
+rotate_inplace_ops = declare_backend_ops(
+    BACKENDS, "text_rope_", "rope", _rotating_inplace, mutates=("values",), dirty="values", setup=_save_freqs,
+    aliasing=lambda values, freqs, conj: ({"values": values}, {"freqs": freqs}))
 
 
 # -- public function -------------------------------------------------------------------------
@@ -178,10 +195,11 @@ def apply_rope(
         import torch
         from dsfuse.text_rope import apply_rope, rope_angles, yarn_inv_freq
 
-        q = torch.randn(1, 4096, 64, 512, device="cuda", dtype=torch.bfloat16)
-        positions = torch.arange(4096, device="cuda")[None]       # [1, 4096]
+        device = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: the reference
+        q = torch.randn(1, 256, 64, 512, device=device, dtype=torch.bfloat16)
+        positions = torch.arange(256, device=device)[None]        # [1, 256]
         inv_freq = yarn_inv_freq(64, 10000.0)                      # fp32 [32]
-        angles = rope_angles(positions, inv_freq)                  # [1, 4096, 32]
+        angles = rope_angles(positions, inv_freq)                  # [1, 256, 32]
         q_rot = apply_rope(q, angles)
         q_back = apply_rope(q_rot, angles, inverse=True)           # q, rounded
         apply_rope(q, angles, inplace=True)                        # q's tail only
@@ -200,7 +218,7 @@ def apply_rope(
     rows = values.numel() // max(values.shape[-1], 1)
     if rows >= 2**31:
         extra.append(f"{rows} rows (batch x seq x heads): the kernel indexes rows in 32 bits")
-    which = BACKENDS.choose(backend, values.device, values.dtype, extra)
+    which = BACKENDS.choose(backend, values.device, values.dtype, extra, call="rope", args=(values, angles))
     with on_stream(stream, values.device):
         if which == REFERENCE:
             if inplace:
@@ -209,9 +227,9 @@ def apply_rope(
             return result if out is None else out.copy_(result)
         freqs = freqs_op(angles)
         if inplace:
-            result = rotate_inplace_op(values, freqs, inverse)
+            result = rotate_inplace_ops[which](values, freqs, inverse)
             return values if result is None else result  # the custom op (under compile) returns nothing
         if out is not None:
-            rotate_into_op(values, freqs, inverse, out)
+            rotate_into_ops[which](values, freqs, inverse, out)
             return out
-        return rotate_op(values, freqs, inverse, False)
+        return rotate_ops[which](values, freqs, inverse, False)

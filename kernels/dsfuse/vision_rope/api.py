@@ -1,28 +1,24 @@
 """Public API of the vision RoPE.
 
-Layers, bottom up: the launchers (``dsfuse.vision_rope.triton``; for the backward also
-``dsfuse.vision_rope.cutedsl``, imported on first use: ``backend="cutedsl"``, or ``auto`` on Hopper
-with the extra installed); declared ops
-(``dsfuse._common.declare_op``) ``dsfuse::vision_rope_bwd`` (dQ, dK, dV or dQ, dK
-alone -> packed dQKV), ``dsfuse::vision_rope_bwd_out`` (into a caller's buffer), their CuTe DSL
-twins ``dsfuse::vision_rope_bwd_cutedsl`` and ``dsfuse::vision_rope_bwd_out_cutedsl`` (so
+Layers, bottom up: the backends' launchers (``dsfuse.vision_rope.triton``: forward and backward;
+``dsfuse.vision_rope.cutedsl``: the backward, imported on first use), reached through the registry
+(``BACKENDS``); declared ops (``dsfuse._common.declare_op``, one per backend that serves the call, by
+``declare_backend_ops``): ``dsfuse::vision_rope_bwd`` (dQ, dK, dV or dQ, dK alone -> packed dQKV),
+``dsfuse::vision_rope_bwd_out`` (into a caller's buffer), their CuTe DSL twins
+``dsfuse::vision_rope_bwd_cutedsl`` and ``dsfuse::vision_rope_bwd_out_cutedsl`` (so
 ``backend="cutedsl"`` traces under ``torch.compile(fullgraph=True)`` too) and
-``dsfuse::vision_rope_fwd`` (differentiable: rotated q, k and the v view of ``qkv``;
-eagerly its backward packs dQKV in one kernel, Triton's or, under ``auto``, the CuTe DSL one where
-it serves the gradients); and the functions below. The forward kernels are Triton only.
+``dsfuse::vision_rope_fwd`` (differentiable: rotated q, k and the v view of ``qkv``; eagerly its
+backward packs dQKV in one kernel, under ``auto`` the first backend of the GPU family's order that
+serves the gradients); and the functions below. The forward kernels are Triton only.
 """
 
 from __future__ import annotations
-
-import functools
-import importlib
 
 import torch
 
 from dsfuse._common import (
     FLOAT_DTYPES,
     REFERENCE,
-    OpBackends,
     check_aligned,
     check_contiguous,
     check_dtype,
@@ -31,36 +27,16 @@ from dsfuse._common import (
     check_same_device,
     check_same_dtype,
     check_tensor,
-    declare_op,
+    declare_backend_ops,
     on_stream,
     register,
-    tracing,
 )
 from dsfuse._common.backends import AUTO
 from dsfuse.vision_rope.reference import attention_front, vision_rope_backward_reference
-from dsfuse.vision_rope.triton import FUSED_DTYPES, launch_backward, launch_forward
 
 __all__ = ["vision_rope_attention_front", "vision_rope_backward", "vision_rope_forward"]
 
-CUTEDSL = "cutedsl"
-CUTEDSL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # dsfuse.vision_rope.cutedsl.FUSED_DTYPES
-# ``auto`` on Hopper: the CuTe DSL backward where the extra is installed and it compiles for the call,
-# else Triton (both are bitwise equal to autograd, so the choice never changes a bit). Measured on the
-# H200 (experiments/vision_rope/raw/20261201-024409-h200, the op page's tables): faster with the cache
-# evicted at every geometry but one small one, faster eagerly with a hot cache everywhere (less host
-# time per call), a little slower in graph replay with a hot cache. Blackwell keeps Triton until a
-# B200 run decides.
-BACKENDS = register(OpBackends("vision_rope",
-                               kernels={"triton": ("dsfuse.vision_rope.triton",),
-                                        CUTEDSL: ("dsfuse.vision_rope.cutedsl",)},
-                               dtypes={"triton": FUSED_DTYPES, CUTEDSL: CUTEDSL_DTYPES},
-                               preference={"sm_90": (CUTEDSL, "triton"), "sm_100": ("triton",)}))
-
-
-@functools.cache
-def _cutedsl():
-    """The CuTe DSL launcher module, imported on first use (it needs the ``cutedsl`` extra)."""
-    return importlib.import_module("dsfuse.vision_rope.cutedsl")
+BACKENDS = register("vision_rope")  # auto's order per GPU family: the backend packages' tables
 
 
 # -- declared ops ----------------------------------------------------------------------------
@@ -71,44 +47,33 @@ def _new_dqkv(dq: torch.Tensor) -> torch.Tensor:
     return torch.empty((tokens, 3 * heads * dim), dtype=dq.dtype, device=dq.device)
 
 
-def _backward(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor | None, cos: torch.Tensor,
-              sin: torch.Tensor) -> torch.Tensor:
-    """dQ, dK, dV ``[H, T, D]`` logical (any strides) -> new packed dQKV; ``dv=None``: zeros in the v columns."""
-    return launch_backward(dq, dk, dv, cos, sin, _new_dqkv(dq))
+def _backward(backend: str):
+    def _backward(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor | None, cos: torch.Tensor,
+                  sin: torch.Tensor) -> torch.Tensor:
+        """dQ, dK, dV ``[H, T, D]`` logical -> new packed dQKV; ``dv=None``: zeros in the v columns."""
+        return BACKENDS.load(backend)["backward"](dq, dk, dv, cos, sin, _new_dqkv(dq))
+
+    return _backward
 
 
-backward_op = declare_op("vision_rope_bwd", _backward, fake=lambda dq, dk, dv, cos, sin: _new_dqkv(dq))
+backward_ops = declare_backend_ops(BACKENDS, "vision_rope_bwd", "backward", _backward,
+                                   fake=lambda dq, dk, dv, cos, sin: _new_dqkv(dq))
 
 
-def _backward_into(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                   out: torch.Tensor) -> torch.Tensor:
-    return launch_backward(dq, dk, dv, cos, sin, out)
+def _backward_into(backend: str):
+    def _backward_into(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       out: torch.Tensor) -> torch.Tensor:
+        return BACKENDS.load(backend)["backward"](dq, dk, dv, cos, sin, out)
+
+    return _backward_into
 
 
 def _aliasing(dq, dk, dv, cos, sin, out):
     return {"out": out}, {"dq_htd": dq, "dk_hdt": dk, "dv_htd": dv, "cos": cos, "sin": sin}
 
 
-backward_into_op = declare_op("vision_rope_bwd_out", _backward_into, mutates=("out",), aliasing=_aliasing)
-
-
-def _backward_cutedsl(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor | None, cos: torch.Tensor,
-                      sin: torch.Tensor) -> torch.Tensor:
-    """``_backward`` on the CuTe DSL kernel (the model's layouts; see ``dsfuse.vision_rope.cutedsl``)."""
-    return _cutedsl().launch_backward(dq, dk, dv, cos, sin, _new_dqkv(dq))
-
-
-backward_op_cutedsl = declare_op("vision_rope_bwd_cutedsl", _backward_cutedsl,
-                                 fake=lambda dq, dk, dv, cos, sin: _new_dqkv(dq))
-
-
-def _backward_into_cutedsl(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, cos: torch.Tensor,
-                           sin: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    return _cutedsl().launch_backward(dq, dk, dv, cos, sin, out)
-
-
-backward_into_op_cutedsl = declare_op("vision_rope_bwd_out_cutedsl", _backward_into_cutedsl, mutates=("out",),
-                                      aliasing=_aliasing)
+backward_into_ops = declare_backend_ops(BACKENDS, "vision_rope_bwd_out", "backward", _backward_into,
+                                        mutates=("out",), aliasing=_aliasing)
 
 
 def _new_rotated(qkv: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -116,15 +81,6 @@ def _new_rotated(qkv: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Ten
     shape = (tokens, heads, width // (3 * heads))
     return (torch.empty(shape, dtype=qkv.dtype, device=qkv.device),
             torch.empty(shape, dtype=qkv.dtype, device=qkv.device))
-
-
-def _forward(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int,
-             backward: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """qkv ``[T, 3HD]`` -> rotated q, k as ``[H, T, D]`` views of ``[T, H, D]`` buffers (the model's layout).
-    ``backward``: the backend of its backward, ``"triton"`` or ``"auto"`` (chosen when the gradients arrive)."""
-    q_thd, k_thd = _new_rotated(qkv, heads)
-    launch_forward(qkv, cos, sin, heads, q_thd, k_thd)
-    return q_thd.transpose(0, 1), k_thd.transpose(0, 1)
 
 
 def _v_htd(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, backward: str) -> tuple[torch.Tensor]:
@@ -137,73 +93,45 @@ def _save_tables(ctx, inputs, output):
     ctx.backward_backend = inputs[4]
 
 
-def _forward_grad(ctx, dq_htd, dk_htd, dv_htd=None):
-    """The gradient of qkv. Eagerly dV arrives here and one kernel writes the whole row; under
-    compilation v is a view outside the op, so this writes zeros in the v columns and torch adds dV.
-    Under ``auto`` the CuTe DSL kernel serves the gradients whose storage it takes (the model's:
-    dK the transpose of a contiguous ``[H, D, T]`` buffer), Triton any other (the same bits)."""
-    cos, sin = ctx.saved_tensors
-    if ctx.backward_backend == AUTO:
-        own = {CUTEDSL: lambda: _auto_cutedsl_reasons(dq_htd, cos, sin, dk_htd, dv_htd)}
-        if BACKENDS.choose(AUTO, dq_htd.device, dq_htd.dtype, own=own) == CUTEDSL:
-            return (backward_op_cutedsl(dq_htd, dk_htd, dv_htd, cos, sin),)
-    return (backward_op(dq_htd, dk_htd, dv_htd, cos, sin),)
+def _forward(backend: str):
+    def _forward(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int,
+                 backward: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """qkv ``[T, 3HD]`` -> rotated q, k as ``[H, T, D]`` views of ``[T, H, D]`` buffers (the model's
+        layout). ``backward``: the backend of its backward, a backend's name or ``"auto"`` (chosen when
+        the gradients arrive)."""
+        q_thd, k_thd = _new_rotated(qkv, heads)
+        BACKENDS.load(backend)["forward"](qkv, cos, sin, heads, q_thd, k_thd)
+        return q_thd.transpose(0, 1), k_thd.transpose(0, 1)
+
+    def _forward_grad(ctx, dq_htd, dk_htd, dv_htd=None):
+        """The gradient of qkv. Eagerly dV arrives here and one kernel writes the whole row; under
+        compilation v is a view outside the op, so this writes zeros in the v columns and torch adds dV.
+        Under ``auto`` the first backend of the family's order that takes the gradients' storage serves
+        them (the CuTe DSL kernel on Hopper takes the model's: dK the transpose of a contiguous
+        ``[H, D, T]`` buffer), else the forward's backend (the same bits)."""
+        cos, sin = ctx.saved_tensors
+        which = ctx.backward_backend
+        if which == AUTO:
+            which = BACKENDS.choose(AUTO, dq_htd.device, dq_htd.dtype, call="backward",
+                                    args=(dq_htd, dk_htd, dv_htd, cos, sin))
+            which = backend if which == REFERENCE else which
+        return (backward_ops[which](dq_htd, dk_htd, dv_htd, cos, sin),)
+
+    return _forward, {"backward": _forward_grad}
 
 
-forward_op = declare_op("vision_rope_fwd", _forward, setup=_save_tables, backward=_forward_grad, views=_v_htd,
-                        fake=lambda qkv, cos, sin, heads, backward: tuple(
-                            t.transpose(0, 1) for t in _new_rotated(qkv, heads)))
+forward_ops = declare_backend_ops(BACKENDS, "vision_rope_fwd", "forward", _forward, setup=_save_tables, views=_v_htd,
+                                  fake=lambda qkv, cos, sin, heads, backward: tuple(
+                                      t.transpose(0, 1) for t in _new_rotated(qkv, heads)))
 
 
 # -- public functions ------------------------------------------------------------------------
 
 
 def _table_reasons(cos: torch.Tensor, sin: torch.Tensor) -> list[str]:
-    """Why the kernels cannot read the tables (they load a row of frequencies as one vector)."""
+    """Why no fused backend can read the tables (they load a row of frequencies as one vector)."""
     return [f"{name} has frequency stride {t.stride(-1)} (the kernels read unit-stride rows)"
             for name, t in (("cos", cos), ("sin", sin)) if t.stride(-1) != 1]
-
-
-def _cutedsl_reasons(dq_htd: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> list[str]:
-    """What the CuTe DSL kernel asks beyond the validated layouts: a head dim it compiles for and
-    16-byte aligned table rows (the launcher checks the whole layout again)."""
-    module = _cutedsl()
-    heads, _, dim = dq_htd.shape
-    return module.shape_reasons(dq_htd.dtype, heads, dim) + module.table_reasons(cos, sin)
-
-
-def _triton_reasons(dim: int) -> list[str]:
-    """What the Triton kernels ask of the head dim: ``D / 2`` a power of two (their channel block)."""
-    half = dim // 2
-    return [] if half & (half - 1) == 0 else [f"D / 2 = {half} is not a power of two (the Triton kernels' "
-                                               "channel block)"]
-
-
-def _auto_cutedsl_reasons(dq_htd: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *grads) -> list[str]:
-    """Why ``auto`` does not take the CuTe DSL backward for this call: its own reasons (with
-    ``grads`` = dK, dV: the gradients' storage too), a module that does not import (another
-    ``cutlass`` package), or a trace (no addresses to check the alignment it needs: Triton serves)."""
-    if tracing(dq_htd):
-        return ["tracing: the CuTe DSL kernel's alignment cannot be checked before run time"]
-    try:
-        module = _cutedsl()
-    except ImportError as err:
-        return [f"dsfuse.vision_rope.cutedsl does not import ({err})"]
-    reasons = _cutedsl_reasons(dq_htd, cos, sin)
-    if grads:
-        dk_htd, dv_htd = grads
-        reasons += module.layout_reasons(dq_htd, dk_htd.transpose(1, 2), dv_htd, cos, sin, None)
-    return reasons
-
-
-def _check_triton(dim: int) -> None:
-    if reasons := _triton_reasons(dim):
-        raise ValueError("backend='triton' cannot serve this vision_rope call: " + "; ".join(reasons))
-
-
-def _check_cutedsl(dq_htd: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
-    if reasons := _cutedsl_reasons(dq_htd, cos, sin):
-        raise ValueError(f"backend={CUTEDSL!r} cannot serve this vision_rope call: " + "; ".join(reasons))
 
 
 def _tables(name_cos, cos, name_sin, sin, tokens, half):
@@ -269,8 +197,9 @@ def vision_rope_backward(
         import torch
         from dsfuse.vision_rope import vision_cos_sin, vision_rope_backward
 
-        cos, sin = vision_cos_sin(39, 39, device="cuda")  # fp32 [1521, 32]
-        grad = dict(device="cuda", dtype=torch.bfloat16)
+        device = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: the reference
+        cos, sin = vision_cos_sin(39, 39, device=device)  # fp32 [1521, 32]
+        grad = dict(device=device, dtype=torch.bfloat16)
         dq = torch.randn(16, 1521, 64, **grad)
         dk_hdt = torch.randn(16, 64, 1521, **grad)
         dv = torch.randn(16, 1521, 64, **grad)
@@ -303,25 +232,16 @@ def vision_rope_backward(
         check_aligned("out", out)
         check_outputs_free({"out": out}, {"dq_htd": dq_htd, "dk_hdt": dk_hdt, "dv_htd": dv_htd, "cos": cos,
                                           "sin": sin})
-    which = BACKENDS.choose(backend, dq_htd.device, dq_htd.dtype, _table_reasons(cos, sin),
-                            own={CUTEDSL: lambda: _auto_cutedsl_reasons(dq_htd, cos, sin),
-                                 "triton": lambda: _triton_reasons(dim)})
-    if which == "triton":
-        _check_triton(dim)
-    if which == CUTEDSL:
-        if not tracing(dq_htd):  # while torch.compile traces, the launcher checks at run time
-            _check_cutedsl(dq_htd, cos, sin)
-        allocating, into = backward_op_cutedsl, backward_into_op_cutedsl
-    else:
-        allocating, into = backward_op, backward_into_op
     dk_htd = dk_hdt.transpose(1, 2)
+    which = BACKENDS.choose(backend, dq_htd.device, dq_htd.dtype, _table_reasons(cos, sin), call="backward",
+                            args=(dq_htd, dk_htd, dv_htd, cos, sin))
     with on_stream(stream, dq_htd.device):
         if which == REFERENCE:
             result = vision_rope_backward_reference(dq_htd, dk_hdt, dv_htd, cos, sin)
             return result if out is None else out.copy_(result)
         if out is None:
-            return allocating(dq_htd, dk_htd, dv_htd, cos, sin)
-        into(dq_htd, dk_htd, dv_htd, cos, sin, out)
+            return backward_ops[which](dq_htd, dk_htd, dv_htd, cos, sin)
+        backward_into_ops[which](dq_htd, dk_htd, dv_htd, cos, sin, out)
         return out
 
 
@@ -366,27 +286,20 @@ def vision_rope_attention_front(qkv: torch.Tensor, cos: torch.Tensor, sin: torch
         import torch
         from dsfuse.vision_rope import vision_cos_sin, vision_rope_attention_front
 
-        cos, sin = vision_cos_sin(39, 39, device="cuda")  # T = 1521
+        device = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: the reference
+        cos, sin = vision_cos_sin(39, 39, device=device)  # T = 1521
+        x = torch.randn(1521, 1024, device=device, dtype=torch.bfloat16)
+        wqkv = torch.nn.Linear(1024, 3 * 16 * 64, device=device, dtype=torch.bfloat16)
         qkv = wqkv(x)                                     # [1521, 3 * 16 * 64]
         q, k, v = vision_rope_attention_front(qkv, cos, sin, heads=16)
         o = torch.nn.functional.scaled_dot_product_attention(q, k, v)
         ```
     """
     cos, sin, extra = _check_front(qkv, cos, sin, heads)
-    if backend == CUTEDSL:
-        raise ValueError(f"backend={CUTEDSL!r} cannot serve the vision RoPE forward: the CuTe DSL backend has "
-                         "the backward only (vision_rope_backward); use 'auto', 'triton' or 'reference'")
-    dim = qkv.shape[1] // (3 * heads)
-    forward_kernel = {CUTEDSL: lambda: _triton_reasons(dim), "triton": lambda: _triton_reasons(dim)}  # Triton's
-    which = BACKENDS.choose(backend, qkv.device, qkv.dtype, extra, own=forward_kernel)
-    if which == "triton":
-        _check_triton(dim)
-    if which == CUTEDSL:  # auto, where a GPU family's order would list it first: the forward is Triton's
-        fused = not BACKENDS.reasons_against("triton", qkv.device, qkv.dtype, extra) and not _triton_reasons(dim)
-        which = "triton" if fused else REFERENCE
+    which = BACKENDS.choose(backend, qkv.device, qkv.dtype, extra, call="forward", args=(qkv, cos, sin, heads))
     if which == REFERENCE:
         return attention_front(qkv, cos, sin, heads)
-    return forward_op(qkv, cos, sin, heads, AUTO if backend == AUTO else "triton")
+    return forward_ops[which](qkv, cos, sin, heads, AUTO if backend == AUTO else which)
 
 
 def vision_rope_forward(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, *,

@@ -2,7 +2,7 @@
 
 The vision encoder's attention front end, as the source model computes it:
 
-```python
+```text
 qkv = wqkv(x)                                   # [T, 3 * H * D]: q | k | v column blocks
 q, k, v = (t.view(T, H, D) for t in qkv.chunk(3, -1))
 q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)   # split-half pairs (i, i + D/2)

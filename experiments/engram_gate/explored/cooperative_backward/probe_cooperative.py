@@ -18,7 +18,7 @@ import torch
 
 from dsfuse.bench.engram_gate import gate_inputs
 from dsfuse.bench.harness import Timer, capture_graph, sweep
-from dsfuse.engram_gate import triton as eg
+from dsfuse.engram_gate.triton import kernels as eg
 
 VARIANTS = {"full": (True, False), "nosync": (False, False), "local": (False, True)}  # SYNC, LOCAL_SUMS
 SHAPES = [(1, 256, 4), (1, 512, 4), (2, 256, 4), (4, 128, 4), (2, 512, 8), (4, 256, 8)]  # tokens, channels, warps

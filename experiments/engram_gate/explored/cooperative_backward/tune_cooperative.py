@@ -23,7 +23,7 @@ import torch
 from dsfuse.bench.engram_gate import gate_inputs
 from dsfuse.bench.harness import Timer, checked_graph_samples, sweep
 from dsfuse.engram_gate import engram_gate_backward_from_saved
-from dsfuse.engram_gate import triton as eg
+from dsfuse.engram_gate.triton import kernels as eg
 
 CLAMP = 1e-6
 # groups, channels per program, tokens per block, warps, lookahead

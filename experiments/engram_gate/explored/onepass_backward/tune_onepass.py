@@ -17,7 +17,7 @@ from onepass_backward import launch as launch_onepass
 from dsfuse.bench.engram_gate import gate_inputs
 from dsfuse.bench.harness import Timer, checked_graph_samples, sweep
 from dsfuse.engram_gate import engram_gate_backward_from_saved
-from dsfuse.engram_gate import triton as eg
+from dsfuse.engram_gate.triton import kernels as eg
 
 PROGRAMS, BLOCK_D, WARPS = (264, 528), (1024, 2048), (8, 16)
 

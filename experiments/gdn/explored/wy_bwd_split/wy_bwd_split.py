@@ -89,14 +89,14 @@ import triton
 import triton.language as tl
 
 from dsfuse._common.aot import AotSpec
-from dsfuse.gdn.triton.state import (
+from dsfuse.gdn.triton.common import (  # moved from state.py after this design was frozen
     CHUNK,
     L2NORM_EPS,
-    _dot,
-    _round,
     dot_precision,
     emulate_bf16,
 )
+from dsfuse.gdn.triton.common import dot as _dot
+from dsfuse.gdn.triton.common import round_to as _round
 
 MAX_BLOCK = 64  # BK, BV: key / value channels per dot
 # Launch constants (no autotuner), chosen for registers only (not timed on a GPU yet): the

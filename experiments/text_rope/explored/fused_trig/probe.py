@@ -22,7 +22,7 @@ from fused_trig import rope_angles_inplace  # noqa: E402
 
 from dsfuse.bench.harness import Timer, capture_graph, write_csv  # noqa: E402
 from dsfuse.text_rope import apply_rope, rope_angles, yarn_inv_freq  # noqa: E402
-from dsfuse.text_rope import triton as rope_triton  # noqa: E402
+from dsfuse.text_rope.triton import kernels as rope_triton  # noqa: E402
 from dsfuse.text_rope.reference import apply_rotary_emb_, rope_freqs  # noqa: E402
 
 

@@ -19,11 +19,11 @@ import torch
 import triton
 import triton.language as tl
 
-from dsfuse._common.aot import AotSpec
+from dsfuse._common.aot import AotSpec, record_specs
+from dsfuse.gdn.triton import common
 
-CHUNK = 64  # BT: the chunk size of every GDN stage
 MAX_BH = 64  # value heads per program: one [64, 64] fp32 tile (HV = 48 in one program)
-NUM_WARPS = 4
+CONFIG = common.LaunchConfig(num_warps=4)  # every GPU family (no sweep recorded)
 
 
 @triton.jit
@@ -57,14 +57,14 @@ def _chunk_cumsum_kernel(
 
 
 def heads_per_program(heads: int) -> int:
-    """``BH``: value heads of one program (a power of two, at most :data:`MAX_BH`)."""
+    """``BH``: value heads of one program (a power of two, at most ``MAX_BH``)."""
     return min(triton.next_power_of_2(max(heads, 1)), MAX_BH)
 
 
 def launch_chunk_cumsum(g: torch.Tensor, chunk_indices: torch.Tensor, g_cum: torch.Tensor) -> torch.Tensor:
     """Write the chunk-local cumulative sum of ``g`` ``[T, HV]`` (fp32) into ``g_cum`` ``[T, HV]`` (fp32).
 
-    ``chunk_indices`` int32 ``[NC, 3]`` contiguous, on ``g``'s device (chunks of ``CHUNK``
+    ``chunk_indices`` int32 ``[NC, 3]`` contiguous, on ``g``'s device (chunks of ``common.CHUNK``
     tokens, each document chunked from its own start). Returns ``g_cum``.
     """
     num_chunks, heads = chunk_indices.shape[0], g.shape[1]
@@ -74,28 +74,18 @@ def launch_chunk_cumsum(g: torch.Tensor, chunk_indices: torch.Tensor, g_cum: tor
     grid = (num_chunks, triton.cdiv(heads, block_h))
     _chunk_cumsum_kernel[grid](
         g, g_cum, chunk_indices, heads,
-        *g.stride(), *g_cum.stride(),
-        BT=CHUNK, BH=block_h,
-        num_warps=NUM_WARPS,
+        *common.token_head_strides(g, g_cum),
+        BT=common.CHUNK, BH=block_h,
+        **CONFIG.options(),
     )
     return g_cum
 
 
 def _aot_specs() -> list[AotSpec]:
-    """The model's launch: HV = 48 value heads, contiguous ``[T, 48]`` fp32 gates."""
-    heads = 48
-    return [
-        AotSpec(
-            name="gdn_chunk_cumsum_hv48",
-            kernel=_chunk_cumsum_kernel,
-            signature={"g_ptr": "*fp32", "gc_ptr": "*fp32", "ci_ptr": "*i32", "n_heads": "i32",
-                       "s_gt": "i32", "s_ct": "i32"},
-            # contiguous [T, HV]: the head stride is 1 (specialised to a constant at launch)
-            constexprs={"s_gh": 1, "s_ch": 1, "BT": CHUNK, "BH": heads_per_program(heads)},
-            options={"num_warps": NUM_WARPS},
-            divisible_by_16=("g_ptr", "gc_ptr", "ci_ptr", "n_heads", "s_gt", "s_ct"),
-        )
-    ]
+    """The model's launch (`common.model_tensors`): HV = 48 value heads, contiguous ``[T, 48]`` fp32 gates
+    (head stride 1, a constant at launch)."""
+    x = common.model_tensors()
+    return record_specs("gdn_chunk_cumsum_hv48", launch_chunk_cumsum, x.g, x.chunk_indices, x.g_cum)
 
 
 AOT_SPECS = _aot_specs()

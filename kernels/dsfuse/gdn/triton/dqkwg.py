@@ -1,7 +1,7 @@
 """Gated DeltaNet backward: the gradients of q, k, w and the cumulative gate from o and the state update.
 
 One program per (chunk, value head), chunks of ``C = BT = 64`` tokens from the chunk table (the
-last chunk of a document may be short; :func:`dsfuse.gdn.reference_backward.chunk_dqkwg` is the
+last chunk of a document may be short; ``dsfuse.gdn.reference_backward.chunk_dqkwg`` is the
 math). With ``h`` the state at the chunk's start ``[K, V]``, ``dh`` the gradient of the state
 after it, ``do`` the gradient of o, ``dv_new`` the total gradient of ``v_new`` and
 ``Gamma_ij = exp(G_i - G_j)`` for ``j <= i`` (0 above the diagonal)::
@@ -45,7 +45,7 @@ the 64-bit addresses and masks of every tile of the earlier phases, and those ho
 the key loops, in registers across the whole program (it merges equal offsets across phases).
 The row sums of phases (3) and (5) are carried through the key loops as ``[BT, 1]`` tiles: as
 ``[BT]`` vectors the compiler moved each ``[BT, BK]`` fp32 product through shared memory into
-another layout to sum it. For 16-bit inputs the launch caps the registers at ``MAX_REGISTERS``.
+another layout to sum it. For 16-bit inputs the launch caps the registers at ``CONFIG.maxnreg``.
 The ``AOT_SPECS`` (K = V = 128, bf16) compile at 148-168 registers without spills on sm_90 and
 sm_100 (uncapped, the compiler takes 201-219 on sm_90 and 144-229 on sm_100). Shared memory:
 32 KB (sm_90), 41 KB (sm_100). Not timed on a GPU yet.
@@ -85,25 +85,13 @@ import torch
 import triton
 import triton.language as tl
 
-from dsfuse._common.aot import AotSpec
-from dsfuse.gdn.triton.state import (
-    CHUNK,
-    L2NORM_EPS,
-    _dot,
-    _round,
-    dot_precision,
-    emulate_bf16,
-)
+from dsfuse.gdn.triton import common
 
-# Launch constants (no autotuner): key and value blocks of 64 channels, 4 warps, 2-stage pipelined
-# channel loops; 16-bit inputs capped at 168 registers (3 programs of 4 warps per SM), with which
-# AOT_SPECS compile without spills on sm_90 and sm_100 (at a cap of 152 sm_100 spills 4-16 bytes).
-# fp32 inputs (FMA dots) are not capped. Chosen for registers; not timed on a GPU yet.
-BLOCK_K = 64
-BLOCK_V = 64
-NUM_WARPS = 4
-NUM_STAGES = 2
-MAX_REGISTERS = 168
+# Launch constants (no autotuner, every GPU family): key and value blocks of 64 channels, 4 warps,
+# 2-stage pipelined channel loops; 16-bit inputs capped at 168 registers (3 programs of 4 warps per
+# SM), with which AOT_SPECS compile without spills on sm_90 and sm_100 (at a cap of 152 sm_100 spills
+# 4-16 bytes). fp32 inputs (FMA dots) are not capped. Chosen for registers; not timed on a GPU yet.
+CONFIG = common.LaunchConfig(block_k=64, block_v=64, num_warps=4, num_stages=2, maxnreg=168)
 
 
 @triton.jit
@@ -112,6 +100,33 @@ def _zero(ci_ptr, i_c, start):
     table, minus its first read. Offsets built from it in a loop body are computed there (after the
     stores of the loop), not kept in registers from an earlier phase nor hoisted out of the loop."""
     return tl.load(ci_ptr + i_c * 3 + 1) - start
+
+
+@triton.jit
+def _block_rows(ci_ptr, i_c, start, n_t, o_k, BT: tl.constexpr, V: tl.constexpr):
+    """A key block's offsets, built from `_zero` where they are used: ``(o_t, m_t, o_h)``, the
+    chunk's token offsets ``[BT]``, their mask, and ``o_h`` ``[BK]``, the offsets of the block's
+    rows in a ``[K, V]`` state (h^T / dh^T: ``[BV, BK]`` tiles, row k at ``o_h[k]``)."""
+    z = _zero(ci_ptr, i_c, start)
+    o_t = tl.arange(0, BT) + z
+    m_t = o_t < n_t
+    o_h = (o_k + z) * V
+    return o_t, m_t, o_h
+
+
+@triton.jit
+def _rows_times_state_t(x_ptr, s_xt, st_ptr, ci_ptr, i_c, start, n_t, o_k, BT: tl.constexpr, BK: tl.constexpr,
+                        V: tl.constexpr, BV: tl.constexpr, DOT_PRECISION: tl.constexpr, EMULATE_BF16: tl.constexpr):
+    """``x @ S^T`` for a key block (fp32 ``[BT, BK]``, over value blocks, ``S^T`` loaded transposed):
+    ``x`` the chunk's ``[BT, V]`` rows, ``S`` a ``[K, V]`` state; returns ``(o_t, m_t, x @ S^T)``."""
+    o_t, m_t, o_h = _block_rows(ci_ptr, i_c, start, n_t, o_k, BT, V)
+    b_acc = tl.zeros([BT, BK], dtype=tl.float32)
+    for i_v in range(V // BV):
+        o_v = i_v * BV + tl.arange(0, BV)
+        b_st = tl.load(st_ptr + o_h[None, :] + o_v[:, None])  # [BV, BK]
+        b_x = tl.load(x_ptr + o_t[:, None] * s_xt + o_v[None, :], mask=m_t[:, None], other=0.0)  # [BT, BV]
+        b_acc = common.dot(b_x, b_st, b_acc, DOT_PRECISION, EMULATE_BF16)
+    return o_t, m_t, b_acc
 
 
 @triton.jit
@@ -149,7 +164,7 @@ def _dqkwg_kernel(
     BV: tl.constexpr,
     USE_QK_L2NORM: tl.constexpr,
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs (no TF32); ignored for bf16/fp16
-    EMULATE_BF16: tl.constexpr,  # CPU interpreter with bf16 data only (see state._dot, state._round)
+    EMULATE_BF16: tl.constexpr,  # CPU interpreter with bf16 data only (see common.dot, common.round_to)
 ):
     pid = tl.program_id(0)
     i_c = (pid // HV).to(tl.int64)  # value head fastest (module docstring: grid)
@@ -183,15 +198,15 @@ def _dqkwg_kernel(
         o_k = i_k * BK + tl.arange(0, BK)
         b_q = tl.load(q_ptr + o_t[:, None] * s_qt + o_k[None, :], mask=m_t[:, None], other=0.0)  # [BT, BK]
         b_kt = tl.load(k_ptr + o_t[None, :] * s_kt + o_k[:, None], mask=m_t[None, :], other=0.0)  # [BK, BT]
-        b_qk = _dot(b_q, b_kt, b_qk, DOT_PRECISION, EMULATE_BF16)
+        b_qk = common.dot(b_q, b_kt, b_qk, DOT_PRECISION, EMULATE_BF16)
         if USE_QK_L2NORM:
             b_qf = b_q.to(tl.float32)
             b_kf = b_kt.to(tl.float32)
             b_ssq += tl.sum(b_qf * b_qf, axis=1)
             b_ssk += tl.sum(b_kf * b_kf, axis=0)
     if USE_QK_L2NORM:
-        b_rq = tl.rsqrt(b_ssq + L2NORM_EPS)  # [BT]
-        b_rk = tl.rsqrt(b_ssk + L2NORM_EPS)
+        b_rq = tl.rsqrt(b_ssq + common.L2NORM_EPS)  # [BT]
+        b_rk = tl.rsqrt(b_ssk + common.L2NORM_EPS)
 
     # ---- (2) dA_o = scale (do v_new^T) * Gamma over value blocks (v_new loaded transposed)
     b_dA = tl.zeros([BT, BT], dtype=tl.float32)  # [i, j] = do_i . v_j
@@ -199,7 +214,7 @@ def _dqkwg_kernel(
         o_v = i_v * BV + tl.arange(0, BV)
         b_do = tl.load(do_ptr + o_t[:, None] * s_ot + o_v[None, :], mask=m_t[:, None], other=0.0)  # [BT, BV]
         b_vt = tl.load(vn_ptr + o_t[None, :] * s_vt + o_v[:, None], mask=m_t[None, :], other=0.0)  # [BV, BT]
-        b_dA = _dot(b_do, b_vt, b_dA, DOT_PRECISION, EMULATE_BF16)
+        b_dA = common.dot(b_do, b_vt, b_dA, DOT_PRECISION, EMULATE_BF16)
     b_g = tl.load(g_ptr + o_t * s_gt, mask=m_t, other=0.0)  # [BT], <= 0 in the chunk
     m_A = (o_t[:, None] >= o_t[None, :]) & (m_t[:, None] & m_t[None, :])
     b_dA = tl.where(m_A, b_dA * tl.exp(tl.where(m_A, b_g[:, None] - b_g[None, :], 0.0)), 0.0) * scale
@@ -211,42 +226,26 @@ def _dqkwg_kernel(
     if USE_QK_L2NORM:
         b_ds = b_ds * b_rq[:, None]
     b_dg = tl.sum(b_ds, axis=1) - tl.sum(b_ds, axis=0)  # [BT]
-    b_dA = _round(b_dA, dtype, EMULATE_BF16)  # one rounding
+    b_dA = common.round_to(b_dA, dtype, EMULATE_BF16)  # one rounding
 
     # ---- (3) per key block: dw = -dv_new h^T, then dq = scale exp(G) (do h^T) + dA_o k, each a loop
     # over value blocks (h loaded transposed)
     b_dgq = tl.zeros([BT, 1], dtype=tl.float32)  # sum(q_i dq_inter_i) ([BT, 1]: see the module docstring)
     for i_k in range(K // BK):
         o_k = i_k * BK + tl.arange(0, BK)
-        z = _zero(ci_ptr, i_c, start)
-        o_t = tl.arange(0, BT) + z
-        m_t = o_t < n_t
-        o_h = (o_k + z) * V  # h^T / dh^T: [BV, BK] tiles, row k at o_h[k]
-        b_dw = tl.zeros([BT, BK], dtype=tl.float32)
-        for i_v in range(V // BV):
-            o_v = i_v * BV + tl.arange(0, BV)
-            b_ht = tl.load(h_ptr + o_h[None, :] + o_v[:, None])  # [BV, BK]
-            b_dv = tl.load(dv_ptr + o_t[:, None] * s_dvt + o_v[None, :], mask=m_t[:, None], other=0.0)  # [BT, BV]
-            b_dw = _dot(b_dv, b_ht, b_dw, DOT_PRECISION, EMULATE_BF16)
-        tl.store(dw_ptr + o_t[:, None] * s_dwt + o_k[None, :], _round(-b_dw, dw_ptr.dtype.element_ty, EMULATE_BF16),
-                 mask=m_t[:, None])
+        o_t, m_t, b_dw = _rows_times_state_t(dv_ptr, s_dvt, h_ptr, ci_ptr, i_c, start, n_t, o_k, BT, BK, V, BV,
+                                             DOT_PRECISION, EMULATE_BF16)  # dv_new h^T
+        tl.store(dw_ptr + o_t[:, None] * s_dwt + o_k[None, :],
+                 common.round_to(-b_dw, dw_ptr.dtype.element_ty, EMULATE_BF16), mask=m_t[:, None])
 
-        z = _zero(ci_ptr, i_c, start)
-        o_t = tl.arange(0, BT) + z
-        m_t = o_t < n_t
-        o_h = (o_k + z) * V
-        b_dq = tl.zeros([BT, BK], dtype=tl.float32)
-        for i_v in range(V // BV):
-            o_v = i_v * BV + tl.arange(0, BV)
-            b_ht = tl.load(h_ptr + o_h[None, :] + o_v[:, None])  # [BV, BK]
-            b_do = tl.load(do_ptr + o_t[:, None] * s_ot + o_v[None, :], mask=m_t[:, None], other=0.0)  # [BT, BV]
-            b_dq = _dot(b_do, b_ht, b_dq, DOT_PRECISION, EMULATE_BF16)
+        o_t, m_t, b_dq = _rows_times_state_t(do_ptr, s_ot, h_ptr, ci_ptr, i_c, start, n_t, o_k, BT, BK, V, BV,
+                                             DOT_PRECISION, EMULATE_BF16)  # do h^T
         b_q = tl.load(q_ptr + o_t[:, None] * s_qt + o_k[None, :], mask=m_t[:, None], other=0.0)  # [BT, BK]
         b_gk = tl.load(g_ptr + o_t * s_gt, mask=m_t, other=0.0)
         b_dq = b_dq * (tl.exp(b_gk) * scale)[:, None]  # dq_inter; padding rows: their accumulators are 0
         b_dgq += tl.sum(b_q.to(tl.float32) * b_dq, axis=1, keep_dims=True)
         b_k = tl.load(k_ptr + o_t[:, None] * s_kt + o_k[None, :], mask=m_t[:, None], other=0.0)  # [BT, BK]
-        b_dq = _dot(b_dA, b_k, b_dq, DOT_PRECISION, EMULATE_BF16)  # [BT, BT] @ [BT, BK]
+        b_dq = common.dot(b_dA, b_k, b_dq, DOT_PRECISION, EMULATE_BF16)  # [BT, BT] @ [BT, BK]
         tl.store(dq_ptr + o_t[:, None] * s_dqt + o_k[None, :], b_dq, mask=m_t[:, None])
 
     # ---- (4) dA_o^T = scale (v_new do^T) * Gamma^T as its own dot (do loaded transposed)
@@ -258,13 +257,13 @@ def _dqkwg_kernel(
         o_v = i_v * BV + tl.arange(0, BV)
         b_v = tl.load(vn_ptr + o_t[:, None] * s_vt + o_v[None, :], mask=m_t[:, None], other=0.0)  # [BT, BV]
         b_dot = tl.load(do_ptr + o_t[None, :] * s_ot + o_v[:, None], mask=m_t[None, :], other=0.0)  # [BV, BT]
-        b_dAt = _dot(b_v, b_dot, b_dAt, DOT_PRECISION, EMULATE_BF16)
+        b_dAt = common.dot(b_v, b_dot, b_dAt, DOT_PRECISION, EMULATE_BF16)
     b_g = tl.load(g_ptr + o_t * s_gt, mask=m_t, other=0.0)
     m_At = (o_t[:, None] <= o_t[None, :]) & (m_t[:, None] & m_t[None, :])
     b_dAt = tl.where(m_At, b_dAt * tl.exp(tl.where(m_At, b_g[None, :] - b_g[:, None], 0.0)), 0.0) * scale
     if USE_QK_L2NORM:
         b_dAt = b_dAt * b_rq[None, :]  # q's norms folded into the columns
-    b_dAt = _round(b_dAt, dtype, EMULATE_BF16)
+    b_dAt = common.round_to(b_dAt, dtype, EMULATE_BF16)
 
     # ---- (5) per key block: dk = exp(G_last - G) (v_new dh^T) + dA_o^T q over value blocks (dh loaded
     # transposed), with sum(dh * h)
@@ -272,16 +271,13 @@ def _dqkwg_kernel(
     b_kst = tl.zeros([BT, 1], dtype=tl.float32)  # sum(k_i dk_state_i)
     for i_k in range(K // BK):
         o_k = i_k * BK + tl.arange(0, BK)
-        z = _zero(ci_ptr, i_c, start)
-        o_t = tl.arange(0, BT) + z
-        m_t = o_t < n_t
-        o_h = (o_k + z) * V
+        o_t, m_t, o_h = _block_rows(ci_ptr, i_c, start, n_t, o_k, BT, V)
         b_dk = tl.zeros([BT, BK], dtype=tl.float32)
         for i_v in range(V // BV):
             o_v = i_v * BV + tl.arange(0, BV)
             b_dht = tl.load(dh_ptr + o_h[None, :] + o_v[:, None])  # [BV, BK]
             b_v = tl.load(vn_ptr + o_t[:, None] * s_vt + o_v[None, :], mask=m_t[:, None], other=0.0)  # [BT, BV]
-            b_dk = _dot(b_v, b_dht, b_dk, DOT_PRECISION, EMULATE_BF16)
+            b_dk = common.dot(b_v, b_dht, b_dk, DOT_PRECISION, EMULATE_BF16)
             b_ht = tl.load(h_ptr + o_h[None, :] + o_v[:, None])
             b_hdh += tl.sum(b_ht.to(tl.float32) * b_dht.to(tl.float32), axis=1)
         b_k = tl.load(k_ptr + o_t[:, None] * s_kt + o_k[None, :], mask=m_t[:, None], other=0.0)  # [BT, BK]
@@ -290,7 +286,7 @@ def _dqkwg_kernel(
         b_dk = b_dk * tl.where(m_t, tl.exp(tl.where(m_t, b_gl - b_gk, 0.0)), 0.0)[:, None]  # dk_state
         b_kst += tl.sum(b_k.to(tl.float32) * b_dk, axis=1, keep_dims=True)
         b_q = tl.load(q_ptr + o_t[:, None] * s_qt + o_k[None, :], mask=m_t[:, None], other=0.0)  # [BT, BK]
-        b_dk = _dot(b_dAt, b_q, b_dk, DOT_PRECISION, EMULATE_BF16)  # [BT, BT] @ [BT, BK]
+        b_dk = common.dot(b_dAt, b_q, b_dk, DOT_PRECISION, EMULATE_BF16)  # [BT, BT] @ [BT, BK]
         tl.store(dk_ptr + o_t[:, None] * s_dkt + o_k[None, :], b_dk, mask=m_t[:, None])
 
     # q_hat . dq_inter and k_hat . dk_state: the norms times the sums of the loaded rows
@@ -312,7 +308,7 @@ def _dqkwg_kernel(
 
 def blocks(K: int, V: int) -> tuple[int, int]:
     """``(BK, BV)``: channels of a key / value block."""
-    return min(K, BLOCK_K), min(V, BLOCK_V)
+    return min(K, CONFIG.block_k), min(V, CONFIG.block_v)
 
 
 def launch_dqkwg(
@@ -352,61 +348,15 @@ def launch_dqkwg(
     _dqkwg_kernel[(NC * HV,)](
         q, k, v_new, h, dh, do, dv_new, g_cum, chunk_indices, dq, dk, dw, dg,
         float(scale),
-        q.stride(0), q.stride(1),
-        k.stride(0), k.stride(1),
-        v_new.stride(0), v_new.stride(1),
-        do.stride(0), do.stride(1),
-        dv_new.stride(0), dv_new.stride(1),
-        g_cum.stride(0), g_cum.stride(1),
-        dq.stride(0), dq.stride(1),
-        dk.stride(0), dk.stride(1),
-        dw.stride(0), dw.stride(1),
-        dg.stride(0), dg.stride(1),
-        HV=HV, GROUP=HV // H, K=K, V=V, BT=CHUNK, BK=BK, BV=BV,
-        USE_QK_L2NORM=use_qk_l2norm,
-        DOT_PRECISION=dot_precision(q.dtype),
-        EMULATE_BF16=emulate_bf16(q.dtype),
-        num_warps=NUM_WARPS,
-        num_stages=NUM_STAGES,
-        **({} if q.dtype == torch.float32 else {"maxnreg": MAX_REGISTERS}),
+        *common.token_head_strides(q, k, v_new, do, dv_new, g_cum, dq, dk, dw, dg),
+        **common.stage_constexprs(H, HV, K, V, q.dtype, use_qk_l2norm), BK=BK, BV=BV,
+        **CONFIG.options(cap_registers=q.dtype != torch.float32),
     )
     return dq, dk, dw, dg
 
 
-def _aot_specs() -> list[AotSpec]:
-    """The model's specialisations: K = V = 128, H = 16, HV = 48, bf16, BT = 64; packed q/k row.
-
-    q, k are head views of the packed row ``[T, (2H + HV) * 128]`` (token stride 10240, head
-    stride 128); v_new, do, dv_new, dw ``[T, 48, 128]`` and dq, dk fp32 ``[T, 48, 128]`` dense;
-    g_cum, dg fp32 ``[T, 48]`` dense (head stride 1). With and without the in-kernel L2 norm;
-    registers capped at ``MAX_REGISTERS`` as the launcher does.
-    """
-    K = V = 128
-    H, HV = 16, 48
-    BK, BV = blocks(K, V)
-    signature = {
-        "q_ptr": "*bf16", "k_ptr": "*bf16", "vn_ptr": "*bf16", "h_ptr": "*bf16", "dh_ptr": "*bf16",
-        "do_ptr": "*bf16", "dv_ptr": "*bf16", "g_ptr": "*fp32", "ci_ptr": "*i32",
-        "dq_ptr": "*fp32", "dk_ptr": "*fp32", "dw_ptr": "*bf16", "dg_ptr": "*fp32", "scale": "fp32",
-        "s_qt": "i32", "s_qh": "i32", "s_kt": "i32", "s_kh": "i32", "s_vt": "i32", "s_vh": "i32",
-        "s_ot": "i32", "s_oh": "i32", "s_dvt": "i32", "s_dvh": "i32", "s_gt": "i32",
-        "s_dqt": "i32", "s_dqh": "i32", "s_dkt": "i32", "s_dkh": "i32", "s_dwt": "i32", "s_dwh": "i32",
-        "s_dgt": "i32",
-    }
-    return [
-        AotSpec(
-            name=f"gdn_dqkwg{'_l2' if l2 else ''}_bf16",
-            kernel=_dqkwg_kernel,
-            signature=signature,
-            constexprs={
-                "s_gh": 1, "s_dgh": 1, "HV": HV, "GROUP": HV // H, "K": K, "V": V, "BT": CHUNK, "BK": BK, "BV": BV,
-                "USE_QK_L2NORM": l2, "DOT_PRECISION": dot_precision(torch.bfloat16), "EMULATE_BF16": False,
-            },
-            options={"num_warps": NUM_WARPS, "num_stages": NUM_STAGES, "maxnreg": MAX_REGISTERS},
-            divisible_by_16=tuple(n for n in signature if n.endswith("_ptr") or n.startswith("s_")),
-        )
-        for l2 in (True, False)
-    ]
-
-
-AOT_SPECS = _aot_specs()
+# The model's specialisations (common.model_tensors: K = V = 128, H = 16, HV = 48, bf16, q and k head views
+# of the packed q/k/v row, the rest contiguous; registers capped as for every 16-bit launch), with and
+# without the in-kernel L2 norm.
+AOT_SPECS = common.record_variants("gdn_dqkwg{l2}_bf16", launch_dqkwg, lambda x, _: (
+    x.q, x.k, x.v_new, x.h, x.dh, x.do, x.dv, x.g_cum, x.chunk_indices, x.scale, x.f32_hk, x.f32_hk2, x.dw, x.dg))

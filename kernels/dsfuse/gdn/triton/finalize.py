@@ -3,7 +3,7 @@
 The earlier backward stages produce the gradients of each value head's view of q and k
 (``dq_hv``, ``dk_hv``, fp32 ``[T, HV, K]``: value head ``i_hv`` reads qk head
 ``i_hv // G``, ``G = HV // H``). For each token and qk head ``i_h`` this stage sums its ``G``
-value heads, in head order and in fp32 (:func:`dsfuse.gdn.reference_backward._sum_value_heads`)::
+value heads, in head order and in fp32 (``dsfuse.gdn.reference_backward._sum_value_heads``)::
 
     dy = dx_hv[i_h G] + dx_hv[i_h G + 1] + ... + dx_hv[i_h G + G - 1]      # left to right
 
@@ -38,14 +38,12 @@ import torch
 import triton
 import triton.language as tl
 
-from dsfuse._common.aot import AotSpec
-from dsfuse.gdn.triton.state import L2NORM_EPS, _round, emulate_bf16
+from dsfuse.gdn.triton import common
 
-# Launch constants (no autotuner): 32 tokens per program, 4 warps; a [32, 128] fp32 tile is
-# 32 values per thread. Not measured on a GPU yet (a memory-bound stream: 1.6 GB of fp32 value-head
-# gradients (dq_hv and dk_hv) read at the model's shape, T = 32768, HV = 48, K = 128).
-BLOCK_T = 32
-NUM_WARPS = 4
+# Launch constants (no autotuner, every GPU family): 32 tokens per program, 4 warps; a [32, 128] fp32
+# tile is 32 values per thread. Not measured on a GPU yet (a memory-bound stream: 1.6 GB of fp32
+# value-head gradients (dq_hv and dk_hv) read at the model's shape, T = 32768, HV = 48, K = 128).
+CONFIG = common.LaunchConfig(block_t=32, num_warps=4)
 
 
 @triton.jit
@@ -76,13 +74,13 @@ def _finalize_tile(
     if USE_QK_L2NORM:
         p_x = x_ptr + o_t[:, None] * s_xt + i_h * s_xh + o_k[None, :]
         b_x = tl.load(p_x, mask=m_t, other=0.0).to(tl.float32)  # [BT, K]
-        b_r = tl.rsqrt(tl.sum(b_x * b_x, axis=1) + L2NORM_EPS)  # [BT]
+        b_r = tl.rsqrt(tl.sum(b_x * b_x, axis=1) + common.L2NORM_EPS)  # [BT]
         b_y = b_x * b_r[:, None]
         b_dyy = tl.sum(b_dy * b_y, axis=1)  # [BT]
         b_dy = b_r[:, None] * (b_dy - b_y * b_dyy[:, None])
 
     p_d = dx_ptr + o_t[:, None] * s_dt + i_h * s_dh + o_k[None, :]
-    tl.store(p_d, _round(b_dy, dx_ptr.dtype.element_ty, EMULATE_BF16), mask=m_t)
+    tl.store(p_d, common.round_to(b_dy, dx_ptr.dtype.element_ty, EMULATE_BF16), mask=m_t)
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -104,7 +102,7 @@ def _qk_finalize_kernel(
     K: tl.constexpr,
     BT: tl.constexpr,
     USE_QK_L2NORM: tl.constexpr,
-    EMULATE_BF16: tl.constexpr,  # CPU interpreter with bf16 outputs only (see state._round)
+    EMULATE_BF16: tl.constexpr,  # CPU interpreter with bf16 outputs only (see common.round_to)
 ):
     i_t = tl.program_id(0)
     i_h = tl.program_id(1)
@@ -138,51 +136,21 @@ def launch_qk_finalize(
     HV = dq_hv.shape[1]
     if T == 0 or H == 0:
         return dq, dk
-    grid = (triton.cdiv(T, BLOCK_T), H, 2)
+    grid = (triton.cdiv(T, CONFIG.block_t), H, 2)
     _qk_finalize_kernel[grid](
         q, k, dq_hv, dk_hv, dq, dk,
         T,
-        q.stride(0), q.stride(1),
-        k.stride(0), k.stride(1),
-        dq_hv.stride(0), dq_hv.stride(1),
-        dk_hv.stride(0), dk_hv.stride(1),
-        dq.stride(0), dq.stride(1),
-        dk.stride(0), dk.stride(1),
-        GROUP=HV // H, K=K, BT=BLOCK_T,
+        *common.token_head_strides(q, k, dq_hv, dk_hv, dq, dk),
+        GROUP=HV // H, K=K, BT=CONFIG.block_t,
         USE_QK_L2NORM=use_qk_l2norm,
-        EMULATE_BF16=emulate_bf16(dq.dtype),
-        num_warps=NUM_WARPS,
+        EMULATE_BF16=common.emulate_bf16(dq.dtype),
+        **CONFIG.options(),
     )
     return dq, dk
 
 
-def _aot_specs() -> list[AotSpec]:
-    """The model's specialisations: K = 128, H = 16, HV = 48 (G = 3), bf16; packed q/k/dq/dk rows.
-
-    q, k are head views of the packed row ``[T, (2H + HV) * 128]`` and dq, dk head views of the
-    packed gradient row of the same layout (token stride 10240, head stride 128); dq_hv, dk_hv
-    ``[T, 48, 128]`` fp32 dense. With and without the L2-norm backward.
-    """
-    K = 128
-    H, HV = 16, 48
-    signature = {
-        "q_ptr": "*bf16", "k_ptr": "*bf16", "dqhv_ptr": "*fp32", "dkhv_ptr": "*fp32",
-        "dq_ptr": "*bf16", "dk_ptr": "*bf16", "T": "i32",
-        "s_qt": "i32", "s_qh": "i32", "s_kt": "i32", "s_kh": "i32",
-        "s_at": "i32", "s_ah": "i32", "s_bt": "i32", "s_bh": "i32",
-        "s_dqt": "i32", "s_dqh": "i32", "s_dkt": "i32", "s_dkh": "i32",
-    }
-    return [
-        AotSpec(
-            name=f"gdn_qk_finalize{'_l2' if l2 else ''}_bf16",
-            kernel=_qk_finalize_kernel,
-            signature=signature,
-            constexprs={"GROUP": HV // H, "K": K, "BT": BLOCK_T, "USE_QK_L2NORM": l2, "EMULATE_BF16": False},
-            options={"num_warps": NUM_WARPS},
-            divisible_by_16=tuple(n for n in signature if n.endswith("_ptr") or n.startswith("s_")),
-        )
-        for l2 in (True, False)
-    ]
-
-
-AOT_SPECS = _aot_specs()
+# The model's specialisations (common.model_tensors: K = 128, H = 16, HV = 48, bf16): q, k head views of the
+# packed q/k/v row, dq, dk the same views of the packed gradient row, dq_hv, dk_hv fp32 [T, 48, 128] dense;
+# with and without the L2-norm backward.
+AOT_SPECS = common.record_variants("gdn_qk_finalize{l2}_bf16", launch_qk_finalize, lambda x, _: (
+    x.q, x.k, x.f32_hk, x.f32_hk2, x.dq_row, x.dk_row))

@@ -3,7 +3,7 @@
 Per (document, value head, block of ``BV`` value channels) one program carries the state
 ``b_h`` ``[K, BV]`` in fp32 registers across the document's chunks (``BK = K``: the whole
 key dim in one block) and, chunk by chunk (``C = BT = 64`` tokens, the last one possibly
-short; :func:`dsfuse.gdn.reference.chunk_state_pass` is the math)::
+short; ``dsfuse.gdn.reference.chunk_state_pass`` is the math)::
 
     h[c]    = b_h                                          # stored in the input dtype
     v_new   = u - w @ b_h                                  # [BT, K] @ [K, BV]
@@ -38,18 +38,13 @@ No atomics: every element is written by one program, in a fixed order. Grid: one
 
 from __future__ import annotations
 
-import functools
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from dsfuse._common.aot import AotSpec
-from dsfuse._common.backends import interpreting
+from dsfuse.gdn.triton import common
 
-CHUNK = 64  # BT: tokens per chunk (the chunk table's chunk size)
-# Launch constants (no autotuner) per GPU family: (BV value channels per program, warps).
+# Launch constants (no autotuner) per GPU family: BV value channels per program (block_v), warps.
 # Hopper and the CPU interpreter: 64 channels, 4 warps (wgmma). H200, Triton 3.6, the model's
 # shape (T = 32768 in five documents, (H, HV) = (16, 48), K = V = 128, bf16, L2 norm), median of
 # triton.testing.do_bench: 1.29 ms, against 1.34 ms for (32, 4), 1.58 (32, 2), 1.95 (64, 2),
@@ -58,38 +53,13 @@ CHUNK = 64  # BT: tokens per chunk (the chunk table's chunk size)
 # recurrence race on Blackwell before Triton 3.8); not measured here. AOT_SPECS compile both
 # for sm_90 and sm_100: Hopper's setting at 238-250 registers without spills, the 2-warp one at
 # 251-255 registers with up to 16 bytes of spill in the initial/final-state variants.
-CONFIG_HOPPER = (64, 4)
-CONFIG_BLACKWELL = (32, 2)
-NUM_STAGES = 2  # the kernel's default pipelining depth
-# The chunk loop on the GPU: a for loop with runtime bounds, software-pipelined this deep (the next
-# chunk's loads issued before this chunk's dots finish); the interpreter runs a while loop instead.
-LOOP_STAGES = 2
-L2NORM_EPS = tl.constexpr(1e-6)  # the reference's l2norm eps
-
-
-@triton.jit
-def _dot(a, b, acc, DOT_PRECISION: tl.constexpr, EMULATE_BF16: tl.constexpr):
-    """``acc + a @ b`` with an fp32 accumulator (``acc`` may be None).
-
-    ``EMULATE_BF16`` only in Triton's CPU interpreter with bf16 data, whose ``tl.dot`` multiplies
-    bf16 operands as their integer bit patterns: the operands are widened to fp32 (exact), so
-    the products and fp32 sums are those of the GPU's bf16 MMA up to summation order."""
-    if EMULATE_BF16:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-    return tl.dot(a, b, acc, input_precision=DOT_PRECISION)
-
-
-@triton.jit
-def _round(x, dtype: tl.constexpr, EMULATE_BF16: tl.constexpr):
-    """fp32 ``x`` rounded to ``dtype`` (round to nearest even, as the GPU converts).
-
-    ``EMULATE_BF16`` only in Triton's CPU interpreter, whose fp32 -> bf16 conversion truncates:
-    the rounding is done on the bits first (finite values), so the conversion is exact."""
-    if EMULATE_BF16 and dtype == tl.bfloat16:
-        b_bits = x.to(tl.uint32, bitcast=True)
-        b_bits = ((b_bits + 0x7FFF + ((b_bits >> 16) & 1)) >> 16) << 16
-        x = b_bits.to(tl.float32, bitcast=True)
-    return x.to(dtype)
+# num_stages 2: the kernel's default pipelining depth. loop_stages 2: the chunk loop on the GPU is a
+# for loop with runtime bounds, software-pipelined this deep (the next chunk's loads issued before
+# this chunk's dots finish); the interpreter runs a while loop instead.
+CONFIGS = {
+    common.HOPPER: common.LaunchConfig(block_v=64, num_warps=4, num_stages=2, loop_stages=2),
+    common.BLACKWELL: common.LaunchConfig(block_v=32, num_warps=2, num_stages=2, loop_stages=2),
+}
 
 
 @triton.jit
@@ -99,42 +69,39 @@ def _state_step(b_h, i_c, k_ptr, w_ptr, u_ptr, g_ptr, ci_ptr, h_ptr, vn_ptr, s_k
                 EMULATE_BF16: tl.constexpr):
     """One chunk of the state pass: store ``h`` and ``v_new``, return the next state (fp32)."""
     dtype = w_ptr.dtype.element_ty
-    i_c64 = i_c.to(tl.int64)
-    bos = tl.load(ci_ptr + i_c64 * 3 + 1).to(tl.int64)
-    eos = tl.load(ci_ptr + i_c64 * 3 + 2).to(tl.int64)
-    o_t = bos + o_i  # [BT] int64 token offsets
-    m_t = o_t < eos
+    i_c64, eos, o_t, m_t = common.chunk_tokens(ci_ptr, i_c, o_i)  # o_t: [BT] int64 token offsets
 
     # the state at the chunk's start
-    b_hc = _round(b_h, dtype, EMULATE_BF16)
+    b_hc = common.round_to(b_h, dtype, EMULATE_BF16)
     p_h = h_ptr + (i_c64 * HV + i_hv) * (K * V) + o_k[:, None] * V + o_v[None, :]
     tl.store(p_h, b_hc)
 
     # v_new = u - w @ h
     p_w = w_ptr + o_t[:, None] * s_wt + i_hv * s_wh + o_k[None, :]
     b_w = tl.load(p_w, mask=m_t[:, None], other=0.0)  # [BT, K]
-    b_wh = _dot(b_w, b_hc, None, DOT_PRECISION, EMULATE_BF16)  # [BT, K] @ [K, BV] -> [BT, BV]
+    b_wh = common.dot(b_w, b_hc, None, DOT_PRECISION, EMULATE_BF16)  # [BT, K] @ [K, BV] -> [BT, BV]
     p_u = u_ptr + o_t[:, None] * s_ut + i_hv * s_uh + o_v[None, :]
     b_v = tl.load(p_u, mask=m_t[:, None], other=0.0).to(tl.float32) - b_wh  # [BT, BV]
     p_vn = vn_ptr + o_t[:, None] * s_vt + i_hv * s_vh + o_v[None, :]
-    tl.store(p_vn, _round(b_v, vn_ptr.dtype.element_ty, EMULATE_BF16), mask=m_t[:, None])
+    tl.store(p_vn, common.round_to(b_v, vn_ptr.dtype.element_ty, EMULATE_BF16), mask=m_t[:, None])
 
     # decays: G_last - G_i <= 0 for tokens in the chunk, masked to 0 before exp
     b_g = tl.load(g_ptr + o_t * s_gt + i_hv * s_gh, mask=m_t, other=0.0)  # [BT]
     b_g_last = tl.load(g_ptr + (eos - 1) * s_gt + i_hv * s_gh)
     b_d = tl.where(m_t, tl.exp(tl.where(m_t, b_g_last - b_g, 0.0)), 0.0)  # [BT]
-    b_vd = _round(b_v * b_d[:, None], dtype, EMULATE_BF16)  # [BT, BV]
+    b_vd = common.round_to(b_v * b_d[:, None], dtype, EMULATE_BF16)  # [BT, BV]
 
     # k transposed from memory: [K, BT]
     p_k = k_ptr + o_t[None, :] * s_kt + i_h * s_kh + o_k[:, None]
     b_k = tl.load(p_k, mask=m_t[None, :], other=0.0)  # [K, BT]
     if USE_QK_L2NORM:
         b_kf = b_k.to(tl.float32)
-        b_k = _round(b_kf * tl.rsqrt(tl.sum(b_kf * b_kf, axis=0) + L2NORM_EPS)[None, :], dtype, EMULATE_BF16)
+        b_k = common.round_to(b_kf * tl.rsqrt(tl.sum(b_kf * b_kf, axis=0) + common.L2NORM_EPS)[None, :], dtype,
+                              EMULATE_BF16)
 
     # h = exp(G_last) h + (k * exp(G_last - G))^T v_new
     b_h = b_h * tl.exp(b_g_last)
-    b_h = _dot(b_k, b_vd, b_h, DOT_PRECISION, EMULATE_BF16)  # [K, BT] @ [BT, BV] -> [K, BV]
+    b_h = common.dot(b_k, b_vd, b_h, DOT_PRECISION, EMULATE_BF16)  # [K, BT] @ [BT, BV] -> [K, BV]
     return b_h
 
 
@@ -167,20 +134,12 @@ def _state_pass_kernel(
     STORE_FINAL_STATE: tl.constexpr,
     USE_QK_L2NORM: tl.constexpr,
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs (no TF32); ignored for bf16/fp16
-    EMULATE_BF16: tl.constexpr,  # CPU interpreter with bf16 data only (see _dot, _round)
+    EMULATE_BF16: tl.constexpr,  # CPU interpreter with bf16 data only (see common.dot, common.round_to)
     PIPELINED: tl.constexpr,  # the chunk loop as a pipelined for loop (GPU) or a while loop (interpreter)
     NUM_STAGES_LOOP: tl.constexpr,
 ):
-    NV: tl.constexpr = V // BV
-    i_p = tl.program_id(0)
-    i_v = i_p % NV
-    i_hv = (i_p // NV) % HV
-    i_n = i_p // (NV * HV)  # in [0, N]; N: the tail of tokens in no chunk
-    i_h = i_hv // GROUP
-
-    o_k = tl.arange(0, K)
-    o_v = i_v * BV + tl.arange(0, BV)
-    o_i = tl.arange(0, BT)
+    # i_n in [0, N]; N: the tail of tokens in no chunk
+    i_n, i_hv, i_h, o_k, o_v, o_i = common.value_block_program(HV, GROUP, V, BV, K, BT)
 
     if i_n < N:
         b_h = tl.zeros([K, BV], dtype=tl.float32)
@@ -206,42 +165,7 @@ def _state_pass_kernel(
             tl.store(ht_ptr + o_state, b_h)
     else:
         # tokens past the last chunk's end (past cu_seqlens[-1]) belong to no chunk: v_new = 0
-        NC = tl.load(co_ptr + N)
-        tail = tl.load(ci_ptr + (NC - 1).to(tl.int64) * 3 + 2, mask=NC > 0, other=0)  # last chunk's end
-        b_zero = tl.zeros([BT, BV], dtype=vn_ptr.dtype.element_ty)
-        i_t = tail.to(tl.int64)
-        while i_t < T:  # a while loop: runtime bounds, also in the interpreter
-            o_t = i_t + o_i
-            p_vn = vn_ptr + o_t[:, None] * s_vt + i_hv * s_vh + o_v[None, :]
-            tl.store(p_vn, b_zero, mask=(o_t < T)[:, None])
-            i_t += BT
-
-
-@functools.lru_cache(maxsize=16)
-def _blackwell(device_type: str, index: int | None) -> bool:
-    return device_type == "cuda" and torch.cuda.get_device_capability(index)[0] >= 10
-
-
-def family_config(device: torch.device, hopper: tuple[int, int], blackwell: tuple[int, int]) -> tuple[int, int]:
-    """A sequential pass's ``(BV, num_warps)`` on ``device``: ``blackwell`` on compute capability
-    >= 10, ``hopper`` elsewhere (the CPU interpreter included)."""
-    return blackwell if _blackwell(device.type, device.index) else hopper
-
-
-def launch_config(device: torch.device, V: int) -> tuple[int, int]:
-    """``(BV, num_warps)`` of a launch on ``device`` with ``V`` value channels."""
-    block_v, num_warps = family_config(device, CONFIG_HOPPER, CONFIG_BLACKWELL)
-    return min(block_v, V), num_warps
-
-
-def dot_precision(dtype: torch.dtype) -> str:
-    """``tl.dot`` input precision: full fp32 for fp32 inputs (TF32 is Triton's default)."""
-    return "ieee" if dtype == torch.float32 else "tf32"
-
-
-def emulate_bf16(dtype: torch.dtype) -> bool:
-    """bf16 data in Triton's CPU interpreter: emulate the GPU's bf16 dots and rounding (``_dot``, ``_round``)."""
-    return dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+        common.store_zero_tail(vn_ptr, ci_ptr, tl.load(co_ptr + N), T, s_vt, s_vh, i_hv, o_v, o_i, BT, BV)
 
 
 def launch_state_pass(
@@ -270,73 +194,25 @@ def launch_state_pass(
     T, H, K = k.shape
     HV, V = u.shape[1], u.shape[2]
     N = chunk_offsets.shape[0] - 1
-    BV, num_warps = launch_config(w.device, V)
-    programs = (N + 1) * HV * (V // BV)
-    if programs >= 2**31:
-        raise ValueError(f"chunk_offsets: at most 2**31 - 1 programs (sequences x heads x value blocks), got {programs}")
+    config = common.family_config(CONFIGS, w.device)
+    BV = min(config.block_v, V)
+    programs = common.check_programs((N + 1) * HV * (V // BV), "chunk_offsets", "sequences x heads x value blocks")
     _state_pass_kernel[(programs,)](
         k, w, u, g_cum, chunk_indices, chunk_offsets, initial_state, h, v_new, final_state,
         T, N,
-        k.stride(0), k.stride(1),
-        w.stride(0), w.stride(1),
-        u.stride(0), u.stride(1),
-        g_cum.stride(0), g_cum.stride(1),
-        v_new.stride(0), v_new.stride(1),
-        HV=HV, GROUP=HV // H, K=K, V=V, BT=CHUNK, BV=BV,
+        *common.token_head_strides(k, w, u, g_cum, v_new),
+        **common.stage_constexprs(H, HV, K, V, w.dtype, use_qk_l2norm), BV=BV,
         USE_INITIAL_STATE=initial_state is not None,
         STORE_FINAL_STATE=final_state is not None,
-        USE_QK_L2NORM=use_qk_l2norm,
-        DOT_PRECISION=dot_precision(w.dtype),
-        EMULATE_BF16=emulate_bf16(w.dtype),
-        PIPELINED=not interpreting(), NUM_STAGES_LOOP=LOOP_STAGES,
-        num_warps=num_warps,
-        num_stages=NUM_STAGES,
+        **common.sequential_pass_kwargs(config),
     )
     return h, v_new, final_state
 
 
-def _aot_specs() -> list[AotSpec]:
-    """The model's specialisations: K = V = 128, H = 16, HV = 48, bf16, BT = 64; packed q/k/v row.
-
-    k is a head view of the packed row ``[T, (2H + HV) * 128]``: token stride 10240, head
-    stride 128; w, u, v_new ``[T, 48, 128]`` dense; g_cum ``[T, 48]`` dense (head stride 1).
-    With and without the in-kernel L2 norm, with and without initial/final state, in both launch
-    settings (Hopper's, and Blackwell's ``_2w``).
-    """
-    specs = []
-    K = V = 128
-    H, HV = 16, 48
-    for (block_v, num_warps), tag in ((CONFIG_HOPPER, ""), (CONFIG_BLACKWELL, "_2w")):
-        for l2 in (True, False):
-            for states in (False, True):
-                signature = {
-                    "k_ptr": "*bf16", "w_ptr": "*bf16", "u_ptr": "*bf16", "g_ptr": "*fp32",
-                    "ci_ptr": "*i32", "co_ptr": "*i32", "h0_ptr": "*fp32", "h_ptr": "*bf16",
-                    "vn_ptr": "*bf16", "ht_ptr": "*fp32",
-                    "T": "i32", "N": "i32",
-                    "s_kt": "i32", "s_kh": "i32", "s_wt": "i32", "s_wh": "i32", "s_ut": "i32", "s_uh": "i32",
-                    "s_gt": "i32", "s_vt": "i32", "s_vh": "i32",
-                }
-                constexprs = {
-                    "s_gh": 1, "HV": HV, "GROUP": HV // H, "K": K, "V": V, "BT": CHUNK, "BV": min(block_v, V),
-                    "USE_INITIAL_STATE": states, "STORE_FINAL_STATE": states, "USE_QK_L2NORM": l2,
-                    "DOT_PRECISION": dot_precision(torch.bfloat16), "EMULATE_BF16": False,
-                    "PIPELINED": True, "NUM_STAGES_LOOP": LOOP_STAGES,
-                }
-                if not states:
-                    del signature["h0_ptr"], signature["ht_ptr"]
-                    constexprs.update(h0_ptr=None, ht_ptr=None)
-                specs.append(
-                    AotSpec(
-                        name=f"gdn_state_pass{'_l2' if l2 else ''}{'_states' if states else ''}_bf16{tag}",
-                        kernel=_state_pass_kernel,
-                        signature=signature,
-                        constexprs=constexprs,
-                        options={"num_warps": num_warps, "num_stages": NUM_STAGES},
-                        divisible_by_16=tuple(n for n in signature if n.endswith("_ptr") or n.startswith("s_")),
-                    )
-                )
-    return specs
-
-
-AOT_SPECS = _aot_specs()
+# The model's specialisations (common.model_tensors: K = V = 128, H = 16, HV = 48, bf16, k a head view of
+# the packed q/k/v row): with and without the in-kernel L2 norm, with and without initial/final state, in
+# each family's launch setting (Blackwell's named _2w).
+AOT_SPECS = common.record_variants(
+    "gdn_state_pass{l2}{states}_bf16{family}", launch_state_pass, lambda x, state: (
+        x.k, x.w, x.u, x.g_cum, x.chunk_indices, x.chunk_offsets, state, x.h, x.v_new, state),
+    states=True, per_family=True)

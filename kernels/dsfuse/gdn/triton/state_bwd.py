@@ -1,7 +1,7 @@
 """Gated DeltaNet backward through the state: ``dv_local`` per chunk, then the reverse state pass.
 
-Two kernels (:func:`dsfuse.gdn.reference_backward.chunk_dv_local` and
-:func:`~dsfuse.gdn.reference_backward.chunk_state_backward` are the math; chunks of
+Two kernels (``dsfuse.gdn.reference_backward.chunk_dv_local`` and
+``dsfuse.gdn.reference_backward.chunk_state_backward`` are the math; chunks of
 ``C = BT = 64`` tokens from the chunk table, a document's last chunk possibly short):
 
 * ``_dv_local_kernel``, one program per (chunk, value head, block of ``BV`` value channels)::
@@ -68,42 +68,30 @@ then value head: ``NC * HV * (V // BV)`` programs (then chunk) for ``dv_local``,
 
 from __future__ import annotations
 
-
 import torch
 import triton
 import triton.language as tl
 
-from dsfuse._common.aot import AotSpec
-from dsfuse._common.backends import interpreting
-from dsfuse.gdn.triton.state import (
-    CHUNK,
-    L2NORM_EPS,
-    _dot,
-    _round,
-    dot_precision,
-    emulate_bf16,
-    family_config,
-)
+from dsfuse.gdn.triton import common
 
 # Launch constants (no autotuner).
-# dv_local: all value channels of the model (min(128, V)) per program, 4 warps: the output stage's
-# shape of work (a [BT, K] x [K, BT] product, masked, then [BT, BT] x [BT, BV]); not measured.
-DV_BLOCK_V = 128
-DV_NUM_WARPS = 4
-DV_NUM_STAGES = 2
-# State pass: (BV value channels, warps) per GPU family, and the state gradient's K rows in blocks
-# of at most 64 (two fp32 accumulators for K = 128), which keeps every compiled variant below
+# dv_local (every GPU family): all value channels of the model (min(128, V)) per program, 4 warps: the
+# output stage's shape of work (a [BT, K] x [K, BT] product, masked, then [BT, BT] x [BT, BV]); not measured.
+DV_CONFIG = common.LaunchConfig(block_v=128, num_warps=4, num_stages=2)
+# State pass: (block_v value channels, warps) per GPU family, and the state gradient's K rows in blocks
+# of at most 64 (MAX_BLOCK_K: two fp32 accumulators for K = 128), which keeps every compiled variant below
 # 255 registers without spills (AOT_SPECS, the model's K = V = 128): Hopper and the CPU
 # interpreter 64 channels / 4 warps (the forward state pass's setting; 214-233 registers);
 # Blackwell (compute capability >= 10) 2 warps, the precaution of the forward state pass for a
 # tl.dot recurrence race there before Triton 3.8 (this loop has the same shape: a dot of the
 # carried dH feeds the dots that update it), at 16 channels (196-208 registers; 32 channels
-# spill 40-96 bytes). Not measured on a GPU.
-CONFIG_HOPPER = (64, 4)
-CONFIG_BLACKWELL = (16, 2)
+# spill 40-96 bytes). Not measured on a GPU. loop_stages: software-pipelining depth of the chunk
+# loop on the GPU (as the forward state pass).
+CONFIGS = {
+    common.HOPPER: common.LaunchConfig(block_v=64, num_warps=4, num_stages=2, loop_stages=2),
+    common.BLACKWELL: common.LaunchConfig(block_v=16, num_warps=2, num_stages=2, loop_stages=2),
+}
 MAX_BLOCK_K = 64
-NUM_STAGES = 2
-LOOP_STAGES = 2  # software-pipelining depth of the chunk loop on the GPU (as the forward state pass)
 
 
 # ----------------------------------------------------------------------------- dv_local
@@ -131,25 +119,12 @@ def _dv_local_kernel(
     BV: tl.constexpr,
     USE_QK_L2NORM: tl.constexpr,
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs (no TF32); ignored for bf16/fp16
-    EMULATE_BF16: tl.constexpr,  # CPU interpreter with bf16 data only (see state._dot, state._round)
+    EMULATE_BF16: tl.constexpr,  # CPU interpreter with bf16 data only (see common.dot, common.round_to)
 ):
-    NV: tl.constexpr = V // BV
-    i_p = tl.program_id(0)
-    i_v = i_p % NV
-    i_hv = (i_p // NV) % HV
-    i_c = i_p // (NV * HV)  # in [0, NC)
-    i_h = i_hv // GROUP
-
-    o_k = tl.arange(0, K)
-    o_v = i_v * BV + tl.arange(0, BV)
-    o_i = tl.arange(0, BT)
+    i_c, i_hv, i_h, o_k, o_v, o_i = common.value_block_program(HV, GROUP, V, BV, K, BT)  # i_c in [0, NC)
     dtype = q_ptr.dtype.element_ty
 
-    i_c64 = i_c.to(tl.int64)
-    bos = tl.load(ci_ptr + i_c64 * 3 + 1).to(tl.int64)
-    eos = tl.load(ci_ptr + i_c64 * 3 + 2).to(tl.int64)
-    o_t = bos + o_i  # [BT] int64 token offsets
-    m_t = o_t < eos
+    _, _, o_t, m_t = common.chunk_tokens(ci_ptr, i_c, o_i)  # o_t: [BT] int64 token offsets
 
     p_k = k_ptr + o_t[:, None] * s_kt + i_h * s_kh + o_k[None, :]
     b_k = tl.load(p_k, mask=m_t[:, None], other=0.0)  # [BT, K]
@@ -157,12 +132,12 @@ def _dv_local_kernel(
     b_q = tl.load(p_q, mask=m_t[None, :], other=0.0)  # [K, BT]: q transposed from memory
 
     # A^T[j, i] = (k_j . q_i) exp(G_i - G_j) for j <= i, both tokens in the chunk
-    b_at = _dot(b_k, b_q, None, DOT_PRECISION, EMULATE_BF16)  # [BT, K] @ [K, BT] -> [BT, BT]
+    b_at = common.dot(b_k, b_q, None, DOT_PRECISION, EMULATE_BF16)  # [BT, K] @ [K, BT] -> [BT, BT]
     if USE_QK_L2NORM:  # the norms scale the product's rows (k) and columns (q)
         b_kf = b_k.to(tl.float32)
         b_qf = b_q.to(tl.float32)
-        b_rk = tl.rsqrt(tl.sum(b_kf * b_kf, axis=1) + L2NORM_EPS)  # [BT]
-        b_rq = tl.rsqrt(tl.sum(b_qf * b_qf, axis=0) + L2NORM_EPS)  # [BT]
+        b_rk = tl.rsqrt(tl.sum(b_kf * b_kf, axis=1) + common.L2NORM_EPS)  # [BT]
+        b_rq = tl.rsqrt(tl.sum(b_qf * b_qf, axis=0) + common.L2NORM_EPS)  # [BT]
         b_at = b_at * b_rk[:, None] * b_rq[None, :]
     b_g = tl.load(g_ptr + o_t * s_gt + i_hv * s_gh, mask=m_t, other=0.0)  # [BT]
     m_a = (o_i[:, None] <= o_i[None, :]) & m_t[:, None] & m_t[None, :]  # [BT, BT] rows j, columns i
@@ -170,15 +145,16 @@ def _dv_local_kernel(
 
     p_do = do_ptr + o_t[:, None] * s_dot + i_hv * s_doh + o_v[None, :]
     b_do = tl.load(p_do, mask=m_t[:, None], other=0.0)  # [BT, BV]
-    b_dv = _dot(_round(b_at, dtype, EMULATE_BF16), b_do, None, DOT_PRECISION, EMULATE_BF16)  # [BT, BV]
+    b_dv = common.dot(common.round_to(b_at, dtype, EMULATE_BF16), b_do, None, DOT_PRECISION, EMULATE_BF16)  # [BT, BV]
     b_dv = b_dv * scale
 
     p_dv = dv_ptr + o_t[:, None] * s_dvt + i_hv * s_dvh + o_v[None, :]
-    tl.store(p_dv, _round(b_dv, dv_ptr.dtype.element_ty, EMULATE_BF16), mask=m_t[:, None])
+    tl.store(p_dv, common.round_to(b_dv, dv_ptr.dtype.element_ty, EMULATE_BF16), mask=m_t[:, None])
 
 
 def dv_block_v(V: int) -> int:
-    return min(DV_BLOCK_V, V)
+    """``BV`` of a dv_local program: value channels per program."""
+    return min(DV_CONFIG.block_v, V)
 
 
 def launch_dv_local(
@@ -200,27 +176,17 @@ def launch_dv_local(
     """
     H, K = q.shape[1], q.shape[2]
     HV, V = do.shape[1], do.shape[2]
-    NC = chunk_indices.shape[0]
     BV = dv_block_v(V)
-    programs = NC * HV * (V // BV)
-    if programs >= 2**31:
-        raise ValueError(f"chunk_indices: at most 2**31 - 1 programs (chunks x heads x value blocks), got {programs}")
+    programs = common.check_programs(chunk_indices.shape[0] * HV * (V // BV), "chunk_indices",
+                                     "chunks x heads x value blocks")
     if programs == 0:
         return dv_local
     _dv_local_kernel[(programs,)](
         q, k, do, g_cum, chunk_indices, dv_local,
         float(scale),
-        q.stride(0), q.stride(1),
-        k.stride(0), k.stride(1),
-        do.stride(0), do.stride(1),
-        g_cum.stride(0), g_cum.stride(1),
-        dv_local.stride(0), dv_local.stride(1),
-        HV=HV, GROUP=HV // H, K=K, V=V, BT=CHUNK, BV=BV,
-        USE_QK_L2NORM=use_qk_l2norm,
-        DOT_PRECISION=dot_precision(q.dtype),
-        EMULATE_BF16=emulate_bf16(q.dtype),
-        num_warps=DV_NUM_WARPS,
-        num_stages=DV_NUM_STAGES,
+        *common.token_head_strides(q, k, do, g_cum, dv_local),
+        **common.stage_constexprs(H, HV, K, V, q.dtype, use_qk_l2norm), BV=BV,
+        **DV_CONFIG.options(),
     )
     return dv_local
 
@@ -237,27 +203,23 @@ def _state_backward_step(b_dh1, b_dh2, i_c, q_ptr, k_ptr, w_ptr, do_ptr, dvl_ptr
     """One chunk of the reverse pass: store ``dh[c]`` and ``dv_new``, return the state gradient at
     the chunk's start (``b_dh2`` is carried unused when ``K == BK``)."""
     dtype = q_ptr.dtype.element_ty
-    i_c64 = i_c.to(tl.int64)
-    bos = tl.load(ci_ptr + i_c64 * 3 + 1).to(tl.int64)
-    eos = tl.load(ci_ptr + i_c64 * 3 + 2).to(tl.int64)
-    o_t = bos + o_i  # [BT] int64 token offsets
-    m_t = o_t < eos
+    i_c64, eos, o_t, m_t = common.chunk_tokens(ci_ptr, i_c, o_i)  # o_t: [BT] int64 token offsets
 
     # dh[c] = dH (input dtype) and k @ dH [BT, K] @ [K, BV], one K block at a time
     p_dh = dh_ptr + (i_c64 * HV + i_hv) * (K * V) + o_kv
     p_k = k_ptr + o_t[:, None] * s_kt + i_h * s_kh + o_k[None, :]
-    b_dhc = _round(b_dh1, dtype, EMULATE_BF16)
+    b_dhc = common.round_to(b_dh1, dtype, EMULATE_BF16)
     tl.store(p_dh, b_dhc)
     b_k = tl.load(p_k, mask=m_t[:, None], other=0.0)  # [BT, BK]
-    b_kh = _dot(b_k, b_dhc, None, DOT_PRECISION, EMULATE_BF16)  # [BT, BV]
+    b_kh = common.dot(b_k, b_dhc, None, DOT_PRECISION, EMULATE_BF16)  # [BT, BV]
     if USE_QK_L2NORM:
         b_kf = b_k.to(tl.float32)
         b_ss = tl.sum(b_kf * b_kf, axis=1)  # [BT]
     if K > BK:
-        b_dhc = _round(b_dh2, dtype, EMULATE_BF16)
+        b_dhc = common.round_to(b_dh2, dtype, EMULATE_BF16)
         tl.store(p_dh + BK * V, b_dhc)
         b_k = tl.load(p_k + BK, mask=m_t[:, None], other=0.0)
-        b_kh = _dot(b_k, b_dhc, b_kh, DOT_PRECISION, EMULATE_BF16)
+        b_kh = common.dot(b_k, b_dhc, b_kh, DOT_PRECISION, EMULATE_BF16)
         if USE_QK_L2NORM:
             b_kf = b_k.to(tl.float32)
             b_ss += tl.sum(b_kf * b_kf, axis=1)
@@ -268,11 +230,11 @@ def _state_backward_step(b_dh1, b_dh2, i_c, q_ptr, k_ptr, w_ptr, do_ptr, dvl_ptr
     # exponents <= 0: masked to 0 for tokens past the chunk's end before exp
     b_rk = tl.where(m_t, tl.exp(tl.where(m_t, b_g_last - b_g, 0.0)), 0.0)  # [BT] exp(G_last - G)
     if USE_QK_L2NORM:
-        b_rk = b_rk * tl.rsqrt(b_ss + L2NORM_EPS)
+        b_rk = b_rk * tl.rsqrt(b_ss + common.L2NORM_EPS)
     p_l = dvl_ptr + o_t[:, None] * s_lt + i_hv * s_lh + o_v[None, :]
     b_dv = tl.load(p_l, mask=m_t[:, None], other=0.0).to(tl.float32) + b_kh * b_rk[:, None]  # [BT, BV]
     p_vn = dvn_ptr + o_t[:, None] * s_vt + i_hv * s_vh + o_v[None, :]
-    tl.store(p_vn, _round(b_dv, dvn_ptr.dtype.element_ty, EMULATE_BF16), mask=m_t[:, None])
+    tl.store(p_vn, common.round_to(b_dv, dvn_ptr.dtype.element_ty, EMULATE_BF16), mask=m_t[:, None])
 
     # dH = exp(G_last) dH + q^T (scale exp(G) do) - w^T dv_new; q, w transposed from memory
     p_q = q_ptr + o_t[None, :] * s_qt + i_h * s_qh + o_k[:, None]
@@ -286,20 +248,20 @@ def _state_backward_step(b_dh1, b_dh2, i_c, q_ptr, k_ptr, w_ptr, do_ptr, dvl_ptr
         if K > BK:
             b_qf = b_q2.to(tl.float32)
             b_ss += tl.sum(b_qf * b_qf, axis=0)
-        b_rq = b_rq * tl.rsqrt(b_ss + L2NORM_EPS)
+        b_rq = b_rq * tl.rsqrt(b_ss + common.L2NORM_EPS)
     p_do = do_ptr + o_t[:, None] * s_dot + i_hv * s_doh + o_v[None, :]
     b_do = tl.load(p_do, mask=m_t[:, None], other=0.0).to(tl.float32)  # [BT, BV]
-    b_do = _round(b_do * b_rq[:, None], dtype, EMULATE_BF16)  # rounded once
-    b_dvn = _round(-b_dv, dtype, EMULATE_BF16)  # -dv_new as stored (rounding commutes with negation)
+    b_do = common.round_to(b_do * b_rq[:, None], dtype, EMULATE_BF16)  # rounded once
+    b_dvn = common.round_to(-b_dv, dtype, EMULATE_BF16)  # -dv_new as stored (rounding commutes with negation)
     p_w = w_ptr + o_t[None, :] * s_wt + i_hv * s_wh + o_k[:, None]
     b_decay = tl.exp(b_g_last)
-    b_dh1 = _dot(b_q1, b_do, b_dh1 * b_decay, DOT_PRECISION, EMULATE_BF16)  # [BK, BT] @ [BT, BV]
+    b_dh1 = common.dot(b_q1, b_do, b_dh1 * b_decay, DOT_PRECISION, EMULATE_BF16)  # [BK, BT] @ [BT, BV]
     b_w = tl.load(p_w, mask=m_t[None, :], other=0.0)  # [BK, BT]
-    b_dh1 = _dot(b_w, b_dvn, b_dh1, DOT_PRECISION, EMULATE_BF16)
+    b_dh1 = common.dot(b_w, b_dvn, b_dh1, DOT_PRECISION, EMULATE_BF16)
     if K > BK:
-        b_dh2 = _dot(b_q2, b_do, b_dh2 * b_decay, DOT_PRECISION, EMULATE_BF16)
+        b_dh2 = common.dot(b_q2, b_do, b_dh2 * b_decay, DOT_PRECISION, EMULATE_BF16)
         b_w = tl.load(p_w + BK, mask=m_t[None, :], other=0.0)
-        b_dh2 = _dot(b_w, b_dvn, b_dh2, DOT_PRECISION, EMULATE_BF16)
+        b_dh2 = common.dot(b_w, b_dvn, b_dh2, DOT_PRECISION, EMULATE_BF16)
     return b_dh1, b_dh2
 
 
@@ -337,21 +299,13 @@ def _state_backward_kernel(
     STORE_DH0: tl.constexpr,
     USE_QK_L2NORM: tl.constexpr,
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs (no TF32); ignored for bf16/fp16
-    EMULATE_BF16: tl.constexpr,  # CPU interpreter with bf16 data only (see state._dot, state._round)
+    EMULATE_BF16: tl.constexpr,  # CPU interpreter with bf16 data only (see common.dot, common.round_to)
     PIPELINED: tl.constexpr,  # the chunk loop as a pipelined for loop (GPU) or a while loop (interpreter)
     NUM_STAGES_LOOP: tl.constexpr,
 ):
     tl.static_assert(K == BK or K == 2 * BK)
-    NV: tl.constexpr = V // BV
-    i_p = tl.program_id(0)
-    i_v = i_p % NV
-    i_hv = (i_p // NV) % HV
-    i_n = i_p // (NV * HV)  # in [0, N)
-    i_h = i_hv // GROUP
-
-    o_k = tl.arange(0, BK)  # rows of the first K block; the second's are BK + o_k
-    o_v = i_v * BV + tl.arange(0, BV)
-    o_i = tl.arange(0, BT)
+    # i_n in [0, N); o_k: rows of the first K block, the second's are BK + o_k
+    i_n, i_hv, i_h, o_k, o_v, o_i = common.value_block_program(HV, GROUP, V, BV, BK, BT)
     o_kv = o_k[:, None] * V + o_v[None, :]  # [BK, BV] offsets in a [K, V] state
 
     # b_dh = [b_dh1; b_dh2]: the state gradient's K rows in (up to) two fp32 blocks; dht as
@@ -392,8 +346,8 @@ def _state_backward_kernel(
 
 def launch_config(device: torch.device, V: int) -> tuple[int, int]:
     """``(BV, num_warps)`` of a state-backward launch on ``device`` with ``V`` value channels."""
-    block_v, num_warps = family_config(device, CONFIG_HOPPER, CONFIG_BLACKWELL)
-    return min(block_v, V), num_warps
+    config = common.family_config(CONFIGS, device)
+    return min(config.block_v, V), config.num_warps
 
 
 def block_k(K: int) -> int:
@@ -431,100 +385,32 @@ def launch_state_backward(
     H, K = q.shape[1], q.shape[2]
     HV, V = do.shape[1], do.shape[2]
     N = chunk_offsets.shape[0] - 1
-    BV, num_warps = launch_config(q.device, V)
-    programs = N * HV * (V // BV)
-    if programs >= 2**31:
-        raise ValueError(f"chunk_offsets: at most 2**31 - 1 programs (sequences x heads x value blocks), got {programs}")
+    config = common.family_config(CONFIGS, q.device)
+    BV = min(config.block_v, V)
+    programs = common.check_programs(N * HV * (V // BV), "chunk_offsets", "sequences x heads x value blocks")
     if programs == 0:
         return dh, dv_new, dh0
     _state_backward_kernel[(programs,)](
         q, k, w, do, dv_local, g_cum, chunk_indices, chunk_offsets, dht, dh, dv_new, dh0,
         float(scale), N,
-        q.stride(0), q.stride(1),
-        k.stride(0), k.stride(1),
-        w.stride(0), w.stride(1),
-        do.stride(0), do.stride(1),
-        dv_local.stride(0), dv_local.stride(1),
-        g_cum.stride(0), g_cum.stride(1),
-        dv_new.stride(0), dv_new.stride(1),
-        HV=HV, GROUP=HV // H, K=K, V=V, BT=CHUNK, BK=block_k(K), BV=BV,
+        *common.token_head_strides(q, k, w, do, dv_local, g_cum, dv_new),
+        **common.stage_constexprs(H, HV, K, V, q.dtype, use_qk_l2norm), BK=block_k(K), BV=BV,
         USE_DHT=dht is not None,
         STORE_DH0=dh0 is not None,
-        USE_QK_L2NORM=use_qk_l2norm,
-        DOT_PRECISION=dot_precision(q.dtype),
-        EMULATE_BF16=emulate_bf16(q.dtype),
-        PIPELINED=not interpreting(), NUM_STAGES_LOOP=LOOP_STAGES,
-        num_warps=num_warps,
-        num_stages=NUM_STAGES,
+        **common.sequential_pass_kwargs(config),
     )
     return dh, dv_new, dh0
 
 
 # ----------------------------------------------------------------------------- AOT
 
-
-def _aot_specs() -> list[AotSpec]:
-    """The model's specialisations: K = V = 128, H = 16, HV = 48, bf16, BT = 64; packed q/k row.
-
-    q, k are head views of the packed row ``[T, (2H + HV) * 128]`` (token stride 10240, head
-    stride 128); w, do, dv_local, dv_new ``[T, 48, 128]`` dense; g_cum ``[T, 48]`` dense (head
-    stride 1). dv_local with and without the in-kernel L2 norm; the state pass also with and
-    without dht/dh0, in both launch settings (Hopper's, and Blackwell's ``_2w``).
-    """
-    K = V = 128
-    H, HV = 16, 48
-    specs = []
-    signature = {
-        "q_ptr": "*bf16", "k_ptr": "*bf16", "do_ptr": "*bf16", "g_ptr": "*fp32", "ci_ptr": "*i32",
-        "dv_ptr": "*bf16", "scale": "fp32",
-        "s_qt": "i32", "s_qh": "i32", "s_kt": "i32", "s_kh": "i32", "s_dot": "i32", "s_doh": "i32",
-        "s_gt": "i32", "s_dvt": "i32", "s_dvh": "i32",
-    }
-    for l2 in (True, False):
-        specs.append(
-            AotSpec(
-                name=f"gdn_dv_local{'_l2' if l2 else ''}_bf16",
-                kernel=_dv_local_kernel,
-                signature=signature,
-                constexprs={
-                    "s_gh": 1, "HV": HV, "GROUP": HV // H, "K": K, "V": V, "BT": CHUNK, "BV": dv_block_v(V),
-                    "USE_QK_L2NORM": l2, "DOT_PRECISION": dot_precision(torch.bfloat16), "EMULATE_BF16": False,
-                },
-                options={"num_warps": DV_NUM_WARPS, "num_stages": DV_NUM_STAGES},
-                divisible_by_16=tuple(n for n in signature if n.endswith("_ptr") or n.startswith("s_")),
-            )
-        )
-    for (block_v, num_warps), tag in ((CONFIG_HOPPER, ""), (CONFIG_BLACKWELL, "_2w")):
-        for l2 in (True, False):
-            for states in (False, True):
-                signature = {
-                    "q_ptr": "*bf16", "k_ptr": "*bf16", "w_ptr": "*bf16", "do_ptr": "*bf16", "dvl_ptr": "*bf16",
-                    "g_ptr": "*fp32", "ci_ptr": "*i32", "co_ptr": "*i32", "dht_ptr": "*fp32", "dh_ptr": "*bf16",
-                    "dvn_ptr": "*bf16", "dh0_ptr": "*fp32", "scale": "fp32", "N": "i32",
-                    "s_qt": "i32", "s_qh": "i32", "s_kt": "i32", "s_kh": "i32", "s_wt": "i32", "s_wh": "i32",
-                    "s_dot": "i32", "s_doh": "i32", "s_lt": "i32", "s_lh": "i32", "s_gt": "i32",
-                    "s_vt": "i32", "s_vh": "i32",
-                }
-                constexprs = {
-                    "s_gh": 1, "HV": HV, "GROUP": HV // H, "K": K, "V": V, "BT": CHUNK, "BK": block_k(K),
-                    "BV": min(block_v, V), "USE_DHT": states, "STORE_DH0": states, "USE_QK_L2NORM": l2,
-                    "DOT_PRECISION": dot_precision(torch.bfloat16), "EMULATE_BF16": False,
-                    "PIPELINED": True, "NUM_STAGES_LOOP": LOOP_STAGES,
-                }
-                if not states:
-                    del signature["dht_ptr"], signature["dh0_ptr"]
-                    constexprs.update(dht_ptr=None, dh0_ptr=None)
-                specs.append(
-                    AotSpec(
-                        name=f"gdn_state_bwd{'_l2' if l2 else ''}{'_states' if states else ''}_bf16{tag}",
-                        kernel=_state_backward_kernel,
-                        signature=signature,
-                        constexprs=constexprs,
-                        options={"num_warps": num_warps, "num_stages": NUM_STAGES},
-                        divisible_by_16=tuple(n for n in signature if n.endswith("_ptr") or n.startswith("s_")),
-                    )
-                )
-    return specs
-
-
-AOT_SPECS = _aot_specs()
+# The model's specialisations (common.model_tensors: K = V = 128, H = 16, HV = 48, bf16, q and k head views
+# of the packed q/k/v row): dv_local with and without the in-kernel L2 norm; the state pass also with and
+# without dht/dh0, in each family's launch setting (Blackwell's named _2w).
+AOT_SPECS = common.record_variants(
+    "gdn_dv_local{l2}_bf16", launch_dv_local,
+    lambda x, _: (x.q, x.k, x.do, x.g_cum, x.chunk_indices, x.scale, x.dv_local),
+) + common.record_variants(
+    "gdn_state_bwd{l2}{states}_bf16{family}", launch_state_backward, lambda x, state: (
+        x.q, x.k, x.w, x.do, x.dv_local, x.g_cum, x.chunk_indices, x.chunk_offsets, state, x.dh, x.dv, state, x.scale),
+    states=True, per_family=True)

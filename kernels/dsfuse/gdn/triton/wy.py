@@ -26,7 +26,7 @@ Two kernels, one program per (chunk, value head) each (grid ``(NC, HV)``; value 
   The lower blocks of ``A`` are overwritten after a second barrier (the upper blocks keep the
   zeros written with ``L``), so every element of a chunk's valid rows is written.
 * ``_wy_kernel``: reloads ``A`` and computes ``w``, ``u`` as ``[BT, BT] x [BT, 64]`` dots
-  (:func:`wy_precision`: one tf32 pass for 16-bit data, ``tf32x3`` for fp32), rounded once
+  (``wy_precision``: one tf32 pass for 16-bit data, ``tf32x3`` for fp32), rounded once
   (round to nearest even) to the output dtype.
 
 No dot result is ever transposed (Triton 3.6 on Hopper miscompiles ``tl.trans`` of a wgmma
@@ -46,16 +46,16 @@ import torch
 import triton
 import triton.language as tl
 
-from dsfuse._common.aot import AotSpec
+from dsfuse.gdn.triton import common
 
-CHUNK = 64  # BT
 SUB = 16  # BC: diagonal block of the triangular solve
 MAX_BLOCK = 64  # BK, BV: channels of w / u per dot
-# Warps, from one H200 probe at the model's shape (T = 32768 in five documents, (H, HV) = (16, 48),
-# K = V = 128, bf16, L2 norm; no sweep file yet): _ut_kernel 1.33 ms with 2 warps, 1.63 ms with
-# 4, 2.09 ms with 8; _wy_kernel 1.48 ms with 4 warps, 2.57 ms with 8, 5.13 ms with 2.
-UT_WARPS = 2
-WY_WARPS = 4
+# Launch constants (every GPU family), from one H200 probe at the model's shape (T = 32768 in five
+# documents, (H, HV) = (16, 48), K = V = 128, bf16, L2 norm; no sweep file yet): _ut_kernel 1.33 ms
+# with 2 warps, 1.63 ms with 4, 2.09 ms with 8; _wy_kernel 1.48 ms with 4 warps, 2.57 ms with 8,
+# 5.13 ms with 2.
+UT_CONFIG = common.LaunchConfig(num_warps=2)
+WY_CONFIG = common.LaunchConfig(num_warps=4)
 
 
 # ----------------------------------------------------------------------------- UT transform
@@ -170,6 +170,19 @@ def _ut_kernel(
 
 
 @triton.jit
+def _store_a_times_rows(b_a, p_x, p_y, b_s, m_t, N: tl.constexpr, BN: tl.constexpr, dtype: tl.constexpr,
+                        WY_PRECISION: tl.constexpr):
+    """``y = A (diag(s) x)`` block by block of ``BN`` of the ``N`` channels, rounded once to ``dtype``:
+    ``b_a`` fp32 ``[BT, BT]``, ``p_x`` / ``p_y`` the chunk's rows of ``x`` / ``y`` ``[BT, 1]`` (unit
+    channel stride), ``b_s`` fp32 ``[BT]``."""
+    for i_n in tl.static_range(N // BN):
+        o_n = i_n * BN + tl.arange(0, BN)
+        b_x = tl.load(p_x + o_n[None, :], mask=m_t[:, None], other=0.0).to(tl.float32)  # [BT, BN]
+        b_y = tl.dot(b_a, b_x * b_s[:, None], input_precision=WY_PRECISION)  # [BT, BT] x [BT, BN]
+        tl.store(p_y + o_n[None, :], b_y.to(dtype), mask=m_t[:, None])
+
+
+@triton.jit
 def _wy_kernel(
     k_ptr,  # k [T, H, K], unit channel stride
     v_ptr,  # v [T, HV, V], unit channel stride
@@ -222,19 +235,11 @@ def _wy_kernel(
         b_sk = b_sk * tl.rsqrt(b_ss + 1e-6)
 
     p_w = w_ptr + o_t[:, None] * s_wt + i_hv64 * s_wh
-    for i_k in tl.static_range(K // BK):
-        o_k = i_k * BK + tl.arange(0, BK)
-        b_k = tl.load(p_k + o_k[None, :], mask=m_t[:, None], other=0.0).to(tl.float32)  # [BT, BK]
-        b_w = tl.dot(b_a, b_k * b_sk[:, None], input_precision=WY_PRECISION)  # [BT, BT] x [BT, BK]
-        tl.store(p_w + o_k[None, :], b_w.to(w_ptr.dtype.element_ty), mask=m_t[:, None])
+    _store_a_times_rows(b_a, p_k, p_w, b_sk, m_t, K, BK, w_ptr.dtype.element_ty, WY_PRECISION)  # w = A X
 
     p_v = v_ptr + i_hv64 * s_vh + o_t[:, None] * s_vt
     p_u = u_ptr + o_t[:, None] * s_ut + i_hv64 * s_uh
-    for i_v in tl.static_range(V // BV):
-        o_v = i_v * BV + tl.arange(0, BV)
-        b_v = tl.load(p_v + o_v[None, :], mask=m_t[:, None], other=0.0).to(tl.float32)  # [BT, BV]
-        b_u = tl.dot(b_a, b_v * b_beta[:, None], input_precision=WY_PRECISION)  # [BT, BT] x [BT, BV]
-        tl.store(p_u + o_v[None, :], b_u.to(u_ptr.dtype.element_ty), mask=m_t[:, None])
+    _store_a_times_rows(b_a, p_v, p_u, b_beta, m_t, V, BV, u_ptr.dtype.element_ty, WY_PRECISION)  # u = A Y
 
 
 # ----------------------------------------------------------------------------- launcher
@@ -284,16 +289,16 @@ def launch_wy(
 
 def launch_ut(k: torch.Tensor, beta: torch.Tensor, g_cum: torch.Tensor, chunk_indices: torch.Tensor,
               A: torch.Tensor, value_heads: int, *, use_qk_l2norm: bool = False) -> torch.Tensor:
-    """The UT transform alone into ``A`` fp32 ``[T, HV, 64]`` (arguments as :func:`launch_wy`)."""
+    """The UT transform alone into ``A`` fp32 ``[T, HV, 64]`` (arguments as ``launch_wy``)."""
     num_chunks = chunk_indices.shape[0]
     if num_chunks == 0 or value_heads == 0:
         return A
     _ut_kernel[(num_chunks, value_heads)](
         k, beta, g_cum, chunk_indices, A,
-        k.stride(0), k.stride(1), *beta.stride(), *g_cum.stride(), A.stride(0), A.stride(1),
+        *common.token_head_strides(k, beta, g_cum, A),
         value_heads // k.shape[1],
-        K=k.shape[2], BT=CHUNK, BC=SUB, USE_QK_L2NORM=use_qk_l2norm, KK_PRECISION=kk_precision(k.dtype),
-        num_warps=UT_WARPS,
+        K=k.shape[2], BT=common.CHUNK, BC=SUB, USE_QK_L2NORM=use_qk_l2norm, KK_PRECISION=kk_precision(k.dtype),
+        **UT_CONFIG.options(),
     )
     return A
 
@@ -301,19 +306,18 @@ def launch_ut(k: torch.Tensor, beta: torch.Tensor, g_cum: torch.Tensor, chunk_in
 def launch_w_u(k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, g_cum: torch.Tensor,
                chunk_indices: torch.Tensor, A: torch.Tensor, w: torch.Tensor, u: torch.Tensor, *,
                use_qk_l2norm: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """``w``, ``u`` from a given ``A`` (the backward's recomputation; arguments as :func:`launch_wy`)."""
+    """``w``, ``u`` from a given ``A`` (the backward's recomputation; arguments as ``launch_wy``)."""
     num_chunks, value_heads = chunk_indices.shape[0], v.shape[1]
     if num_chunks == 0 or value_heads == 0:
         return w, u
     dim_k, dim_v = k.shape[2], v.shape[2]
     _wy_kernel[(num_chunks, value_heads)](
         k, v, beta, g_cum, chunk_indices, A, w, u,
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1), *beta.stride(), *g_cum.stride(),
-        A.stride(0), A.stride(1), w.stride(0), w.stride(1), u.stride(0), u.stride(1),
+        *common.token_head_strides(k, v, beta, g_cum, A, w, u),
         value_heads // k.shape[1],
-        K=dim_k, V=dim_v, BT=CHUNK, BK=min(dim_k, MAX_BLOCK), BV=min(dim_v, MAX_BLOCK),
+        K=dim_k, V=dim_v, BT=common.CHUNK, BK=min(dim_k, MAX_BLOCK), BV=min(dim_v, MAX_BLOCK),
         USE_QK_L2NORM=use_qk_l2norm, WY_PRECISION=wy_precision(k.dtype),
-        num_warps=WY_WARPS,
+        **WY_CONFIG.options(),
     )
     return w, u
 
@@ -321,45 +325,12 @@ def launch_w_u(k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, g_cum: torc
 # ----------------------------------------------------------------------------- AOT
 
 
-def _aot_specs() -> list[AotSpec]:
-    """The model's launches: K = V = 128, H = 16, HV = 48 (group 3), bf16 q/k/v/beta, chunk 64,
-    q/k/v as head views of one packed row [T, (2H + HV) * 128] (token stride 10240), the
-    intermediates contiguous; L2 norm on and off."""
-    specs = []
-    dim, heads, value_heads = 128, 16, 48
-    for l2 in (True, False):
-        tag = "l2norm" if l2 else "plain"
-        specs.append(AotSpec(
-            name=f"gdn_ut_{tag}_bf16",
-            kernel=_ut_kernel,
-            signature={"k_ptr": "*bf16", "beta_ptr": "*bf16", "gc_ptr": "*fp32", "ci_ptr": "*i32",
-                       "a_ptr": "*fp32", "s_kt": "i32", "s_kh": "i32", "s_bt": "i32", "s_gt": "i32",
-                       "s_at": "i32", "s_ah": "i32", "kv_group": "i32"},
-            # beta and g_cum contiguous [T, HV]: head stride 1 (specialised to a constant at launch)
-            constexprs={"s_bh": 1, "s_gh": 1, "K": dim, "BT": CHUNK, "BC": SUB, "USE_QK_L2NORM": l2,
-                            "KK_PRECISION": kk_precision(torch.bfloat16)},
-            options={"num_warps": UT_WARPS},
-            divisible_by_16=("k_ptr", "beta_ptr", "gc_ptr", "ci_ptr", "a_ptr", "s_kt", "s_kh", "s_bt", "s_gt",
-                             "s_at", "s_ah"),
-        ))
-        specs.append(AotSpec(
-            name=f"gdn_wy_{tag}_bf16",
-            kernel=_wy_kernel,
-            signature={"k_ptr": "*bf16", "v_ptr": "*bf16", "beta_ptr": "*bf16", "gc_ptr": "*fp32",
-                       "ci_ptr": "*i32", "a_ptr": "*fp32", "w_ptr": "*bf16", "u_ptr": "*bf16",
-                       "s_kt": "i32", "s_kh": "i32", "s_vt": "i32", "s_vh": "i32", "s_bt": "i32", "s_gt": "i32",
-                       "s_at": "i32", "s_ah": "i32", "s_wt": "i32", "s_wh": "i32", "s_ut": "i32", "s_uh": "i32",
-                       "kv_group": "i32"},
-            constexprs={"s_bh": 1, "s_gh": 1, "K": dim, "V": dim, "BT": CHUNK, "BK": min(dim, MAX_BLOCK),
-                            "BV": min(dim, MAX_BLOCK), "USE_QK_L2NORM": l2,
-                        "WY_PRECISION": wy_precision(torch.bfloat16)},
-            options={"num_warps": WY_WARPS},
-            divisible_by_16=("k_ptr", "v_ptr", "beta_ptr", "gc_ptr", "ci_ptr", "a_ptr", "w_ptr", "u_ptr",
-                             "s_kt", "s_kh", "s_vt", "s_vh", "s_bt", "s_gt", "s_at", "s_ah", "s_wt", "s_wh",
-                             "s_ut", "s_uh"),
-        ))
-    assert (2 * heads + value_heads) * dim % 16 == 0
-    return specs
-
-
-AOT_SPECS = _aot_specs()
+# The model's launches (common.model_tensors: K = V = 128, H = 16, HV = 48, bf16, k and v head views of the
+# packed q/k/v row, the intermediates contiguous), L2 norm on and off: the UT transform (launch_ut) and the
+# WY representation (launch_w_u).
+AOT_SPECS = [
+    *common.record_variants("gdn_ut_{l2}_bf16", launch_ut, lambda x, _: (
+        x.k, x.beta, x.g_cum, x.chunk_indices, x.A, x.v.shape[1]), l2_tags=("l2norm", "plain")),
+    *common.record_variants("gdn_wy_{l2}_bf16", launch_w_u, lambda x, _: (
+        x.k, x.v, x.beta, x.g_cum, x.chunk_indices, x.A, x.w, x.u), l2_tags=("l2norm", "plain")),
+]

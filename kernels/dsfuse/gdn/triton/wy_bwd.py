@@ -1,6 +1,6 @@
 """Gated DeltaNet backward through the WY representation, per chunk of ``BT = 64`` tokens.
 
-The forward (:mod:`dsfuse.gdn.triton.wy`) made, per chunk and value head, with ``G`` the
+The forward (``dsfuse.gdn.triton.wy``) made, per chunk and value head, with ``G`` the
 chunk-local cumulative gate (``g_cum``), ``Gamma'_ij = exp(G_i - G_j)`` for ``j < i`` (0
 elsewhere) and ``k`` the (normalised) keys::
 
@@ -9,8 +9,8 @@ elsewhere) and ``k`` the (normalised) keys::
 
 Given ``dw`` and ``du`` (``= dv_new``, the total gradient of ``v_new = u - w h``) and ``dg_in``
 (the gate gradient of the earlier stages), this stage is
-:func:`dsfuse.gdn.reference_backward.wy_backward` followed by
-:func:`~dsfuse.gdn.reference_backward.chunk_local_cumsum_backward`::
+``dsfuse.gdn.reference_backward.wy_backward`` followed by
+``dsfuse.gdn.reference_backward.chunk_local_cumsum_backward``::
 
     dX = A^T dw,  dY = A^T du,  dA = dw X^T + du Y^T,  dL = strictly_lower(-A^T dA A^T)
     dk += beta exp(G) dX + (dL * Gamma' * beta_i) k + (dL * Gamma' * beta_i)^T k
@@ -72,9 +72,9 @@ either version (contract: 8e-3, 2e-2). fp32 inputs multiply in full fp32
 exact in tf32, the fp32 values are not rounded in the kernel). ``dv`` and ``dbeta`` are rounded
 once (to nearest) to ``v``'s and ``beta``'s dtype; ``dk`` and ``dg`` stay fp32. On the CPU
 interpreter bf16 operands are widened before ``tl.dot`` and roundings done on the bits
-(``state._dot``, ``state._round``).
+(``common.dot``, ``common.round_to``).
 
-Registers (bf16, 4 warps, capped at ``MAX_REGISTERS`` = 168: three programs per SM): the
+Registers (bf16, 4 warps, capped at ``CONFIG.maxnreg`` = 168: three programs per SM): the
 ``AOT_SPECS`` compile at 168 registers without spills for sm_90 and sm_100 (at a cap of 160 they
 spill 16-32 bytes; uncapped the compiler takes 208-255; the replaced design: 255 with 68-80 bytes
 of spill for sm_90 at 8 warps). The compiler otherwise keeps values of one phase alive into the
@@ -105,30 +105,20 @@ import torch
 import triton
 import triton.language as tl
 
-from dsfuse._common.aot import AotSpec
-from dsfuse.gdn.triton.state import (
-    CHUNK,
-    L2NORM_EPS,
-    _dot,
-    _round,
-    dot_precision,
-    emulate_bf16,
-)
+from dsfuse.gdn.triton import common
 
 MAX_BLOCK = 64  # BK, BV: key / value channels per dot
-# Launch constants (no autotuner), chosen for registers; not timed on a GPU yet: 4 warps; for bf16
-# inputs the registers are capped at MAX_REGISTERS (3 programs of 4 warps per SM), with which
-# AOT_SPECS compile without spills on sm_90 and sm_100. fp16 and fp32 inputs are not capped.
-NUM_WARPS = 4
-NUM_STAGES = 1
-MAX_REGISTERS = 168
+# Launch constants (no autotuner, every GPU family), chosen for registers; not timed on a GPU yet:
+# 4 warps; for bf16 inputs the registers are capped at maxnreg = 168 (3 programs of 4 warps per SM),
+# with which AOT_SPECS compile without spills on sm_90 and sm_100. fp16 and fp32 inputs are not capped.
+CONFIG = common.LaunchConfig(num_warps=4, num_stages=1, maxnreg=168)
 
 
 @triton.jit
 def _op(x, MMA_BF16: tl.constexpr, EMULATE_BF16: tl.constexpr):
     """fp32 values as a dot operand: rounded once to bf16 (``MMA_BF16``), else kept in fp32."""
     if MMA_BF16:
-        y = _round(x, tl.bfloat16, EMULATE_BF16)
+        y = common.round_to(x, tl.bfloat16, EMULATE_BF16)
     else:
         y = x
     return y
@@ -136,7 +126,7 @@ def _op(x, MMA_BF16: tl.constexpr, EMULATE_BF16: tl.constexpr):
 
 @triton.jit
 def _data(x, MMA_BF16: tl.constexpr):
-    """A loaded data tile as the other operand of a product with fp32 values (:func:`_op`)."""
+    """A loaded data tile as the other operand of a product with fp32 values (``_op``)."""
     if MMA_BF16:
         y = x
     else:
@@ -150,6 +140,22 @@ def _zero(ci_ptr, i_c, start):
     table, minus its first read. Token offsets built from it in a phase are computed there, not
     kept in registers from an earlier phase that built the same offsets."""
     return (tl.load(ci_ptr + i_c * 3 + 1) - start).to(tl.int32)
+
+
+@triton.jit
+def _tile_pair(a_ptr, s_at, b_ptr, s_bt, ci_ptr, i_c, start, n_t, i_b, BT: tl.constexpr, BC: tl.constexpr,
+               EVICTION: tl.constexpr):
+    """Channel block ``i_b`` of two ``[tokens, channels]`` tensors, read with the eviction hint
+    ``EVICTION``: ``(o_i, m_t, o_c, b_a, b_b)``, the chunk's token offsets (built from `_zero`) and
+    mask, the block's ``BC`` channel offsets and the two ``[BT, BC]`` tiles."""
+    o_i = tl.arange(0, BT) + _zero(ci_ptr, i_c, start)
+    m_t = o_i < n_t
+    o_c = i_b * BC + tl.arange(0, BC)
+    b_a = tl.load(a_ptr + (o_i[:, None] * s_at + o_c[None, :]), mask=m_t[:, None], other=0.0,
+                  eviction_policy=EVICTION)  # [BT, BC]
+    b_b = tl.load(b_ptr + (o_i[:, None] * s_bt + o_c[None, :]), mask=m_t[:, None], other=0.0,
+                  eviction_policy=EVICTION)
+    return o_i, m_t, o_c, b_a, b_b
 
 
 @triton.jit
@@ -200,7 +206,7 @@ def _wy_bwd_kernel(
     DOT_PRECISION: tl.constexpr,  # products of two input-data tiles: "ieee" for fp32 inputs
     MMA_BF16: tl.constexpr,  # bf16 inputs: fp32 values rounded once to bf16 where they enter a product
     A_PRECISION: tl.constexpr,  # else, products with fp32 values: "ieee" (fp32 inputs) or "tf32" (fp16)
-    EMULATE_BF16: tl.constexpr,  # CPU interpreter with bf16 data only (see state._dot, state._round)
+    EMULATE_BF16: tl.constexpr,  # CPU interpreter with bf16 data only (see common.dot, common.round_to)
 ):
     i_c = tl.program_id(0).to(tl.int64)
     i_hv = tl.program_id(1)
@@ -234,14 +240,14 @@ def _wy_bwd_kernel(
         b_k = tl.load(k_ptr + (o_i[:, None] * s_kt + o_k[None, :]), mask=m_t[:, None], other=0.0)  # [BT, BK]
         b_kt = tl.load(k_ptr + (o_i[None, :] * s_kt + o_k[:, None]), mask=m_t[None, :], other=0.0)  # [BK, BT]
         b_dw = tl.load(dw_ptr + (o_i[:, None] * s_dwt + o_k[None, :]), mask=m_t[:, None], other=0.0)
-        b_da = _dot(b_dw, b_kt, b_da, DOT_PRECISION, EMULATE_BF16)
-        b_kk = _dot(b_k, b_kt, b_kk, DOT_PRECISION, EMULATE_BF16)
+        b_da = common.dot(b_dw, b_kt, b_da, DOT_PRECISION, EMULATE_BF16)
+        b_kk = common.dot(b_k, b_kt, b_kk, DOT_PRECISION, EMULATE_BF16)
         if USE_QK_L2NORM:
             b_kf = b_kt.to(tl.float32)
             b_ss += tl.sum(b_kf * b_kf, 0, keep_dims=True)
     b_g = _vec(gc_ptr, s_gt, n_t, BT)  # [BT], G <= 0 in a chunk
     if USE_QK_L2NORM:
-        b_r = tl.rsqrt(tl.sum(b_ss, 0) + L2NORM_EPS)
+        b_r = tl.rsqrt(tl.sum(b_ss, 0) + common.L2NORM_EPS)
         b_cx = tl.exp(b_g) * b_r
     else:
         b_cx = tl.exp(b_g)
@@ -252,7 +258,7 @@ def _wy_bwd_kernel(
         o_v = i_v * BV + tl.arange(0, BV)
         b_vt = tl.load(v_ptr + (o_i[None, :] * s_vt + o_v[:, None]), mask=m_t[None, :], other=0.0)  # [BV, BT]
         b_du = tl.load(du_ptr + (o_i[:, None] * s_dut + o_v[None, :]), mask=m_t[:, None], other=0.0)  # [BT, BV]
-        b_da = _dot(b_du, b_vt, b_da, DOT_PRECISION, EMULATE_BF16)
+        b_da = common.dot(b_du, b_vt, b_da, DOT_PRECISION, EMULATE_BF16)
     b_beta = _vec(beta_ptr, s_bt, n_t, BT)  # [BT]
     b_da = _op(b_da * b_beta[None, :], MMA_BF16, EMULATE_BF16)
 
@@ -261,8 +267,8 @@ def _wy_bwd_kernel(
     m_j = o_j < n_t
     b_at = _op(tl.load(a_ptr + (o_j[None, :] * s_at + o_j[:, None]), mask=m_j[:, None] & m_j[None, :], other=0.0),
                MMA_BF16, EMULATE_BF16)  # [BT, BT] A^T
-    b_m = _dot(b_at, b_da, None, A_PRECISION, EMULATE_BF16)  # A^T dA
-    b_m = _dot(_op(b_m, MMA_BF16, EMULATE_BF16), b_at, None, A_PRECISION, EMULATE_BF16)  # A^T dA A^T
+    b_m = common.dot(b_at, b_da, None, A_PRECISION, EMULATE_BF16)  # A^T dA
+    b_m = common.dot(_op(b_m, MMA_BF16, EMULATE_BF16), b_at, None, A_PRECISION, EMULATE_BF16)  # A^T dA A^T
     m_l = (o_i[:, None] > o_i[None, :]) & m_t[:, None]  # j < i, both in the chunk
     b_q = -b_m * tl.exp(tl.where(m_l, b_g[:, None] - b_g[None, :], float("-inf")))  # Q (0 where not m_l)
     # dbeta's rowsum(dL * k_n k_n^T * Gamma') and dG's colsum(dL * L) from Q * k_n k_n^T
@@ -294,34 +300,24 @@ def _wy_bwd_kernel(
     b_eg = tl.exp(_vec(gc_ptr, s_gt, n_t, BT))
     b_be = _vec(beta_ptr, s_bt, n_t, BT) * b_eg
     for i_k in tl.range(K // BK, disable_licm=True):
-        o_i = tl.arange(0, BT) + _zero(ci_ptr, i_c, start)
-        m_t = o_i < n_t
-        o_k = i_k * BK + tl.arange(0, BK)
-        b_k = tl.load(k_ptr + (o_i[:, None] * s_kt + o_k[None, :]), mask=m_t[:, None], other=0.0,
-                      eviction_policy="evict_first")  # [BT, BK]
-        b_dw = tl.load(dw_ptr + (o_i[:, None] * s_dwt + o_k[None, :]), mask=m_t[:, None], other=0.0,
-                       eviction_policy="evict_first")
-        b_dk = _dot(b_at, _data(b_dw, MMA_BF16), None, A_PRECISION, EMULATE_BF16) * b_be[:, None]
-        b_dk = _dot(b_q, _data(b_k, MMA_BF16), b_dk, A_PRECISION, EMULATE_BF16)
+        o_i, m_t, o_k, b_k, b_dw = _tile_pair(k_ptr, s_kt, dw_ptr, s_dwt, ci_ptr, i_c, start, n_t, i_k, BT, BK,
+                                              "evict_first")  # [BT, BK] each
+        b_dk = common.dot(b_at, _data(b_dw, MMA_BF16), None, A_PRECISION, EMULATE_BF16) * b_be[:, None]
+        b_dk = common.dot(b_q, _data(b_k, MMA_BF16), b_dk, A_PRECISION, EMULATE_BF16)
         p_dk = dk_ptr + (o_i[:, None] * s_dkt + o_k[None, :])
         tl.store(p_dk, b_dk + tl.load(p_dk, mask=m_t[:, None], other=0.0), mask=m_t[:, None])
         tl.debug_barrier()  # the block of dk written above, visible to every thread of the program
         b_kt = tl.load(k_ptr + (o_i[None, :] * s_kt + o_k[:, None]), mask=m_t[None, :], other=0.0,
                        eviction_policy="evict_first")  # [BK, BT]
-        b_dk = _dot(_data(b_kt, MMA_BF16), b_qb, None, A_PRECISION, EMULATE_BF16)  # [BK, BT]
+        b_dk = common.dot(_data(b_kt, MMA_BF16), b_qb, None, A_PRECISION, EMULATE_BF16)  # [BK, BT]
         p_dkt = dk_ptr + (o_i[None, :] * s_dkt + o_k[:, None])
         tl.store(p_dkt, b_dk + tl.load(p_dkt, mask=m_t[None, :], other=0.0), mask=m_t[None, :])
     # sum(k dX), dX = A^T dw formed again (in the loop above it cost more registers than allowed)
     b_sx = tl.zeros([BT], dtype=tl.float32)
     for i_k in tl.range(K // BK, disable_licm=True):
-        o_i = tl.arange(0, BT) + _zero(ci_ptr, i_c, start)
-        m_t = o_i < n_t
-        o_k = i_k * BK + tl.arange(0, BK)
-        b_k = tl.load(k_ptr + (o_i[:, None] * s_kt + o_k[None, :]), mask=m_t[:, None], other=0.0,
-                      eviction_policy="evict_last")  # [BT, BK]
-        b_dw = tl.load(dw_ptr + (o_i[:, None] * s_dwt + o_k[None, :]), mask=m_t[:, None], other=0.0,
-                       eviction_policy="evict_last")
-        b_sx += tl.sum(b_k.to(tl.float32) * _dot(b_at, _data(b_dw, MMA_BF16), None, A_PRECISION, EMULATE_BF16), 1)
+        o_i, m_t, o_k, b_k, b_dw = _tile_pair(k_ptr, s_kt, dw_ptr, s_dwt, ci_ptr, i_c, start, n_t, i_k, BT, BK,
+                                              "evict_last")  # [BT, BK] each
+        b_sx += tl.sum(b_k.to(tl.float32) * common.dot(b_at, _data(b_dw, MMA_BF16), None, A_PRECISION, EMULATE_BF16), 1)
     if USE_QK_L2NORM:
         b_sx = b_sx * b_r  # sum(k_n dX)
 
@@ -329,24 +325,19 @@ def _wy_bwd_kernel(
     b_beta = _vec(beta_ptr, s_bt, n_t, BT)
     b_db = b_s1 + b_eg * b_sx  # dbeta's rowsum(dL * k_n k_n^T * Gamma') + sum(e^G k_n dX)
     for i_v in tl.range(V // BV, disable_licm=True):
-        o_i = tl.arange(0, BT) + _zero(ci_ptr, i_c, start)
-        m_t = o_i < n_t
-        o_v = i_v * BV + tl.arange(0, BV)
-        b_du = tl.load(du_ptr + (o_i[:, None] * s_dut + o_v[None, :]), mask=m_t[:, None], other=0.0,
-                       eviction_policy="evict_first")  # [BT, BV]
-        b_v = tl.load(v_ptr + (o_i[:, None] * s_vt + o_v[None, :]), mask=m_t[:, None], other=0.0,
-                      eviction_policy="evict_first")
-        b_dv = _dot(b_at, _data(b_du, MMA_BF16), None, A_PRECISION, EMULATE_BF16)  # dY
+        o_i, m_t, o_v, b_du, b_v = _tile_pair(du_ptr, s_dut, v_ptr, s_vt, ci_ptr, i_c, start, n_t, i_v, BT, BV,
+                                              "evict_first")  # [BT, BV] each
+        b_dv = common.dot(b_at, _data(b_du, MMA_BF16), None, A_PRECISION, EMULATE_BF16)  # dY
         b_db += tl.sum(b_v.to(tl.float32) * b_dv, 1)
         tl.store(dv_ptr + (o_i[:, None] * s_dvt + o_v[None, :]),
-                 _round(b_dv * b_beta[:, None], dv_ptr.dtype.element_ty, EMULATE_BF16), mask=m_t[:, None])
+                 common.round_to(b_dv * b_beta[:, None], dv_ptr.dtype.element_ty, EMULATE_BF16), mask=m_t[:, None])
 
     # ---- 5. dbeta; dG = dg_in + sum(X dX) + rowsum(dL * L) - colsum(dL * L); dg its reverse
     # cumulative sum within the chunk
     o_i = tl.arange(0, BT) + _zero(ci_ptr, i_c, start)
     m_t = o_i < n_t
     tl.store(db_ptr + start * s_dbt + i_hv64 * s_dbh + o_i * s_dbt,
-             _round(b_db, db_ptr.dtype.element_ty, EMULATE_BF16), mask=m_t)
+             common.round_to(b_db, db_ptr.dtype.element_ty, EMULATE_BF16), mask=m_t)
     tl.debug_barrier()  # dg's partial sums (stored by other threads) visible
     b_dg = tl.load(p_dg, mask=m_t, other=0.0) + b_beta * b_eg * b_sx
     b_dg = tl.cumsum(tl.where(m_t, b_dg, 0.0), axis=0, reverse=True)
@@ -396,63 +387,21 @@ def launch_wy_backward(
         return dk, dv, dbeta, dg
     _wy_bwd_kernel[(num_chunks, value_heads)](
         k, v, beta, A, g_cum, dw, du, dg_in, chunk_indices, dk, dv, dbeta, dg,
-        k.stride(0), k.stride(1),
-        v.stride(0), v.stride(1),
-        beta.stride(0), beta.stride(1),
-        A.stride(0), A.stride(1),
-        g_cum.stride(0), g_cum.stride(1),
-        dw.stride(0), dw.stride(1),
-        du.stride(0), du.stride(1),
-        dg_in.stride(0), dg_in.stride(1),
-        dk.stride(0), dk.stride(1),
-        dv.stride(0), dv.stride(1),
-        dbeta.stride(0), dbeta.stride(1),
-        dg.stride(0), dg.stride(1),
+        *common.token_head_strides(k, v, beta, A, g_cum, dw, du, dg_in, dk, dv, dbeta, dg),
         value_heads // heads,
-        K=dim_k, V=dim_v, BT=CHUNK, BK=min(dim_k, MAX_BLOCK), BV=min(dim_v, MAX_BLOCK),
+        K=dim_k, V=dim_v, BT=common.CHUNK, BK=min(dim_k, MAX_BLOCK), BV=min(dim_v, MAX_BLOCK),
         USE_QK_L2NORM=use_qk_l2norm,
-        DOT_PRECISION=dot_precision(k.dtype),
+        DOT_PRECISION=common.dot_precision(k.dtype),
         MMA_BF16=k.dtype == torch.bfloat16,
         A_PRECISION=a_precision(k.dtype),
-        EMULATE_BF16=any(emulate_bf16(t.dtype) for t in (k, v, beta)),
-        num_warps=NUM_WARPS,
-        num_stages=NUM_STAGES,
-        **({"maxnreg": MAX_REGISTERS} if k.dtype == torch.bfloat16 else {}),
+        EMULATE_BF16=any(common.emulate_bf16(t.dtype) for t in (k, v, beta)),
+        **CONFIG.options(cap_registers=k.dtype == torch.bfloat16),
     )
     return dk, dv, dbeta, dg
 
 
-def _aot_specs() -> list[AotSpec]:
-    """The model's launches: K = V = 128, H = 16, HV = 48 (group 3), bf16, chunk 64; k and v head
-    views of the packed row ``[T, (2H + HV) * 128]`` (token stride 10240); the intermediates
-    contiguous (``[T, 48]`` vectors with head stride 1); L2 norm on and off."""
-    dim, heads, value_heads = 128, 16, 48
-    signature = {
-        "k_ptr": "*bf16", "v_ptr": "*bf16", "beta_ptr": "*bf16", "a_ptr": "*fp32", "gc_ptr": "*fp32",
-        "dw_ptr": "*bf16", "du_ptr": "*bf16", "dgi_ptr": "*fp32", "ci_ptr": "*i32",
-        "dk_ptr": "*fp32", "dv_ptr": "*bf16", "db_ptr": "*bf16", "dg_ptr": "*fp32",
-        "s_kt": "i32", "s_kh": "i32", "s_vt": "i32", "s_vh": "i32", "s_bt": "i32", "s_at": "i32", "s_ah": "i32",
-        "s_gt": "i32", "s_dwt": "i32", "s_dwh": "i32", "s_dut": "i32", "s_duh": "i32", "s_git": "i32",
-        "s_dkt": "i32", "s_dkh": "i32", "s_dvt": "i32", "s_dvh": "i32", "s_dbt": "i32", "s_dgt": "i32",
-        "kv_group": "i32",
-    }
-    assert (2 * heads + value_heads) * dim % 16 == 0
-    return [
-        AotSpec(
-            name=f"gdn_wy_bwd_{'l2norm' if l2 else 'plain'}_bf16",
-            kernel=_wy_bwd_kernel,
-            signature=signature,
-            # [T, HV] vectors contiguous: head stride 1 (specialised to a constant at launch)
-            constexprs={"s_bh": 1, "s_gh": 1, "s_gih": 1, "s_dbh": 1, "s_dgh": 1,
-                        "K": dim, "V": dim, "BT": CHUNK, "BK": min(dim, MAX_BLOCK), "BV": min(dim, MAX_BLOCK),
-                        "USE_QK_L2NORM": l2, "DOT_PRECISION": dot_precision(torch.bfloat16),
-                        "MMA_BF16": True, "A_PRECISION": a_precision(torch.bfloat16),
-                        "EMULATE_BF16": False},
-            options={"num_warps": NUM_WARPS, "num_stages": NUM_STAGES, "maxnreg": MAX_REGISTERS},
-            divisible_by_16=tuple(n for n in signature if n.endswith("_ptr") or (n.startswith("s_"))),
-        )
-        for l2 in (True, False)
-    ]
-
-
-AOT_SPECS = _aot_specs()
+# The model's launches (common.model_tensors: K = V = 128, H = 16, HV = 48, bf16, k and v head views of the
+# packed q/k/v row, the intermediates contiguous), L2 norm on and off.
+AOT_SPECS = common.record_variants("gdn_wy_bwd_{l2}_bf16", launch_wy_backward, lambda x, _: (
+    x.k, x.v, x.beta, x.A, x.g_cum, x.dw, x.do, x.dg_in, x.chunk_indices, x.f32_hk, x.dv, x.dbeta, x.dg),
+    l2_tags=("l2norm", "plain"))

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dsfuse._common.aot import AotSpec
+from dsfuse._common.aot import AotSpec, record_specs
 
 FUSED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # Work per program and warps, from the H200 sweep in experiments/text_rope/tune_blocks.py
@@ -164,37 +164,17 @@ def launch_rope(
 
 
 def _aot_specs() -> list[AotSpec]:
-    """The specialisations the DeepSeek-V4.1 shapes launch (C=512, P=32; bf16/fp16/fp32)."""
+    """The specialisations the DeepSeek-V4.1 shapes launch (q ``[1, 4096, 64, 512]``, C=512, P=32;
+    bf16/fp16/fp32), recorded from the launcher on meta tensors."""
     specs = []
-    ints = ["n_rows", "seq", "heads", "pair_start", "n_pairs"] + [
-        f"s{t}_{d}" for t in "xy" for d in "bshc"
-    ] + ["sf_b", "sf_s"]
-    for ty in ("bf16", "fp16", "fp32"):
-        for conj, copy, grad_sum, tag in (
-            (False, True, False, "fwd"),
-            (True, True, True, "bwd"),
-            (True, True, False, "inverse"),
-            (False, False, False, "inplace"),
-        ):
-            block_r, block_c, block_p = block_sizes(512, 32, copy)
-            signature = {"x_ptr": f"*{ty}", "f_ptr": "*fp32", "y_ptr": f"*{ty}"}
-            signature.update({n: "i32" for n in ints if n not in ("sx_c", "sy_c")})
-            specs.append(
-                AotSpec(
-                    name=f"text_rope_{tag}_{ty}",
-                    kernel=_rope_kernel,
-                    signature=signature,
-                    # contiguous channels (stride 1 is specialised to a constant at launch)
-                    constexprs=dict(
-                        sx_c=1, sy_c=1, CONJ=conj, COPY=copy, GRAD_SUM=grad_sum,
-                        BLOCK_R=block_r, BLOCK_C=block_c, BLOCK_P=block_p,
-                    ),
-                    options={"num_warps": NUM_WARPS, "enable_fp_fusion": False},
-                    # q [B, S, 64, 512]: pointers and every stride but the channel one are multiples of 16
-                    divisible_by_16=("x_ptr", "f_ptr", "y_ptr", "pair_start", "n_pairs", "sx_b", "sx_s", "sx_h",
-                                     "sy_b", "sy_s", "sy_h", "sf_b", "sf_s"),
-                )
-            )
+    for ty, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16), ("fp32", torch.float32)):
+        values = torch.empty(1, 4096, 64, 512, device="meta", dtype=dtype)
+        freqs = torch.empty(1, 4096, 32, 2, device="meta")
+        for conj, copy, grad_sum, tag in ((False, True, False, "fwd"), (True, True, True, "bwd"),
+                                          (True, True, False, "inverse"), (False, False, False, "inplace")):
+            out = torch.empty_like(values) if copy else values
+            specs += record_specs(f"text_rope_{tag}_{ty}", launch_rope, values, freqs, out, conj=conj, copy=copy,
+                                  grad_sum=grad_sum)
     return specs
 
 

@@ -293,41 +293,24 @@ def launch_backward(dout, x, kv, weight, saved, dx, dkv, dweight, workspace, *, 
 
 
 def _aot_specs() -> list:
-    """The model's specialisations: S = 4 streams of D = 5120, bf16, contiguous rows."""
-    from dsfuse._common.aot import AotSpec
+    """The model's specialisations (N = 4096 tokens, S = 4 streams of D = 5120, bf16, contiguous rows),
+    recorded from the launchers on meta tensors."""
+    import torch
 
-    opts = {"num_warps": NUM_WARPS}
-    fwd = AotSpec(
-        name="engram_fwd_bf16", kernel=_engram_fwd_kernel,
-        signature={"x_ptr": "*bf16", "kv_ptr": "*bf16", "w_ptr": "*fp32", "mask_ptr": "*i1", "out_ptr": "*bf16",
-                   "saved_ptr": "*fp32", "eps": "fp32", "clamp": "fp32", "sx_n": "i32", "skv_n": "i32",
-                   "so_n": "i32"},
-        constexprs=dict(dim=5120, STREAMS=4, BLOCK=8192), options={"num_warps": _fwd_warps(8192)},
-        divisible_by_16=("x_ptr", "kv_ptr", "w_ptr", "mask_ptr", "out_ptr", "saved_ptr", "sx_n", "skv_n", "so_n"),
-    )
-    coef = AotSpec(
-        name="engram_bwd_coef_bf16", kernel=_engram_bwd_coef_kernel,
-        signature={"dout_ptr": "*bf16", "kv_ptr": "*bf16", "saved_ptr": "*fp32", "dkv_ptr": "*bf16",
-                   "coef_ptr": "*fp32", "clamp": "fp32", "sdo_n": "i32", "skv_n": "i32", "sdkv_n": "i32"},
-        constexprs=dict(dim=5120, STREAMS=4, BLOCK_S=4, BLOCK_D=COEF_BLOCK_D), options={"num_warps": COEF_WARPS},
-        divisible_by_16=("dout_ptr", "kv_ptr", "saved_ptr", "dkv_ptr", "coef_ptr", "sdo_n", "skv_n", "sdkv_n"),
-    )
-    tile = AotSpec(
-        name="engram_bwd_tile_bf16", kernel=_engram_bwd_tile_kernel,
-        signature={"dout_ptr": "*bf16", "x_ptr": "*bf16", "kv_ptr": "*bf16", "w_ptr": "*fp32", "coef_ptr": "*fp32",
-                   "dx_ptr": "*bf16", "dkv_ptr": "*bf16", "ws_ptr": "*fp32", "n_tokens": "i32",
-                   "sdo_n": "i32", "sx_n": "i32", "skv_n": "i32", "sdx_n": "i32", "sdkv_n": "i32"},
-        constexprs=dict(dim=5120, STREAMS=4, BLOCK_S=4, BLOCK_D=TILE_BLOCK_D, REVERSE=TILE_REVERSE),
-        options={"num_warps": TILE_WARPS},
-        divisible_by_16=("dout_ptr", "x_ptr", "kv_ptr", "w_ptr", "coef_ptr", "dx_ptr", "dkv_ptr", "ws_ptr",
-                         "sdo_n", "sx_n", "skv_n", "sdx_n", "sdkv_n"),
-    )
-    dweight = AotSpec(
-        name="engram_dweight", kernel=_engram_dweight_kernel,
-        signature={"ws_ptr": "*fp32", "dw_ptr": "*fp32", "n_parts": "i32", "n_cols": "i32"},
-        constexprs=dict(BLOCK_P=_pow2(GROUPS), BLOCK=SUM_BLOCK), options=opts, divisible_by_16=("ws_ptr", "dw_ptr", "n_cols"),
-    )
-    return [fwd, coef, tile, dweight]
+    from dsfuse._common.aot import record_specs
+
+    n, streams, dim = 4096, 4, 5120
+    x = torch.empty(n, streams, dim, device="meta", dtype=torch.bfloat16)
+    kv = torch.empty(n, (streams + 1) * dim, device="meta", dtype=torch.bfloat16)
+    weight = torch.empty(streams, dim, device="meta")
+    mask = torch.empty(n, device="meta", dtype=torch.bool)
+    saved = torch.empty(n, streams, 4, device="meta")
+    workspace = torch.empty(workspace_elements(n, streams, dim), device="meta")
+    return (record_specs("engram_fwd_bf16", launch_forward, x, kv, weight, mask, torch.empty_like(x), saved,
+                         eps=1e-20, clamp=1e-6)
+            + record_specs(["engram_bwd_coef_bf16", "engram_bwd_tile_bf16", "engram_dweight"], launch_backward,
+                           torch.empty_like(x), x, kv, weight, saved, torch.empty_like(x), torch.empty_like(kv),
+                           torch.empty_like(weight), workspace, clamp=1e-6))
 
 
 AOT_SPECS = _aot_specs()

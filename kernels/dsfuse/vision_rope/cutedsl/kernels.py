@@ -411,7 +411,7 @@ def compile_backward(dtype: torch.dtype, heads: int, dim: int, has_v: bool, arch
 
     Called as ``fn(dq_htd, dk_hdt, dv_htd or None, cos, sin, out)`` with torch tensors; it launches
     on the current torch stream. ``keep_ptx``: the PTX is ``fn.__ptx__`` (also written to
-    ``dump_dir``, see :func:`dsfuse._common.cutedsl.compile`). ``geo``: another geometry (sweeps).
+    ``dump_dir``, see `dsfuse._common.cutedsl.compile`). ``geo``: another geometry (sweeps).
     """
     if reasons := shape_reasons(dtype, heads, dim):
         raise ValueError("the CuTe DSL vision RoPE backward cannot compile this: " + "; ".join(reasons))

@@ -21,13 +21,12 @@ then one round-to-nearest-even to the output dtype: bitwise equal to eager autog
 
 from __future__ import annotations
 
-import functools
 
 import torch
 import triton
 import triton.language as tl
 
-from dsfuse._common.aot import AotSpec
+from dsfuse._common.aot import AotSpec, record_specs
 
 FUSED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 TOKENS_PER_PROGRAM = 16
@@ -168,30 +167,17 @@ def launch_forward(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head
     )
 
 
-@functools.cache
 def _aot_specs() -> list[AotSpec]:
-    """The model's specialisations: 16 heads x 64, bf16, HTD/HDT/HTD strides at launch."""
-    bwd_ints = ["tokens", "sq_h", "sq_t", "sk_h", "sk_d", "sv_h", "sv_t", "sc_t", "ss_t", "so_t"]
-    bwd = AotSpec(
-        name="vision_rope_bwd_bf16",
-        kernel=_vision_rope_bwd_kernel,
-        signature={"dq_ptr": "*bf16", "dk_ptr": "*bf16", "dv_ptr": "*bf16", "cos_ptr": "*fp32",
-                   "sin_ptr": "*fp32", "out_ptr": "*bf16"} | {n: "i32" for n in bwd_ints},
-        constexprs=dict(sq_d=1, sk_t=1, sv_d=1, HEADS=16, HALF=32, HAS_V=True, BLOCK_T=TOKENS_PER_PROGRAM),
-        options={"num_warps": NUM_WARPS, "enable_fp_fusion": False},
-        divisible_by_16=("dq_ptr", "dk_ptr", "dv_ptr", "cos_ptr", "sin_ptr", "out_ptr", "sq_h", "sk_h", "sv_h",
-                         "sq_t", "sv_t", "sc_t", "ss_t", "so_t"),
-    )
-    fwd = AotSpec(
-        name="vision_rope_fwd_bf16",
-        kernel=_vision_rope_fwd_kernel,
-        signature={"qkv_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "q_ptr": "*bf16", "k_ptr": "*bf16",
-                   "tokens": "i32", "s_t": "i32", "sc_t": "i32", "ss_t": "i32"},
-        constexprs=dict(HEADS=16, HALF=32, BLOCK_T=TOKENS_PER_PROGRAM),
-        options={"num_warps": NUM_WARPS, "enable_fp_fusion": False},
-        divisible_by_16=("qkv_ptr", "cos_ptr", "sin_ptr", "q_ptr", "k_ptr", "s_t", "sc_t", "ss_t"),
-    )
-    return [bwd, fwd]
+    """The model's specialisations (16 heads x 64, bf16, T = 8649: the 93 x 93 grid; dQ, dV ``[H, T, D]``
+    and dK ``[H, D, T]`` storage), recorded from the launchers on meta tensors."""
+    heads, tokens, dim = 16, 8649, 64
+    grad = torch.empty(heads, tokens, dim, device="meta", dtype=torch.bfloat16)
+    dk = torch.empty(heads, dim, tokens, device="meta", dtype=torch.bfloat16).transpose(1, 2)
+    cos = sin = torch.empty(tokens, dim // 2, device="meta")
+    qkv = torch.empty(tokens, 3 * heads * dim, device="meta", dtype=torch.bfloat16)
+    rotated = torch.empty(tokens, heads, dim, device="meta", dtype=torch.bfloat16)
+    return (record_specs("vision_rope_bwd_bf16", launch_backward, grad, dk, grad, cos, sin, qkv)
+            + record_specs("vision_rope_fwd_bf16", launch_forward, qkv, cos, sin, heads, rotated, rotated))
 
 
 AOT_SPECS = _aot_specs()

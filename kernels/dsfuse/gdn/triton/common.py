@@ -1,0 +1,280 @@
+"""What the Gated DeltaNet Triton stages share.
+
+* The chunk size ``CHUNK`` (``BT``) and the L2 norm's eps.
+* Device helpers: `dot` and `round_to`, a ``tl.dot`` and an fp32 -> dtype conversion that
+  the CPU interpreter can run with bf16 data as the GPU does (``EMULATE_BF16``);
+  `value_block_program`, a program's coordinates in the one-axis grids of the per-head stages;
+  `chunk_tokens`, the token offsets and mask of one chunk of the chunk table; `store_zero_tail`,
+  zeros for the tokens in no chunk.
+* Host helpers of the launchers: `dot_precision`, `emulate_bf16`, `stage_constexprs` (the
+  constexprs the per-head stages have in common), `token_head_strides`, `check_programs`.
+* Launch constants: a `LaunchConfig` per kernel, per GPU family where the families differ.
+  The families are ``HOPPER`` (``"sm_90"``: every device below compute capability 10, the CPU
+  interpreter included) and ``BLACKWELL`` (``"sm_100"``: compute capability 10 and above);
+  `launch_family` maps a device to one (through `dsfuse._common.backends.gpu_family`) and
+  `assume_family` pins one, which is how the AOT specs record each family's launch on a machine
+  without its GPU.
+* `model_tensors`: meta tensors of the model's shapes, the example arguments from which each stage
+  records its ``AOT_SPECS`` (`record_variants`, through `dsfuse._common.aot.record_specs`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import torch
+import triton
+import triton.language as tl
+
+from dsfuse._common.aot import AotSpec, record_specs
+from dsfuse._common.backends import gpu_family, interpreting
+
+CHUNK = 64  # BT: tokens per chunk (the chunk table's chunk size)
+L2NORM_EPS = tl.constexpr(1e-6)  # the reference's l2norm eps
+
+
+# ----------------------------------------------------------------------------- device helpers
+
+
+@triton.jit
+def dot(a, b, acc, DOT_PRECISION: tl.constexpr, EMULATE_BF16: tl.constexpr):
+    """``acc + a @ b`` with an fp32 accumulator (``acc`` may be None).
+
+    ``EMULATE_BF16`` only in Triton's CPU interpreter with bf16 data, whose ``tl.dot`` multiplies
+    bf16 operands as their integer bit patterns: the operands are widened to fp32 (exact), so
+    the products and fp32 sums are those of the GPU's bf16 MMA up to summation order."""
+    if EMULATE_BF16:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    return tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+
+
+@triton.jit
+def round_to(x, dtype: tl.constexpr, EMULATE_BF16: tl.constexpr):
+    """fp32 ``x`` rounded to ``dtype`` (round to nearest even, as the GPU converts).
+
+    ``EMULATE_BF16`` only in Triton's CPU interpreter, whose fp32 -> bf16 conversion truncates:
+    the rounding is done on the bits first (finite values), so the conversion is exact."""
+    if EMULATE_BF16 and dtype == tl.bfloat16:
+        b_bits = x.to(tl.uint32, bitcast=True)
+        b_bits = ((b_bits + 0x7FFF + ((b_bits >> 16) & 1)) >> 16) << 16
+        x = b_bits.to(tl.float32, bitcast=True)
+    return x.to(dtype)
+
+
+@triton.jit
+def value_block_program(HV: tl.constexpr, GROUP: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
+                        BK: tl.constexpr, BT: tl.constexpr):
+    """This program's place in a one-axis grid over (x, value head, value block), value block
+    fastest (x: a chunk or a document): ``(i_x, i_hv, i_h, o_k, o_v, o_i)``, x's index, the value
+    head, its qk head ``i_hv // GROUP``, and the offsets ``[BK]`` of key rows, ``[BV]`` of the
+    program's value channels and ``[BT]`` of a chunk's tokens."""
+    NV: tl.constexpr = V // BV
+    i_p = tl.program_id(0)
+    i_v = i_p % NV
+    i_hv = (i_p // NV) % HV
+    i_x = i_p // (NV * HV)
+    i_h = i_hv // GROUP
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    o_i = tl.arange(0, BT)
+    return i_x, i_hv, i_h, o_k, o_v, o_i
+
+
+@triton.jit
+def chunk_tokens(ci_ptr, i_c, o_i):
+    """Chunk ``i_c`` of the chunk table ``ci_ptr`` (int32 ``[NC, 3]``: sequence, start, end):
+    ``(i_c64, eos, o_t, m_t)``, the chunk index and its end as int64, the int64 token offsets
+    ``start + o_i`` ``[BT]`` and their mask ``o_t < eos``."""
+    i_c64 = i_c.to(tl.int64)
+    bos = tl.load(ci_ptr + i_c64 * 3 + 1).to(tl.int64)
+    eos = tl.load(ci_ptr + i_c64 * 3 + 2).to(tl.int64)
+    o_t = bos + o_i  # [BT] int64 token offsets
+    m_t = o_t < eos
+    return i_c64, eos, o_t, m_t
+
+
+@triton.jit
+def store_zero_tail(ptr, ci_ptr, NC, T, s_t, s_h, i_hv, o_v, o_i, BT: tl.constexpr, BV: tl.constexpr):
+    """Zeros into ``ptr`` ``[T, HV, V]`` (head ``i_hv``, channels ``o_v``) for the tokens past the
+    last chunk's end (past ``cu_seqlens[-1]``: in no chunk), ``BT`` at a time."""
+    tail = tl.load(ci_ptr + (NC - 1).to(tl.int64) * 3 + 2, mask=NC > 0, other=0)  # last chunk's end
+    b_zero = tl.zeros([BT, BV], dtype=ptr.dtype.element_ty)
+    i_t = tail.to(tl.int64)
+    while i_t < T:  # a while loop: runtime bounds, also in the interpreter
+        o_t = i_t + o_i
+        p = ptr + o_t[:, None] * s_t + i_hv * s_h + o_v[None, :]
+        tl.store(p, b_zero, mask=(o_t < T)[:, None])
+        i_t += BT
+
+
+# ----------------------------------------------------------------------------- host helpers
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """``tl.dot`` input precision: full fp32 for fp32 inputs (TF32 is Triton's default)."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def emulate_bf16(dtype: torch.dtype) -> bool:
+    """bf16 data in Triton's CPU interpreter: emulate the GPU's bf16 dots and rounding (`dot`, `round_to`)."""
+    return dtype == torch.bfloat16 and interpreting()
+
+
+def stage_constexprs(H: int, HV: int, K: int, V: int, dtype: torch.dtype, use_qk_l2norm: bool) -> dict[str, object]:
+    """The constexprs of the per-head stages' kernels (state, output, state backward, dq/dk/dw/dg):
+    ``HV``, ``GROUP = HV // H``, ``K``, ``V``, ``BT = CHUNK``, ``USE_QK_L2NORM``, and
+    ``DOT_PRECISION`` and ``EMULATE_BF16`` for inputs of ``dtype``."""
+    return {"HV": HV, "GROUP": HV // H, "K": K, "V": V, "BT": CHUNK, "USE_QK_L2NORM": use_qk_l2norm,
+            "DOT_PRECISION": dot_precision(dtype), "EMULATE_BF16": emulate_bf16(dtype)}
+
+
+def token_head_strides(*tensors: torch.Tensor) -> list[int]:
+    """The token and head strides (dims 0 and 1) of each tensor, in order: a kernel's
+    ``s_xt, s_xh`` arguments (for a ``[T, HV]`` tensor, both of its strides)."""
+    return [s for t in tensors for s in (t.stride(0), t.stride(1))]
+
+
+def check_programs(programs: int, name: str, what: str) -> int:
+    """``programs`` if a one-axis grid can launch it (below 2**31), else ValueError naming
+    ``name`` (the argument that sets the count) and ``what`` the programs are."""
+    if programs >= 2**31:
+        raise ValueError(f"{name}: at most 2**31 - 1 programs ({what}), got {programs}")
+    return programs
+
+
+# ----------------------------------------------------------------------------- launch constants
+
+HOPPER = "sm_90"  # compute capability below 10 (Hopper), the CPU interpreter and meta tensors included
+BLACKWELL = "sm_100"  # compute capability 10 and above
+FAMILIES = (HOPPER, BLACKWELL)
+AOT_TAGS = {HOPPER: "", BLACKWELL: "_2w"}  # suffix of an AOT spec's name in each family's launch setting
+_ASSUMED_FAMILY: contextvars.ContextVar[str | None] = contextvars.ContextVar("gdn_triton_family", default=None)
+
+
+def launch_family(device: torch.device) -> str:
+    """The GPU family whose launch constants serve ``device``: ``BLACKWELL`` on compute
+    capability >= 10, ``HOPPER`` elsewhere (CPU and meta included), unless `assume_family` says."""
+    assumed = _ASSUMED_FAMILY.get()
+    if assumed is not None:
+        return assumed
+    family = gpu_family(device)  # "sm_90", "sm_100", ... or "cpu"
+    return BLACKWELL if family.startswith("sm_") and int(family[3:-1]) >= 10 else HOPPER
+
+
+@contextlib.contextmanager
+def assume_family(family: str) -> Iterator[None]:
+    """Within the block, `launch_family` answers ``family`` for every device (the AOT specs
+    record each family's launch with meta tensors; tests run Blackwell's setting on the CPU)."""
+    if family not in FAMILIES:
+        raise ValueError(f"family: expected one of {FAMILIES}, got {family!r}")
+    token = _ASSUMED_FAMILY.set(family)
+    try:
+        yield
+    finally:
+        _ASSUMED_FAMILY.reset(token)
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """Launch constants of one kernel on one GPU family (no autotuner).
+
+    ``num_warps``; ``num_stages`` (None: not passed, Triton's default); ``maxnreg``, a register cap
+    (None: none; the launcher says for which input dtypes); ``block_k``, ``block_v``, ``block_t``:
+    key channels, value channels, tokens per program or per block, at most (a launcher takes
+    ``min(block, dim)``); ``loop_stages``: software-pipelining depth of a chunk loop (a constexpr)."""
+
+    num_warps: int
+    num_stages: int | None = None
+    maxnreg: int | None = None
+    block_k: int | None = None
+    block_v: int | None = None
+    block_t: int | None = None
+    loop_stages: int | None = None
+
+    def options(self, *, cap_registers: bool = True) -> dict[str, int]:
+        """The launch options: ``num_warps``, and ``num_stages`` and (with ``cap_registers``)
+        ``maxnreg`` where set."""
+        options = {"num_warps": self.num_warps}
+        if self.num_stages is not None:
+            options["num_stages"] = self.num_stages
+        if cap_registers and self.maxnreg is not None:
+            options["maxnreg"] = self.maxnreg
+        return options
+
+
+def sequential_pass_kwargs(config: LaunchConfig) -> dict[str, object]:
+    """The launch keywords of a sequential pass over chunks (the state passes): its chunk loop as a
+    software-pipelined for loop on the GPU (``PIPELINED``, ``NUM_STAGES_LOOP``; a while loop in the
+    interpreter, which cannot take runtime bounds in a for loop) and ``config``'s options."""
+    return {"PIPELINED": not interpreting(), "NUM_STAGES_LOOP": config.loop_stages, **config.options()}
+
+
+def family_config(configs: Mapping[str, LaunchConfig], device: torch.device) -> LaunchConfig:
+    """``configs[launch_family(device)]``: the launch constants of a kernel whose setting depends
+    on the GPU family (``configs`` holds one per family of ``FAMILIES``)."""
+    return configs[launch_family(device)]
+
+
+# ----------------------------------------------------------------------------- AOT example tensors
+
+
+def model_tensors() -> SimpleNamespace:
+    """Meta tensors of the model's shapes, the arguments the stages record their ``AOT_SPECS``
+    with: K = V = 128, H = 16, HV = 48 (group 3), bf16 inputs, T = 32768 tokens in one document
+    (NC = 512 chunks of 64, N = 1).
+
+    ``q``, ``k``, ``v``: head views of the packed row ``[T, (2H + HV) * 128]`` (token stride 10240,
+    head stride 128); ``dq_row``, ``dk_row``: the same views of the packed gradient row. Dense:
+    ``w``, ``u``, ``v_new``, ``o``, ``do``, ``dv_local``, ``dv``, ``dw`` bf16 ``[T, 48, 128]``; ``f32_hk`` and
+    ``f32_hk2`` fp32 ``[T, 48, 128]``; ``beta``, ``dbeta`` bf16 and ``g``, ``g_cum``, ``dg``,
+    ``dg_in`` fp32 ``[T, 48]`` (head stride 1); ``A`` fp32 ``[T, 48, 64]``; ``h``, ``dh`` bf16
+    ``[NC, 48, 128, 128]``; ``state`` fp32 ``[N, 48, 128, 128]``; ``chunk_indices`` int32
+    ``[NC, 3]``, ``chunk_offsets`` int32 ``[N + 1]``; ``scale`` ``128 ** -0.5``."""
+    T, H, HV, K = 32768, 16, 48, 128
+    NC, N = T // CHUNK, 1
+    bf16 = {"device": "meta", "dtype": torch.bfloat16}
+    f32 = {"device": "meta", "dtype": torch.float32}
+    row = torch.empty(T, 2 * H + HV, K, **bf16)
+    grad_row = torch.empty(T, 2 * H + HV, K, **bf16)
+    x = SimpleNamespace(q=row[:, :H], k=row[:, H:2 * H], v=row[:, 2 * H:],
+                        dq_row=grad_row[:, :H], dk_row=grad_row[:, H:2 * H],
+                        A=torch.empty(T, HV, CHUNK, **f32), state=torch.empty(N, HV, K, K, **f32),
+                        chunk_indices=torch.empty(NC, 3, device="meta", dtype=torch.int32),
+                        chunk_offsets=torch.empty(N + 1, device="meta", dtype=torch.int32), scale=K**-0.5)
+    for name in ("w", "u", "v_new", "o", "do", "dv_local", "dv", "dw"):
+        setattr(x, name, torch.empty(T, HV, K, **bf16))
+    for name in ("f32_hk", "f32_hk2"):
+        setattr(x, name, torch.empty(T, HV, K, **f32))
+    for name in ("beta", "dbeta"):
+        setattr(x, name, torch.empty(T, HV, **bf16))
+    for name in ("g", "g_cum", "dg", "dg_in"):
+        setattr(x, name, torch.empty(T, HV, **f32))
+    for name in ("h", "dh"):
+        setattr(x, name, torch.empty(NC, HV, K, K, **bf16))
+    return x
+
+
+def record_variants(name: str, launch: Callable, arguments: Callable[[SimpleNamespace, torch.Tensor | None], tuple],
+                    *, l2_tags: tuple[str, str] = ("_l2", ""), states: bool = False,
+                    per_family: bool = False) -> list[AotSpec]:
+    """The ``AOT_SPECS`` of a stage launcher at the model's shapes, one per variant: the in-kernel
+    L2 norm on and off, and where asked, without and with the optional states (``states``), in each
+    GPU family's launch setting (``per_family``, else Hopper's, which every family uses).
+
+    ``arguments(x, state)`` gives the launcher's positional arguments from `model_tensors` ``x`` and
+    ``state`` (None, or ``x.state`` for the with-states variant); ``use_qk_l2norm`` is passed by
+    keyword. ``name`` is formatted with ``l2`` (``l2_tags[0]`` with the norm, ``l2_tags[1]``
+    without), ``states`` (``"_states"`` or ``""``) and ``family`` (`AOT_TAGS`)."""
+    x = model_tensors()
+    specs = []
+    for family in FAMILIES if per_family else (HOPPER,):
+        for l2, l2_tag in zip((True, False), l2_tags):
+            for state in (None, x.state) if states else (None,):
+                label = name.format(l2=l2_tag, states="" if state is None else "_states", family=AOT_TAGS[family])
+                with assume_family(family):
+                    specs += record_specs(label, launch, *arguments(x, state), use_qk_l2norm=l2)
+    return specs

@@ -1,0 +1,40 @@
+"""The README's and the home page's status come from the data (dsfuse.bench.status), so they cannot
+disagree with the op pages, whose tables come from the same results/<gpu>/<op>.json."""
+
+import json
+import shutil
+from pathlib import Path
+
+from dsfuse.bench import experiments, status
+
+ROOT = Path(__file__).resolve().parents[1]
+OPS = sorted(experiments())
+
+
+def test_readme_and_home_page_status_are_generated_from_the_results():
+    readme = (ROOT / "README.md").read_text()
+    assert status.readme_block(ROOT, OPS) in readme, "README status is stale: run python -m dsfuse.bench report"
+    site = (ROOT / "results" / "status.md").read_text()
+    assert site.endswith(status.render(ROOT, OPS, status.site_link)), "results/status.md is stale"
+    assert '--8<-- "results/status.md"' in (ROOT / "docs" / "index.md").read_text()
+
+
+def test_every_op_has_a_row_and_a_changed_result_shows(tmp_path):
+    root = tmp_path / "repo"
+    shutil.copytree(ROOT / "results", root / "results")
+    shutil.copy(ROOT / "mkdocs.yml", root / "mkdocs.yml")
+    (root / "README.md").write_text(f"x\n{status.START}\nold\n{status.END}\ny\n")
+    rows = status.rows(root, OPS, status.site_link)
+    assert {r[0].split("]")[0].lstrip("[") for r in rows} == {status.title(ROOT, op) for op in OPS}
+    path = root / "results" / "h200" / "text_rope.json"
+    data = json.loads(path.read_text())
+    run = data["runs"][data["newest"]]
+    run["kernel_source"] = "changed since"
+    run["targets"] = [dict(case="c", provider="dsfuse", verdict="latency MISSED")]
+    path.write_text(json.dumps(data))
+    written = status.write(root, OPS)
+    assert root / "README.md" in written
+    text = (root / "README.md").read_text()
+    assert text.startswith("x\n") and text.endswith("y\n") and "old" not in text
+    line = next(ln for ln in text.splitlines() if ln.startswith("| [Text RoPE]") and "H200" in ln)
+    assert "changed since" in line and "0 of 1 met; missed: c (dsfuse)" in line
