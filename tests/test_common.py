@@ -200,52 +200,6 @@ def test_declared_op_traces_as_custom_op_in_forward_and_backward(device):
 # -- the staleness mark (dsfuse.bench.env): kernel code moved between files is unchanged ---------
 
 
-def test_moved_kernel_code_is_unchanged_and_a_real_change_is_not(tmp_path):
-    """Compared by commit, the op's kernel code is one collection of top-level definitions: a kernel
-    file renamed, or a definition moved to another kernel file of the op, is current; the backend
-    package's table (its ``__init__.py``) is not kernel code; a code change is ``changed``."""
-    import shutil
-    import subprocess
-    from pathlib import Path
-
-    from dsfuse.bench import env
-
-    if shutil.which("git") is None:
-        pytest.skip("needs git")
-    repo = Path(__file__).resolve().parents[1]
-    package = tmp_path / "kernels" / "dsfuse"
-    shutil.copytree(repo / "kernels" / "dsfuse", package, ignore=shutil.ignore_patterns("__pycache__"))
-
-    def git(*args):
-        return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=tmp_path,
-                              check=True, capture_output=True, text=True).stdout.strip()
-
-    git("init", "-q")
-    git("add", "-A")
-    git("commit", "-qm", "run")
-    run = dict(git_commit=git("rev-parse", "HEAD"), kernel_sources=env.kernel_sources("text_rope", package))
-    backend = package / "text_rope" / "triton"
-    assert [p.relative_to(package).as_posix() for p in env.kernel_files("text_rope", package)] == [
-        "text_rope/triton/kernels.py"]  # not the table (__init__.py), not the AOT check
-    (backend / "kernels.py").rename(backend / "rope.py")  # a renamed file
-    state = env.source_state("text_rope", run, package)
-    assert (state["state"], state["how"]) == ("current", "git")
-    source = (backend / "rope.py").read_text()
-    cut = source.index("def _as_4d(")  # a definition moved to another file of the backend
-    end = source.index("\ndef _pow2(")
-    (backend / "rope.py").write_text(source[:cut] + source[end + 1:])
-    (backend / "shapes.py").write_text("import torch\n\n\n" + source[cut:end] + "\n")
-    assert env.source_state("text_rope", run, package)["state"] == "current"
-    (backend / "__init__.py").write_text((backend / "__init__.py").read_text() + "\nEXTRA = 1\n")
-    assert env.source_state("text_rope", run, package)["state"] == "current"  # the table is not kernel code
-    (backend / "shapes.py").write_text((backend / "shapes.py").read_text().replace("return", "return  0 or", 1))
-    state = env.source_state("text_rope", run, package)
-    assert state["state"] == "changed" and state["uncommitted"]
-    git("add", "-A")
-    git("commit", "-qm", "a real change")
-    state = env.source_state("text_rope", run, package)
-    assert state["state"] == "changed" and len(state["since"]) == 1
-
 
 def test_choice_is_logged_with_its_reason(caplog):
     """A call says which backend served it, and why, on the dsfuse logger at debug level."""

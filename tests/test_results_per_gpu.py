@@ -161,9 +161,10 @@ def test_a_hash_of_other_files_is_compared_by_commit():
     assert env.source_state("engram_gate", run)["how"] == "git"
 
 
-def test_an_edit_of_prose_alone_is_not_a_kernel_change(tmp_path):
-    """Compared by commit, a kernel file whose docstrings or comments changed is current; a code
-    change is not (a copy of the package in a fresh git repository)."""
+@pytest.fixture
+def committed_package(tmp_path):
+    """A copy of the package committed in a fresh git repository: ``(package, git, run)``, ``run`` the
+    env.json fields of a text RoPE run at that commit."""
     if shutil.which("git") is None:
         pytest.skip("needs git")
     package = tmp_path / "kernels" / "dsfuse"
@@ -176,7 +177,13 @@ def test_an_edit_of_prose_alone_is_not_a_kernel_change(tmp_path):
     git("init", "-q")
     git("add", "-A")
     git("commit", "-qm", "run")
-    run = dict(git_commit=git("rev-parse", "HEAD"), kernel_sources=env.kernel_sources("text_rope", package))
+    return package, git, dict(git_commit=git("rev-parse", "HEAD"), kernel_sources=env.kernel_sources("text_rope", package))
+
+
+def test_an_edit_of_prose_alone_is_not_a_kernel_change(committed_package):
+    """Compared by commit, a kernel file whose docstrings or comments changed is current; a code
+    change is not (a copy of the package in a fresh git repository)."""
+    package, git, run = committed_package
     kernel = package / _kernel_file("text_rope", "triton")
     source = kernel.read_text()
     kernel.write_text(source.replace('"""', '"""Reworded. ', 1) + "\n# a comment\n")
@@ -313,3 +320,31 @@ def test_tuning_figures_pick_settings_by_pattern_and_compare_them(tmp_path):
         figures.tuned_best("sweep", mode="bwd-z*")
     with pytest.raises(KeyError):
         figures.tuned_best("no-such-sweep", mode="bwd-a")
+
+
+def test_moved_kernel_code_is_unchanged_and_a_real_change_is_not(committed_package):
+    """Compared by commit, the op's kernel code is one collection of top-level definitions: a kernel
+    file renamed, or a definition moved to another kernel file of the op, is current; the backend
+    package's table (its ``__init__.py``) is not kernel code; a code change is ``changed``."""
+    package, git, run = committed_package
+    backend = package / "text_rope" / "triton"
+    assert [p.relative_to(package).as_posix() for p in env.kernel_files("text_rope", package)] == [
+        "text_rope/triton/kernels.py"]  # not the table (__init__.py), not the AOT check
+    (backend / "kernels.py").rename(backend / "rope.py")  # a renamed file
+    state = env.source_state("text_rope", run, package)
+    assert (state["state"], state["how"]) == ("current", "git")
+    source = (backend / "rope.py").read_text()
+    cut = source.index("def _as_4d(")  # a definition moved to another file of the backend
+    end = source.index("\ndef _pow2(")
+    (backend / "rope.py").write_text(source[:cut] + source[end + 1:])
+    (backend / "shapes.py").write_text("import torch\n\n\n" + source[cut:end] + "\n")
+    assert env.source_state("text_rope", run, package)["state"] == "current"
+    (backend / "__init__.py").write_text((backend / "__init__.py").read_text() + "\nEXTRA = 1\n")
+    assert env.source_state("text_rope", run, package)["state"] == "current"  # the table is not kernel code
+    (backend / "shapes.py").write_text((backend / "shapes.py").read_text().replace("return", "return  0 or", 1))
+    state = env.source_state("text_rope", run, package)
+    assert state["state"] == "changed" and state["uncommitted"]
+    git("add", "-A")
+    git("commit", "-qm", "a real change")
+    state = env.source_state("text_rope", run, package)
+    assert state["state"] == "changed" and len(state["since"]) == 1
