@@ -6,6 +6,7 @@ when that is a module, else on ``a.b``; the parent packages Python runs on the w
 (every package's ``__init__`` imports its own modules)."""
 
 import ast
+import re
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "kernels" / "dsfuse"
@@ -94,3 +95,11 @@ def test_a_cycle_is_found():
 def test_the_gdn_api_and_cp_local_do_not_import_each_other():
     edges = _edges(_modules())
     assert "dsfuse.gdn.api" not in edges["dsfuse.gdn.cp_local"]
+
+
+def test_no_rest_roles_in_docstrings():
+    """The site renders docstrings as Markdown: a reST role (`:func:` ...) would show as raw text."""
+    role = re.compile(r":(?:func|class|mod|meth|attr|data|obj|ref):`")
+    found = [f"{p.relative_to(PACKAGE)}:{i}" for p in sorted(PACKAGE.rglob("*.py"))
+             for i, line in enumerate(p.read_text().splitlines(), 1) if role.search(line)]
+    assert found == [], "reST roles (use backticks or [name][dsfuse.module.name]): " + ", ".join(found)

@@ -8,17 +8,17 @@
     python -m dsfuse.bench report --this-gpu             # only the GPU of this machine
 
 The config of a GPU run is chosen by the device's name: ``experiments/<op>/configs/<gpu>.yaml``,
-``<gpu>`` being :func:`dsfuse.bench.env.gpu_key` of the name (``NVIDIA H200`` -> ``h200.yaml``,
+``<gpu>`` being `dsfuse.bench.env.gpu_key` of the name (``NVIDIA H200`` -> ``h200.yaml``,
 ``NVIDIA B200`` -> ``b200.yaml``; a variant such as ``NVIDIA H200 NVL`` falls back to its family's
 ``h200.yaml``). A GPU without a config stops the run with an error naming ``--config``.
 
 A smoke run (no GPU) runs the Triton kernels in the interpreter on tiny shapes
 and writes under ``build/smoke/`` so it never mixes with measured raw data.
 
-``run`` ends with the summary of every provider's checks (:mod:`dsfuse.bench.checks`) and exits
+``run`` ends with the summary of every provider's checks (`dsfuse.bench.checks`) and exits
 with status 1 when a dsfuse provider failed one (a failing control is flagged, not fatal).
 
-Every folder is the repository's (:func:`dsfuse.bench.paths.repo_root`), from any
+Every folder is the repository's (`dsfuse.bench.paths.repo_root`), from any
 working directory; ``--config`` is taken relative to the working directory when
 the file exists there, else relative to the repository root.
 """
@@ -53,7 +53,7 @@ def config_for(op: str, gpu_name: str | None) -> Path:
     """The op's config for a GPU named ``gpu_name`` (``None``: the CPU smoke config).
 
     ``configs/<gpu_key>.yaml``, else the family's (the key's first part: ``h200-nvl`` -> ``h200``);
-    a GPU with neither raises :class:`SystemExit` naming ``--config`` and the configs there are.
+    a GPU with neither raises `SystemExit` naming ``--config`` and the configs there are.
     """
     configs = repo_root() / "experiments" / op / "configs"
     if gpu_name is None:
@@ -70,7 +70,7 @@ def config_for(op: str, gpu_name: str | None) -> Path:
 
 def check_flush(config: dict, l2_bytes: int, gpu_name: str) -> None:
     """The evicted regime overwrites ``timing.flush_bytes`` before each timed call: it must exceed the
-    GPU's L2 (by :data:`FLUSH_OVER_L2` times), or "evicted" would time a warm cache."""
+    GPU's L2 (by `FLUSH_OVER_L2` times), or "evicted" would time a warm cache."""
     flush = int(config.get("timing", {}).get("flush_bytes", 256 << 20))
     if l2_bytes and flush < FLUSH_OVER_L2 * l2_bytes:
         raise SystemExit(f"timing.flush_bytes = {flush} is less than {FLUSH_OVER_L2} x the L2 of this {gpu_name} "
@@ -81,7 +81,7 @@ def select_mode(smoke: bool | None) -> bool:
     """Decide between a smoke run (``None``: when no CUDA GPU is found) and a GPU run, and set
     ``TRITON_INTERPRET`` for it; return ``smoke``.
 
-    Triton fixes its mode at import (:func:`dsfuse._common.backends.triton_mode_mismatch`), so this
+    Triton fixes its mode at import (`dsfuse._common.backends.triton_mode_mismatch`), so this
     runs before anything imports a kernel module: the CLI calls it first, ``dsfuse.bench`` imports
     no op, and a process that imported Triton in the other mode is stopped here with the reason."""
     import torch

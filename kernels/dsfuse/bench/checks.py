@@ -1,7 +1,7 @@
 """The verdict of a run's correctness checks, per op and provider, and the exit code it implies.
 
 Every run (GPU or smoke) records each provider's checks in ``validation.csv`` (see
-:mod:`dsfuse.bench.harness`). A provider's summary is:
+`dsfuse.bench.harness`). A provider's summary is:
 
 * ``passed``: every check it ran passed;
 * ``FAILED``: a dsfuse provider (role ``candidate``) raised or differed from the reference in at
@@ -86,7 +86,7 @@ def render(rows: list[dict]) -> str:
 
 
 def require_passed(op: str, run_dir: str | Path) -> list[dict]:
-    """Print the run's summary; raise :class:`ChecksFailed` naming every dsfuse provider that failed."""
+    """Print the run's summary; raise `ChecksFailed` naming every dsfuse provider that failed."""
     rows = summarize(op, run_dir)
     print(render(rows))
     bad = failures(rows)

@@ -25,9 +25,9 @@ weight), ``g``, ``beta`` and the initial state.
 Providers (config ``providers``):
 
 * ``fla`` (control): flash-linear-attention's ``chunk_gated_delta_rule`` on plain split views of
-  the row (see :func:`fla_gdn` for its Hopper guard); ``cu_seqlens`` int64 on the device;
-* ``dsfuse-packed`` (candidate): :func:`dsfuse.gdn.chunk_gdn` on
-  :func:`dsfuse.gdn.packed.packed_qkv_views` of the row: the backward hands over one packed
+  the row (see `fla_gdn` for its Hopper guard); ``cu_seqlens`` int64 on the device;
+* ``dsfuse-packed`` (candidate): `dsfuse.gdn.chunk_gdn` on
+  `dsfuse.gdn.packed.packed_qkv_views` of the row: the backward hands over one packed
   gradient row, no concatenation;
 * ``dsfuse-split`` (candidate): ``chunk_gdn`` on plain split views (``row.split`` then
   ``unflatten``/``unsqueeze``): torch's split backward concatenates dq, dk, dv into a new row.
@@ -35,28 +35,28 @@ Providers (config ``providers``):
 Without gradients (``fwd``) the packed and split views are both plain views: the same call.
 
 Outputs, in this order (each mode's a prefix of one list, so one tuple of bounds serves them all,
-see :data:`TOLERANCES`): ``o``, ``final_state``, then the gradients ``d_row`` as its three parts
+see `TOLERANCES`): ``o``, ``final_state``, then the gradients ``d_row`` as its three parts
 (``[T, H D]``, ``[T, H D]``, ``[T, HV D]``: views of the packed row's gradient, which is what the
 step produces; the reference's ``dq``, ``dk``, ``dv`` are put in that layout by
 ``Provider.expect``), ``dg``, ``dbeta``, ``dh0``. The layer step: ``o``, ``final_state``, the
 projection weight's gradient as its q, k, v row blocks (checked at dq's, dk's, dv's bounds),
 ``dg``, ``dbeta``, ``dh0``, and the hidden state's gradient ``d_hidden``.
 
-Correctness: against the FP64 reference (:func:`dsfuse.gdn.chunk_gdn_reference` and
-:func:`dsfuse.gdn.reference_backward.chunk_gdn_backward_reference` with ``compute_dtype=float64``
+Correctness: against the FP64 reference (`dsfuse.gdn.chunk_gdn_reference` and
+`dsfuse.gdn.reference_backward.chunk_gdn_backward_reference` with ``compute_dtype=float64``
 on the same bf16 inputs; in the layer step on the same bf16 projection row, its weight and input
 gradients in FP64 from the FP64 row gradient) by relative RMS error, per output:
 ``o`` and the final state 0.005; dq, dk, dv, dh0 (and the layer's weight and input gradients)
 0.008; dg, dbeta 0.02 (the op brief's contract, flash-linear-attention's test tolerances). A
 provider whose check fails is still timed but flagged, and the report never takes it as the
-baseline (:func:`dsfuse.bench.report.valid_providers`: only providers whose every check before
+baseline (`dsfuse.bench.report.valid_providers`: only providers whose every check before
 and after timing passed are candidates for "fastest valid control"); in particular FLA's
 backward counts as a control only where its gradients pass the same FP64 checks in the same run.
 
-Inputs (:func:`make_inputs`): the row ~ N(0, 1) (q and k channels scaled by ``D**-0.5`` when
+Inputs (`make_inputs`): the row ~ N(0, 1) (q and k channels scaled by ``D**-0.5`` when
 the L2 norm is off: keys of norm about 1, as the model's normalised keys; raw ones make the
 delta rule diverge in the reference too); gates as the model makes them
-(:func:`dsfuse.gdn.gdn_gates` with ``A = exp(A_log)`` ~ U(1, 16) and ``softplus(dt_bias)``
+(`dsfuse.gdn.gdn_gates` with ``A = exp(A_log)`` ~ U(1, 16) and ``softplus(dt_bias)``
 log-uniform in [1e-3, 1e-1], the model's initialisation); initial state and ``dht`` ~ 0.1 N(0, 1);
 ``do`` ~ N(0, 1). Layer step: hidden ~ N(0, 1), weight rows ~ N(0, 1/hidden) (q and k rows also
 scaled by ``D**-0.5`` without the L2 norm).
@@ -80,7 +80,7 @@ across the projection).
 FLOPs (``Case.flops``): the matmul FLOPs of the chunked algorithm, per chunk of ``C`` = 64 tokens
 and value head (q k^T and k k^T are computed per value head, as the stages do; a partial chunk at
 a document's end costs a whole one, as the kernels compute whole tiles), stage by stage
-(:mod:`dsfuse.gdn.schedule`)::
+(`dsfuse.gdn.schedule`)::
 
     forward   wy       L = k k^T: 2C^2 K;  A = (I + L)^-1 (triangular): C^3/3;
                        w = A (beta e^G k): 2C^2 K;  u = A (beta v): 2C^2 V
@@ -99,7 +99,7 @@ a document's end costs a whole one, as the kernels compute whole tiles), stage b
 At C = 64, K = V = 128: 11.62 MFLOP forward and 32.51 MFLOP backward per (chunk, value head); the
 brief's shape has 516 chunks x 48 value heads: 288 GFLOP forward, 805 GFLOP backward. ``ckpt``
 counts two forwards and a backward; ``layer`` adds the projection, ``2 T Hd W`` forward and twice
-that backward. The report (:func:`report_extra`) gives the achieved TFLOP/s and, where the config
+that backward. The report (`report_extra`) gives the achieved TFLOP/s and, where the config
 names the GPU's ``peak_tflops``, the time those FLOPs take at that peak (the FLOPs floor).
 """
 
@@ -268,7 +268,7 @@ def split_views(row: torch.Tensor, heads: int, value_heads: int) -> tuple[torch.
 
 
 def packed_views(row: torch.Tensor, heads: int, value_heads: int) -> tuple[torch.Tensor, ...]:
-    """:func:`dsfuse.gdn.packed.packed_qkv_views`: one autograd node, one packed row gradient."""
+    """`dsfuse.gdn.packed.packed_qkv_views`: one autograd node, one packed row gradient."""
     from dsfuse.gdn.packed import packed_qkv_views
 
     return packed_qkv_views(row, heads, value_heads)
@@ -404,7 +404,7 @@ def dsfuse_gdn(case: Case, inputs: dict):
 @functools.cache
 def fla_import() -> tuple[object | None, str]:
     """``(chunk_gated_delta_rule, note)``, or ``(None, why not)``. Bypasses FLA's Hopper guard: sets
-    ``fla.ops.common.chunk_o.IS_NVIDIA_HOPPER = False`` where that attribute exists (see :func:`fla_gdn`).
+    ``fla.ops.common.chunk_o.IS_NVIDIA_HOPPER = False`` where that attribute exists (see `fla_gdn`).
     Keeps FLA on its own Triton kernels: ``FLA_FLASH_QLA=0`` unless the environment sets it (FLA 0.6
     otherwise dispatches to FlashQLA's fused kernels wherever the ``flash_qla`` package is installed)."""
     os.environ.setdefault("FLA_FLASH_QLA", "0")
@@ -433,7 +433,7 @@ def fla_gdn(case: Case, inputs: dict):
     brief), so its backward is a control here only where its outputs and gradients pass the same
     FP64 checks in the same run at the benchmark shape; otherwise the run records it as failing and
     it is never the baseline. ``cu_seqlens`` int64 on the device (made once, when built). FLA's
-    Triton path (its FlashQLA backend off: :func:`fla_import`); q, k, v plain split views of the row,
+    Triton path (its FlashQLA backend off: `fla_import`); q, k, v plain split views of the row,
     which FLA makes contiguous (its ``input_guard``).
     """
     fn, _ = fla_import()
@@ -452,7 +452,7 @@ def _fla_applies(case: Case) -> str | None:
 
 
 def tolerances(config: dict) -> tuple[float, ...]:
-    """One relative RMS bound per output, in :data:`OUTPUTS` order: the contract, updated by the config's
+    """One relative RMS bound per output, in `OUTPUTS` order: the contract, updated by the config's
     ``relrms`` (by output name)."""
     override = config.get("relrms", {})
     unknown = sorted(set(override) - set(TOLERANCES))

@@ -322,7 +322,7 @@ def _try(fn: Callable[[], Any]) -> tuple[Any, str]:
 
 def new_run_id(env: dict, smoke: bool = False) -> str:
     """``<UTC stamp>-<gpu>`` (``-smoke`` appended for a CPU smoke run), the GPU named by
-    :func:`dsfuse.bench.env.gpu_key` of ``env['gpu_name']``: ``20261129-101731-h200``."""
+    `dsfuse.bench.env.gpu_key` of ``env['gpu_name']``: ``20261129-101731-h200``."""
     stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%d-%H%M%S")
     return f"{stamp}-{env_mod.gpu_key(env.get('gpu_name'))}" + ("-smoke" if smoke else "")
 

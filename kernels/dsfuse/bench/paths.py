@@ -2,7 +2,7 @@
 
 The experiments read and write the repository's own folders: ``experiments/<op>/``
 (configs, model geometry, raw runs, plots), ``results/`` (tables) and
-``build/smoke/`` (smoke runs). Package code finds them through :func:`repo_root`,
+``build/smoke/`` (smoke runs). Package code finds them through `repo_root`,
 never through the current directory:
 
 * ``DSFUSE_ROOT``, when set, names the repository root (for a copy of the
@@ -11,13 +11,13 @@ never through the current directory:
   lives at ``<repo>/kernels/dsfuse``.
 
 Either way the root must hold an ``experiments/`` folder; if it does not,
-:func:`repo_root` raises :class:`FileNotFoundError` saying how to set ``DSFUSE_ROOT``.
+`repo_root` raises `FileNotFoundError` saying how to set ``DSFUSE_ROOT``.
 
 Relative paths written in configs (``model_config: experiments/<op>/model.yaml``)
 and the defaults of package functions are relative to the repository root
-(:func:`repo_path`). A path typed on a command line is taken relative to the
+(`repo_path`). A path typed on a command line is taken relative to the
 current directory when it exists there, and otherwise relative to the
-repository root (:func:`cli_path`).
+repository root (`cli_path`).
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ def relative(path: str | os.PathLike) -> str:
 
 
 def repo_url() -> str:
-    """The repository's web address (``repo_url`` of mkdocs.yml, else :data:`DEFAULT_REPO_URL`), no trailing slash."""
+    """The repository's web address (``repo_url`` of mkdocs.yml, else `DEFAULT_REPO_URL`), no trailing slash."""
     try:
         text = (repo_root() / "mkdocs.yml").read_text()
     except OSError:

@@ -1,7 +1,7 @@
 """Vision RoPE backward experiment: geometries from the image processor, inputs, reference, providers.
 
 Each case is one image geometry: ``T = n_h * n_w`` patch tokens from
-:func:`dsfuse.models.vision_geometry.patch_grid` with the processor values of
+`dsfuse.models.vision_geometry.patch_grid` with the processor values of
 ``experiments/vision_rope/model.yaml``. Inputs are what the model's 3D math SDPA
 hands back: ``dq_htd`` and ``dv_htd`` contiguous ``[H, T, D]``, ``dk_hdt``
 contiguous ``[H, D, T]``, plus the fp32 tables. The output is ``dqkv``
@@ -183,7 +183,7 @@ def after_run(config: dict, run_dir: Path, device: torch.device) -> None:
 
 
 def report_extra(run_dir: Path) -> list[str]:
-    """Tables of the whole-tower run (:mod:`dsfuse.bench.vision_tower`), when the run has one."""
+    """Tables of the whole-tower run (`dsfuse.bench.vision_tower`), when the run has one."""
     import pandas as pd
     from tabulate import tabulate
 

@@ -1,7 +1,7 @@
 """Context parallelism for Gated DeltaNet: one packed row of documents split over the ranks of a
 ``torch.distributed`` process group, the state carried across ranks exactly and deterministically.
 
-The split (:func:`cp_shards`): rank ``r`` of ``W`` holds tokens ``[floor(r T / W), floor((r + 1) T / W))``
+The split (`cp_shards`): rank ``r`` of ``W`` holds tokens ``[floor(r T / W), floor((r + 1) T / W))``
 of the global row; a document may start before its share (``from_prev``), continue after it
 (``to_next``) or both (the rank *spans* it: one document covers the whole share).
 
@@ -58,7 +58,7 @@ __all__ = ["CPShard", "cp_shards", "cp_shard", "count_exchanged_bytes"]
 
 @dataclass(frozen=True)
 class CPShard:
-    """One rank's part of a packed row of documents (:func:`cp_shards`).
+    """One rank's part of a packed row of documents (`cp_shards`).
 
     ``start``, ``end``: its global token range; ``cu_seqlens``: int64 CPU ``[n + 1]``, the local
     document offsets (``0`` to ``end - start``); ``docs``: the global indices of its ``n``
@@ -121,18 +121,18 @@ def _shards(bounds: list[int], world_size: int) -> list[CPShard]:
 
 
 def cp_shards(cu_seqlens: torch.Tensor, world_size: int) -> list[CPShard]:
-    """The split of a packed row of documents over ``world_size`` ranks, one :class:`CPShard` per rank.
+    """The split of a packed row of documents over ``world_size`` ranks, one `CPShard` per rank.
 
     ``cu_seqlens``: the global document offsets (int32/int64 ``[N + 1]``, non-decreasing from 0 to
     ``T``, any device; read on the host). Rank ``r`` holds tokens ``floor(r T / W)`` to
     ``floor((r + 1) T / W)``: slice the row (``q``, ``k``, ``v``, ``g``, ``beta``) as
     ``x[:, shard.start:shard.end]`` and pass the *global* ``cu_seqlens`` with ``cp_group`` to
-    :func:`dsfuse.gdn.chunk_gdn`; ``shard.cu_seqlens`` are the local offsets, for other layers."""
+    `dsfuse.gdn.chunk_gdn`; ``shard.cu_seqlens`` are the local offsets, for other layers."""
     return _shards(_global_bounds(cu_seqlens), world_size)
 
 
 def cp_shard(cu_seqlens: torch.Tensor, group: dist.ProcessGroup | None = None) -> CPShard:
-    """This rank's :class:`CPShard` in ``group`` (default: the world)."""
+    """This rank's `CPShard` in ``group`` (default: the world)."""
     return cp_shards(cu_seqlens, dist.get_world_size(group))[dist.get_rank(group)]
 
 

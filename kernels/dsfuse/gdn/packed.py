@@ -1,7 +1,7 @@
 """q, k and v as head views of one packed projection row, and their gradient as one row.
 
 The model projects each token to one row ``[q heads | k heads | v heads]`` of width
-``(2H + HV) D``; :func:`packed_qkv_views` hands out the three head views of it without a copy::
+``(2H + HV) D``; `packed_qkv_views` hands out the three head views of it without a copy::
 
     row [T, (2H + HV) D] or [B, T, (2H + HV) D]
     q = heads [0, H),  k = heads [H, 2H),  v = heads [2H, 2H + HV)   # [B, T, H | H | HV, D], B = 1 for a 2-D row
@@ -19,10 +19,10 @@ views as the three outputs of ONE autograd node (``_PackedQKV``), whose backward
 ``dq``, ``dk``, ``dv`` and returns ONE gradient of the row:
 
 * when ``dq``, ``dk``, ``dv`` are exactly the head views of one buffer in the packed layout
-  (:func:`is_packed_qkv`: one storage, offsets ``0``, ``H D``, ``2H D`` from a common base,
+  (`is_packed_qkv`: one storage, offsets ``0``, ``H D``, ``2H D`` from a common base,
   the packed strides, the row's dtype), that buffer is handed over as the row's gradient (a
   view of it covering the whole row): no copy, no concatenation. A consumer gets this by
-  allocating its gradients with :func:`packed_grad_row`;
+  allocating its gradients with `packed_grad_row`;
 * otherwise (a gradient is None because an output was not used, a gradient made by ordinary
   ops, or one accumulated from several uses of a view) the row gradient is assembled once by
   writing the three gradients into a new buffer (zeros for None): the concatenation the first
@@ -39,7 +39,7 @@ under ``torch.no_grad`` they are allowed, as for every torch view, and change th
 
 Plain split views (``row.view(T, 2H + HV, D).split([H, H, HV], 1)``, unsqueezed to
 ``[1, T, ...]``) stay usable and go through torch's own autograd (split and unsqueeze nodes,
-hooks and ``retain_grad`` as usual); :func:`packed_grad_row` recognises them too, and since both
+hooks and ``retain_grad`` as usual); `packed_grad_row` recognises them too, and since both
 paths only move values, the row gradient is bitwise the same either way.
 """
 
@@ -110,7 +110,7 @@ def is_packed_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
 
 
 def _row_of(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shape) -> torch.Tensor:
-    """The packed row of ``shape`` whose head views are ``q``, ``k``, ``v`` (:func:`is_packed_qkv` holds)."""
+    """The packed row of ``shape`` whose head views are ``q``, ``k``, ``v`` (`is_packed_qkv` holds)."""
     return q.as_strided(shape, _packed_strides(shape), q.storage_offset())
 
 
@@ -125,7 +125,7 @@ def _split(row: torch.Tensor, heads: int, value_heads: int):
 
 
 class PackedGrad(NamedTuple):
-    """A new gradient row and its head views (see :func:`packed_grad_row`)."""
+    """A new gradient row and its head views (see `packed_grad_row`)."""
 
     row: torch.Tensor
     q: torch.Tensor
@@ -136,8 +136,8 @@ class PackedGrad(NamedTuple):
 def packed_grad_row(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> PackedGrad | None:
     """Gradient buffers for ``q``, ``k``, ``v`` laid out as one packed row, or None.
 
-    If ``q``, ``k``, ``v`` are head views of one packed row (:func:`is_packed_qkv`: the views of
-    :func:`packed_qkv_views`, or plain split views of a packed row), returns
+    If ``q``, ``k``, ``v`` are head views of one packed row (`is_packed_qkv`: the views of
+    `packed_qkv_views`, or plain split views of a packed row), returns
     ``PackedGrad(row, dq, dk, dv)``: a new uninitialised ``row`` shaped ``[B, T, (2H + HV) D]``
     (``[T, ...]`` for 3-D views) in q's dtype and device, and ``dq``, ``dk``, ``dv`` its head
     views, shaped like ``q``, ``k``, ``v``. A backward that writes its gradients into them hands

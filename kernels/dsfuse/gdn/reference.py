@@ -15,7 +15,7 @@ Layouts (the API's): ``q``, ``k`` ``[B, T, H, K]``; ``v`` ``[B, T, HV, V]``; ``g
             S_t = S + k_t u_t^T
             o_t = scale * S_t^T q_t                # scale defaults to K ** -0.5
 
-:func:`naive_recurrent_gdn` runs this token by token. :func:`chunk_gdn_reference` runs the
+`naive_recurrent_gdn` runs this token by token. `chunk_gdn_reference` runs the
 chunked algorithm the kernels implement (chunks of ``C = 64`` tokens, each document chunked
 from its own start). Within a chunk with state ``h`` at its start, ``G = cumsum(g)`` (chunk
 local) and ``Gamma_ij = exp(G_i - G_j)`` for ``j <= i`` (0 above the diagonal), the
@@ -37,10 +37,10 @@ overflow nor produce ``0 * inf`` in the forward or in autograd's backward.
 
 The stage functions work on the padded chunk layout ``[NC, HV, C, ...]`` (chunk, value head,
 position in chunk, channel); padding positions hold zeros (``g = 0`` there keeps the cumulative
-gate flat, ``k = q = beta = 0`` make their rows and columns vanish). :func:`to_chunks` and
-:func:`from_chunks` convert from and to the packed token layout ``[T, HV, ...]`` (the batch
+gate flat, ``k = q = beta = 0`` make their rows and columns vanish). `to_chunks` and
+`from_chunks` convert from and to the packed token layout ``[T, HV, ...]`` (the batch
 dim dropped, ``B * T`` tokens without ``cu_seqlens``) in which kernels store their
-intermediates; :func:`chunk_gdn_stages` returns every intermediate in that layout.
+intermediates; `chunk_gdn_stages` returns every intermediate in that layout.
 
 Everything here is eager, differentiable by autograd (``torch.autograd.grad`` of either
 oracle in fp64 gives the gradient oracle: dq, dk, dv, dg, dbeta, dh0) and runs on the CPU.
@@ -132,7 +132,7 @@ def prepare_chunk_indices(cu_seqlens, chunk_size: int = CHUNK_SIZE) -> torch.Ten
 
 
 def prepare_chunk_offsets(cu_seqlens, chunk_size: int = CHUNK_SIZE) -> torch.Tensor:
-    """int64 ``[N + 1]``: index of each sequence's first chunk in :func:`prepare_chunk_indices` (and ``NC``)."""
+    """int64 ``[N + 1]``: index of each sequence's first chunk in `prepare_chunk_indices` (and ``NC``)."""
     bounds = _seqlens_list(cu_seqlens)
     counts = [-(-(eos - bos) // chunk_size) for bos, eos in itertools.pairwise(bounds)]
     offsets = [0]
@@ -273,7 +273,7 @@ def chunk_state_pass(k: torch.Tensor, w: torch.Tensor, u: torch.Tensor, g_cum: t
     """Sequential over chunks: ``(h, v_new, final_state)``.
 
     ``k``, ``w`` ``[NC, HV, C, K]``; ``u`` ``[NC, HV, C, V]``; ``g_cum`` ``[NC, HV, C]``;
-    ``chunk_indices`` ``[NC, 3]`` from :func:`prepare_chunk_indices`; ``initial_state``
+    ``chunk_indices`` ``[NC, 3]`` from `prepare_chunk_indices`; ``initial_state``
     ``[N, HV, K, V]`` or None (zeros). A sequence's first chunk starts from its initial state::
 
         h_c     = state before chunk c                           # [HV, K, V]
@@ -322,7 +322,7 @@ class ChunkStages(NamedTuple):
     """Every intermediate of the chunked forward, in the packed token layout kernels store.
 
     ``T`` is the packed token count (``B * T`` without ``cu_seqlens``), ``NC`` the number of
-    chunks (:func:`prepare_chunk_indices` order), ``C`` the chunk size. All in the compute dtype.
+    chunks (`prepare_chunk_indices` order), ``C`` the chunk size. All in the compute dtype.
     """
 
     chunk_indices: torch.Tensor  # [NC, 3] int64 (sequence, start, end)
@@ -357,9 +357,9 @@ def _chunk_forward(q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk_l2
 def chunk_gdn_stages(q, k, v, g, beta, scale=None, initial_state=None, cu_seqlens=None,
                      use_qk_l2norm_in_kernel=False, compute_dtype=torch.float64,
                      chunk_size=CHUNK_SIZE) -> ChunkStages:
-    """The chunked forward's intermediates (:class:`ChunkStages`), for testing kernel stages one by one.
+    """The chunked forward's intermediates (`ChunkStages`), for testing kernel stages one by one.
 
-    Arguments as :func:`chunk_gdn_reference`; everything returned is in ``compute_dtype``.
+    Arguments as `chunk_gdn_reference`; everything returned is in ``compute_dtype``.
     """
     chunks, num_tokens = _chunk_forward(q, k, v, g, beta, scale, initial_state, cu_seqlens,
                                         use_qk_l2norm_in_kernel, compute_dtype, chunk_size)
@@ -374,7 +374,7 @@ def chunk_gdn_reference(q, k, v, g, beta, scale=None, initial_state=None, output
                         chunk_size=CHUNK_SIZE):
     """The chunked algorithm the kernels implement, stage by stage: ``(o, final_state)``.
 
-    Arguments and results as :func:`naive_recurrent_gdn` (same layouts, dtypes and
+    Arguments and results as `naive_recurrent_gdn` (same layouts, dtypes and
     conventions), plus ``chunk_size`` (``C``, 64 in the kernels). Each document is chunked
     from its own start. Runs in fp32 (the kernels' arithmetic, without their bf16 operand
     rounding) or fp64; differentiable by autograd.

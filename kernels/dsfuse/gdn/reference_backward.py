@@ -1,7 +1,7 @@
 """Gated DeltaNet chunked backward, stage by stage, as explicit formulas (no autograd).
 
 The oracle the backward kernel stages are tested against. Same padded chunk layout as the
-forward stages in :mod:`dsfuse.gdn.reference` (``[NC, HV, C, ...]``, zeros on padding).
+forward stages in `dsfuse.gdn.reference` (``[NC, HV, C, ...]``, zeros on padding).
 Per chunk, with ``G`` the chunk-local cumulative gate, ``Gamma`` / ``Gamma'`` the decay matrix
 with / without the diagonal, ``h`` the state at the chunk's start, the forward is::
 
@@ -29,13 +29,13 @@ and the backward, given ``do`` and ``dH`` = the gradient of the state at the chu
     dG += sum(X dX) + rowsum(dL * L) - colsum(dL * L)
 
 ``dG`` is the gradient of the chunk-local cumulative gate; ``dg`` is its reverse cumulative
-sum within each chunk (:func:`chunk_local_cumsum_backward`). The state gradient ``dh`` stored
+sum within each chunk (`chunk_local_cumsum_backward`). The state gradient ``dh`` stored
 per chunk is the gradient of the state AFTER the chunk (the ``dH`` each chunk reads; the
 convention of flash-linear-attention's ``chunk_gated_delta_rule_bwd_dhu``).
 
-Every stage reads ``g_cum`` in the padded chunk layout as :func:`chunk_local_cumsum` makes it:
+Every stage reads ``g_cum`` in the padded chunk layout as `chunk_local_cumsum` makes it:
 flat past a chunk's end, so position ``C - 1`` holds ``G_last``. A packed ``g_cum`` (as
-:func:`chunk_gdn_stages` returns it) put back with ``to_chunks`` has zeros there instead and
+`chunk_gdn_stages` returns it) put back with ``to_chunks`` has zeros there instead and
 must not be passed as is.
 """
 
@@ -116,7 +116,7 @@ def chunk_dqkwg(q: torch.Tensor, k: torch.Tensor, v_new: torch.Tensor, h: torch.
     """``(dq, dk, dw, dg_cum)`` from the output and the state update (the WY path not included).
 
     ``h`` the state at each chunk's start, ``dh`` the gradient of the state after it (from
-    :func:`chunk_state_backward`), ``dv_new`` the total gradient of ``v_new``. ``dq`` is
+    `chunk_state_backward`), ``dv_new`` the total gradient of ``v_new``. ``dq`` is
     complete; ``dk`` holds the output and state-update terms; ``dw = -dv_new h^T`` (v_new =
     u - w h); ``dg_cum`` ``[NC, HV, C]`` the gradient of the cumulative gate ``G`` from
     ``o`` and ``h_next`` (the gradient of ``G_last`` lands on the chunk's last position, C - 1).
@@ -195,7 +195,7 @@ def chunk_gdn_backward_reference(q, k, v, g, beta, scale=None, initial_state=Non
                                  compute_dtype=torch.float64, chunk_size=CHUNK_SIZE):
     """The chunked backward assembled from the stages: ``(dq, dk, dv, dg, dbeta, dh0)``.
 
-    Inputs as :func:`dsfuse.gdn.chunk_gdn_reference`; ``do`` ``[B, T, HV, V]`` (or the packed
+    Inputs as `dsfuse.gdn.chunk_gdn_reference`; ``do`` ``[B, T, HV, V]`` (or the packed
     ``[B*T, HV, V]``); ``dht`` ``[N, HV, K, V]`` or None. Returns, in ``compute_dtype``, ``dq``,
     ``dk`` ``[B, T, H, K]``, ``dv`` ``[B, T, HV, V]``, ``dg``, ``dbeta`` ``[B, T, HV]`` and ``dh0``
     ``[N, HV, K, V]`` (None without ``initial_state``). Tokens in no document get zeros.

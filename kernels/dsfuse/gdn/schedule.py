@@ -1,6 +1,6 @@
 """The chunked Gated DeltaNet forward as a sequence of stages, backend-neutral.
 
-A backend supplies its stage launchers (:class:`ForwardStages`); the schedule allocates the
+A backend supplies its stage launchers (`ForwardStages`); the schedule allocates the
 intermediates once per call and strings the stages together in the packed token layout:
 
 1. ``cumsum``: ``g`` ``[T, HV]`` -> chunk-local cumulative gate ``g_cum`` (fp32);
@@ -10,7 +10,7 @@ intermediates once per call and strings the stages together in the packed token 
    chunk's start) ``[NC, HV, K, V]``, ``v_new = u - w h``, the final state;
 4. ``output``: ``o = scale [(q exp(G)) h + tril(q k^T Gamma) v_new]``.
 
-The backward (:class:`BackwardStages`, :func:`backward_calls`) recomputes what the forward
+The backward (`BackwardStages`, `backward_calls`) recomputes what the forward
 did not keep (``w``, ``u`` from the saved ``A``; ``h``, ``v_new`` by a second state pass) and
 runs, in order: ``dv_local`` (the intra-chunk part of ``v_new``'s gradient), the reverse state
 pass (``dh``, the total ``dv_new``, ``dh0``), ``dqkwg`` (``dq`` and part of ``dk`` per value
@@ -129,7 +129,7 @@ def stage_calls(stages: ForwardStages, q, k, v, g, beta, *, scale: float, initia
     """The forward of validated inputs as ``(calls, ForwardOutputs)``: ``calls`` lists
     ``(stage name, zero-argument launch)`` in order over buffers allocated here, once; running
     them fills the outputs. ``cu_seqlens``: the document bounds (python ints) or None (``B``
-    sequences of ``T``). Experiments time the calls one by one; :func:`forward` runs them."""
+    sequences of ``T``). Experiments time the calls one by one; `forward` runs them."""
     batch, tokens, heads_v, dim_v = v.shape
     dim_k = k.shape[-1]
     n = batch * tokens
@@ -157,7 +157,7 @@ def stage_calls(stages: ForwardStages, q, k, v, g, beta, *, scale: float, initia
 
 def forward(stages: ForwardStages, q, k, v, g, beta, **kwargs) -> ForwardOutputs:
     """The forward of validated inputs ``q, k [B, T, H, K]``, ``v [B, T, HV, V]``, ``g, beta [B, T, HV]``
-    (keyword arguments as :func:`stage_calls`)."""
+    (keyword arguments as `stage_calls`)."""
     calls, outputs = stage_calls(stages, q, k, v, g, beta, **kwargs)
     for _, launch in calls:
         launch()
@@ -171,9 +171,9 @@ DH0_STAGES = ("recompute w, u", "dv_local", "state backward")
 
 def backward_calls(stages: BackwardStages, q, k, v, beta, g_cum, A, do, dht, *, scale: float, initial_state,
                    cu_seqlens, use_qk_l2norm: bool, dq=None, dk=None, dv=None):
-    """The backward of a forward's inputs as ``(calls, Gradients)`` (see :func:`stage_calls`).
+    """The backward of a forward's inputs as ``(calls, Gradients)`` (see `stage_calls`).
 
-    ``g_cum``, ``A``: the forward's (:class:`ForwardOutputs`); ``do`` ``[B, T, HV, V]`` (unit
+    ``g_cum``, ``A``: the forward's (`ForwardOutputs`); ``do`` ``[B, T, HV, V]`` (unit
     channel stride); ``dht`` fp32 ``[N, HV, K, V]`` or None (the final state's gradient);
     ``dh0`` is computed when ``initial_state`` is given. ``dq``, ``dk``, ``dv`` may be given
     (e.g. head views of one packed gradient row) and are then written in place."""
@@ -216,7 +216,7 @@ def backward_calls(stages: BackwardStages, q, k, v, beta, g_cum, A, do, dht, *, 
 
 
 def backward(stages: BackwardStages, *args, **kwargs) -> Gradients:
-    """The gradients of a forward (arguments as :func:`backward_calls`)."""
+    """The gradients of a forward (arguments as `backward_calls`)."""
     calls, grads = backward_calls(stages, *args, **kwargs)
     for _, launch in calls:
         launch()

@@ -10,12 +10,12 @@ Structure (from the released vision config): patch embedding Linear(588 -> 1024)
 263 parameters. Each block runs under non-reentrant activation checkpointing.
 
 ``rope="dsfuse"`` swaps the attention front end (rotary of q and k, the q/k/v
-split) for :func:`dsfuse.vision_rope.vision_rope_attention_front`; everything else
+split) for `dsfuse.vision_rope.vision_rope_attention_front`; everything else
 is the same code, so two runs differ only in that op.
 
-Weights are read from safetensors files by name (:data:`PARAM_NAMES` lists the
-names this module expects; :func:`load_weights` takes a rename map for files
-that spell them differently). :func:`synthetic_weights` makes weights of the
+Weights are read from safetensors files by name (`PARAM_NAMES` lists the
+names this module expects; `load_weights` takes a rename map for files
+that spell them differently). `synthetic_weights` makes weights of the
 real shapes for tests.
 """
 
@@ -105,7 +105,7 @@ def load_weights(paths, cfg: TowerConfig = TowerConfig(), rename: dict[str, str]
                  device="cpu") -> dict[str, torch.Tensor]:
     """Read the tower's parameters from one or more safetensors files.
 
-    ``rename`` maps a file's tensor names to :data:`PARAM_NAMES`. Every expected
+    ``rename`` maps a file's tensor names to `PARAM_NAMES`. Every expected
     parameter must be present with its shape; dtypes are converted to the model's.
     """
     from safetensors.torch import load_file
