@@ -567,7 +567,7 @@ def gpu_tests_cell(run_dir: Path, op: str) -> str:
     (``raw/gpu-tests/``, whose README says which commit each session tested)."""
     stored = _junit_counts(run_dir, op)
     logs = run_dir.parent / "gpu-tests"
-    if stored == "none stored" and logs.is_dir():
+    if stored == "none stored" and logs.is_dir() and any(logs.iterdir()):
         return f"[logs by commit]({raw_url(logs)})"
     return stored
 

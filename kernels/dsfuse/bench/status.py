@@ -59,7 +59,8 @@ def _gpu_tests(root: Path, op: str, run_id: str, link) -> str:
     sessions = sorted(run_dir.glob("junit-gpu*.xml"))
     if sessions:
         return f"{len(sessions)} session(s) with the run"
-    if (root / "experiments" / op / "raw" / "gpu-tests").is_dir():
+    logs = root / "experiments" / op / "raw" / "gpu-tests"
+    if logs.is_dir() and any(logs.iterdir()):  # an empty folder (untracked) is not evidence
         return f"[logs by commit]({link(op, 'gpu-tests', None)})"
     return "none stored"
 
