@@ -7,13 +7,18 @@ sets ``render_macros: true`` in its front matter quotes them instead of typing n
     {% set h200 = results("engram_gate", "h200") %}          the newest H200 run of the op
     {{ h200.us("gate_N4096_fwd") }}                           139.4 us  (dsfuse, graph/evicted)
     {{ h200.ratio("consumer_N4096_fwd+bwd", spread=True) }}   1.14x [1.07, 1.25]
+    {{ h200.target_us("gate_N4096_fwd+bwd") }}                400 us  (the target the config sets)
     {{ h200.run }}                                            a link to the run's anchor
     {% set old = results("engram_gate", "h200", "20261129-094157-h200") %}   a cited older run
 
 Every figure is formatted as the tables format it (us to 0.1, ratios to 0.01, fractions of copy in
-whole percent). The ratio is the project's one ratio: control latency / dsfuse latency, medians
-over all samples of the run (docs/method.md). A figure that the data does not hold raises, and the
-strict build fails (``on_error_fail``): prose never quotes a number the data lacks.
+whole percent). Targets come from the same data: the goals the run's config set (its copy of
+``experiments/<op>/configs/<gpu>.yaml``), which the targets table judges; prose quotes them with
+``target``, ``target_us``, ``target_of_copy``, ``target_speedup`` and ``target_fastest`` and never
+types a target's number (``tests/test_site_targets.py``). The ratio is the project's one ratio:
+control latency / dsfuse latency, medians over all samples of the run (docs/method.md). A figure
+that the data does not hold raises, and the strict build fails (``on_error_fail``): prose never
+quotes a number the data lacks.
 """
 
 from __future__ import annotations
@@ -94,9 +99,12 @@ class Figures:
         """The bytes floor at the run's copy bandwidth, e.g. ``345.7 us``."""
         return _us(self._get("floor_us", case, provider))
 
-    def time_at(self, case: str, fraction: float, provider: str = "dsfuse") -> str:
+    def time_at(self, case: str, fraction: float | None = None, provider: str = "dsfuse") -> str:
         """The latency at which ``provider`` would reach ``fraction`` of the copy bandwidth (its bytes
-        floor / ``fraction``), e.g. the time a ``>= 80% of copy`` goal allows."""
+        floor / ``fraction``), e.g. the time a ``>= 80% of copy`` goal allows; without ``fraction``,
+        the bandwidth goal of the case's target (``min_of_copy``)."""
+        if fraction is None:
+            fraction = self._goal(case, "min_of_copy", provider)
         return _us(self._get("floor_us", case, provider) / fraction)
 
     def share(self, case: str, stem: str, provider: str = "dsfuse", **setting) -> str:
@@ -123,11 +131,67 @@ class Figures:
 
     def met(self, case: str, at: str = GRAPH_EVICTED, provider: str = "dsfuse") -> str:
         """The targets table's verdict for a case: ``met``, or ``**missed**`` where any goal was missed."""
+        return "**missed**" if any("MISSED" in t["verdict"] for t in self._targets(case, provider, at)) else "met"
+
+    def met_in(self, cases: list[str], goal: str, other: str | None = None, provider: str = "dsfuse",
+               at: str = GRAPH_EVICTED) -> str:
+        """One goal's verdict over ``cases``: ``met at all 6``, or ``met at 4 of 6 (missed: T1521_39x39, ...)``."""
+        missed = [c for c in cases if "MISSED" in self._goal_row(c, goal, provider, at, other)["verdict"]]
+        if not missed:
+            return f"met at all {len(cases)}"
+        return f"met at {len(cases) - len(missed)} of {len(cases)} (**missed**: {', '.join(missed)})"
+
+    # targets: as the op's config sets them (experiments/<op>/configs/<gpu>.yaml, copied into the run)
+    # and the targets table judges them; prose quotes them from here and never retypes a target's number
+
+    def _targets(self, case: str, provider: str = "dsfuse", at: str = GRAPH_EVICTED) -> list[dict]:
         rows = [t for t in self.fig.get("targets", [])
                 if t["case"] == case and t["provider"] == provider and t["clock/cache"] == at]
         if not rows:
-            raise KeyError(f"{self.op} run {self.run_id}: no target for {case}, {provider}, {at}")
-        return "**missed**" if any("MISSED" in t["verdict"] for t in rows) else "met"
+            raise KeyError(f"{self.op} run {self.run_id}: no target for {case}, {provider}, {at} (targets: "
+                           f"{[(t['case'], t['provider'], t['clock/cache']) for t in self.fig.get('targets', [])]})")
+        return rows
+
+    def _goal_row(self, case: str, goal: str, provider: str = "dsfuse", at: str = GRAPH_EVICTED,
+                  other: str | None = None) -> dict:
+        """The one target of the case that sets ``goal`` (for ``min_speedup``: over provider ``other``)."""
+        rows = [t for t in self._targets(case, provider, at) if goal in t.get("goals", {})
+                and (other is None or other in t["goals"][goal])]
+        if len(rows) != 1:
+            raise KeyError(f"{self.op} run {self.run_id}: {len(rows)} targets of {case}, {provider}, {at} set {goal}"
+                           + (f" over {other}" if other else "") + f"; python -m dsfuse.bench report {self.op}")
+        return rows[0]
+
+    def _goal(self, case: str, goal: str, provider: str = "dsfuse", at: str = GRAPH_EVICTED, other: str | None = None):
+        return self._goal_row(case, goal, provider, at, other)["goals"][goal]
+
+    def verdict(self, case: str, provider: str = "dsfuse", at: str = GRAPH_EVICTED) -> str:
+        """The targets table's verdict per goal, e.g. ``latency **missed**, bandwidth met``."""
+        return "; ".join(t["verdict"] for t in self._targets(case, provider, at)).replace("MISSED", "**missed**")
+
+    def target(self, case: str, provider: str = "dsfuse", at: str = GRAPH_EVICTED) -> str:
+        """Every goal set for the case as the targets table states it, e.g. ```<= 75 us and >= 85% of copy```."""
+        return "; ".join(f"`{t['target']}`" for t in self._targets(case, provider, at))
+
+    def target_us(self, case: str, provider: str = "dsfuse", at: str = GRAPH_EVICTED) -> str:
+        """A target's latency goal (``max_us``), e.g. ``1,600 us``."""
+        return f"{self._goal(case, 'max_us', provider, at):,g} us"
+
+    def target_of_copy(self, case: str, provider: str = "dsfuse", at: str = GRAPH_EVICTED) -> str:
+        """A target's bandwidth goal (``min_of_copy``), e.g. ``85%`` (of the run's copy bandwidth)."""
+        return f"{100 * self._goal(case, 'min_of_copy', provider, at):.0f}%"
+
+    def target_speedup(self, case: str, other: str, provider: str = "dsfuse", at: str = GRAPH_EVICTED) -> str:
+        """A target's speedup goal over provider ``other`` (``min_speedup``), e.g. ``5x``."""
+        return f"{self._goal(case, 'min_speedup', provider, at, other)[other]:g}x"
+
+    def target_fastest(self, case: str, provider: str = "dsfuse", at: str = GRAPH_EVICTED,
+                       as_latency: bool = False) -> str:
+        """A target against the fastest valid control (``max_of_fastest``), as the report's ratio
+        (``1.18x``: control / dsfuse at least that), or with ``as_latency`` as the latency saved
+        (``15%`` lower)."""
+        fraction = self._goal(case, "max_of_fastest", provider, at)
+        return f"{100 * (1 - fraction):.0f}%" if as_latency else _x(1 / fraction)
 
     def _ceiling(self) -> float:
         return max(self.fig["copy_tbps"].values())
@@ -136,9 +200,12 @@ class Figures:
         """The bytes floor with ``extra_bytes`` more moved at the run's copy bandwidth (a design's own floor)."""
         return _us(self._get("floor_us", case, provider) + extra_bytes / (self._ceiling() * 1e6))
 
-    def copy_needed(self, case: str, limit_us: float, extra_bytes: float = 0, provider: str = "dsfuse") -> str:
+    def copy_needed(self, case: str, limit_us: float | None = None, extra_bytes: float = 0,
+                    provider: str = "dsfuse") -> str:
         """The fraction of the copy bandwidth a design moving the floor's bytes plus ``extra_bytes`` needs
-        to finish within ``limit_us``, e.g. ``96%``."""
+        to finish within ``limit_us`` (default: the case's latency target), e.g. ``96%``."""
+        if limit_us is None:
+            limit_us = self._goal(case, "max_us", provider)
         floor = self._get("floor_us", case, provider) + extra_bytes / (self._ceiling() * 1e6)
         return f"{100 * floor / limit_us:.0f}%"
 
@@ -154,8 +221,12 @@ class Figures:
         """``other``'s median over ``provider``'s (the same ratio against a named provider), e.g. ``3.65x``."""
         return _x(self._get("us", case, other, at) / self._get("us", case, provider, at))
 
-    def over(self, case: str, limit_us: float, provider: str = "dsfuse", at: str = GRAPH_EVICTED) -> str:
-        """How far the median is above ``limit_us``, in percent of it, e.g. ``4%``."""
+    def over(self, case: str, limit_us: float | None = None, provider: str = "dsfuse", at: str = GRAPH_EVICTED,
+             target_of: str = "dsfuse") -> str:
+        """How far the median is above ``limit_us`` (default: the latency target of ``case`` and
+        provider ``target_of``), in percent of it, e.g. ``4%``."""
+        if limit_us is None:
+            limit_us = self._goal(case, "max_us", target_of, at)
         return f"{100 * (self._get('us', case, provider, at) / limit_us - 1):.0f}%"
 
     # whole-model and host figures

@@ -1,10 +1,12 @@
-"""Screenshots of each op page's contract (typeset formulas) and main results table, for the docs.
+"""Screenshots of each op page's contract (typeset formulas), headline results table and first plot.
 
     python scripts/screenshot_ops.py build/site [--out docs/screenshots]
 
 Serves the built site and drives Debian's Chromium the way ``scripts/check_site.py`` does (same
-server, browser flags and viewport), opens every ``details`` block, and clips two regions per op
-page: from the "Contract" heading down, and the first results table with a ratio column. The ops
+server, browser flags and viewport), opens every ``details`` block, and clips three regions per op
+page: from the "Contract" heading down (``<op>-contract.png``), the first results table with a ratio
+column, the headline regime's (``<op>-results-table.png``), and the first plot of the op's
+experiment with its heading (``<op>-plot.png``). The ops
 are every op with an experiment (``dsfuse.bench.experiments()``, from the registry), each with its
 page ``docs/ops/<op>.md``; an op whose page is missing from the site, or has no "Contract"
 heading, is an error, not skipped.
@@ -27,6 +29,8 @@ CONTRACT_TOP = """() => { const h = [...document.querySelectorAll('h2')].find(e 
 RESULTS_TABLE = """() => { const t = [...document.querySelectorAll('.md-typeset table')]
   .find(t => t.rows[0] && /ratio/.test(t.rows[0].textContent) && t.rows[0].cells.length >= 8);
   if (!t) return null; const r = t.getBoundingClientRect(); return [r.top + window.scrollY, r.height]; }"""
+PLOT = """() => { const i = [...document.querySelectorAll('.md-typeset img')].find(i => /\\/plots\\//.test(i.src));
+  if (!i) return null; const r = i.getBoundingClientRect(); return [r.top + window.scrollY, r.height]; }"""
 
 
 def page_source(op: str) -> Path:
@@ -72,6 +76,8 @@ def main(argv=None) -> int:
                 clips = {"contract": dict(x=0, y=max(top - 10, 0), width=width, height=HEIGHT)}
                 if table := page.evaluate(RESULTS_TABLE):
                     clips["results-table"] = dict(x=0, y=table[0] - 60, width=width, height=min(table[1] + 80, HEIGHT))
+                if plot := page.evaluate(PLOT):
+                    clips["plot"] = dict(x=0, y=plot[0] - 20, width=width, height=min(plot[1] + 40, HEIGHT))
                 for name, clip in clips.items():
                     dest = args.out / f"{op}-{name}.png"
                     _small_png(page.screenshot(clip=clip, full_page=True), dest)

@@ -43,15 +43,22 @@ def test_host_time_and_report_do_not_import_each_other():
 
 
 def test_table_medians_and_targets():
+    """Medians per call and provider; the ratio targets are multiples of torch.add in the same run; an
+    autograd step must beat eager PyTorch's."""
     rows = [dict(call=c, provider=p, sample=i, host_us=v)
             for c, p, vals in (("forward", "dsfuse", (30, 40, 34)), ("forward", "eager PyTorch", (60, 61, 62)),
+                               ("backward", "dsfuse", (80, 80, 80)),
                                ("autograd forward+backward", "dsfuse", (250, 190, 260)),
+                               ("autograd forward+backward", "eager PyTorch", (240, 241, 242)),
+                               ("torch.add (1 kernel)", "baseline", (9, 10, 11)),
                                ("bare launch", "baseline", (12, 13, 14)))
             for i, v in enumerate(vals)]
-    got = tables.host_time_table(pd.DataFrame(rows)).set_index("call")
-    assert got.loc["forward", "dsfuse us"] == "34.0" and got.loc["forward", "met"] == "yes"
-    assert got.loc["forward", "eager PyTorch us"] == "61.0"
-    assert got.loc["autograd forward+backward", "met"] == "NO"
+    got = tables.host_time_table(pd.DataFrame(rows), {"forward": 3.5, "backward": 7}).set_index("call")
+    assert got.loc["forward", "dsfuse us"] == "34.0" and got.loc["forward", "eager PyTorch us"] == "61.0"
+    assert got.loc["forward", "x torch.add"] == "3.4" and got.loc["forward", "target"] == "<= 3.5x torch.add"
+    assert got.loc["forward", "met"] == "yes" and got.loc["backward", "met"] == "NO"
+    assert got.loc["autograd forward+backward", "target"] == "< eager PyTorch"
+    assert got.loc["autograd forward+backward", "met"] == "NO"  # 250 > 241
     assert got.loc["bare launch", "baseline us"] == "13.0" and got.loc["bare launch", "met"] == ""
 
 

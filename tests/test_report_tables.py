@@ -169,3 +169,37 @@ def test_report_keeps_its_public_names():
                  "CLOCK_REGIMES"):
         assert hasattr(report, name), name
     assert report._fmt(float("nan")) == "n/a" and report._fmt(1.234, 2) == "1.23"
+
+
+def test_plots_are_linear_from_zero_one_panel_per_case_titled_with_gpu_regime_and_shape(tmp_path, monkeypatch):
+    figures = []
+    monkeypatch.setattr(report.plt, "close", figures.append)  # keep each figure to look at it
+    shapes = {"q_1x8x4x16_fwd": dict(tensor="q", shape=[1, 8, 4, 16]),
+              "kv_1x8x16_fwd": dict(tensor="kv", shape=[1, 8, 16])}
+    med = pd.DataFrame([dict(case=case, mode="fwd", provider=p, clock=clock, regime="evicted", us=us)
+                        for case in shapes for p, us in (("dsfuse", 4.0), ("eager", 40.0))
+                        for clock in ("graph", "eager")])
+    cases = pd.DataFrame([dict(case=case, params=json.dumps(dict(p, dtype="bfloat16"))) for case, p in shapes.items()])
+    validation = pd.DataFrame([dict(case=case, provider=p, role=r, stage="before", status=status)
+                               for case in shapes for p, r, status in (("dsfuse", "candidate", "pass"),
+                                                                       ("eager", "control", "fail"))])
+    floors = {(case, p): 1.0 for case in shapes for p in ("dsfuse", "eager")}
+    written = report.plot_modes("fake", med, floors, tmp_path, False, gpu="GPU X", validation=validation, cases=cases)
+    assert written == [tmp_path / "fake_fwd.png"] and written[0].exists() and len(figures) == 1
+    fig = figures[0]
+    title = fig._suptitle.get_text()
+    assert "fake, forward: median latency on the GPU X" in title
+    assert "CUDA Graph replay, L2 evicted" in title and "bf16" in title and "linear from 0" in title
+    panels = [ax for ax in fig.axes if ax.get_visible()]
+    assert [ax.get_title() for ax in panels] == ["q [1, 8, 4, 16]", "kv [1, 8, 16]"]  # the run's order of cases
+    assert all(ax.get_xscale() == "linear" and ax.get_xlim()[0] == 0 for ax in panels)
+    assert [t.get_text() for t in panels[0].get_yticklabels()] == ["dsfuse", "eager"]
+    legend = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert "failed a check (not a baseline)" in legend and "bytes floor at the run's copy bandwidth" in legend
+
+
+def test_checks_summary_names_the_providers_that_did_not_pass():
+    table = pd.DataFrame([["a", "dsfuse", "bitwise", "pass", "before", ""], ["a", "eager", "bitwise", "fail", "", "x"],
+                          ["b", "eager", "bitwise", "fail", "", "x"]], columns=tables.CHECK_COLUMNS)
+    assert report.checks_summary(table) == ("1 of 3 (case, provider) pairs passed every check they ran. Not passed "
+                                            "(never the baseline where it did not pass): eager fail in 2 cases.")

@@ -197,7 +197,8 @@ def test_the_kernel_hash_covers_the_op_kernels_and_their_package_imports(tmp_pat
     package = tmp_path / "dsfuse"
     shutil.copytree(REPO / "kernels" / "dsfuse", package, ignore=shutil.ignore_patterns("__pycache__"))
     files = [p.relative_to(package).as_posix() for p in env.kernel_files("text_rope", package)]
-    assert files == [_kernel_file("text_rope", "triton")]  # not api.py, not the table (__init__), not aot.py
+    # the bound launch path (launch.py) is: it is how the kernels run; not api.py, the table (__init__), aot.py
+    assert files == ["_common/launch.py", _kernel_file("text_rope", "triton")]
     vision = [p.relative_to(package).as_posix() for p in env.kernel_files("vision_rope", package)]
     assert {_kernel_file("vision_rope", "triton"), _kernel_file("vision_rope", "cutedsl"),
             "_common/cutedsl.py"} <= set(vision)
@@ -329,7 +330,7 @@ def test_moved_kernel_code_is_unchanged_and_a_real_change_is_not(committed_packa
     package, git, run = committed_package
     backend = package / "text_rope" / "triton"
     assert [p.relative_to(package).as_posix() for p in env.kernel_files("text_rope", package)] == [
-        "text_rope/triton/kernels.py"]  # not the table (__init__.py), not the AOT check
+        "_common/launch.py", "text_rope/triton/kernels.py"]  # not the table (__init__.py), not the AOT check
     (backend / "kernels.py").rename(backend / "rope.py")  # a renamed file
     state = env.source_state("text_rope", run, package)
     assert (state["state"], state["how"]) == ("current", "git")

@@ -355,6 +355,14 @@ class OpBackends:
             LOG.debug("%s%s: backend %r served (asked %r): %s", self.op, f" {call}" if call else "", chosen, asked, why)
         return chosen
 
+    def reused(self, chosen: str, call: str | None) -> str:
+        """Log that a call reuses the backend chosen for the first call of its signature (see
+        ``dsfuse._common.plans``); return ``chosen``."""
+        if LOG.isEnabledFor(logging.DEBUG):
+            LOG.debug("%s%s: backend %r served (chosen for the first call of this signature)", self.op,
+                      f" {call}" if call else "", chosen)
+        return chosen
+
     def auto_order(self, device: torch.device) -> tuple[str, ...]:
         """The fused backends ``auto`` tries on ``device``'s GPU family, in order."""
         return self._orders.get(gpu_family(device), self._default_order)

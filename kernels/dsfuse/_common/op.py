@@ -91,10 +91,14 @@ class DeclaredOp:
         return f"DeclaredOp({self.name})"
 
 
+_UNTRACED = frozenset({torch.Tensor, torch.nn.Parameter, bool, int, float, str, type(None)})  # skip isinstance
+
+
 def _tracing(args) -> bool:
     """True while torch.compile traces: dynamo, or AOT autograd tracing a backward formula with
     fake/functional tensors (where ``is_compiling()`` is False): the custom op must be called."""
-    return torch.compiler.is_compiling() or any(isinstance(a, (FakeTensor, FunctionalTensor)) for a in args)
+    return torch.compiler.is_compiling() or any(
+        type(a) not in _UNTRACED and isinstance(a, (FakeTensor, FunctionalTensor)) for a in args)
 
 
 def tracing(*args) -> bool:

@@ -227,6 +227,11 @@ def report_extra(run_dir: Path) -> list[str]:
 # -- the op's piece of the tools that loop over every op (host time, fingerprints, ncu) --------
 
 
+# Host-time targets: the dsfuse call's median host time at most this many torch.add calls' in the same run
+# (python -m dsfuse.bench.host_time on the H200 machine); an autograd forward+backward below eager PyTorch's.
+HOST_TARGETS = {"forward": 5}
+
+
 def host_time_calls(dev: torch.device) -> list[tuple]:
     """``(call, provider, fn)`` rows of ``python -m dsfuse.bench.host_time`` on tiny tensors (4 tokens,
     4 streams of 5120): functional forward and backward, autograd forward+backward and eager PyTorch,
@@ -256,7 +261,10 @@ def host_time_calls(dev: torch.device) -> list[tuple]:
         ("backward (functional)", "dsfuse", lambda: engram_gate_backward(dout, x, kv, weight, mask, saved, eps=eps)),
         ("plan forward", "dsfuse", lambda: plan.forward(x, kv, weight, mask, out, saved)),
         ("plan backward", "dsfuse", lambda: plan.backward(dout, x, kv, weight, mask, saved, *grads)),
-        ("forward part: validation", "dsfuse", lambda: api._check_inputs(x, kv, weight, mask, eps, 1e-6)),
+        ("forward part: signature lookup (a seen signature)", "dsfuse",
+         lambda: api.FORWARD_PLANS.get(api.FORWARD_PLANS.key("auto", x, kv, weight, mask, eps, 1e-6, None, None))),
+        ("forward part: validation (a new signature)", "dsfuse",
+         lambda: api._check_inputs(x, kv, weight, mask, eps, 1e-6)),
         ("forward part: launch (allocate + 1 Triton launch)", "dsfuse",
          lambda: api.forward_ops["triton"](x, kv, weight, mask, eps, 1e-6)),
     ] + cutedsl_rows(dev, lambda: _host_time_cutedsl_rows(dev, x, kv, weight, mask, dout, saved, out, grads, eps))

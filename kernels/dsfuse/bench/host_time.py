@@ -12,9 +12,10 @@ and the eager PyTorch equivalent, forward and autograd forward+backward, and the
 forward (validation, backend choice, launches). Tensors are tiny, so the GPU idles and a loop of
 calls without synchronisation measures what the CPU spends to validate, choose a backend, allocate
 and enqueue. Two baselines run in the same process: a bare Triton launch of a trivial kernel and a
-``torch.add``. Targets (``dsfuse.bench.tables.HOST_TARGET_US``): a forward call <= 35 us, an
-autograd forward+backward <= 200 us; a call of a CuTe DSL backend (provider ``dsfuse cutedsl``,
-measured when the ``cutedsl`` extra is installed) <= 15 us. The tables are rendered by
+``torch.add`` (and the same trivial kernel through the bound launch of ``dsfuse._common.launch``).
+Targets: multiples of that ``torch.add`` per call (``HOST_TARGETS`` of the op's bench module), an
+autograd forward+backward below eager PyTorch's; a call of a CuTe DSL backend (provider ``dsfuse
+cutedsl``, measured when the ``cutedsl`` extra is installed) <= 15 us. The tables are rendered by
 ``dsfuse.bench.report`` (``render_host_time``, ``write_host_time``).
 """
 
@@ -31,6 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
+from dsfuse._common.launch import Geometry, TritonLaunch, layout_key
 from dsfuse.bench import env as env_mod
 from dsfuse.bench import experiments, report
 from dsfuse.bench.harness import host_us_samples
@@ -47,7 +49,11 @@ def _baselines(dev) -> dict[str, Callable]:
     autograd step (a multiply forward and its backward: the engine's own cost)."""
     x = torch.zeros(16, device=dev)
     leaf = torch.zeros(16, device=dev, requires_grad=True)
+    bound = TritonLaunch(_touch)
+    geometry = Geometry((1,), (16,), dict(BLOCK=16))
     return {"bare Triton launch (1 kernel, 2 arguments)": lambda: _touch[(1,)](x, 16, BLOCK=16),
+            "bound Triton launch (the same kernel, dsfuse._common.launch)": lambda: bound(
+                layout_key(x), (x,), lambda: geometry),
             "torch.add (1 kernel)": lambda: torch.add(x, x),
             "autograd step of torch.mul (forward+backward, 3 kernels)": backward_of(lambda t: t * 2.0, [leaf], [x])}
 

@@ -261,7 +261,8 @@ def render_gpu(op: str, gpu: str, runs: list[Path], results_dir: Path, plots_dir
         run = load_run(newest)
         med, ratios, copy_bw = summarize(run)
         floors = bytes_floors(run["cases"], set(med["provider"]), max(copy_bw.values()))
-        plots = plot_modes(op, med, floors, plots_dir, smoke)
+        plots = plot_modes(op, med, floors, plots_dir, smoke, gpu=gpu_title(run["env"]),
+                           validation=run["validation"], cases=run["cases"])
         state = source_state(op, run["env"])
         lines = header_lines(op, newest, run, copy_bw, smoke, state)
         lines += ratio_section(ratios)
@@ -415,9 +416,8 @@ def ratio_section(ratios: pd.DataFrame) -> list[str]:
     blocks = [f"Headline regime: {headline}.", markdown(table[regime == headline])]
     rest = table[regime != headline]
     if not rest.empty:
-        indented = "\n".join("    " + line for line in markdown(rest).splitlines())
-        blocks.append(f'??? note "The other clocks and cache regimes ({", ".join(dict.fromkeys(rest["clock/cache"]))})"'
-                      f"\n\n{indented}")
+        blocks.append(collapsed(f'The other clocks and cache regimes ({", ".join(dict.fromkeys(rest["clock/cache"]))})',
+                                markdown(rest)))
     return section("dsfuse against the fastest valid control", RATIO_INTRO, *blocks)
 
 
@@ -428,8 +428,17 @@ def targets_section(targets: list[dict], med: pd.DataFrame, ratios: pd.DataFrame
     return section("Targets", TARGETS_INTRO, markdown(target_table(targets, med, ratios, floors)))
 
 
+def collapsed(title: str, block: str) -> str:
+    """``block`` in a collapsed block titled ``title`` (``pymdownx.details``): a long table below the headline ones."""
+    indented = "\n".join(("    " + line).rstrip() for line in block.splitlines())
+    return f'??? note "{title}"\n\n{indented}'
+
+
 def latency_section(med: pd.DataFrame) -> list[str]:
-    return section("Median latency of every provider (us)", markdown(latency_table(med)))
+    table = latency_table(med)
+    regimes = ", ".join(table.columns[2:])
+    return section("Median latency of every provider (us)",
+                   collapsed(f"Every case and provider ({len(table)} rows; {regimes})", markdown(table)))
 
 
 def plots_section(op: str, plots: list[Path]) -> list[str]:
@@ -470,8 +479,21 @@ def extra_section(op: str, run_dir: Path) -> list[str]:
 
 
 def checks_section(validation: pd.DataFrame) -> list[str]:
+    table = check_table(validation)
     return section("Correctness checks of the benchmark providers (before and after timing)",
-                   markdown(check_table(validation)))
+                   checks_summary(table), collapsed(f"Every case and provider ({len(table)} rows)", markdown(table)))
+
+
+def checks_summary(table: pd.DataFrame) -> str:
+    """One line over the checks table: how many (case, provider) pairs passed, and which providers did not."""
+    passed = int((table["status"] == "pass").sum())
+    line = f"{passed} of {len(table)} (case, provider) pairs passed every check they ran."
+    others = table[table["status"] != "pass"]
+    if not others.empty:
+        counts = others.groupby(["provider", "status"], sort=False).size()
+        line += " Not passed (never the baseline where it did not pass): " + "; ".join(
+            f"{provider} {status} in {n} case{'s' if n > 1 else ''}" for (provider, status), n in counts.items()) + "."
+    return line
 
 
 # -- host time (runs of python -m dsfuse.bench.host_time) -----------------------------------
@@ -482,6 +504,13 @@ HOST_TIME_MARKER = "host_time.csv"
 def host_time_root(op: str) -> Path:
     """Where the host-time runs of ``op`` are: ``experiments/<op>/raw/host-time/``."""
     return repo_root() / "experiments" / op / "raw" / "host-time"
+
+
+def host_targets(op: str) -> dict[str, float]:
+    """``op``'s host-time targets: call -> at most that many ``torch.add`` (``HOST_TARGETS`` of its bench module)."""
+    from dsfuse.bench import experiments
+
+    return getattr(importlib.import_module(experiments()[op]), "HOST_TARGETS", {})
 
 
 def render_host_time(op: str, run_dir: Path) -> str:
@@ -499,7 +528,7 @@ def render_host_time(op: str, run_dir: Path) -> str:
         f"{env['packages']['triton']}, commit `{str(env['git_commit'])[:10]}`, raw data "
         f"[{relative(run_dir)}]({pinned_url(run_dir)}).",
         "",
-        markdown(host_time_table(samples)),
+        markdown(host_time_table(samples, host_targets(op))),
         "",
     ])
 
@@ -656,7 +685,8 @@ def run_figures(op: str, run_dir: Path) -> dict:
             min=_num(r.ratio_min), max=_num(r.ratio_max), valid=bool(r.candidate_valid))
     targets = run["config"].get("targets", [])
     if targets:
-        out["targets"] = target_table(targets, med, ratios, floors).to_dict("records")
+        rows = target_table(targets, med, ratios, floors).to_dict("records")
+        out["targets"] = [dict(row, goals=goal) for row, goal in zip(rows, targets)]  # goals: as the config sets them
     if (run_dir / "tower_samples.csv").exists():
         out["extra"]["tower"] = tower_figures(pd.read_csv(run_dir / "tower_samples.csv"))
     return out
@@ -695,17 +725,176 @@ def tuning_figures(path: Path) -> list[dict]:
 # -- plots -----------------------------------------------------------------------------------
 
 
+CLOCK_WORDS = {"graph": "CUDA Graph replay", "eager": "eager launches", "wall": "wall clock, CPU interpreter"}
+CACHE_WORDS = {"evicted": "L2 evicted", "hot": "hot L2"}
+MODE_WORDS = {"fwd": "forward", "bwd": "backward", "fwd+bwd": "forward + backward", "ckpt": "checkpointed step",
+              "layer": "layer step"}
+ROLE_STYLE = {  # bar colour per provider role (candidate: dsfuse; control: the baselines; anchor: another contract)
+    "candidate": dict(color="#1f6fb4", label="dsfuse"),
+    "control": dict(color="#a3a3a3", label="control"),
+    "anchor": dict(color="#e0e0e0", label="anchor (another contract)"),
+}
+FAILED_HATCH = "////"
+PLOT_WIDTH_IN, PLOT_DPI = 6.9, 150  # the site's content column at 1400 px (688 px), drawn at 1.5x
+
+
+def op_title(op: str) -> str:
+    """The op's name as the site's nav gives it (``Text RoPE``), else its id."""
+    from dsfuse.bench.status import title
+
+    try:
+        return title(repo_root(), op)
+    except (LookupError, OSError, KeyError, TypeError):
+        return op
+
+
+def regime_words(clock: str, regime: str) -> str:
+    """``CUDA Graph replay, L2 evicted``: the clock and cache regime of a plot."""
+    if clock == "wall":
+        return CLOCK_WORDS["wall"]
+    return f"{CLOCK_WORDS.get(clock, clock + ' clock')}, {CACHE_WORDS.get(regime, regime + ' cache')}"
+
+
+def _dtype(name) -> str:
+    return {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float64": "fp64"}.get(str(name), str(name))
+
+
+def shape_parts(case: str, params: dict) -> list[tuple[str, str]]:
+    """A case's shape as named parts, from its params in cases.csv (the parts every case of a plot
+    shares go to its title, the others to the case's panel); the case's name where the params name no shape."""
+    p = params
+    if "shape" in p:  # a tensor of the op (text RoPE)
+        parts = [("tensor", f"{p.get('tensor', 'x')} [{', '.join(str(d) for d in p['shape'])}]")]
+    elif {"n_h", "n_w"} <= set(p):  # a patch grid (vision RoPE)
+        parts = [("grid", f"T = {p.get('tokens', p['n_h'] * p['n_w'])} ({p['n_h']} x {p['n_w']})")]
+        parts += [("heads", f"{p['heads']} heads x {p['dim']}")] if {"heads", "dim"} <= set(p) else []
+    elif {"kind", "n"} <= set(p):  # tokens of a model width (Engram gate)
+        kind = {"gate": "gate alone", "consumer": "training consumer"}.get(p["kind"], str(p["kind"]))
+        parts = [("kind", kind), ("n", f"N = {p['n']}")]
+        if {"streams", "dim"} <= set(p):
+            parts += [("width", f"S = {p['streams']}, D = {p['dim']}" + (f", emb {p['emb']}" if "emb" in p else ""))]
+    elif {"tokens", "value_heads"} <= set(p):  # a packed row of documents (GDN)
+        parts = [("tokens", f"T = {p['tokens']}" + (f" in {p['documents']} documents" if "documents" in p else "")),
+                 ("heads", f"H = {p.get('heads')}, HV = {p['value_heads']}, K = V = {p.get('head_dim')}")]
+        if "l2norm" in p:
+            parts.append(("l2norm", "L2 norm " + ("on" if p["l2norm"] else "off")))
+    else:
+        return [("case", case)]
+    return parts + ([("dtype", _dtype(p["dtype"]))] if "dtype" in p else [])
+
+
 def plot_modes(op: str, med: pd.DataFrame, floors: dict[tuple[str, str], float], plots_dir: Path,
-               smoke: bool) -> list[Path]:
-    """One bar chart per mode: CUDA Graph replay with L2 evicted where the run has it, else wall clock."""
+               smoke: bool, gpu: str = "", validation: pd.DataFrame | None = None,
+               cases: pd.DataFrame | None = None) -> list[Path]:
+    """One figure per mode: CUDA Graph replay with L2 evicted where the run has it (the headline
+    regime), else the wall clock; one panel per case, each on its own linear axis from zero."""
     clock, regime = ("graph", "evicted") if "graph" in set(med["clock"]) else ("wall", "hot")
-    colors = {p: plt.get_cmap("tab10")(i % 10) for i, p in enumerate(sorted(set(med["provider"])))}
+    validation = validation if validation is not None else pd.DataFrame(
+        columns=["case", "provider", "role", "stage", "status"])
+    roles = dict(zip(validation["provider"], validation["role"]))
+    valid = valid_providers(validation) if not validation.empty else {}
+    params = ({row.case: json.loads(row.params) for row in cases.itertuples()}
+              if cases is not None and "params" in cases else {})
     Path(plots_dir).mkdir(parents=True, exist_ok=True)
     written = []
-    for mode, grp in med[(med["clock"] == clock) & (med["regime"] == regime)].groupby("mode"):
-        floor = {case: floors[(case, "dsfuse")] for case in set(grp["case"]) if (case, "dsfuse") in floors}
-        written.append(_plot(op, mode, grp, clock, regime, Path(plots_dir), smoke, floor, colors))
+    for mode, grp in med[(med["clock"] == clock) & (med["regime"] == regime)].groupby("mode", sort=False):
+        failed = {(case, p) for case, p in zip(grp["case"], grp["provider"])
+                  if not validation.empty and p not in valid.get(case, set())}
+        written.append(_plot(op, mode, grp, clock, regime, Path(plots_dir), smoke, floors, roles, failed,
+                             params, gpu))
     return written
+
+
+def provider_order(providers, roles: dict) -> list[str]:
+    """Candidates first, then controls, then anchors; by name within each."""
+    rank = {"candidate": 0, "control": 1, "anchor": 2}
+    return sorted(providers, key=lambda p: (rank.get(roles.get(p), 1), p))
+
+
+def _grid(n: int) -> int:
+    """Columns of panels: all in one row up to three, else three where they fill whole rows, else two."""
+    return n if n <= 3 else (3 if n % 3 == 0 else 2)
+
+
+def _fmt_us(us: float) -> str:
+    return f"{us:,.0f}" if us >= 1000 else f"{us:.1f}"
+
+
+def _plot(op: str, mode: str, grp: pd.DataFrame, clock: str, regime: str, plots_dir: Path, smoke: bool,
+          floors: dict[tuple[str, str], float], roles: dict, failed: set, params: dict, gpu: str) -> Path:
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+    from matplotlib.ticker import MaxNLocator
+
+    order = {case: i for i, case in enumerate(params)}  # the run's order of cases (cases.csv)
+    cases = sorted(dict.fromkeys(grp["case"]), key=lambda c: (order.get(c, len(order)), c))
+    providers = provider_order(set(grp["provider"]), roles)
+    shapes = {case: shape_parts(case, params.get(case, {})) for case in cases}
+    common = [part for part in shapes[cases[0]] if all(part in shapes[c] for c in cases)] if len(cases) > 1 else []
+    ncols = _grid(len(cases))
+    nrows = -(-len(cases) // ncols)
+    head = f"{op_title(op)}: median latency on the {gpu or 'CPU'}"
+    if MODE_WORDS.get(mode, mode) not in head:  # "Vision RoPE backward" names its one mode
+        head = head.replace(":", f", {MODE_WORDS.get(mode, mode)}:", 1)
+    shared = ", ".join(text for _, text in common)  # what every panel shares; each panel's title: the rest
+    regime_line = "; ".join(x for x in (regime_words(clock, regime), shared, "bars: median us, linear from 0") if x)
+    title_lines = [head] + ([regime_line] if len(regime_line) <= 95 else
+                            [regime_words(clock, regime) + "; bars: median us, linear from 0", shared])
+    if smoke:
+        title_lines.insert(0, "SMOKE RUN (CPU interpreter, tiny shapes): these numbers measure nothing")
+    label_in = 0.08 * max(len(p) for p in providers) + 0.3
+    axes_in, gap_in = 0.24 * len(providers) + 0.1, 0.55  # a panel's plot area; between rows: ticks, next title
+    legend_rows = 2
+    top_in, bottom_in = 0.22 * len(title_lines) + 0.36, 0.3 + 0.18 * legend_rows
+    height = nrows * axes_in + (nrows - 1) * gap_in + top_in + bottom_in
+    fig, axes = plt.subplots(nrows, ncols, sharey=True, squeeze=False, dpi=PLOT_DPI, figsize=(PLOT_WIDTH_IN, height))
+    us = grp.set_index(["case", "provider"])["us"]
+    for ax, case in zip(axes.flat, cases):
+        top = 0.0
+        for y, provider in enumerate(providers):
+            value = us.get((case, provider))
+            if value is None or pd.isna(value):
+                ax.text(0, y, " not run", va="center", ha="left", fontsize=8, color="#555555")
+                continue
+            style = ROLE_STYLE.get(roles.get(provider), ROLE_STYLE["control"])
+            bad = (case, provider) in failed
+            ax.barh(y, value, height=0.7, color=style["color"], edgecolor="#333333" if bad else style["color"],
+                    hatch=FAILED_HATCH if bad else None, linewidth=0.6)
+            ax.text(value, y, " " + _fmt_us(value), va="center", ha="left", fontsize=8)
+            top = max(top, value)
+            floor = floors.get((case, provider))
+            if floor is not None and not pd.isna(floor):
+                ax.vlines(floor, y - 0.42, y + 0.42, colors="black", linewidth=1.4)
+                top = max(top, floor)
+        ax.set_xlim(0, top * 1.42 if top > 0 else 1)  # room for the value labels
+        ax.xaxis.set_major_locator(MaxNLocator(4))
+        ax.tick_params(axis="x", labelsize=8)
+        ax.grid(axis="x", color="#e6e6e6", linewidth=0.6)
+        ax.set_axisbelow(True)
+        own = [text for part in shapes[case] if part not in common for _, text in [part]]
+        ax.set_title(", ".join(own) or ", ".join(text for _, text in shapes[case]), fontsize=9)
+    for ax in axes.flat[len(cases):]:
+        ax.set_visible(False)
+    for row in axes:
+        row[0].set_yticks(range(len(providers)))
+        row[0].set_yticklabels(providers, fontsize=8.5)
+        row[0].set_ylim(len(providers) - 0.5, -0.5)  # the first provider on top
+    fig.suptitle("\n".join(title_lines), fontsize=9.5, linespacing=1.4)
+    roles_here = [r for r in ("candidate", "control", "anchor") if any(roles.get(p, "control") == r for p in providers)]
+    handles = [Patch(facecolor=ROLE_STYLE[r]["color"], label=ROLE_STYLE[r]["label"]) for r in roles_here]
+    if failed:
+        handles.append(Patch(facecolor="white", edgecolor="#333333", hatch=FAILED_HATCH,
+                             label="failed a check (not a baseline)"))
+    if any(f is not None and not pd.isna(f) for (c, _), f in floors.items() if c in cases):
+        handles.append(Line2D([], [], color="black", linewidth=1.4, label="bytes floor at the run's copy bandwidth"))
+    fig.legend(handles=handles, loc="lower center", ncol=-(-len(handles) // legend_rows), fontsize=8,
+               frameon=False, bbox_to_anchor=(0.5, 0.0))
+    fig.subplots_adjust(left=min(label_in / PLOT_WIDTH_IN, 0.4), right=0.97, wspace=0.25, hspace=gap_in / axes_in,
+                        top=1 - top_in / height, bottom=bottom_in / height)
+    path = plots_dir / f"{op}_{mode.replace('+', '_')}.png"
+    fig.savefig(path, metadata={"Software": None})
+    plt.close(fig)
+    return path
 
 
 def _junit_stamp(path: Path) -> str:
@@ -778,30 +967,3 @@ def probe_block(path: Path) -> list[str]:
     over = " of " + " and ".join(repeats) if repeats else ""
     caption = f"median us over the samples{over}, CUDA Graph replay, L2 evicted"
     return tuning_block(path, caption, markdown(probe_table(df), floatfmt=".1f"))
-
-
-def _plot(op: str, mode: str, grp: pd.DataFrame, clock: str, regime: str, plots_dir: Path, smoke: bool,
-          floor: dict[str, float], colors: dict) -> Path:
-    cases = list(dict.fromkeys(grp["case"]))
-    providers = sorted(set(grp["provider"]))
-    fig, ax = plt.subplots(figsize=(8.5, 3.2), dpi=100)
-    width = 0.8 / max(len(providers), 1)
-    for i, provider in enumerate(providers):
-        rows = grp[grp["provider"] == provider].set_index("case").reindex(cases)
-        ax.bar([c + i * width for c in range(len(cases))], rows["us"], width, label=provider, color=colors[provider])
-    for c, case in enumerate(cases):  # the out-of-place bytes floor at the run's copy bandwidth
-        if case in floor:
-            ax.hlines(floor[case], c - width / 2, c + 0.8 - width / 2, colors="black", linestyles="dashed",
-                      label="bytes floor" if c == 0 else None)
-    ax.set_xticks([c + 0.4 - width / 2 for c in range(len(cases))])
-    ax.set_xticklabels([c.rsplit("_", 1)[0] for c in cases], fontsize=8)
-    ax.set_yscale("log")
-    ax.set_ylabel("median us (log)")
-    title = f"{op} {mode}: {clock} clock, {regime} cache"
-    ax.set_title(("SMOKE (CPU interpreter): " if smoke else "") + title, fontsize=9)
-    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
-    fig.tight_layout()
-    path = plots_dir / f"{op}_{mode.replace('+', '_')}.png"
-    fig.savefig(path, metadata={"Software": None})
-    plt.close(fig)
-    return path

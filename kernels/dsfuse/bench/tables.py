@@ -18,7 +18,8 @@ TARGET_COLUMNS = ["case", "provider", "clock/cache", "target", "median us", "of 
 CHECK_COLUMNS = ["case", "provider", "check", "status", "stages passed", "note"]
 NOTE_CHARS = 160  # longest note of the checks table
 REPEATS = ("round", "block")  # probe columns that repeat a setting: one median over all of them
-HOST_TARGET_US = {"forward": 35.0, "autograd forward+backward": 200.0}  # host us per eager call (dsfuse)
+HOST_TORCH_ADD = "torch.add (1 kernel)"  # the baseline call the host-time targets are ratios to
+HOST_AUTOGRAD = "autograd forward+backward"  # target: below eager PyTorch's, for every op
 HOST_CUTEDSL_TARGET_US = 15.0  # every whole eager call of a CuTe DSL backend (provider ``dsfuse cutedsl``)
 HOST_PROVIDERS = ("dsfuse", "dsfuse cutedsl", "eager PyTorch", "baseline")  # the host-time table's columns
 
@@ -184,19 +185,35 @@ def blocks_table(df: pd.DataFrame) -> pd.DataFrame:
     return frame(rows, ["mode", "elements"] + [str(w) for w in wide.columns])
 
 
-def host_time_table(samples: pd.DataFrame) -> pd.DataFrame:
+def host_time_table(samples: pd.DataFrame, ratio_targets: dict[str, float] | None = None) -> pd.DataFrame:
     """A host-time run (``host_time.csv`` of ``python -m dsfuse.bench.host_time run``): the median host
-    us per call and provider, the target of the call and whether dsfuse meets it; with a CuTe DSL
+    us per call and provider; dsfuse's median as a multiple of ``torch.add``'s in the same run; the
+    targets and whether dsfuse meets them: ``ratio_targets`` (call -> at most that many ``torch.add``,
+    the op's ``HOST_TARGETS``) and an autograd forward+backward below eager PyTorch's. With a CuTe DSL
     provider, whether each of its whole calls (not the rows of a call's parts) meets 15 us."""
+    ratio_targets = ratio_targets or {}
     med = samples.groupby(["call", "provider"], sort=False)["host_us"].median().unstack("provider")
     out = pd.DataFrame({"call": med.index})
     for provider in HOST_PROVIDERS:
         if provider in med:
             out[f"{provider} us"] = [f"{v:.1f}" if pd.notna(v) else "" for v in med[provider]]
-    out["target us"] = [f"<= {HOST_TARGET_US[c]:.0f}" if c in HOST_TARGET_US else "" for c in med.index]
-    judged = [c in HOST_TARGET_US and "dsfuse" in med and pd.notna(med.loc[c, "dsfuse"]) for c in med.index]
-    out["met"] = [("yes" if med.loc[c, "dsfuse"] <= HOST_TARGET_US[c] else "NO") if j else ""
-                  for c, j in zip(med.index, judged)]
+    ours = med["dsfuse"] if "dsfuse" in med else pd.Series(float("nan"), index=med.index)
+    add = med.loc[HOST_TORCH_ADD, "baseline"] if HOST_TORCH_ADD in med.index and "baseline" in med else float("nan")
+    out["x torch.add"] = [f"{v / add:.1f}" if pd.notna(v) and pd.notna(add) else "" for v in ours]
+    eager = med["eager PyTorch"] if "eager PyTorch" in med else pd.Series(float("nan"), index=med.index)
+    target, met = [], []
+    for call in med.index:
+        if call in ratio_targets:
+            target.append(f"<= {ratio_targets[call]:g}x torch.add")
+            ok = ours[call] / add <= ratio_targets[call] if pd.notna(ours[call]) and pd.notna(add) else None
+        elif call == HOST_AUTOGRAD:
+            target.append("< eager PyTorch")
+            ok = ours[call] < eager[call] if pd.notna(ours[call]) and pd.notna(eager[call]) else None
+        else:
+            target.append("")
+            ok = None
+        met.append("" if ok is None else ("yes" if ok else "NO"))
+    out["target"], out["met"] = target, met
     if "dsfuse cutedsl" in med:
         out[f"cutedsl <= {HOST_CUTEDSL_TARGET_US:.0f} us"] = [
             "" if pd.isna(v) or " part: " in c else ("yes" if v <= HOST_CUTEDSL_TARGET_US else "NO")

@@ -210,6 +210,11 @@ def _dsfuse(values, angles, inverse, *, inplace):
 # -- the op's piece of the tools that loop over every op (host time, fingerprints, ncu) --------
 
 
+# Host-time targets: the dsfuse call's median host time at most this many torch.add calls' in the same run
+# (python -m dsfuse.bench.host_time on the H200 machine); an autograd forward+backward below eager PyTorch's.
+HOST_TARGETS = {"forward": 6}
+
+
 def host_time_calls(dev: torch.device) -> list[tuple]:
     """``(call, provider, fn)`` rows of ``python -m dsfuse.bench.host_time`` on tiny tensors (64 tokens, 8
     heads of 512): the public call and eager PyTorch, forward and autograd forward+backward, and the
@@ -228,8 +233,11 @@ def host_time_calls(dev: torch.device) -> list[tuple]:
         ("forward", "eager PyTorch", lambda: rope_reference(values, angles)),
         ("autograd forward+backward", "dsfuse", backward_of(apply_rope, [leaf, angles], [grad])),
         ("autograd forward+backward", "eager PyTorch", backward_of(rope_reference, [leaf, angles], [grad])),
-        ("forward part: validation", "dsfuse", lambda: api._validate(values, angles, False, None)),
-        ("forward part: backend choice", "dsfuse", lambda: api.BACKENDS.choose("auto", values.device, values.dtype)),
+        ("forward part: signature lookup (a seen signature)", "dsfuse",
+         lambda: api.PLANS.get(api.PLANS.key("auto", False, False, values, angles, None))),
+        ("forward part: validation (a new signature)", "dsfuse", lambda: api._validate(values, angles, False, None)),
+        ("forward part: backend choice (a new signature)", "dsfuse",
+         lambda: api._choose(values, angles, False, "auto")),
         ("forward part: freqs (torch.polar, 1 kernel)", "dsfuse", lambda: api._freqs(angles)),
         ("forward part: rotation (allocate + 1 Triton launch)", "dsfuse",
          lambda: api.rotate_ops["triton"](values, freqs, False, False)),

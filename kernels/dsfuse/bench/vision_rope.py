@@ -225,6 +225,11 @@ def report_extra(run_dir: Path) -> list[str]:
 # -- the op's piece of the tools that loop over every op (host time, fingerprints, ncu) --------
 
 
+# Host-time targets: the dsfuse call's median host time at most this many torch.add calls' in the same run
+# (python -m dsfuse.bench.host_time on the H200 machine); an autograd forward+backward below eager PyTorch's.
+HOST_TARGETS = {"backward op (forward call)": 3}
+
+
 def host_time_calls(dev: torch.device) -> list[tuple]:
     """``(call, provider, fn)`` rows of ``python -m dsfuse.bench.host_time`` on tiny tensors (an 8 x 8
     grid, 16 heads of 64): the backward op and eager PyTorch, the attention front's autograd
@@ -249,7 +254,11 @@ def host_time_calls(dev: torch.device) -> list[tuple]:
          backward_of(lambda x: vision_rope_attention_front(x, cos, sin, heads, backend="triton"), [qkv], grads)),
         ("autograd forward+backward", "eager PyTorch",
          backward_of(lambda x: attention_front(x, cos, sin, heads), [qkv], grads)),
-        ("forward part: launch (allocate + 1 Triton launch)", "dsfuse",
+        ("backward part: signature lookup (a seen signature)", "dsfuse",
+         lambda: api.BACKWARD_PLANS.get(api.BACKWARD_PLANS.key("triton", dq, dk_hdt, dv, cos, sin, None))),
+        ("backward part: checks and choice (a new signature)", "dsfuse",
+         lambda: api._check_backward(dq, dk_hdt, dv, cos, sin, None, "triton")),
+        ("backward part: launch (allocate + 1 Triton launch)", "dsfuse",
          lambda: api.backward_ops["triton"](dq, dk_hdt.transpose(1, 2), dv, cos, sin)),
     ] + cutedsl_rows(dev, lambda: _host_time_cutedsl_rows(dq, dk_hdt, dv, cos, sin))
 

@@ -16,31 +16,19 @@ from __future__ import annotations
 
 import torch
 
+from dsfuse._common import BACKENDS as FUSED_BACKENDS
 from dsfuse._common import (
-    BACKENDS as FUSED_BACKENDS,
+    KERNEL_DTYPES, REFERENCE, check_aligned, check_contiguous, check_dtype, check_out, check_outputs_free,
+    check_same_device, check_same_dtype, check_shape, check_tensor, declare_backend_ops, on_stream, register,
 )
-from dsfuse._common import (
-    KERNEL_DTYPES,
-    REFERENCE,
-    check_aligned,
-    check_contiguous,
-    check_dtype,
-    check_out,
-    check_outputs_free,
-    check_same_device,
-    check_same_dtype,
-    check_shape,
-    check_tensor,
-    declare_backend_ops,
-    on_stream,
-    register,
-)
+from dsfuse._common.plans import Plans
 from dsfuse.engram_gate.reference import engram_gate_reference
 
 __all__ = ["EngramGatePlan", "engram_gate", "engram_gate_backward", "engram_gate_forward"]
 
 FUSED_DTYPES = KERNEL_DTYPES
 BACKENDS = register("engram_gate")  # auto's order per GPU family: the backend packages' tables
+FORWARD_PLANS, GATE_PLANS = Plans(BACKENDS, "forward"), Plans(BACKENDS, "forward")  # verdicts (checks passed, backend chosen) by call signature
 
 
 # -- validation ------------------------------------------------------------------------------
@@ -96,6 +84,10 @@ def _check_forward_outputs(x, kv, weight, token_mask, out, saved) -> None:
     n, streams, dim = x.shape
     _check_out("out", out, (n, streams, dim), x.dtype, x.device, rows_dim=dim)
     _check_out("saved", saved, (n, streams, 4), torch.float32, x.device)
+    _check_outputs_free(x, kv, weight, token_mask, out, saved)
+
+
+def _check_outputs_free(x, kv, weight, token_mask, out, saved) -> None:
     check_outputs_free({"out": out, "saved": saved}, {"x": x, "kv": kv, "weight": weight, "token_mask": token_mask})
 
 
@@ -123,6 +115,15 @@ def _check_backward_args(dout, x, kv, weight, token_mask, saved, dx, dkv, dweigh
 
 
 # -- functional ------------------------------------------------------------------------------
+
+
+def _choose_forward(x, kv, weight, token_mask, eps, clamp, backend, outputs: tuple = ()) -> str:
+    """The forward's checks that its signature decides (``outputs``: ``(out, saved)`` of the
+    functional forward), and the backend chosen for it."""
+    _check_inputs(x, kv, weight, token_mask, eps, clamp)
+    if outputs:
+        _check_forward_outputs(x, kv, weight, token_mask, *outputs)
+    return BACKENDS.choose(backend, x.device, x.dtype, call="forward", args=(x, kv, weight, token_mask, *outputs))
 
 
 def engram_gate_forward(
@@ -179,9 +180,10 @@ def engram_gate_forward(
         )
         ```
     """
-    n, streams, dim = _check_inputs(x, kv, weight, token_mask, eps, clamp)
-    _check_forward_outputs(x, kv, weight, token_mask, out, saved)
-    which = BACKENDS.choose(backend, x.device, x.dtype, call="forward", args=(x, kv, weight, token_mask, out, saved))
+    which = FORWARD_PLANS.backend(FORWARD_PLANS.key(backend, x, kv, weight, token_mask, eps, clamp, out, saved),
+                                  lambda: _choose_forward(x, kv, weight, token_mask, eps, clamp, backend, (out, saved)),
+                                  lambda: _check_outputs_free(x, kv, weight, token_mask, out, saved))
+    n, streams = x.shape[0], x.shape[1]
     with on_stream(stream, x.device):
         if which == REFERENCE:
             ref_out, ref_saved = engram_gate_reference(x, kv, weight, token_mask, eps=eps, clamp=clamp)
@@ -547,8 +549,8 @@ def engram_gate(x: torch.Tensor, kv: torch.Tensor, weight: torch.Tensor, token_m
         out.backward(torch.randn_like(out))  # x.grad, kv.grad (packed like kv), weight.grad
         ```
     """
-    _check_inputs(x, kv, weight, token_mask, eps, clamp)
-    which = BACKENDS.choose(backend, x.device, x.dtype, call="forward", args=(x, kv, weight, token_mask))
+    which = GATE_PLANS.backend(GATE_PLANS.key(backend, x, kv, weight, token_mask, eps, clamp),
+                               lambda: _choose_forward(x, kv, weight, token_mask, eps, clamp, backend))
     if which == REFERENCE:
         return engram_gate_reference(x, kv, weight, token_mask, eps=eps, clamp=clamp)[0]
     return forward_ops[which](x, kv, weight, token_mask, float(eps), float(clamp))[0]

@@ -110,7 +110,19 @@ def chunk_gdn(
     backend: str = "auto",
     cp_group: torch.distributed.ProcessGroup | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Gated DeltaNet, chunked: ``(o, final_state)``.
+    """Gated DeltaNet, chunked: the output ``o`` and the final state (None unless asked for).
+
+    Keyword-compatible with flash-linear-attention's ``chunk_gated_delta_rule``. Gradients reach
+    ``q``, ``k``, ``v``, ``g``, ``beta`` and ``initial_state`` (through ``o`` and the final state),
+    deterministic (fixed reduction orders, no atomics). When ``q``, ``k``, ``v`` are head views of
+    one packed row ([`packed_qkv_views`][dsfuse.gdn.packed_qkv_views], or plain split views of such
+    a row), the backward writes ``dq``, ``dk``, ``dv`` into one packed gradient row.
+
+    A fused backend runs the forward and the backward as stage kernels (``dsfuse.gdn.schedule``),
+    declared as the ops ``dsfuse::gdn_fwd`` and ``dsfuse::gdn_bwd``: one opaque node each under
+    ``torch.compile``, an ``autograd.Function`` eagerly. The forward keeps the chunk-local
+    cumulative gate and ``A`` for the backward, which recomputes ``w``, ``u``, ``h`` and
+    ``v_new``.
 
     Args:
         q: ``[B, T, H, K]`` queries (bf16/fp16/fp32 fused; any token and head strides, unit
@@ -146,13 +158,9 @@ def chunk_gdn(
             deterministic for a given world size (``dsfuse.gdn.cp``).
 
     Returns:
-        The pair ``(o, final_state)``: ``o`` ``[B, T, HV, V]`` in ``v``'s dtype, and the final
-        state (or None).
-
-    Gradients: ``q``, ``k``, ``v``, ``g``, ``beta`` and ``initial_state`` (through ``o`` and the
-    final state), deterministic (fixed reduction orders, no atomics). When ``q``, ``k``, ``v`` are
-    head views of one packed row ([`packed_qkv_views`][dsfuse.gdn.packed_qkv_views], or plain split views of
-    such a row), the backward writes ``dq``, ``dk``, ``dv`` into one packed gradient row.
+        o: ``[B, T, HV, V]``, the dtype of ``v``.
+        final_state: ``[N, HV, K, V]`` fp32 (fp64 for fp64 inputs) when ``output_final_state``, else
+            None.
     """
     if cp_group is not None:
         return _chunk_gdn_cp(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,

@@ -18,16 +18,10 @@ from __future__ import annotations
 import torch
 
 from dsfuse._common import (
-    REFERENCE,
-    check_dtype,
-    check_outputs_free,
-    check_same_device,
-    check_tensor,
-    declare_backend_ops,
-    declare_op,
-    on_stream,
-    register,
+    REFERENCE, check_dtype, check_outputs_free, check_same_device, check_tensor, declare_backend_ops, declare_op,
+    on_stream, register,
 )
+from dsfuse._common.plans import Plans
 from dsfuse.text_rope.reference import (
     rope_freqs,
     rope_reference,
@@ -37,6 +31,7 @@ from dsfuse.text_rope.reference import (
 __all__ = ["apply_rope"]
 
 BACKENDS = register("text_rope")
+PLANS = Plans(BACKENDS, "rope")  # apply_rope's verdicts (checks passed, backend chosen) by call signature
 
 
 # -- declared ops ----------------------------------------------------------------------------
@@ -108,6 +103,7 @@ rotate_inplace_ops = declare_backend_ops(
 
 
 def _validate(values, angles, inplace, out) -> None:
+    """Every check of a call: those its signature decides (see ``dsfuse._common.plans``), then `_check_call`."""
     check_tensor("values", values)
     check_tensor("angles", angles)
     if values.ndim not in (3, 4):
@@ -137,6 +133,14 @@ def _validate(values, angles, inplace, out) -> None:
                 f"out: expected shape {list(values.shape)} and dtype {values.dtype} (those of values), "
                 f"got {list(out.shape)} and {out.dtype}"
             )
+        if torch.is_grad_enabled() and values.requires_grad:
+            raise ValueError("out: apply_rope with out= does not support autograd (values requires grad)")
+    _check_call(values, angles, inplace, out)
+
+
+def _check_call(values, angles, inplace, out) -> None:
+    """The checks that read more than the signature: addresses (overlap) and autograd leaves."""
+    if out is not None:
         check_outputs_free({"out": out}, {"values": values, "angles": angles})
     if inplace:
         check_outputs_free({"values": values}, {"angles": angles})
@@ -145,6 +149,19 @@ def _validate(values, angles, inplace, out) -> None:
                 "values: a leaf tensor that requires grad cannot be rotated in place; "
                 "use inplace=False or rotate a non-leaf tensor"
             )
+
+
+def _choose(values, angles, inplace, backend) -> str:
+    extra = []
+    if angles.requires_grad and torch.is_grad_enabled():
+        extra.append("angles requires grad (the fused kernels give angles no gradient)")
+    if inplace and torch.is_grad_enabled() and values.requires_grad and torch.compiler.is_compiling():
+        extra.append("an in-place rotation under autograd while torch.compile traces (a mutating custom op "
+                     "carries no gradient formula)")
+    rows = values.numel() // max(values.shape[-1], 1)
+    if rows >= 2**31:
+        extra.append(f"{rows} rows (batch x seq x heads): the kernel indexes rows in 32 bits")
+    return BACKENDS.choose(backend, values.device, values.dtype, extra, call="rope", args=(values, angles))
 
 
 def apply_rope(
@@ -205,20 +222,9 @@ def apply_rope(
         apply_rope(q, angles, inplace=True)                        # q's tail only
         ```
     """
-    _validate(values, angles, inplace, out)
-    grad_needed = torch.is_grad_enabled() and values.requires_grad
-    if out is not None and grad_needed:
-        raise ValueError("out: apply_rope with out= does not support autograd (values requires grad)")
-    extra = []
-    if angles.requires_grad and torch.is_grad_enabled():
-        extra.append("angles requires grad (the fused kernels give angles no gradient)")
-    if inplace and grad_needed and torch.compiler.is_compiling():
-        extra.append("an in-place rotation under autograd while torch.compile traces (a mutating custom op "
-                     "carries no gradient formula)")
-    rows = values.numel() // max(values.shape[-1], 1)
-    if rows >= 2**31:
-        extra.append(f"{rows} rows (batch x seq x heads): the kernel indexes rows in 32 bits")
-    which = BACKENDS.choose(backend, values.device, values.dtype, extra, call="rope", args=(values, angles))
+    which = PLANS.backend(PLANS.key(backend, inverse, inplace, values, angles, out),
+                          lambda: _validate(values, angles, inplace, out) or _choose(values, angles, inplace, backend),
+                          lambda: _check_call(values, angles, inplace, out))
     with on_stream(stream, values.device):
         if which == REFERENCE:
             if inplace:

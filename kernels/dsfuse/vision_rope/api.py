@@ -17,26 +17,17 @@ from __future__ import annotations
 import torch
 
 from dsfuse._common import (
-    FLOAT_DTYPES,
-    REFERENCE,
-    check_aligned,
-    check_contiguous,
-    check_dtype,
-    check_out,
-    check_outputs_free,
-    check_same_device,
-    check_same_dtype,
-    check_tensor,
-    declare_backend_ops,
-    on_stream,
-    register,
+    FLOAT_DTYPES, REFERENCE, check_aligned, check_contiguous, check_dtype, check_out,
+    check_outputs_free, check_same_device, check_same_dtype, check_tensor, declare_backend_ops, on_stream, register,
 )
 from dsfuse._common.backends import AUTO
+from dsfuse._common.plans import Plans
 from dsfuse.vision_rope.reference import attention_front, vision_rope_backward_reference
 
 __all__ = ["vision_rope_attention_front", "vision_rope_backward", "vision_rope_forward"]
 
 BACKENDS = register("vision_rope")  # auto's order per GPU family: the backend packages' tables
+BACKWARD_PLANS, FRONT_PLANS = Plans(BACKENDS, "backward"), Plans(BACKENDS, "forward")  # verdicts (checks passed, backend chosen) by call signature
 
 
 # -- declared ops ----------------------------------------------------------------------------
@@ -149,16 +140,49 @@ def _tables(name_cos, cos, name_sin, sin, tokens, half):
     return out
 
 
+def _check_out_free(dq_htd, dk_hdt, dv_htd, cos, sin, out) -> None:
+    if out is not None:
+        check_outputs_free({"out": out}, {"dq_htd": dq_htd, "dk_hdt": dk_hdt, "dv_htd": dv_htd, "cos": cos, "sin": sin})
+
+
+def _check_backward(dq_htd, dk_hdt, dv_htd, cos, sin, out, backend) -> str:
+    """The backward's checks that its signature decides, and the backend chosen for it."""
+    for name, t in (("dq_htd", dq_htd), ("dk_hdt", dk_hdt), ("dv_htd", dv_htd)):
+        check_tensor(name, t)
+        if t.ndim != 3:
+            raise ValueError(f"{name}: expected 3 dims, got shape {list(t.shape)}")
+    heads, tokens, dim = dq_htd.shape
+    if dim % 2:
+        raise ValueError(f"dq_htd: expected an even head dim D, got {dim}")
+    if tuple(dk_hdt.shape) != (heads, dim, tokens):
+        raise ValueError(f"dk_hdt: expected shape [H, D, T] = [{heads}, {dim}, {tokens}], got {list(dk_hdt.shape)}")
+    if tuple(dv_htd.shape) != (heads, tokens, dim):
+        raise ValueError(f"dv_htd: expected shape [H, T, D] = [{heads}, {tokens}, {dim}], got {list(dv_htd.shape)}")
+    check_dtype("dq_htd", dq_htd, FLOAT_DTYPES)
+    check_same_dtype("dk_hdt", dk_hdt, "dq_htd", dq_htd)
+    check_same_dtype("dv_htd", dv_htd, "dq_htd", dq_htd)
+    cos, sin = _tables("cos", cos, "sin", sin, tokens, dim // 2)
+    check_same_device(dq_htd=dq_htd, dk_hdt=dk_hdt, dv_htd=dv_htd, cos=cos, sin=sin, out=out)
+    for name, t, storage in (("dq_htd", dq_htd, "[H, T, D]"), ("dk_hdt", dk_hdt, "[H, D, T]"),
+                             ("dv_htd", dv_htd, "[H, T, D]")):
+        check_contiguous(name, t, storage)
+        check_aligned(name, t)
+    if out is not None:
+        check_out("out", out, (tokens, 3 * heads * dim), dq_htd.dtype, dq_htd.device)
+        check_contiguous("out", out, f"[{tokens}, {3 * heads * dim}]")
+        check_aligned("out", out)
+    _check_out_free(dq_htd, dk_hdt, dv_htd, cos, sin, out)
+    return BACKENDS.choose(backend, dq_htd.device, dq_htd.dtype, _table_reasons(cos, sin), call="backward",
+                            args=(dq_htd, dk_hdt.transpose(1, 2), dv_htd, cos, sin))
+
+
 def vision_rope_backward(
     dq_htd: torch.Tensor,
     dk_hdt: torch.Tensor,
     dv_htd: torch.Tensor,
     cos: torch.Tensor,
     sin: torch.Tensor,
-    *,
-    out: torch.Tensor | None = None,
-    stream: torch.cuda.Stream | None = None,
-    backend: str = "auto",
+    *, out: torch.Tensor | None = None, stream: torch.cuda.Stream | None = None, backend: str = "auto",
 ) -> torch.Tensor:
     """Split-half rotary backward of Q and K plus V packing: native layouts in, packed dQKV out.
 
@@ -206,35 +230,12 @@ def vision_rope_backward(
         dqkv = vision_rope_backward(dq, dk_hdt, dv, cos, sin)  # [1521, 3072]
         ```
     """
-    for name, t in (("dq_htd", dq_htd), ("dk_hdt", dk_hdt), ("dv_htd", dv_htd)):
-        check_tensor(name, t)
-        if t.ndim != 3:
-            raise ValueError(f"{name}: expected 3 dims, got shape {list(t.shape)}")
-    heads, tokens, dim = dq_htd.shape
-    if dim % 2:
-        raise ValueError(f"dq_htd: expected an even head dim D, got {dim}")
-    if tuple(dk_hdt.shape) != (heads, dim, tokens):
-        raise ValueError(f"dk_hdt: expected shape [H, D, T] = [{heads}, {dim}, {tokens}], got {list(dk_hdt.shape)}")
-    if tuple(dv_htd.shape) != (heads, tokens, dim):
-        raise ValueError(f"dv_htd: expected shape [H, T, D] = [{heads}, {tokens}, {dim}], got {list(dv_htd.shape)}")
-    check_dtype("dq_htd", dq_htd, FLOAT_DTYPES)
-    check_same_dtype("dk_hdt", dk_hdt, "dq_htd", dq_htd)
-    check_same_dtype("dv_htd", dv_htd, "dq_htd", dq_htd)
-    cos, sin = _tables("cos", cos, "sin", sin, tokens, dim // 2)
-    check_same_device(dq_htd=dq_htd, dk_hdt=dk_hdt, dv_htd=dv_htd, cos=cos, sin=sin, out=out)
-    for name, t, storage in (("dq_htd", dq_htd, "[H, T, D]"), ("dk_hdt", dk_hdt, "[H, D, T]"),
-                             ("dv_htd", dv_htd, "[H, T, D]")):
-        check_contiguous(name, t, storage)
-        check_aligned(name, t)
-    if out is not None:
-        check_out("out", out, (tokens, 3 * heads * dim), dq_htd.dtype, dq_htd.device)
-        check_contiguous("out", out, f"[{tokens}, {3 * heads * dim}]")
-        check_aligned("out", out)
-        check_outputs_free({"out": out}, {"dq_htd": dq_htd, "dk_hdt": dk_hdt, "dv_htd": dv_htd, "cos": cos,
-                                          "sin": sin})
+    which = BACKWARD_PLANS.backend(BACKWARD_PLANS.key(backend, dq_htd, dk_hdt, dv_htd, cos, sin, out),
+                                   lambda: _check_backward(dq_htd, dk_hdt, dv_htd, cos, sin, out, backend),
+                                   lambda: _check_out_free(dq_htd, dk_hdt, dv_htd, cos, sin, out))
+    if cos.ndim == 3:
+        cos, sin = cos[:, 0], sin[:, 0]
     dk_htd = dk_hdt.transpose(1, 2)
-    which = BACKENDS.choose(backend, dq_htd.device, dq_htd.dtype, _table_reasons(cos, sin), call="backward",
-                            args=(dq_htd, dk_htd, dv_htd, cos, sin))
     with on_stream(stream, dq_htd.device):
         if which == REFERENCE:
             result = vision_rope_backward_reference(dq_htd, dk_hdt, dv_htd, cos, sin)
@@ -260,6 +261,11 @@ def _check_front(qkv, cos, sin, heads):
     if torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad):
         extra.append("cos/sin require grad (the fused kernels give the tables no gradient)")
     return cos, sin, extra
+
+
+def _choose_front(qkv, cos, sin, heads, backend) -> str:
+    cos, sin, extra = _check_front(qkv, cos, sin, heads)
+    return BACKENDS.choose(backend, qkv.device, qkv.dtype, extra, call="forward", args=(qkv, cos, sin, heads))
 
 
 def vision_rope_attention_front(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, *,
@@ -295,8 +301,10 @@ def vision_rope_attention_front(qkv: torch.Tensor, cos: torch.Tensor, sin: torch
         o = torch.nn.functional.scaled_dot_product_attention(q, k, v)
         ```
     """
-    cos, sin, extra = _check_front(qkv, cos, sin, heads)
-    which = BACKENDS.choose(backend, qkv.device, qkv.dtype, extra, call="forward", args=(qkv, cos, sin, heads))
+    which = FRONT_PLANS.backend(FRONT_PLANS.key(backend, qkv, cos, sin, heads),
+                                lambda: _choose_front(qkv, cos, sin, heads, backend))
+    if cos.ndim == 3:
+        cos, sin = cos[:, 0], sin[:, 0]
     if which == REFERENCE:
         return attention_front(qkv, cos, sin, heads)
     return forward_ops[which](qkv, cos, sin, heads, AUTO if backend == AUTO else which)

@@ -33,6 +33,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from dsfuse._common.launch import Geometry, TritonLaunch, layout_key
+
 
 MAX_DIM = 16384  # the forward keeps a row of D channels in registers
 # Launch constants: the fastest settings of the sweeps on the H200 (experiments/engram_gate/raw/tuning)
@@ -246,19 +248,23 @@ def check_dim(dim: int) -> None:
         raise ValueError(f"x: D = {dim} is above the fused kernels' limit of {MAX_DIM} channels per row")
 
 
+def _forward_geometry(x, kv, out, eps: float, clamp: float) -> Geometry:
+    n, streams, dim = x.shape
+    block = _pow2(dim)
+    return Geometry((n * streams,), (eps, clamp, x.stride(0), kv.stride(0), out.stride(0)),
+                    dict(dim=dim, STREAMS=streams, BLOCK=block, num_warps=_fwd_warps(block)))
+
+
+_FORWARD = TritonLaunch(_engram_fwd_kernel)
+
+
 def launch_forward(x, kv, weight, token_mask, out, saved, *, eps: float, clamp: float) -> None:
     """Arguments validated by the caller (the public API or the plan), aliasing included."""
-    n, streams, dim = x.shape
-    check_dim(dim)
-    if n == 0:
+    check_dim(x.shape[2])
+    if x.shape[0] == 0:
         return
-    block = _pow2(dim)
-    _engram_fwd_kernel[(n * streams,)](
-        x, kv, weight, token_mask, out, saved,
-        eps, clamp,
-        x.stride(0), kv.stride(0), out.stride(0),
-        dim=dim, STREAMS=streams, BLOCK=block, num_warps=_fwd_warps(block),
-    )
+    tensors = (x, kv, weight, token_mask, out, saved)
+    _FORWARD((eps, clamp, *layout_key(*tensors)), tensors, lambda: _forward_geometry(x, kv, out, eps, clamp))
 
 
 def launch_backward(dout, x, kv, weight, saved, dx, dkv, dweight, workspace, *, clamp: float) -> None:

@@ -23,8 +23,8 @@ import triton
 import triton.language as tl
 
 from dsfuse._common.aot import AotSpec, record_specs
+from dsfuse._common.launch import Geometry, TritonLaunch, layout_key
 
-FUSED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # Work per program and warps, from the H200 sweep in experiments/text_rope/tune_blocks.py
 # (raw data: experiments/text_rope/raw/tuning/): 2048 elements (4 rows of 512 channels,
 # 32 rows in place) with 4 warps is within 1% of the best of 20 settings for forward,
@@ -121,6 +121,24 @@ def block_sizes(channels: int, pairs: int, copy: bool) -> tuple[int, int, int]:
     return _block_sizes(channels, pairs, copy, ELEMENTS_PER_PROGRAM)
 
 
+def _rope_geometry(x, freqs, y, conj: bool, copy: bool, grad_sum: bool) -> Geometry:
+    """The launch's grid, scalars and constexprs, and its checks: all fixed by the launch's key."""
+    batch, seq, heads, channels = x.shape
+    pairs, n_rows = freqs.shape[-2], batch * seq * heads
+    if freqs.stride(-1) != 1 or (freqs.stride(-2) != 2 and pairs > 1):
+        raise ValueError(f"freqs: expected (cos, sin) pairs packed densely in the last two dims, got strides {freqs.stride()}")
+    if n_rows >= 2**31:
+        raise ValueError(f"values: at most 2**31 - 1 rows (batch x seq x heads) per call, got {n_rows}")
+    block_r, block_c, block_p = block_sizes(channels, pairs, copy)
+    sf_b = 0 if freqs.shape[0] == 1 else freqs.stride(0)
+    scalars = (n_rows, seq, heads, channels - 2 * pairs, pairs, *x.stride(), *y.stride(), sf_b, freqs.stride(1))
+    return Geometry((triton.cdiv(n_rows, block_r),), scalars,
+                    dict(CONJ=conj, COPY=copy, GRAD_SUM=grad_sum, BLOCK_R=block_r, BLOCK_C=block_c, BLOCK_P=block_p))
+
+
+_ROPE = TritonLaunch(_rope_kernel, num_warps=NUM_WARPS, enable_fp_fusion=False)
+
+
 def launch_rope(
     values: torch.Tensor,
     freqs: torch.Tensor,
@@ -138,28 +156,10 @@ def launch_rope(
     if not copy and out is not values:
         raise ValueError("out: the in-place kernel writes into values; out must be values itself")
     x, y = _as_4d(values), _as_4d(out)
-    batch, seq, heads, channels = x.shape
-    pairs = freqs.shape[-2]
-    n_rows = batch * seq * heads
-    if n_rows == 0:
+    if x.numel() == 0:  # no rows (a row has at least the 2 channels of one pair)
         return out
-    if freqs.stride(-1) != 1 or (freqs.stride(-2) != 2 and pairs > 1):
-        raise ValueError(f"freqs: expected (cos, sin) pairs packed densely in the last two dims, got strides {freqs.stride()}")
-    if n_rows >= 2**31:
-        raise ValueError(f"values: at most 2**31 - 1 rows (batch x seq x heads) per call, got {n_rows}")
-    block_r, block_c, block_p = block_sizes(channels, pairs, copy)
-    sf_b = 0 if freqs.shape[0] == 1 else freqs.stride(0)
-    grid = (triton.cdiv(n_rows, block_r),)
-    _rope_kernel[grid](
-        x, freqs, y,
-        n_rows, seq, heads, channels - 2 * pairs, pairs,
-        *x.stride(), *y.stride(),
-        sf_b, freqs.stride(1),
-        CONJ=conj, COPY=copy, GRAD_SUM=grad_sum,
-        BLOCK_R=block_r, BLOCK_C=block_c, BLOCK_P=block_p,
-        num_warps=NUM_WARPS,
-        enable_fp_fusion=False,
-    )
+    key = (conj, copy, grad_sum, *layout_key(x, freqs, y))
+    _ROPE(key, (x, freqs, y), lambda: _rope_geometry(x, freqs, y, conj, copy, grad_sum))
     return out
 
 

@@ -27,8 +27,8 @@ import triton
 import triton.language as tl
 
 from dsfuse._common.aot import AotSpec, record_specs
+from dsfuse._common.launch import Geometry, TritonLaunch, layout_key
 
-FUSED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 TOKENS_PER_PROGRAM = 16
 NUM_WARPS = 2
 
@@ -129,6 +129,19 @@ def _grid(tokens: int, heads: int) -> tuple[int, int]:
     return (triton.cdiv(tokens, TOKENS_PER_PROGRAM), heads)
 
 
+def _backward_geometry(dq, dk, v, cos, sin, out, has_v: bool) -> Geometry:
+    """The backward launch's grid, scalars and constexprs (and its table check): fixed by its key."""
+    _check_tables(cos, sin)
+    heads, tokens, dim = dq.shape
+    scalars = (tokens, *dq.stride(), *dk.stride(), *v.stride(), cos.stride(0), sin.stride(0), out.stride(0))
+    return Geometry(_grid(tokens, heads), scalars,
+                    dict(HEADS=heads, HALF=dim // 2, HAS_V=has_v, BLOCK_T=TOKENS_PER_PROGRAM))
+
+
+_BACKWARD = TritonLaunch(_vision_rope_bwd_kernel, num_warps=NUM_WARPS, enable_fp_fusion=False)
+_FORWARD = TritonLaunch(_vision_rope_fwd_kernel, num_warps=NUM_WARPS, enable_fp_fusion=False)
+
+
 def launch_backward(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor | None, cos: torch.Tensor,
                     sin: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """dQ, dK, dV (``[H, T, D]`` logical, any strides; ``dv=None``: zeros) -> ``out`` ``[T, 3HD]``.
@@ -136,35 +149,29 @@ def launch_backward(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor | None,
     Arguments are validated by the public API (aliasing included; under ``torch.compile``
     by the declared op at run time).
     """
-    _check_tables(cos, sin)
-    heads, tokens, dim = dq.shape
-    if tokens == 0:
+    if dq.shape[1] == 0:
         return out
     v = dv if dv is not None else dq  # unread when HAS_V is False
-    _vision_rope_bwd_kernel[_grid(tokens, heads)](
-        dq, dk, v, cos, sin, out,
-        tokens,
-        *dq.stride(), *dk.stride(), *v.stride(),
-        cos.stride(0), sin.stride(0), out.stride(0),
-        HEADS=heads, HALF=dim // 2, HAS_V=dv is not None, BLOCK_T=TOKENS_PER_PROGRAM,
-        num_warps=NUM_WARPS, enable_fp_fusion=False,
-    )
+    tensors = (dq, dk, v, cos, sin, out)
+    _BACKWARD((dv is not None, *layout_key(*tensors)), tensors,
+              lambda: _backward_geometry(*tensors, dv is not None))
     return out
+
+
+def _forward_geometry(qkv, cos, sin, q_out, k_out, heads: int) -> Geometry:
+    _check_tables(cos, sin)
+    tokens, dim = qkv.shape[0], qkv.shape[1] // (3 * heads)
+    return Geometry(_grid(tokens, heads), (tokens, qkv.stride(0), cos.stride(0), sin.stride(0)),
+                    dict(HEADS=heads, HALF=dim // 2, BLOCK_T=TOKENS_PER_PROGRAM))
 
 
 def launch_forward(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int,
                    q_out: torch.Tensor, k_out: torch.Tensor) -> None:
     """``qkv`` ``[T, 3HD]`` -> rotated ``q_out``, ``k_out`` ``[T, H, D]`` (contiguous, new)."""
-    _check_tables(cos, sin)
-    tokens = qkv.shape[0]
-    if tokens == 0:
+    if qkv.shape[0] == 0:
         return
-    dim = qkv.shape[1] // (3 * heads)
-    _vision_rope_fwd_kernel[_grid(tokens, heads)](
-        qkv, cos, sin, q_out, k_out, tokens, qkv.stride(0), cos.stride(0), sin.stride(0),
-        HEADS=heads, HALF=dim // 2, BLOCK_T=TOKENS_PER_PROGRAM,
-        num_warps=NUM_WARPS, enable_fp_fusion=False,
-    )
+    tensors = (qkv, cos, sin, q_out, k_out)
+    _FORWARD((heads, *layout_key(*tensors)), tensors, lambda: _forward_geometry(*tensors, heads))
 
 
 def _aot_specs() -> list[AotSpec]:
