@@ -1,5 +1,7 @@
-"""Comparison helpers of the tests (bit patterns, ulps)."""
+"""Comparison helpers of the tests (bit patterns, ulps), model-like inputs, and a backend-neutral
+count of compiled kernels."""
 
+import importlib
 import math
 
 import torch
@@ -77,3 +79,29 @@ def model_like_gates(shape, gen: torch.Generator, kind: str = "model"):
     else:
         raise ValueError(kind)
     return gdn_gates(a, b, a_log, dt_bias)
+
+
+def compiled_kernels(op: str, backend: str) -> int:
+    """How many kernels ``backend`` has compiled for ``op`` in this process, on the current CUDA device
+    (Triton: the entries of its kernels' JIT caches; CuTe DSL: the builds of the kernel modules'
+    ``CACHE``). A test that asserts "a new length compiles nothing" reads it before and after."""
+    import torch
+
+    from dsfuse._common.backends import load_all_ops
+
+    modules = [importlib.import_module(m) for m in load_all_ops()[op].kernels[backend]]
+    if backend == "triton":
+        from triton.runtime.autotuner import Autotuner, Heuristics
+        from triton.runtime.jit import JITFunction
+
+        device = torch.cuda.current_device()
+        count = 0
+        for fn in {id(f): f for m in modules for f in vars(m).values()}.values():
+            while isinstance(fn, (Autotuner, Heuristics)):
+                fn = fn.fn
+            if isinstance(fn, JITFunction) and device in fn.device_caches:  # no lookup: the cache is a defaultdict
+                count += len(fn.device_caches[device][0])
+        return count
+    if backend == "cutedsl":
+        return sum(m.CACHE.compiles for m in modules if hasattr(m, "CACHE"))
+    raise LookupError(f"compiled_kernels: no compile count for the {backend} backend; add one here")

@@ -1,22 +1,33 @@
 """Every op refuses a bad argument the same way on every backend path.
 
 Each case builds fresh, otherwise valid CPU inputs, breaks one thing and calls the public
-entry point with ``backend`` = ``"reference"``, ``"triton"`` (the interpreter on CPU) and
-``"auto"``. The exception type and message must be the same for all three: validation runs
-before the backend is chosen, so whichever backend would serve the call, it is refused alike.
+entry point with ``backend`` = ``"reference"``, every fused backend of the op that runs on the CPU
+(from the registry: Triton, in its interpreter) and ``"auto"``. The exception type and message must
+be the same for all: validation runs before the backend is chosen, so whichever backend would serve
+the call, it is refused alike. (A backend that runs on CUDA only meets these refusals in its op's
+folder, ``tests/<op>/``, whose bad-input tests take the ``backend`` fixture on the GPU too.)
 """
 
 import re
 
 import pytest
 import torch
+from conftest import registry, runs_on_cpu
 
 from dsfuse.engram_gate import engram_gate, engram_gate_backward, engram_gate_forward
 from dsfuse.gdn import chunk_gdn
 from dsfuse.text_rope import apply_rope
 from dsfuse.vision_rope import vision_cos_sin, vision_rope_attention_front, vision_rope_backward
 
-BACKENDS = ("reference", "triton", "auto")
+PREFIX_OP = {"rope": "text_rope", "vision": "vision_rope", "front": "vision_rope", "gate": "engram_gate",
+             "gdn": "gdn"}  # a case name's first word -> its op
+
+
+def backends(name: str) -> tuple[str, ...]:
+    """The paths a case is refused on: the reference, each fused backend of its op that runs on the
+    CPU, and auto."""
+    fused = [t.backend for t in registry(PREFIX_OP[name.split()[0]]).tables if runs_on_cpu(t.backend)]
+    return ("reference", *fused, "auto")
 
 
 def _rope(**change):
@@ -209,7 +220,7 @@ def test_kernel_limits_are_backend_reasons(name):
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_refused_alike_on_every_backend(name):
     call, exc, match = CASES[name]
-    outcomes = {backend: _outcome(call, backend) for backend in BACKENDS}
+    outcomes = {backend: _outcome(call, backend) for backend in backends(name)}
     kinds = {kind for kind, _ in outcomes.values()}
     messages = {message for _, message in outcomes.values()}
     assert kinds == {exc} and len(messages) == 1, outcomes

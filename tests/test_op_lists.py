@@ -6,7 +6,8 @@ per-GPU results tests (``tests/test_results_per_gpu.py``). Their ops are ``dsfus
 (the registered ops with an experiment module); an op's own piece lives in its bench module
 ``kernels/dsfuse/bench/<op>.py``, so a new op adds it in its own slice, and a tool that finds an op
 without it fails naming the op and the function. No list of op names is typed in the tools: a scan
-of their sources fails where one reappears.
+of their sources fails where one reappears. Every registered op has its tests' folder ``tests/<op>/``
+(the ``backend`` fixture reads the op from it), and no other folder of tests names an op.
 """
 
 import ast
@@ -55,6 +56,32 @@ def test_every_op_has_its_fingerprint_entries_screenshot_page_and_per_gpu_config
     assert re.search(r"^## Contract", page.read_text(), re.M), f"{page}: no '## Contract' heading to clip from"
     for gpu in ("h200", "b200"):  # tests/test_results_per_gpu.py compares them
         assert (REPO / "experiments" / op / "configs" / f"{gpu}.yaml").exists()
+
+
+TESTS = REPO / "tests"
+NOT_OPS = {"golden"}  # folders of tests/ that hold no op's tests (besides hidden and cache folders)
+
+
+def test_every_op_has_its_tests_folder():
+    ops = set(load_all_ops())
+    folders = {p.name for p in TESTS.iterdir()
+               if p.is_dir() and p.name not in NOT_OPS and not p.name.startswith((".", "_"))}
+    assert not ops - folders, f"registered ops without a tests/<op>/ folder: {sorted(ops - folders)}"
+    assert not folders - ops, f"folders of tests/ that are no registered op: {sorted(folders - ops)}"
+    for op in sorted(ops):
+        assert sorted((TESTS / op).glob(f"test_{op}*.py")), f"tests/{op}/: no test_{op}*.py module"
+    stray = sorted(p.name for p in TESTS.glob("test_*.py") if any(p.name.startswith(f"test_{op}") for op in ops))
+    assert not stray, f"op tests at the top of tests/ (move them to tests/<op>/): {stray}"
+
+
+def test_test_module_names_are_unique():
+    """The test folders are not packages (pytest's default import mode): a module name used twice would
+    not import."""
+    names = {}
+    for path in sorted(TESTS.rglob("*.py")):
+        if path.name != "conftest.py":
+            names.setdefault(path.name, []).append(path.relative_to(REPO).as_posix())
+    assert not {n: p for n, p in names.items() if len(p) > 1}
 
 
 def test_the_tools_loop_over_the_registry():

@@ -28,6 +28,7 @@ from dsfuse._common.validation import (
     check_same_dtype,
     check_shape,
     check_tensor,
+    check_tensors,
     memory_span,
 )
 
@@ -53,6 +54,7 @@ __all__ = [
     "check_shape",
     "tracing",
     "check_tensor",
+    "check_tensors",
     "declare_backend_ops",
     "declare_op",
     "gpu_family",

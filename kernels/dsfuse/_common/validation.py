@@ -20,6 +20,15 @@ def check_tensor(name: str, value: object) -> torch.Tensor:
     return value
 
 
+def check_tensors(tensors: dict[str, object], ndim: int | None = None, layout: str = "") -> None:
+    """Each value must be a tensor (``TypeError``) and, when ``ndim`` is given, have that many dims
+    (``ValueError`` naming ``layout``, e.g. ``"[N, S, D]"``, else the number of dims)."""
+    for name, t in tensors.items():
+        check_tensor(name, t)
+        if ndim is not None and t.ndim != ndim:
+            raise ValueError(f"{name}: expected {layout or f'{ndim} dims'}, got shape {list(t.shape)}")
+
+
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
 

@@ -15,7 +15,7 @@ The gradients of a score near zero are ill-conditioned (the signed root's slope 
 included, 2-3% off in relative RMS. The inputs therefore mask the tokens whose
 float64 score has |dot| < 1e-2 in any stream (about 3% of tokens, on top of the 10%
 masked at random); the kernels do the same work for masked tokens, and the tests
-cover small scores (tests/test_engram_gate.py).
+cover small scores (tests/engram_gate/test_engram_gate.py).
 """
 
 from __future__ import annotations

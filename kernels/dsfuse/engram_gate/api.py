@@ -19,7 +19,8 @@ import torch
 from dsfuse._common import BACKENDS as FUSED_BACKENDS
 from dsfuse._common import (
     KERNEL_DTYPES, REFERENCE, check_aligned, check_contiguous, check_dtype, check_out, check_outputs_free,
-    check_same_device, check_same_dtype, check_shape, check_tensor, declare_backend_ops, on_stream, register,
+    check_same_device, check_same_dtype, check_shape, check_tensor, check_tensors, declare_backend_ops, on_stream,
+    register,
 )
 from dsfuse._common.plans import Plans
 from dsfuse.engram_gate.reference import engram_gate_reference
@@ -28,7 +29,8 @@ __all__ = ["EngramGatePlan", "engram_gate", "engram_gate_backward", "engram_gate
 
 FUSED_DTYPES = KERNEL_DTYPES
 BACKENDS = register("engram_gate")  # auto's order per GPU family: the backend packages' tables
-FORWARD_PLANS, GATE_PLANS = Plans(BACKENDS, "forward"), Plans(BACKENDS, "forward")  # verdicts (checks passed, backend chosen) by call signature
+# the public functions' verdicts (checks passed, backend chosen) by call signature
+FORWARD_PLANS, GATE_PLANS = Plans(BACKENDS, "forward"), Plans(BACKENDS, "forward")
 
 
 # -- validation ------------------------------------------------------------------------------
@@ -42,10 +44,8 @@ def _check_rows(name: str, t: torch.Tensor, dim: int) -> None:
 
 
 def _check_inputs(x, kv, weight, token_mask, eps, clamp) -> tuple[int, int, int]:
-    for name, t in (("x", x), ("kv", kv), ("weight", weight), ("token_mask", token_mask)):
-        check_tensor(name, t)
-    if x.ndim != 3:
-        raise ValueError(f"x: expected [N, S, D], got shape {list(x.shape)}")
+    check_tensors({"x": x, "kv": kv, "weight": weight, "token_mask": token_mask})
+    check_tensors({"x": x}, ndim=3, layout="[N, S, D]")
     n, streams, dim = x.shape
     check_dtype("x", x, FUSED_DTYPES + (torch.float64,))
     check_shape("kv", kv, (n, (streams + 1) * dim), "S keys then one value per token")

@@ -15,17 +15,8 @@ import torch
 import torch.distributed
 
 from dsfuse._common import (
-    FLOAT_DTYPES,
-    REFERENCE,
-    check_contiguous,
-    check_dtype,
-    check_same_device,
-    check_same_dtype,
-    check_shape,
-    check_tensor,
-    declare_backend_ops,
-    register,
-    tracing,
+    FLOAT_DTYPES, REFERENCE, check_contiguous, check_dtype, check_same_device, check_same_dtype, check_shape,
+    check_tensor, declare_backend_ops, register, tracing,
 )
 from dsfuse.gdn import cp, cp_local, schedule
 from dsfuse.gdn.packed import packed_grad_row
@@ -166,9 +157,7 @@ def chunk_gdn(
         return _chunk_gdn_cp(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
                              use_qk_l2norm_in_kernel, backend, cp_group)
     bounds = _validate(q, k, v, g, beta, scale, initial_state, cu_seqlens)
-    which = BACKENDS.choose(backend, v.device, v.dtype, call="forward", args=(q, k, v, g, beta, initial_state))
-    if scale is None:
-        scale = q.shape[-1] ** -0.5
+    which, scale = _choose(backend, q, k, v, g, beta, initial_state, scale)
     if which == REFERENCE:
         compute = torch.float64 if v.dtype == torch.float64 else torch.float32
         return chunk_gdn_reference(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
@@ -178,6 +167,12 @@ def chunk_gdn(
     o, final_state, _, _ = forward_ops[which](q, k, v, g, beta, initial_state, cu_seqlens, float(scale),
                                               output_final_state, use_qk_l2norm_in_kernel)
     return o, final_state if output_final_state else None
+
+
+def _choose(backend, q, k, v, g, beta, initial_state, scale) -> tuple[str, float]:
+    """The backend that serves the forward, and the scale (default ``K ** -0.5``)."""
+    which = BACKENDS.choose(backend, v.device, v.dtype, call="forward", args=(q, k, v, g, beta, initial_state))
+    return which, q.shape[-1] ** -0.5 if scale is None else scale
 
 
 def _chunk_gdn_cp(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm,
@@ -213,9 +208,7 @@ def _chunk_gdn_cp(q, k, v, g, beta, scale, initial_state, output_final_state, cu
         check_shape("initial_state", initial_state, (num_docs, v.shape[2], k.shape[3], v.shape[3]),
                     "[N, HV, K, V] for the N documents of the global cu_seqlens")
         check_contiguous("initial_state", initial_state, "[N, HV, K, V]")
-    which = BACKENDS.choose(backend, v.device, v.dtype, call="forward", args=(q, k, v, g, beta, initial_state))
-    if scale is None:
-        scale = q.shape[-1] ** -0.5
+    which, scale = _choose(backend, q, k, v, g, beta, initial_state, scale)
     if which == REFERENCE:
         compute = torch.float64 if v.dtype == torch.float64 else torch.float32
         passes = cp_local.reference_passes(float(scale), use_qk_l2norm, compute)

@@ -17,8 +17,8 @@ from __future__ import annotations
 import torch
 
 from dsfuse._common import (
-    FLOAT_DTYPES, REFERENCE, check_aligned, check_contiguous, check_dtype, check_out,
-    check_outputs_free, check_same_device, check_same_dtype, check_tensor, declare_backend_ops, on_stream, register,
+    FLOAT_DTYPES, REFERENCE, check_aligned, check_contiguous, check_dtype, check_out, check_outputs_free,
+    check_same_device, check_same_dtype, check_tensor, check_tensors, declare_backend_ops, on_stream, register,
 )
 from dsfuse._common.backends import AUTO
 from dsfuse._common.plans import Plans
@@ -27,7 +27,8 @@ from dsfuse.vision_rope.reference import attention_front, vision_rope_backward_r
 __all__ = ["vision_rope_attention_front", "vision_rope_backward", "vision_rope_forward"]
 
 BACKENDS = register("vision_rope")  # auto's order per GPU family: the backend packages' tables
-BACKWARD_PLANS, FRONT_PLANS = Plans(BACKENDS, "backward"), Plans(BACKENDS, "forward")  # verdicts (checks passed, backend chosen) by call signature
+# the public functions' verdicts (checks passed, backend chosen) by call signature
+BACKWARD_PLANS, FRONT_PLANS = Plans(BACKENDS, "backward"), Plans(BACKENDS, "forward")
 
 
 # -- declared ops ----------------------------------------------------------------------------
@@ -147,10 +148,7 @@ def _check_out_free(dq_htd, dk_hdt, dv_htd, cos, sin, out) -> None:
 
 def _check_backward(dq_htd, dk_hdt, dv_htd, cos, sin, out, backend) -> str:
     """The backward's checks that its signature decides, and the backend chosen for it."""
-    for name, t in (("dq_htd", dq_htd), ("dk_hdt", dk_hdt), ("dv_htd", dv_htd)):
-        check_tensor(name, t)
-        if t.ndim != 3:
-            raise ValueError(f"{name}: expected 3 dims, got shape {list(t.shape)}")
+    check_tensors({"dq_htd": dq_htd, "dk_hdt": dk_hdt, "dv_htd": dv_htd}, ndim=3)
     heads, tokens, dim = dq_htd.shape
     if dim % 2:
         raise ValueError(f"dq_htd: expected an even head dim D, got {dim}")

@@ -1,9 +1,10 @@
-"""``chunk_gdn``'s Triton forward and backward end to end, against the FP64 references.
+"""``chunk_gdn``'s fused forward and backward end to end, against the FP64 references, on every fused
+backend the op registers (the ``backend`` fixture).
 
 Oracles: autograd of the FP64 token-by-token recurrence (:func:`naive_recurrent_gdn`) where it is
 affordable (up to about 2,000 tokens); at 32,768 tokens the FP64 chunked backward with explicit
 formulas (:func:`chunk_gdn_backward_reference`), itself equal to autograd of the recurrence to
-1e-10 (tests/test_gdn_reference_backward.py). The loss is ``sum(o * do) + sum(final_state * dht)``
+1e-10 (tests/gdn/test_gdn_reference_backward.py). The loss is ``sum(o * do) + sum(final_state * dht)``
 with random ``do``, ``dht``, so every output's gradient path is used.
 
 Tolerances (relative RMS over the whole tensor, the contract's): ``o`` and the final state
@@ -22,7 +23,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import DEVICES
 from helpers import assert_bitwise, model_like_gates
 from helpers import rel_rms
 from torch.utils.checkpoint import checkpoint
@@ -67,7 +67,7 @@ def make_case(tokens, cu, heads, heads_v, *, l2, h0, dtype, device, dim=128, bat
     return x, cast(do), dht.to(device)
 
 
-def run_dsfuse(x, do, dht, *, l2, backend="triton", checkpointed=False):
+def run_dsfuse(x, do, dht, *, l2, backend, checkpointed=False):
     """Outputs and gradients of the leaves q, k, v, g, beta (and the initial state) as a dict."""
     leaves = {n: x[n].detach().clone().requires_grad_() for n in ("q", "k", "v", "g", "beta")}
     if x["initial_state"] is not None:
@@ -137,15 +137,15 @@ CPU_CASES = {
 
 
 @pytest.mark.parametrize("name", list(CPU_CASES))
-def test_cpu_interpreter_against_fp64_recurrence(name):
+def test_cpu_interpreter_against_fp64_recurrence(name, backend):
     tokens, cu, (h, hv), l2, h0, batch = CPU_CASES[name]
     x, do, dht = make_case(tokens, cu, h, hv, l2=l2, h0=h0, dtype=torch.float32, device="cpu", dim=16, batch=batch)
-    got = run_dsfuse(x, do, dht, l2=l2)
+    got = run_dsfuse(x, do, dht, l2=l2, backend=backend)
     assert_matches(got, reference(x, do, dht, l2=l2, naive=True), CPU_RMS)
 
 
-def test_cpu_packed_split_and_contiguous_are_bitwise_equal():
-    _packed_split_contiguous("cpu", torch.float32, tokens=90, cu=[0, 20, 90], heads=(1, 3), dim=16)
+def test_cpu_packed_split_and_contiguous_are_bitwise_equal(backend):
+    _packed_split_contiguous("cpu", torch.float32, backend, tokens=90, cu=[0, 20, 90], heads=(1, 3), dim=16)
 
 
 # ----------------------------------------------------------------------------- GPU: the contract
@@ -169,39 +169,39 @@ GPU_CASES = {
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", list(GPU_CASES))
-def test_gpu_bf16_against_fp64(name):
+def test_gpu_bf16_against_fp64(name, backend):
     tokens, cu, (h, hv), l2, h0, batch, ckpt, naive = GPU_CASES[name]
     x, do, dht = make_case(tokens, cu, h, hv, l2=l2, h0=h0, dtype=torch.bfloat16, device="cuda", batch=batch)
-    got = run_dsfuse(x, do, dht, l2=l2, checkpointed=ckpt)
+    got = run_dsfuse(x, do, dht, l2=l2, backend=backend, checkpointed=ckpt)
     errors = assert_matches(got, reference(x, do, dht, l2=l2, naive=naive), CONTRACT)
     print(name, {n: f"{e:.2e}" for n, e in errors.items()})
 
 
 @pytest.mark.gpu
-def test_gpu_twenty_repeats_are_bitwise_equal():
+def test_gpu_twenty_repeats_are_bitwise_equal(backend):
     x, do, dht = make_case(32768, five_documents(32768), 16, 48, l2=True, h0=True, dtype=torch.bfloat16,
                            device="cuda")
-    first = run_dsfuse(x, do, dht, l2=True)
+    first = run_dsfuse(x, do, dht, l2=True, backend=backend)
     for _ in range(20):
-        again = run_dsfuse(x, do, dht, l2=True)
+        again = run_dsfuse(x, do, dht, l2=True, backend=backend)
         for name in NAMES:
             assert_bitwise(again[name], first[name], name)
 
 
 @pytest.mark.gpu
-def test_gpu_packed_split_and_contiguous_are_bitwise_equal():
-    _packed_split_contiguous("cuda", torch.bfloat16, tokens=2000, cu=[0, 700, 701, 1333, 2000], heads=(16, 48),
-                             dim=128)
+def test_gpu_packed_split_and_contiguous_are_bitwise_equal(backend):
+    _packed_split_contiguous("cuda", torch.bfloat16, backend, tokens=2000, cu=[0, 700, 701, 1333, 2000],
+                             heads=(16, 48), dim=128)
 
 
-def _packed_split_contiguous(device, dtype, *, tokens, cu, heads, dim):
+def _packed_split_contiguous(device, dtype, backend, *, tokens, cu, heads, dim):
     """One packed row through packed_qkv_views, through plain split views, and as contiguous leaves:
     bitwise equal outputs and gradients; hooks and retain_grad fire on the views; the packed row's
     gradient is assembled without a concatenation (no ``aten::cat`` in the packed backward)."""
     h, hv = heads
     x, do, dht = make_case(tokens, cu, h, hv, l2=True, h0=True, dtype=dtype, device=device, dim=dim)
     rest = dict(g=x["g"], beta=x["beta"], initial_state=x["initial_state"], cu_seqlens=x["cu_seqlens"],
-                output_final_state=True, use_qk_l2norm_in_kernel=True, backend="triton")
+                output_final_state=True, use_qk_l2norm_in_kernel=True, backend=backend)
     row_data = torch.cat([x["q"].flatten(2), x["k"].flatten(2), x["v"].flatten(2)], -1)[0]  # [T, (2H + HV) D]
 
     def loss_of(o, ht):
@@ -242,15 +242,14 @@ def _packed_split_contiguous(device, dtype, *, tokens, cu, heads, dim):
 # ----------------------------------------------------------------------------- compile, graphs
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_compile_fullgraph_equals_eager(device):
+def test_compile_fullgraph_equals_eager(device, backend):
     dtype, dim = (torch.float32, 16) if device == "cpu" else (torch.bfloat16, 128)
     x, do, dht = make_case(130, [0, 1, 70, 130], 2, 4, l2=True, h0=True, dtype=dtype, device=device, dim=dim)
-    want = run_dsfuse(x, do, dht, l2=True)
+    want = run_dsfuse(x, do, dht, l2=True, backend=backend)
 
     def step(q, k, v, g, beta, h0):
         o, ht = chunk_gdn(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=x["cu_seqlens"],
-                          use_qk_l2norm_in_kernel=True, backend="triton")
+                          use_qk_l2norm_in_kernel=True, backend=backend)
         return (o.float() * do.float()).sum() + (ht * dht).sum(), o, ht
 
     compiled = torch.compile(step, fullgraph=True, backend="aot_eager" if device == "cpu" else "inductor")
@@ -264,16 +263,16 @@ def test_compile_fullgraph_equals_eager(device):
 
 
 @pytest.mark.gpu
-def test_gpu_cuda_graph_capture_of_forward_and_backward():
+def test_gpu_cuda_graph_capture_of_forward_and_backward(backend):
     """B = 2 sequences (no cu_seqlens): after one eager call, forward and backward replay in a
     CUDA Graph and give bitwise the eager results."""
     x, do, dht = make_case(300, None, 4, 12, l2=True, h0=True, dtype=torch.bfloat16, device="cuda", batch=2)
-    want = run_dsfuse(x, do, dht, l2=True)  # the warm-up: chunk table on the GPU, kernels compiled
+    want = run_dsfuse(x, do, dht, l2=True, backend=backend)  # the warm-up: chunk table on the GPU, kernels compiled
     leaves = [x[n].detach().clone().requires_grad_() for n in ("q", "k", "v", "g", "beta", "initial_state")]
 
     def step():
         o, ht = chunk_gdn(*leaves[:5], initial_state=leaves[5], output_final_state=True,
-                          use_qk_l2norm_in_kernel=True, backend="triton")
+                          use_qk_l2norm_in_kernel=True, backend=backend)
         loss = (o.float() * do.float()).sum() + (ht * dht).sum()
         return (o.detach(), ht.detach(), *torch.autograd.grad(loss, leaves))
 

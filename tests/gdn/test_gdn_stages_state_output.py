@@ -1,6 +1,8 @@
-"""Gated DeltaNet forward stages in Triton: the state pass and the output, against the chunked reference.
+"""Gated DeltaNet forward stages ``state`` (the state pass) and ``output`` of each fused backend's
+forward stage table (the ``forward_stages`` fixture, from the registry), against the chunked
+reference.
 
-Each launcher is fed the reference's own intermediates (``chunk_gdn_stages`` in fp64, the
+Each stage is fed the reference's own intermediates (``chunk_gdn_stages`` in fp64, the
 inputs the stage reads cast to the test dtype) and compared with the matching reference stage
 (``chunk_state_pass``: ``h``, ``v_new``, ``final_state``; ``chunk_output``: ``o``). An
 end-to-end test chains the reference's cumulative gate and WY outputs through both kernels and
@@ -20,7 +22,7 @@ NaN-poisoned by the conftest, so an unwritten element fails):
   ``G`` in fp32, each value off by up to ``2^-24 |G|`` absolutely, and exponentiate its
   differences: with model gates the bound is 1e-5, with strongly decaying gates
   (``|G| ~ 10^3 .. 10^4``) it grows as the reference's own fp32 error does
-  (tests/test_gdn_reference.py). Observed on the CPU: <= 4.8e-7 per stage, 1.0e-6 end to end.
+  (tests/gdn/test_gdn_reference.py). Observed on the CPU: <= 4.8e-7 per stage, 1.0e-6 end to end.
 
 On the CPU, Triton's interpreter would multiply bf16 dot operands as integer bit patterns and
 truncates fp32 -> bf16 conversions; the launchers then widen bf16 dot operands to fp32 (exact)
@@ -32,7 +34,7 @@ is its initial state bit for bit; two runs give the same bits.
 
 Sizes: K = 32, V = 64 (K != V, so a transposed state cannot pass; the state pass then runs two
 value blocks, the output one) in the main tests; K = V = 128 (the model's), K = 16 / V = 32 and
-K = 64 / V = 16 in one test each. Layouts and head groups as tests/test_gdn_reference.py: one
+K = 64 / V = 16 in one test each. Layouts and head groups as tests/gdn/test_gdn_reference.py: one
 sequence of T = 150 (not a multiple of 64) and packed documents of 1, 45, 0 and 130 tokens
 followed by 4 tokens in no document, (H, HV) = (2, 2), (2, 6), (1, 3); q and k as head views
 of a wider packed buffer in the packed layout (token stride != H * K). Gates as the model makes
@@ -44,14 +46,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import DEVICES
 from dsfuse.gdn import (
     chunk_gdn_stages,
     naive_recurrent_gdn,
     prepare_chunk_offsets,
 )
-from dsfuse.gdn.triton.output import launch_output
-from dsfuse.gdn.triton.state import launch_state_pass
 from gdn_stage_inputs import DK, DTYPES, DV, F64, qk_views
 from gdn_stage_inputs import make_inputs as stage_inputs
 from helpers import assert_bitwise, assert_rel_rms, rel_rms
@@ -120,15 +119,15 @@ class Prepared:
         ht = torch.empty(self.num_seqs, hv, dk, dv, dtype=torch.float32, device=self.device) if final else None
         return h, v_new, ht
 
-    def run_state(self, final=True):
+    def run_state(self, stages, final=True):
         h, v_new, ht = self.state_outputs(final)
-        launch_state_pass(self.k, self.w, self.u, self.g_cum, self.chunk_indices, self.chunk_offsets, self.h0,
+        stages.state(self.k, self.w, self.u, self.g_cum, self.chunk_indices, self.chunk_offsets, self.h0,
                           h, v_new, ht, use_qk_l2norm=self.l2)
         return h, v_new, ht
 
-    def run_output(self, h, v_new):
+    def run_output(self, stages, h, v_new):
         o = torch.empty(v_new.shape, dtype=self.dtype, device=self.device)
-        return launch_output(self.q, self.k, v_new, h, self.g_cum, self.chunk_indices, self.scale, o,
+        return stages.output(self.q, self.k, v_new, h, self.g_cum, self.chunk_indices, self.scale, o,
                              use_qk_l2norm=self.l2)
 
 
@@ -147,15 +146,14 @@ def assert_tail_zero(x, tail, what):
 # ----------------------------------------------------------------------------- state pass
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", list(DTYPES), ids=list(DTYPES))
 @pytest.mark.parametrize("case", CASES, ids=case_id)
-def test_state_pass(case, dtype, device):
+def test_state_pass(case, dtype, device, forward_stages):
     layout, heads, l2, with_h0, final, gates = case
     inputs = make_inputs(layout, heads, l2=l2, with_h0=with_h0, gates=gates, dtype=DTYPES[dtype],
                          seed=CASES.index(case))
     p = Prepared(inputs, l2, device, DTYPES[dtype])
-    h, v_new, ht = p.run_state(final)
+    h, v_new, ht = p.run_state(forward_stages, final)
     tol = p.tol()
     assert h.dtype == p.dtype and v_new.dtype == p.dtype
     assert_rel_rms(h, p.ref.h, tol, "h")
@@ -172,16 +170,15 @@ def test_state_pass(case, dtype, device):
 # ----------------------------------------------------------------------------- output
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", list(DTYPES), ids=list(DTYPES))
 @pytest.mark.parametrize("case", CASES, ids=case_id)
-def test_output(case, dtype, device):
+def test_output(case, dtype, device, forward_stages):
     layout, heads, l2, with_h0, _, gates = case
     inputs = make_inputs(layout, heads, l2=l2, with_h0=with_h0, gates=gates, dtype=DTYPES[dtype],
                          seed=CASES.index(case))
     p = Prepared(inputs, l2, device, DTYPES[dtype], scale=0.3 if l2 else None)
     h, v_new = (x.to(p.dtype).to(device) for x in (p.ref.h, p.ref.v_new))
-    o = p.run_output(h, v_new)
+    o = p.run_output(forward_stages, h, v_new)
     assert o.dtype == p.dtype
     assert_rel_rms(o, p.ref.o, p.tol(), "o")
     assert_tail_zero(o, p.tail, "o")
@@ -190,47 +187,44 @@ def test_output(case, dtype, device):
 # ----------------------------------------------------------------------------- end to end
 
 
-def check_end_to_end(inputs, l2, device, dtype):
+def check_end_to_end(stages, inputs, l2, device, dtype):
     """Reference cumsum / WY outputs -> state pass -> output, against the fp64 recurrence; twice, bitwise."""
     p = Prepared(inputs, l2, device, dtype)
-    h, v_new, ht = p.run_state()
-    o = p.run_output(h, v_new)
+    h, v_new, ht = p.run_state(stages)
+    o = p.run_output(stages, h, v_new)
     want_o, want_ht = naive_recurrent_gdn(**inputs, output_final_state=True, use_qk_l2norm_in_kernel=l2,
                                           compute_dtype=F64)
     tol = p.tol()
     assert_rel_rms(o, want_o[0], tol, "o")
     assert_rel_rms(ht, want_ht, tol, "final state")
     assert_tail_zero(o, p.tail, "o")
-    h2, v_new2, ht2 = p.run_state()
-    o2 = p.run_output(h2, v_new2)
+    h2, v_new2, ht2 = p.run_state(stages)
+    o2 = p.run_output(stages, h2, v_new2)
     for name, a, b in (("h", h, h2), ("v_new", v_new, v_new2), ("final state", ht, ht2), ("o", o, o2)):
         assert_bitwise(a, b, f"{name}: second run")
     return {"o": rel_rms(o, want_o[0]), "final_state": rel_rms(ht, want_ht)}
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", list(DTYPES), ids=list(DTYPES))
 @pytest.mark.parametrize("heads,gates", [((2, 6), "model"), ((1, 3), "strong")], ids=["H2_HV6-model", "H1_HV3-strong"])
-def test_end_to_end(heads, gates, dtype, device):
+def test_end_to_end(heads, gates, dtype, device, forward_stages):
     inputs = make_inputs("docs_1_45_0_130_tail4", heads, l2=True, with_h0=True, gates=gates, dtype=DTYPES[dtype],
                          seed=7)
-    check_end_to_end(inputs, True, device, DTYPES[dtype])
+    check_end_to_end(forward_stages, inputs, True, device, DTYPES[dtype])
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", list(DTYPES), ids=list(DTYPES))
 @pytest.mark.parametrize("dims", [(128, 128), (16, 32), (64, 16)], ids=lambda d: f"K{d[0]}_V{d[1]}")
-def test_head_dims(dims, dtype, device):
+def test_head_dims(dims, dtype, device, forward_stages):
     """The model's K = V = 128 (four state value blocks, two output ones) and the small head dims."""
     dk, dv = dims
     inputs = make_inputs("docs_1_45_0_130_tail4", (1, 3), l2=True, with_h0=True, gates="model",
                          dtype=DTYPES[dtype], seed=11, dk=dk, dv=dv)
-    check_end_to_end(inputs, True, device, DTYPES[dtype])
+    check_end_to_end(forward_stages, inputs, True, device, DTYPES[dtype])
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_no_chunks(device):
+def test_no_chunks(device, forward_stages):
     """Every document empty (no chunk at all): v_new and o are zero everywhere, final state = initial state."""
     gen = torch.Generator().manual_seed(3)
     tokens, h, hv = 7, 1, 3
@@ -244,9 +238,9 @@ def test_no_chunks(device):
     h = torch.empty(0, hv, DK, DV, device=device)
     v_new = torch.empty(tokens, hv, DV, device=device)
     ht = torch.empty(2, hv, DK, DV, device=device)
-    launch_state_pass(k, w, u, g_cum, chunk_indices, chunk_offsets, h0, h, v_new, ht)
+    forward_stages.state(k, w, u, g_cum, chunk_indices, chunk_offsets, h0, h, v_new, ht)
     assert_bitwise(v_new, torch.zeros_like(v_new), "v_new")
     assert_bitwise(ht, h0, "final state")
     o = torch.empty(tokens, hv, DV, device=device)
-    launch_output(q, k, v_new, h, g_cum, chunk_indices, 0.5, o)
+    forward_stages.output(q, k, v_new, h, g_cum, chunk_indices, 0.5, o)
     assert_bitwise(o, torch.zeros_like(o), "o")

@@ -1,6 +1,7 @@
-"""Gated DeltaNet backward, the q/k finalize stage (value-head sum, L2-norm backward) in Triton.
+"""Gated DeltaNet backward, the q/k finalize stage (value-head sum, L2-norm backward) of each fused
+backend's backward stage table (the ``backward_stages`` fixture, from the registry).
 
-``launch_qk_finalize`` against ``dsfuse.gdn.reference_backward._sum_value_heads`` and
+``finalize`` against ``dsfuse.gdn.reference_backward._sum_value_heads`` and
 ``_l2norm_backward`` in fp64 on the same inputs (q, k in the test dtype; ``dq_hv``, ``dk_hv``
 fp32), and against the same formulas evaluated by torch in fp32.
 
@@ -33,10 +34,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import DEVICES
 from dsfuse.gdn.reference import L2NORM_EPS
 from dsfuse.gdn.reference_backward import _l2norm_backward, _sum_value_heads
-from dsfuse.gdn.triton.finalize import launch_qk_finalize
 from helpers import assert_bitwise, spacing
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -98,8 +97,8 @@ class Prepared:
             self.buf[self.rest] = torch.randn(int(self.rest.sum()), generator=gen).to(dtype).to(device)
         self.sentinel = self.buf[self.rest].clone()
 
-    def run(self, l2):
-        launch_qk_finalize(self.q, self.k, self.dq_hv, self.dk_hv, self.dq, self.dk, use_qk_l2norm=l2)
+    def run(self, stages, l2):
+        stages.finalize(self.q, self.k, self.dq_hv, self.dk_hv, self.dq, self.dk, use_qk_l2norm=l2)
         assert_bitwise(self.buf[self.rest].cpu(), self.sentinel.cpu(), "buffer outside dq and dk")
         return self.dq, self.dk
 
@@ -148,45 +147,41 @@ def check(got, x, dx_hv, heads, l2, what, report):
     return rel
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("l2", [False, True], ids=["sum", "l2"])
 @pytest.mark.parametrize("dtype", list(DTYPES), ids=list(DTYPES))
 @pytest.mark.parametrize("case", CASES, ids=case_id)
-def test_finalize_against_reference(case, dtype, l2, device):
+def test_finalize_against_reference(case, dtype, l2, device, backward_stages):
     tokens, heads, value_heads, dk, layout = case
     p = Prepared(tokens, heads, value_heads, dk, layout, DTYPES[dtype], device, seed=CASES.index(case))
-    dq, dk_ = p.run(l2)
+    dq, dk_ = p.run(backward_stages, l2)
     assert dq.dtype == dk_.dtype == DTYPES[dtype]
     report = {}
     check(dq, p.q, p.dq_hv, heads, l2, "dq", report)
     check(dk_, p.k, p.dk_hv, heads, l2, "dk", report)
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_model_specialisation(device):
+def test_model_specialisation(device, backward_stages):
     """AOT_SPECS' geometry: bf16, K = 128, H = 16, HV = 48, q, k, dq, dk with token stride 10240."""
     p = Prepared(40, 16, 48, 128, "packed", torch.bfloat16, device, pad=0)
     assert p.q.stride() == p.dq.stride() == (10240, 128, 1)
     for l2 in (False, True):
-        dq, dk = p.run(l2)
+        dq, dk = p.run(backward_stages, l2)
         report = {}
         check(dq, p.q, p.dq_hv, 16, l2, "dq", report)
         check(dk, p.k, p.dk_hv, 16, l2, "dk", report)
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_deterministic(device):
+def test_deterministic(device, backward_stages):
     p = Prepared(150, 2, 6, 32, "packed", torch.bfloat16, device)
-    first = [t.clone() for t in p.run(True)]
+    first = [t.clone() for t in p.run(backward_stages, True)]
     p.buf[~p.rest] = float("nan")
-    second = p.run(True)
+    second = p.run(backward_stages, True)
     for a, b, name in zip(first, second, ("dq", "dk"), strict=True):
         assert_bitwise(b.cpu(), a.cpu(), f"{name}: second launch")
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_no_tokens_is_a_no_op(device):
+def test_no_tokens_is_a_no_op(device, backward_stages):
     q = torch.zeros(0, 2, 32, device=device)
     hv = torch.zeros(0, 6, 32, device=device)
-    dq, dk = launch_qk_finalize(q, q, hv, hv, torch.zeros_like(q), torch.zeros_like(q), use_qk_l2norm=True)
+    dq, dk = backward_stages.finalize(q, q, hv, hv, torch.zeros_like(q), torch.zeros_like(q), use_qk_l2norm=True)
     assert dq.shape == dk.shape == (0, 2, 32)

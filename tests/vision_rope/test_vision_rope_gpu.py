@@ -1,8 +1,12 @@
-"""Vision RoPE on CUDA: the layouts SDPA really delivers, model geometries, graphs, streams, dynamic T."""
+"""Vision RoPE on CUDA: the layouts SDPA really delivers; on every fused backend of the backward (the
+``backend`` fixture): the model geometries (odd T: no dK row is 16-byte aligned) and the extremes,
+CUDA Graph replay with changed inputs, no compile for a new T, explicit streams, determinism,
+cross-device refusals; the real tower's two blocks."""
 
 import pytest
 import torch
-from helpers import assert_bitwise
+from helpers import assert_bitwise, compiled_kernels
+from test_vision_rope import check_backward
 
 from dsfuse.vision_rope import (
     attention_front,
@@ -10,7 +14,6 @@ from dsfuse.vision_rope import (
     vision_rope_backward,
     vision_rope_backward_autograd,
 )
-from dsfuse.vision_rope.triton import _vision_rope_bwd_kernel
 
 pytestmark = pytest.mark.gpu
 GEOMETRIES = [(39, 39), (35, 46), (55, 74), (74, 74), (69, 122), (93, 93), (3, 3063), (1, 1), (7, 11)]
@@ -40,27 +43,29 @@ def test_sdpa_delivers_the_native_layouts():
     assert seen["dk"] == ((16, tokens, 64), (tokens * 64, 1, tokens))
 
 
+@pytest.mark.serves("backward")
 @pytest.mark.parametrize("grid", GEOMETRIES, ids=lambda g: f"{g[0]}x{g[1]}")
-def test_model_geometries_bitwise(grid):
+def test_model_geometries_bitwise(grid, backend):
     for seed in (1, 2):  # two input banks, fresh buffers each
         args = model_grads(*grid, seed)
-        want = vision_rope_backward_autograd(*args)
-        out = torch.full_like(want, float("nan"))
-        assert_bitwise(vision_rope_backward(*args, out=out, backend="triton"), want, f"{grid} bank {seed}")
-        assert_bitwise(vision_rope_backward(*args, backend="triton"), want, f"{grid} bank {seed} allocating")
+        want = check_backward(args, f"{grid} bank {seed}", backend)
+        out = torch.full_like(want, float("nan"))  # out= with the [T, D/2] tables too
+        assert_bitwise(vision_rope_backward(*args, out=out, backend=backend), want, f"{grid} bank {seed} out=, 2D")
 
 
-def test_graph_replay_with_changed_inputs_and_dynamic_tokens():
+@pytest.mark.serves("backward")
+def test_graph_replay_with_changed_inputs_and_dynamic_tokens(backend):
     args = model_grads(55, 74, 3)
     out = torch.empty(55 * 74, 3072, device="cuda", dtype=torch.bfloat16)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        vision_rope_backward(*args, out=out, backend="triton")
+    with torch.cuda.stream(side):  # warm-up: compiles and loads the kernel before capture
+        vision_rope_backward(*args, out=out, backend=backend)
     torch.cuda.current_stream().wait_stream(side)
+    compiled = compiled_kernels("vision_rope", backend)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        vision_rope_backward(*args, out=out, backend="triton")
+        vision_rope_backward(*args, out=out, backend=backend)
     for seed in (4, 5):
         fresh = model_grads(55, 74, seed)
         for buf, new in zip(args, fresh):
@@ -69,32 +74,38 @@ def test_graph_replay_with_changed_inputs_and_dynamic_tokens():
         graph.replay()
         torch.cuda.synchronize()
         assert_bitwise(out, vision_rope_backward_autograd(*fresh), f"replay {seed}")
-    cache = _vision_rope_bwd_kernel.device_caches[torch.cuda.current_device()][0]
-    compiled = len(cache)
-    for grid in ((35, 47), (69, 123), (13, 17)):  # odd token counts: same specialisation
+    for grid in ((35, 47), (69, 123), (13, 17)):  # new odd token counts: nothing compiles
         args = model_grads(*grid, 6)
-        assert_bitwise(vision_rope_backward(*args, backend="triton"), vision_rope_backward_autograd(*args), str(grid))
-    assert len(cache) == compiled, "a new token count recompiled the kernel"
+        assert_bitwise(vision_rope_backward(*args, backend=backend), vision_rope_backward_autograd(*args), str(grid))
+    assert compiled_kernels("vision_rope", backend) == compiled, "a new token count compiled the kernel again"
 
 
-def test_explicit_stream_and_determinism():
-    args = model_grads(93, 93, 7)
-    want = vision_rope_backward_autograd(*args)
+@pytest.mark.serves("backward")
+@pytest.mark.parametrize("grid", [(39, 39), (93, 93)], ids=lambda g: f"{g[0]}x{g[1]}")
+def test_explicit_stream_and_determinism(grid, backend):
+    """The kernel runs on the stream it is given: while the default stream sleeps, the side stream
+    computes the result and copies it to the host (a launch on the default stream would leave the
+    NaN-poisoned output there). Then three repeats give the same bits."""
+    args = model_grads(*grid, 7)
+    want = vision_rope_backward_autograd(*args).cpu()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
-    torch.cuda._sleep(10_000_000)
-    got = vision_rope_backward(*args, stream=stream, backend="triton")
-    torch.cuda.current_stream().wait_stream(stream)
-    assert_bitwise(got, want, "side stream")
+    torch.cuda._sleep(200_000_000)  # ~0.1 s of the default stream
+    got = vision_rope_backward(*args, stream=stream, backend=backend)
+    with torch.cuda.stream(stream):
+        host = got.to("cpu", non_blocking=False)
+    assert_bitwise(host, want, "side stream, before the default stream wakes")
+    torch.cuda.synchronize()
     for _ in range(3):
-        assert_bitwise(vision_rope_backward(*args, backend="triton"), got, "repeat")
+        assert_bitwise(vision_rope_backward(*args, backend=backend), got, "repeat")
 
 
-def test_cross_device_errors():
+@pytest.mark.refusals
+def test_cross_device_errors(backend):
     args = list(model_grads(3, 3, 8))
     args[3] = args[3].cpu()
     with pytest.raises(ValueError, match="cos: expected device cuda:0"):
-        vision_rope_backward(*args)
+        vision_rope_backward(*args, backend=backend)
 
 
 def test_tower_two_real_blocks_and_profile():

@@ -1,6 +1,8 @@
-"""Gated DeltaNet backward stages in Triton: ``dv_local`` and the reverse state pass, against the chunked reference.
+"""Gated DeltaNet backward stages ``dv_local`` and ``state_backward`` (the reverse state pass) of each
+fused backend's backward stage table (the ``backward_stages`` fixture, from the registry), against
+the chunked reference; Triton's Blackwell launch setting on its own.
 
-Each launcher is fed the fp64 reference's own intermediates (``chunk_gdn_stages``: the
+Each stage is fed the fp64 reference's own intermediates (``chunk_gdn_stages``: the
 normalised q and k are re-derived by the kernels from the raw inputs, ``w`` and ``g_cum`` are
 the reference's; a random ``do`` and, in some cases, a random ``dht``), cast to the test dtype,
 and compared with the matching reference stage in fp64 (``chunk_dv_local``: ``dv_local``;
@@ -22,7 +24,7 @@ NaN-poisoned by the conftest, so an unwritten element fails):
   ``dh0`` <= 2.1e-3.
 * fp32 inputs (the kernels multiply in full fp32, ``input_precision="ieee"``, no TF32):
   ``<= max(1e-5, 2^-24 * max|G|)`` with ``G`` the within-chunk cumulative gate (the stages read
-  ``G`` in fp32 and exponentiate its differences; see tests/test_gdn_stages_state_output.py).
+  ``G`` in fp32 and exponentiate its differences; see tests/gdn/test_gdn_stages_state_output.py).
   Observed on the CPU: <= 9.1e-7.
 
 On the CPU, Triton's interpreter would multiply bf16 dot operands as integer bit patterns and
@@ -51,7 +53,6 @@ from dsfuse.gdn.reference import chunk_local_cumsum, from_chunks, to_chunks
 from dsfuse.gdn.reference_backward import chunk_dv_local, chunk_state_backward
 from dsfuse.gdn.triton import state_bwd
 from dsfuse.gdn.triton.common import BLACKWELL, assume_family
-from dsfuse.gdn.triton.state_bwd import launch_dv_local, launch_state_backward
 from gdn_stage_inputs import DK, DTYPES, DV, F64, head_view, qk_views
 from gdn_stage_inputs import make_inputs as stage_inputs
 from helpers import assert_bitwise, assert_rel_rms
@@ -128,19 +129,19 @@ class Prepared:
             return BF16_RMS
         return max(FP32_RMS, 2.0**-24 * self.max_g)
 
-    def run_dv_local(self):
+    def run_dv_local(self, stages):
         dv_local = torch.empty(self.do.shape, dtype=self.dtype, device=self.device)
-        return launch_dv_local(self.q, self.k, self.do, self.g_cum, self.chunk_indices, self.scale, dv_local,
+        return stages.dv_local(self.q, self.k, self.do, self.g_cum, self.chunk_indices, self.scale, dv_local,
                                use_qk_l2norm=self.l2)
 
-    def run_state(self, dv_local=None, want_dh0=True):
+    def run_state(self, stages, dv_local=None, want_dh0=True):
         tokens, hv, dv = self.do.shape
         dk = self.w.shape[-1]
         nc = self.chunk_indices.shape[0]
         dh = torch.empty(nc, hv, dk, dv, dtype=self.dtype, device=self.device)
         dv_new = torch.empty(tokens, hv, dv, dtype=self.dtype, device=self.device)
         dh0 = torch.empty(self.num_seqs, hv, dk, dv, dtype=torch.float32, device=self.device) if want_dh0 else None
-        return launch_state_backward(self.q, self.k, self.w, self.do,
+        return stages.state_backward(self.q, self.k, self.w, self.do,
                                      self.dv_local if dv_local is None else dv_local, self.g_cum,
                                      self.chunk_indices, self.chunk_offsets, self.dht, dh, dv_new, dh0, self.scale,
                                      use_qk_l2norm=self.l2)
@@ -170,15 +171,14 @@ def check_state(p, dh, dv_new, dh0, layout):
 # ----------------------------------------------------------------------------- dv_local
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", list(DTYPES), ids=list(DTYPES))
 @pytest.mark.parametrize("case", CASES, ids=case_id)
-def test_dv_local(case, dtype, device):
+def test_dv_local(case, dtype, device, backward_stages):
     layout, heads, l2, with_dht, _, gates = case
     forward, do, dht = make_inputs(layout, heads, l2=l2, with_dht=with_dht, gates=gates, dtype=DTYPES[dtype],
                                    seed=CASES.index(case))
     p = Prepared(forward, do, dht, l2, device, DTYPES[dtype], scale=0.3 if l2 else None)
-    dv_local = p.run_dv_local()
+    dv_local = p.run_dv_local(backward_stages)
     assert dv_local.dtype == p.dtype
     assert_rel_rms(dv_local, p.want["dv_local"], p.tol(), "dv_local")
 
@@ -186,15 +186,14 @@ def test_dv_local(case, dtype, device):
 # ----------------------------------------------------------------------------- reverse state pass
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", list(DTYPES), ids=list(DTYPES))
 @pytest.mark.parametrize("case", CASES, ids=case_id)
-def test_state_backward(case, dtype, device):
+def test_state_backward(case, dtype, device, backward_stages):
     layout, heads, l2, with_dht, want_dh0, gates = case
     forward, do, dht = make_inputs(layout, heads, l2=l2, with_dht=with_dht, gates=gates, dtype=DTYPES[dtype],
                                    seed=CASES.index(case))
     p = Prepared(forward, do, dht, l2, device, DTYPES[dtype], scale=0.3 if l2 else None)
-    dh, dv_new, dh0 = p.run_state(want_dh0=want_dh0)
+    dh, dv_new, dh0 = p.run_state(backward_stages, want_dh0=want_dh0)
     assert (dh0 is None) == (not want_dh0)
     check_state(p, dh, dv_new, dh0, layout)
 
@@ -202,48 +201,49 @@ def test_state_backward(case, dtype, device):
 # ----------------------------------------------------------------------------- chained, twice
 
 
-def check_chained(layout, heads, gates, device, dtype, seed, dk=DK, dv=DV):
-    """dv_local kernel -> state backward kernel against the fp64 reference; a second run bitwise equal."""
+def check_chained(stages, layout, heads, gates, device, dtype, seed, dk=DK, dv=DV):
+    """dv_local stage -> state backward stage against the fp64 reference; a second run bitwise equal."""
     forward, do, dht = make_inputs(layout, heads, l2=True, with_dht=True, gates=gates, dtype=dtype, seed=seed,
                                    dk=dk, dv=dv)
     p = Prepared(forward, do, dht, True, device, dtype)
-    dv_local = p.run_dv_local()
+    dv_local = p.run_dv_local(stages)
     errs = {"dv_local": assert_rel_rms(dv_local, p.want["dv_local"], p.tol(), "dv_local")}
-    dh, dv_new, dh0 = p.run_state(dv_local)
+    dh, dv_new, dh0 = p.run_state(stages, dv_local)
     errs.update(check_state(p, dh, dv_new, dh0, layout))
-    dv_local2 = p.run_dv_local()
-    dh2, dv_new2, dh02 = p.run_state(dv_local2)
+    dv_local2 = p.run_dv_local(stages)
+    dh2, dv_new2, dh02 = p.run_state(stages, dv_local2)
     for name, a, b in (("dv_local", dv_local, dv_local2), ("dh", dh, dh2), ("dv_new", dv_new, dv_new2),
                        ("dh0", dh0, dh02)):
         assert_bitwise(a, b, f"{name}: second run")
     return errs
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", list(DTYPES), ids=list(DTYPES))
 @pytest.mark.parametrize("heads,gates", [((2, 6), "model"), ((1, 3), "strong")], ids=["H2_HV6-model", "H1_HV3-strong"])
-def test_chained(heads, gates, dtype, device):
-    check_chained("docs_1_45_0_130", heads, gates, device, DTYPES[dtype], seed=7)
+def test_chained(heads, gates, dtype, device, backward_stages):
+    check_chained(backward_stages, "docs_1_45_0_130", heads, gates, device, DTYPES[dtype], seed=7)
 
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_blackwell_setting(device):
-    """The state pass in Blackwell's launch setting (16 value channels, 2 warps): four value blocks for V = 64."""
+    """Triton's state pass in Blackwell's launch setting (16 value channels, 2 warps): four value blocks
+    for V = 64."""
+    from dsfuse.gdn.triton import BACKWARD
+
     with assume_family(BLACKWELL):
         assert state_bwd.launch_config(torch.device(device), DV)[0] < DV
-        check_chained("docs_1_45_0_130", (1, 3), "model", device, torch.bfloat16, seed=5)
+        check_chained(BACKWARD, "docs_1_45_0_130", (1, 3), "model", device, torch.bfloat16, seed=5)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("device", DEVICES)
-def test_head_dims_128(device):
+def test_head_dims_128(device, backward_stages):
     """The model's K = V = 128 in bf16: two blocks of 64 state-gradient rows, two value blocks
     in Hopper's setting, one dv_local block."""
-    check_chained("docs_1_45_0_130", (1, 3), "model", device, torch.bfloat16, seed=11, dk=128, dv=128)
+    check_chained(backward_stages, "docs_1_45_0_130", (1, 3), "model", device, torch.bfloat16, seed=11, dk=128,
+                  dv=128)
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_no_chunks(device):
+def test_no_chunks(device, backward_stages):
     """Every document empty (no chunk at all): nothing to write but dh0, which is dht (or zero) bit for bit."""
     gen = torch.Generator().manual_seed(3)
     tokens, h, hv = 7, 1, 3
@@ -256,13 +256,13 @@ def test_no_chunks(device):
     chunk_indices = torch.zeros(0, 3, dtype=torch.int32, device=device)
     chunk_offsets = torch.zeros(3, dtype=torch.int32, device=device)
     dv_local = torch.zeros(tokens, hv, DV, device=device)
-    launch_dv_local(q, k, do, g_cum, chunk_indices, 0.5, dv_local)
+    backward_stages.dv_local(q, k, do, g_cum, chunk_indices, 0.5, dv_local)
     assert_bitwise(dv_local, torch.zeros_like(dv_local), "dv_local")
     dh = torch.empty(0, hv, DK, DV, device=device)
     for given in (dht, None):
         dv_new = torch.zeros(tokens, hv, DV, device=device)
         dh0 = torch.empty(2, hv, DK, DV, device=device)
-        launch_state_backward(q, k, w, do, dv_local, g_cum, chunk_indices, chunk_offsets, given, dh, dv_new, dh0,
-                              0.5)
+        backward_stages.state_backward(q, k, w, do, dv_local, g_cum, chunk_indices, chunk_offsets, given, dh, dv_new,
+                                       dh0, 0.5)
         assert_bitwise(dh0, dht if given is not None else torch.zeros_like(dht), "dh0")
         assert_bitwise(dv_new, torch.zeros_like(dv_new), "dv_new")

@@ -7,6 +7,11 @@ stores truncate instead of rounding, so bf16 results are within one bf16 ulp.
 Sizes: T = 1, 7, 77 and 130 cover single-token, sub-block and multi-block tails
 of the 64-token program; (H, D) = (16, 64) is the model, (3, 8) and (5, 32) other
 head counts and widths.
+
+Every contract test takes the ``backend`` fixture (``tests/conftest.py``): each fused backend the
+op registers that serves the call (the CuTe DSL backend has the backward alone), on the CPU
+(Triton's interpreter) and on CUDA. What only one backend has (its launch constants, the head dims
+its kernels refuse, its code generation) is tested per backend.
 """
 
 import pytest
@@ -49,26 +54,49 @@ def assert_equal_contract(got, want, what):
         assert_within_ulp(got, want, 1, what)
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def check_backward(args, what, backend):
+    """``vision_rope_backward`` on ``backend``, allocating (NaN-poisoned by the conftest) and into a
+    NaN-filled caller buffer (with ``[T, 1, D/2]`` tables), both equal to eager autograd (bitwise on
+    CUDA); returns eager autograd's result."""
+    want = vision_rope_backward_autograd(*args)
+    got = vision_rope_backward(*args, backend=backend)
+    assert got.shape == want.shape and got.is_contiguous()
+    assert_equal_contract(got, want, f"{what} allocating")
+    out = torch.full_like(want, float("nan"))
+    dq, dk_hdt, dv, cos, sin = args
+    assert vision_rope_backward(dq, dk_hdt, dv, cos[:, None], sin[:, None], out=out, backend=backend) is out
+    assert_equal_contract(out, want, f"{what} out=")
+    return want
+
+
+@pytest.mark.serves("backward")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "H{}_T{}_D{}".format(*s))
-def test_backward_matches_eager_autograd(shape, dtype, device):
-    dq, dk_hdt, dv, cos, sin = grads(*shape, dtype, device)
-    want = vision_rope_backward_autograd(dq, dk_hdt, dv, cos, sin)
-    assert_bitwise(vision_rope_backward_reference(dq, dk_hdt, dv, cos, sin), want, "formula == autograd")
-    got = vision_rope_backward(dq, dk_hdt, dv, cos, sin, backend="triton")
-    assert got.shape == (shape[1], 3 * shape[0] * shape[2]) and got.is_contiguous()
-    assert_equal_contract(got, want, "fused backward")
-    out = torch.empty_like(want)
-    assert vision_rope_backward(dq, dk_hdt, dv, cos[:, None], sin[:, None], out=out, backend="triton") is out
-    assert_equal_contract(out, want, "fused backward out=")
+def test_backward_matches_eager_autograd(shape, dtype, device, backend):
+    args = grads(*shape, dtype, device)
+    want = check_backward(args, f"{shape} {dtype}", backend)
+    assert want.shape == (shape[1], 3 * shape[0] * shape[2])
+    assert_bitwise(vision_rope_backward_reference(*args), want, "formula == autograd")
+
+
+@pytest.mark.serves("backward")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_without_dv_the_v_columns_are_zero(dtype, device, backend):
+    """dv=None (the differentiable forward's gradient of q and k alone): +0.0 in the v columns (the
+    model's heads on CUDA, fewer in the interpreter)."""
+    heads, tokens, dim = (16, 77, 64) if device == "cuda" else (4, 77, 16)
+    dq, dk_hdt, dv, cos, sin = grads(heads, tokens, dim, dtype, device, seed=5)
+    got = vr_api.backward_ops[backend](dq, dk_hdt.transpose(1, 2), None, cos, sin)
+    want = vision_rope_backward_autograd(dq, dk_hdt, torch.zeros_like(dv), cos, sin)
+    assert_equal_contract(got, want, "no dV")
+    assert (got[:, 2 * heads * dim:].view(torch.int16 if dtype != torch.float32 else torch.int32) == 0).all()
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("block_t", [16, 32, 128])
 @pytest.mark.parametrize("shape", [(16, 77, 64), (3, 130, 8), (6, 33, 32)], ids=lambda s: "H{}_T{}_D{}".format(*s))
 def test_launch_constants(shape, block_t, device, monkeypatch):
-    """Every tokens-per-program setting gives the same bits, backward and forward."""
+    """The Triton kernels' tokens-per-program: every setting gives the same bits, backward and forward."""
     from dsfuse.vision_rope.triton import kernels as vr_triton
 
     monkeypatch.setattr(vr_triton, "TOKENS_PER_PROGRAM", block_t)
@@ -83,21 +111,21 @@ def test_launch_constants(shape, block_t, device, monkeypatch):
         assert_bitwise(g, w, f"forward {name}, block_t={block_t}")
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.serves("forward")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "H{}_T{}_D{}".format(*s))
-def test_forward_and_autograd_front(shape, dtype, device):
+def test_forward_and_autograd_front(shape, dtype, device, backend):
     heads, tokens, dim = shape
     _, _, _, cos, sin = grads(*shape, dtype, device)
     qkv = torch.randn(tokens, 3 * heads * dim, generator=torch.Generator().manual_seed(1)).to(dtype).to(device)
-    fused = vision_rope_forward(qkv, cos, sin, heads, backend="triton")
+    fused = vision_rope_forward(qkv, cos, sin, heads, backend=backend)
     model = attention_front(qkv, cos, sin, heads)
     for got, want, name in zip(fused, model, "qkv"):
         assert got.stride() == want.stride(), (name, got.stride(), want.stride())  # what SDPA sees
         assert_equal_contract(got, want, f"forward {name}")
     assert fused[2].data_ptr() == model[2].data_ptr()  # v stays a view of qkv
     leaf = qkv.clone().requires_grad_()
-    outs = vision_rope_attention_front(leaf, cos, sin, heads, backend="triton")
+    outs = vision_rope_attention_front(leaf, cos, sin, heads, backend=backend)
     g = (torch.randn_like(model[0]), torch.randn(heads, dim, tokens, dtype=dtype, device=device).transpose(1, 2),
          torch.randn_like(model[2]))
     (got,) = torch.autograd.grad(outs, leaf, g)
@@ -106,15 +134,15 @@ def test_forward_and_autograd_front(shape, dtype, device):
     assert_equal_contract(got, want, "autograd through the fused front end")
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_attention_gradients_through_sdpa(device):
+@pytest.mark.serves("forward")
+def test_attention_gradients_through_sdpa(device, backend):
     """The whole attention core (front end + 3D math SDPA): the fused front end changes no bit (fp32)."""
     heads, tokens, dim = 4, 45, 16
     cos, sin = vision_cos_sin(5, 9, dim // 2, device=device)
     qkv = torch.randn(tokens, 3 * heads * dim, device=device)
     grad_o = torch.randn(heads, tokens, dim, device=device)
     a = qkv.clone().requires_grad_()
-    q, k, v = vision_rope_attention_front(a, cos, sin, heads, backend="triton")
+    q, k, v = vision_rope_attention_front(a, cos, sin, heads, backend=backend)
     o = torch.nn.functional.scaled_dot_product_attention(q, k, v)
     (got,) = torch.autograd.grad(o, a, grad_o)
     b = qkv.clone().requires_grad_()
@@ -136,65 +164,66 @@ def test_geometries_from_the_image_processor():
         patch_grid(0, 10)
 
 
-def _bad_calls():
+def _bad_calls(device="cpu"):
     h, t, d = 4, 9, 8
 
+    def randn(*shape):
+        return torch.randn(*shape, device=device).bfloat16()
+
     def base():
-        return [torch.randn(h, t, d).bfloat16(), torch.randn(h, d, t).bfloat16(), torch.randn(h, t, d).bfloat16(),
-                *vision_cos_sin(t, 1, d // 2)]
+        return [randn(h, t, d), randn(h, d, t), randn(h, t, d), *vision_cos_sin(t, 1, d // 2, device=device)]
 
     def call(mutate, **kw):
-        def run():
+        def run(backend):
             args = base()
             mutate(args)
-            return vision_rope_backward(*args, **kw)
+            return vision_rope_backward(*args, **({"backend": backend} | kw))
         return run
 
     def set_(i, value):
         return lambda a: a.__setitem__(i, value(a) if callable(value) else value)
 
+    def overlapping_out(backend):
+        storage = randn(3 * h * t * d)
+        return vision_rope_backward(storage[: h * t * d].view(h, t, d), randn(h, d, t), randn(h, t, d),
+                                    *vision_cos_sin(t, 1, d // 2, device=device), out=storage.view(t, 3 * h * d),
+                                    backend=backend)
+
     return {
         "dq not a tensor": (call(set_(0, 1.0)), TypeError, "dq_htd: expected a torch.Tensor"),
         "dq 2D": (call(set_(0, lambda a: a[0][0])), ValueError, "dq_htd: expected 3 dims"),
-        "odd head dim": (call(set_(0, lambda a: torch.randn(h, t, d - 1).bfloat16())), ValueError, "even head dim"),
+        "odd head dim": (call(set_(0, lambda a: randn(h, t, d - 1))), ValueError, "even head dim"),
         "dk in HTD shape": (call(set_(1, lambda a: a[1].transpose(1, 2))), ValueError,
                             r"dk_hdt: expected shape \[H, D, T\]"),
-        "dk transposed view": (call(set_(1, lambda a: torch.randn(h, t, d).bfloat16().transpose(1, 2))), ValueError,
+        "dk transposed view": (call(set_(1, lambda a: randn(h, t, d).transpose(1, 2))), ValueError,
                                r"dk_hdt: expected contiguous \[H, D, T\] storage"),
-        "dq non-contiguous": (call(set_(0, lambda a: torch.randn(t, h, d).bfloat16().transpose(0, 1))), ValueError,
+        "dq non-contiguous": (call(set_(0, lambda a: randn(t, h, d).transpose(0, 1))), ValueError,
                               r"dq_htd: expected contiguous \[H, T, D\] storage"),
-        "dv wrong shape": (call(set_(2, lambda a: torch.randn(h, t + 1, d).bfloat16())), ValueError,
+        "dv wrong shape": (call(set_(2, lambda a: randn(h, t + 1, d))), ValueError,
                            r"dv_htd: expected shape \[H, T, D\]"),
         "dtype mismatch": (call(set_(2, lambda a: a[2].float())), TypeError, "dv_htd: expected dtype bfloat16 \\(that of dq_htd\\)"),
         "cos fp64": (call(set_(3, lambda a: a[3].double())), TypeError, r"cos: expected dtype in \(float32\)"),
         "cos wrong tokens": (call(set_(3, lambda a: a[3][:-1])), ValueError, r"cos: expected shape \[9, 4\]"),
-        "misaligned dq": (call(set_(0, lambda a: torch.randn(h * t * d + 1).bfloat16()[1:].view(h, t, d))), ValueError,
+        "misaligned dq": (call(set_(0, lambda a: randn(h * t * d + 1)[1:].view(h, t, d))), ValueError,
                           "dq_htd: expected a 16-byte aligned data pointer"),
-        "out wrong shape": (call(lambda a: None, out=torch.empty(t, 3 * h * d - 1).bfloat16()), ValueError,
-                            r"out: expected a bfloat16 tensor of shape \[9, 96\]"),
-        "out overlaps dq": (None, ValueError, "out: must not overlap dq_htd"),
+        "out wrong shape": (call(lambda a: None, out=torch.empty(t, 3 * h * d - 1, device=device).bfloat16()),
+                            ValueError, r"out: expected a bfloat16 tensor of shape \[9, 96\]"),
+        "out overlaps dq": (overlapping_out, ValueError, "out: must not overlap dq_htd"),
         "bad backend": (call(lambda a: None, backend="cuda"), ValueError, "backend: expected one of"),
     }
 
 
-BAD = _bad_calls()
-
-
-@pytest.mark.parametrize("name", sorted(BAD))
-def test_bad_arguments_raise(name):
-    call, exc, match = BAD[name]
-    if name == "out overlaps dq":
-        h, t, d = 4, 9, 8
-        storage = torch.randn(3 * h * t * d).bfloat16()
-        dq = storage[: h * t * d].view(h, t, d)
-        cos, sin = vision_cos_sin(t, 1, d // 2)
-        call = lambda: vision_rope_backward(dq, torch.randn(h, d, t).bfloat16(), torch.randn(h, t, d).bfloat16(),  # noqa: E731
-                                            cos, sin, out=storage.view(t, 3 * h * d))
+@pytest.mark.refusals
+@pytest.mark.parametrize("name", sorted(_bad_calls()))
+def test_bad_arguments_raise(name, device, backend):
+    """Every bad argument of the backward, refused alike by auto, each fused backend and the reference."""
+    call, exc, match = _bad_calls(device)[name]
     with pytest.raises(exc, match=match):
-        call()
+        call(backend)
 
 
-def test_front_end_errors():
+@pytest.mark.serves("forward")
+def test_front_end_errors(backend):
     cos, sin = vision_cos_sin(3, 3, 4)
     with pytest.raises(ValueError, match="qkv: expected \\[T, 3 \\* heads \\* D\\]"):
         vision_rope_attention_front(torch.randn(9, 50), cos, sin, 2)
@@ -203,7 +232,7 @@ def test_front_end_errors():
     with pytest.raises(ValueError, match="qkv: expected unit channel stride"):
         vision_rope_attention_front(torch.randn(48, 9).t(), cos, sin, 2)
     with pytest.raises(ValueError, match="cos/sin require grad"):
-        vision_rope_attention_front(torch.randn(9, 48), cos.requires_grad_(), sin, 2, backend="triton")
+        vision_rope_attention_front(torch.randn(9, 48), cos.requires_grad_(), sin, 2, backend=backend)
 
 
 def test_head_dims_the_triton_kernels_refuse(monkeypatch):
@@ -240,29 +269,49 @@ def test_head_dims_the_triton_kernels_refuse(monkeypatch):
     assert entry.choose("auto", cuda, torch.float32, call="forward", args=(torch.randn(9, 96), c16, s16, 2)) == "triton"
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_torch_compile_fullgraph(device):
+@pytest.mark.serves("forward")
+def test_torch_compile_fullgraph_front(device, backend):
     heads, tokens, dim = 2, 15, 8
     cos, sin = vision_cos_sin(3, 5, dim // 2, device=device)
     qkv = torch.randn(tokens, 3 * heads * dim, device=device)
-    backend = "inductor" if device == "cuda" else "aot_eager"
+    compiler = "inductor" if device == "cuda" else "aot_eager"
 
     def f(x):  # the front end alone: Inductor compiles SDPA differently from eager, not our op
-        q, k, v = vision_rope_attention_front(x, cos, sin, heads, backend="triton")
+        q, k, v = vision_rope_attention_front(x, cos, sin, heads, backend=backend)
         return q * 1.0, k * 1.0, v * 1.0
 
     a, b = qkv.clone().requires_grad_(), qkv.clone().requires_grad_()
-    outs = torch.compile(f, fullgraph=True, backend=backend)(a)
+    outs = torch.compile(f, fullgraph=True, backend=compiler)(a)
     refs = f(b)
     for got, want, name in zip(outs, refs, "qkv"):
         assert_bitwise(got, want, f"compiled forward {name}")
     g = tuple(torch.randn_like(r) for r in refs)
     assert_bitwise(torch.autograd.grad(outs, a, g)[0], torch.autograd.grad(refs, b, g)[0], "compiled backward")
-    dq, dk_hdt, dv = torch.randn(heads, tokens, dim, device=device), torch.randn(heads, dim, tokens, device=device), \
-        torch.randn(heads, tokens, dim, device=device)
-    bwd = torch.compile(lambda *x: vision_rope_backward(*x, backend="triton"), fullgraph=True, backend=backend)
-    assert_bitwise(bwd(dq, dk_hdt, dv, cos, sin), vision_rope_backward(dq, dk_hdt, dv, cos, sin, backend="triton"),
-                   "compiled backward op")
+
+
+@pytest.mark.serves("backward")
+def test_torch_compile_fullgraph_backward(device, backend):
+    """The backward op traces as its backend's own custom op; compiled and eager give the same bits,
+    allocating and into the caller's ``out=``."""
+    compiler = "inductor" if device == "cuda" else "aot_eager"
+    heads, tokens, dim = 2, 15, 8
+    cases = {"fp32 H2_T15_D8": (torch.randn(heads, tokens, dim, device=device),
+                                torch.randn(heads, dim, tokens, device=device),
+                                torch.randn(heads, tokens, dim, device=device),
+                                *vision_cos_sin(3, 5, dim // 2, device=device))}
+    if device == "cuda":  # and the model's heads and layouts in bf16
+        from test_vision_rope_gpu import model_grads
+
+        cases["bf16 model 7x11"] = model_grads(7, 11, 8)
+    for what, args in cases.items():
+        eager = vision_rope_backward(*args, backend=backend)
+        fn = torch.compile(lambda *x: vision_rope_backward(*x, backend=backend), fullgraph=True, backend=compiler)
+        assert_bitwise(fn(*args), eager, f"{what}: compiled")
+        out = torch.empty_like(eager)
+        into = torch.compile(lambda *x, out=out: vision_rope_backward(*x, out=out, backend=backend), fullgraph=True,
+                             backend=compiler)
+        into(*args)
+        assert_bitwise(out, eager, f"{what}: compiled, out=")
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -1,13 +1,13 @@
-"""``dsfuse.gdn.chunk_gdn``: the Triton forward schedule against the FP64 recurrence, backend choice
+"""``dsfuse.gdn.chunk_gdn``: the fused forward schedule against the FP64 recurrence, backend choice
 under autograd, packed views, determinism.
 
 CPU: the stages in the interpreter on small shapes (K = V = 16, fp32: the interpreter truncates
-bf16 stores); the same tests run on the GPU in bf16 at the contract's tolerance.
+bf16 stores); the same tests run on the GPU in bf16 at the contract's tolerance. Each fused backend
+the op registers (the ``backend`` fixture).
 """
 
 import pytest
 import torch
-from conftest import DEVICES
 from helpers import rel_rms
 
 from dsfuse.gdn import chunk_gdn, gdn_gates, naive_recurrent_gdn
@@ -28,10 +28,9 @@ def make(tokens, heads, heads_v, dim, dtype, device, batch=1, seed=0):
 
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("l2", [False, True], ids=["l2-off", "l2-on"])
 @pytest.mark.parametrize("layout", ["varlen", "batch2"])
-def test_triton_forward_against_fp64_recurrence(device, l2, layout):
+def test_forward_against_fp64_recurrence(device, backend, l2, layout):
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     dim = 16 if device == "cpu" else 128
     if layout == "varlen":
@@ -47,18 +46,17 @@ def test_triton_forward_against_fp64_recurrence(device, l2, layout):
     if not l2:  # keys of norm about 1, as the model's normalised keys (raw randn keys make the recurrence diverge)
         x["k"] = x["k"] * dim**-0.5
     x["initial_state"] = torch.randn(num_seqs, x["v"].shape[2], dim, dim, device=device)
-    o, ht = chunk_gdn(**x, output_final_state=True, use_qk_l2norm_in_kernel=l2, backend="triton")
+    o, ht = chunk_gdn(**x, output_final_state=True, use_qk_l2norm_in_kernel=l2, backend=backend)
     ref_o, ref_ht = naive_recurrent_gdn(**x, output_final_state=True, use_qk_l2norm_in_kernel=l2)
     no_h0 = naive_recurrent_gdn(**dict(x, initial_state=None), output_final_state=True, use_qk_l2norm_in_kernel=l2)
     assert rel_rms(no_h0[0], ref_o) > 10 * CONTRACT[dtype] and rel_rms(no_h0[1], ref_ht) > 10 * CONTRACT[dtype]
     assert o.dtype == x["v"].dtype and ht.dtype == torch.float32
     assert rel_rms(o, ref_o) <= CONTRACT[dtype] and rel_rms(ht, ref_ht) <= CONTRACT[dtype]
-    again = chunk_gdn(**x, output_final_state=True, use_qk_l2norm_in_kernel=l2, backend="triton")
+    again = chunk_gdn(**x, output_final_state=True, use_qk_l2norm_in_kernel=l2, backend=backend)
     assert torch.equal(o, again[0]) and torch.equal(ht, again[1])  # deterministic
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_packed_row_views_equal_contiguous_inputs(device):
+def test_packed_row_views_equal_contiguous_inputs(device, backend):
     """q, k, v as head views of one packed row [T, (2H + HV) K] give bitwise the contiguous result."""
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     heads, heads_v, dim, tokens = 2, 4, 16, 70
@@ -67,13 +65,13 @@ def test_packed_row_views_equal_contiguous_inputs(device):
     q, k, v = row.split([heads * dim, heads * dim, heads_v * dim], -1)
     views = dict(x, q=q.view(1, tokens, heads, dim), k=k.view(1, tokens, heads, dim), v=v.view(1, tokens, heads_v, dim))
     assert views["q"].stride(1) == (2 * heads + heads_v) * dim
-    got, want = chunk_gdn(**views, backend="triton")[0], chunk_gdn(**x, backend="triton")[0]
+    got, want = chunk_gdn(**views, backend=backend)[0], chunk_gdn(**x, backend=backend)[0]
     assert torch.equal(got, want)
 
 
 def test_autograd_on_the_cpu_takes_the_reference():
-    """``auto`` on the CPU is the reference (differentiable in fp32); the Triton backward under the
-    interpreter is tested in tests/test_gdn_backward.py."""
+    """``auto`` on the CPU is the reference (differentiable in fp32); the fused backward under the
+    interpreter is tested in tests/gdn/test_gdn_backward.py."""
     x = make(40, 1, 2, 16, torch.float32, "cpu")
     x["q"].requires_grad_()
     o, _ = chunk_gdn(**x)

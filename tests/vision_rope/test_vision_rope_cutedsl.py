@@ -8,24 +8,24 @@ dtype; every global read a 16-byte ``cp.async`` (dK included: the transpose happ
 memory), every global write a 128-bit store; the compile cache does not grow with T; the backend's
 refusals name their reason.
 
-GPU (``@pytest.mark.gpu``, the H200): bitwise equality with eager autograd for every dtype on the
-shapes of ``tests/test_vision_rope.py`` (T = 1, tails of the 64-token tile, other head counts and
-widths) and the model geometries of ``tests/test_vision_rope_gpu.py`` (odd T: misaligned dK rows),
-NaN-poisoned outputs, the caller's ``out=``, ``dv=None`` (zeros in the v columns), every tile and
-heads-per-CTA setting, an explicit side stream, CUDA Graph capture and replay with changed inputs,
-no compile for a new T, run-to-run determinism, ``torch.compile(fullgraph=True)``.
+GPU (``@pytest.mark.gpu``, the H200): what only this backend has: every tile and heads-per-CTA
+setting gives the same bits; T = 1 compiles nothing; its refusals on CUDA; ``auto`` takes it on
+Hopper where it serves. Every contract check runs on this backend through the ``backend`` fixture
+(``tests/conftest.py``): ``test_vision_rope.py`` (bitwise equality with eager autograd for every
+dtype on its shapes, NaN-poisoned outputs, the caller's ``out=``, ``dv=None``,
+``torch.compile(fullgraph=True)``) and ``test_vision_rope_gpu.py`` (the model geometries, CUDA Graph
+replay with changed inputs, no compile for a new T, explicit streams, determinism).
 """
 
-import importlib
 import re
 from collections import Counter
 
 import pytest
 import torch
-from conftest import cutedsl_or_skip
+from conftest import cutedsl_kernels
 from helpers import assert_bitwise
-from test_vision_rope import SHAPES, grads
-from test_vision_rope_gpu import GEOMETRIES, model_grads
+from test_vision_rope import check_backward, grads
+from test_vision_rope_gpu import model_grads
 
 from dsfuse._common.backends import BACKENDS as BACKEND_KINDS
 from dsfuse._common.backends import gpu_family
@@ -37,11 +37,7 @@ from dsfuse.vision_rope import (
 )
 from dsfuse.vision_rope import api as vr_api
 
-cutedsl_or_skip()
-vc = importlib.import_module("dsfuse.vision_rope.cutedsl.kernels")
-
-ARCHS = ("sm_90a", "sm_100a")
-DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+vc, ARCHS, DTYPES = cutedsl_kernels("vision_rope")  # ARCHS: sm_90a, sm_100a; DTYPES: bf16, fp16, fp32
 H, D = 16, 64  # DeepSeek-V4.1 vision tower
 
 
@@ -227,50 +223,25 @@ def test_refusals_name_their_reason():
         vc.launch_backward(dq, dk, dv, wide[:, :32], sin, out)
 
 
-# -- GPU --------------------------------------------------------------------------------------
+# -- GPU: what only this backend has ------------------------------------------------------------
+# (every contract check runs on this backend from test_vision_rope.py and test_vision_rope_gpu.py)
 
 gpu = pytest.mark.gpu
 CUDA = "cuda"
 
 
-def _check(args, what, out_dtype=None):
-    """vision_rope_backward(backend="cutedsl"), allocating (NaN-poisoned by conftest) and into a
-    NaN-filled caller buffer (with [T, 1, D/2] tables), both bitwise eager autograd."""
-    want = vision_rope_backward_autograd(*args)
-    got = vision_rope_backward(*args, backend="cutedsl")
-    assert got.shape == want.shape and got.is_contiguous()
-    assert_bitwise(got, want, f"{what} allocating")
-    out = torch.full_like(want, float("nan"))
-    dq, dk_hdt, dv, cos, sin = args
-    assert vision_rope_backward(dq, dk_hdt, dv, cos[:, None], sin[:, None], out=out, backend="cutedsl") is out
-    assert_bitwise(out, want, f"{what} out=")
-    return want
+def _check(args, what):
+    check_backward(args, what, "cutedsl")
 
 
 @gpu
-@pytest.mark.parametrize("dtype", DTYPES, ids=_name)
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "H{}_T{}_D{}".format(*s))
-def test_backward_bitwise(shape, dtype):
-    _check(grads(*shape, dtype, CUDA), f"{shape} {_name(dtype)}")
-
-
-@gpu
-@pytest.mark.parametrize("grid", GEOMETRIES, ids=lambda g: f"{g[0]}x{g[1]}")
-def test_model_geometries_bitwise(grid):
-    """The model's geometries (odd T: no dK row is 16-byte aligned) and the extremes, two input banks."""
-    for seed in (1, 2):
-        _check(model_grads(*grid, seed), f"{grid} bank {seed}")
-
-
-@gpu
-@pytest.mark.parametrize("dtype", DTYPES, ids=_name)
-def test_without_dv_the_v_columns_are_zero(dtype):
-    """dv=None (the differentiable forward's gradient of q and k alone): +0.0 in the v columns."""
-    dq, dk_hdt, dv, cos, sin = grads(16, 77, 64, dtype, CUDA, seed=5)
-    got = vr_api.backward_ops["cutedsl"](dq, dk_hdt.transpose(1, 2), None, cos, sin)
-    want = vision_rope_backward_autograd(dq, dk_hdt, torch.zeros_like(dv), cos, sin)
-    assert_bitwise(got, want, "no dV")
-    assert (got[:, 2 * 16 * 64:].view(torch.int16 if dtype != torch.float32 else torch.int32) == 0).all()
+def test_one_token_compiles_nothing():
+    """T = 1 after other token counts: the token count is symbolic in the compiled kernel (Triton,
+    which specialises an argument equal to 1, compiles again there)."""
+    _check(model_grads(39, 39, 1), "warm-up")
+    compiled = vc.CACHE.compiles
+    _check(model_grads(1, 1, 2), "T = 1")
+    assert vc.CACHE.compiles == compiled, "T = 1 compiled the kernel again"
 
 
 @gpu
@@ -285,65 +256,6 @@ def test_launch_constants(case, tile_bytes, heads_per_cta, monkeypatch):
     monkeypatch.setattr(vc, "HEADS_PER_CTA", heads_per_cta)
     heads, tokens, dim, dtype = case
     _check(grads(heads, tokens, dim, dtype, CUDA, seed=3), f"tile {tile_bytes} B, {heads_per_cta} heads")
-
-
-@gpu
-def test_graph_replay_with_changed_inputs_and_dynamic_tokens():
-    args = model_grads(55, 74, 3)
-    out = torch.empty(55 * 74, 3072, device=CUDA, dtype=torch.bfloat16)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up: compiles and loads the module before capture
-        vision_rope_backward(*args, out=out, backend="cutedsl")
-    torch.cuda.current_stream().wait_stream(side)
-    compiled = vc.CACHE.compiles
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        vision_rope_backward(*args, out=out, backend="cutedsl")
-    for seed in (4, 5):
-        fresh = model_grads(55, 74, seed)
-        for buf, new in zip(args, fresh):
-            buf.copy_(new)
-        out.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert_bitwise(out, vision_rope_backward_autograd(*fresh), f"replay {seed}")
-    for grid in ((35, 47), (69, 123), (13, 17), (1, 1)):  # new token counts: nothing compiles
-        args = model_grads(*grid, 6)
-        assert_bitwise(vision_rope_backward(*args, backend="cutedsl"), vision_rope_backward_autograd(*args), str(grid))
-    assert vc.CACHE.compiles == compiled, "a new token count compiled the kernel again"
-
-
-@gpu
-def test_explicit_stream_and_determinism():
-    """The kernel runs on the stream it is given: while the default stream sleeps, the side stream
-    computes the result and copies it to the host (a launch on the default stream would leave the
-    NaN-poisoned output there). Then three repeats give the same bits."""
-    args = model_grads(39, 39, 7)
-    want = vision_rope_backward_autograd(*args).cpu()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    torch.cuda._sleep(200_000_000)  # ~0.1 s of the default stream
-    got = vision_rope_backward(*args, stream=stream, backend="cutedsl")
-    with torch.cuda.stream(stream):
-        host = got.to("cpu", non_blocking=False)
-    assert_bitwise(host, want, "side stream, before the default stream wakes")
-    torch.cuda.synchronize()
-    for _ in range(3):
-        assert_bitwise(vision_rope_backward(*args, backend="cutedsl"), got, "repeat")
-
-
-@gpu
-def test_torch_compile_fullgraph():
-    """backend="cutedsl" traces as its own custom op; compiled and eager give the same bits."""
-    args = model_grads(7, 11, 8)
-    eager = vision_rope_backward(*args, backend="cutedsl")
-    fn = torch.compile(lambda *x: vision_rope_backward(*x, backend="cutedsl"), fullgraph=True)
-    assert_bitwise(fn(*args), eager, "compiled")
-    out = torch.empty_like(eager)
-    into = torch.compile(lambda *x: vision_rope_backward(*x, out=out, backend="cutedsl"), fullgraph=True)
-    into(*args)
-    assert_bitwise(out, eager, "compiled, out=")
 
 
 @gpu

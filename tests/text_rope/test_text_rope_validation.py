@@ -1,4 +1,5 @@
-"""Every bad argument of apply_rope raises a clear error naming the argument."""
+"""Every bad argument of apply_rope raises a clear error naming the argument, alike on ``auto``, every
+fused backend and the reference (the ``backend`` fixture with ``@pytest.mark.refusals``)."""
 
 import pytest
 import torch
@@ -52,7 +53,7 @@ def _sharing_values():
     return storage.view(2, 5, 3, 12), storage[:30].view(2, 5, 3)
 
 
-@pytest.mark.parametrize("backend", ["auto", "triton", "reference"])
+@pytest.mark.refusals
 @pytest.mark.parametrize("name", sorted(BAD_CALLS))
 def test_bad_arguments_raise(name, backend):
     call, exc, match = BAD_CALLS[name]

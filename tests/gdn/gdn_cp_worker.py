@@ -1,4 +1,4 @@
-"""One rank of the Gated DeltaNet context-parallel tests (``tests/test_gdn_cp.py``).
+"""One rank of the Gated DeltaNet context-parallel tests (``tests/gdn/test_gdn_cp.py``).
 
 Each rank builds the same global inputs from a case's seed, runs ``chunk_gdn(..., cp_group=...)``
 on its share twice (forward and backward, fresh leaves each time) and saves what it got, and
@@ -6,7 +6,7 @@ whether the two runs were bitwise equal, to ``<out>/<case>-<rank>.pt``. Every ``
 allocation is NaN-filled here too, as the tests' conftest does. The test process assembles the
 shares and compares them with one process's result (:func:`single`).
 
-    python tests/gdn_cp_worker.py OUT_DIR CASES.pt   # under torchrun (NCCL on the GPUs)
+    python tests/gdn/gdn_cp_worker.py OUT_DIR CASES.pt   # under torchrun (NCCL on the GPUs)
 """
 
 from __future__ import annotations
@@ -151,6 +151,7 @@ def assemble(out_dir, case: dict, world: int) -> tuple[dict, list[dict]]:
 if __name__ == "__main__":  # under torchrun: RANK, WORLD_SIZE, MASTER_ADDR/PORT from the environment
     import os
 
-    sys.path.insert(0, str(Path(__file__).parent))
+    here = Path(__file__).resolve().parent
+    sys.path[:0] = [str(here), str(here.parent)]  # this folder, and tests/ for helpers
     run_rank(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), "env://", sys.argv[1],
              torch.load(sys.argv[2]), backend="nccl")

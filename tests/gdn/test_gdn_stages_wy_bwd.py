@@ -1,7 +1,8 @@
-"""Gated DeltaNet backward stage through the WY representation (``launch_wy_backward``) against
-the chunked reference in fp64.
+"""Gated DeltaNet backward stage through the WY representation (``wy_backward`` of each fused
+backend's backward stage table: the ``backward_stages`` fixture, from the registry; Triton's
+``launch_wy_backward``) against the chunked reference in fp64.
 
-The launcher is fed the reference's own intermediates: the forward stages of
+The stage is fed the reference's own intermediates: the forward stages of
 ``chunk_gdn_stages`` (fp64) give ``A`` and ``g_cum``; the backward stages of
 ``dsfuse.gdn.reference_backward`` before this one (``chunk_dv_local``,
 ``chunk_state_backward``, ``chunk_dqkwg``, from a random ``do``) give the real ``dw``, ``du``
@@ -52,7 +53,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import DEVICES
 from dsfuse.gdn import chunk_gdn_stages, chunk_local_cumsum, from_chunks, to_chunks
 from dsfuse.gdn.reference_backward import (
     chunk_dqkwg,
@@ -61,7 +61,6 @@ from dsfuse.gdn.reference_backward import (
     chunk_state_backward,
     wy_backward,
 )
-from dsfuse.gdn.triton.wy_bwd import launch_wy_backward
 from gdn_stage_inputs import DK, DTYPES, DV, F64
 from gdn_stage_inputs import make_inputs as stage_inputs
 from helpers import assert_bitwise, assert_rel_rms
@@ -183,9 +182,9 @@ class Prepared:
         dg = strided(torch.empty(self.g_cum.shape, device=self.device), self.packed)
         return dk, dv, dbeta, self.dg_in, dg
 
-    def run(self, dg_alias=False):
+    def run(self, stages, dg_alias=False):
         dk, dv, dbeta, dg_in, dg = self.outputs(dg_alias)
-        out = launch_wy_backward(self.k, self.v, self.beta, self.A, self.g_cum, self.dw, self.du, dg_in,
+        out = stages.wy_backward(self.k, self.v, self.beta, self.A, self.g_cum, self.dw, self.du, dg_in,
                                  self.chunk_indices, dk, dv, dbeta, dg, use_qk_l2norm=self.l2)
         assert out[0] is dk and out[1] is dv and out[2] is dbeta and out[3] is dg
         return dk, dv, dbeta, dg
@@ -223,43 +222,39 @@ class Prepared:
 # ----------------------------------------------------------------------------- tests
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", list(DTYPES), ids=list(DTYPES))
 @pytest.mark.parametrize("case", CASES, ids=case_id)
-def test_wy_backward(case, dtype, device):
+def test_wy_backward(case, dtype, device, backward_stages):
     layout, heads, l2, gates, packed = case
     seed = CASES.index(case)
     inputs, do = make_inputs(layout, heads, l2=l2, gates=gates, dtype=DTYPES[dtype], seed=seed)
     p = Prepared(inputs, do, l2, device, DTYPES[dtype], packed=packed, seed=seed)
-    p.check(*p.run())
+    p.check(*p.run(backward_stages))
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_head_dims_128(device):
+def test_head_dims_128(device, backward_stages):
     """The model's K = V = 128: two key and two value blocks per program."""
     inputs, do = make_inputs("one_seq_T150", (1, 3), l2=True, gates="model", dtype=torch.bfloat16, seed=11,
                              dk=128, dv=128)
     p = Prepared(inputs, do, True, device, torch.bfloat16, packed=True, seed=11)
-    p.check(*p.run())
+    p.check(*p.run(backward_stages))
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_dg_over_dg_in_and_determinism(device):
+def test_dg_over_dg_in_and_determinism(device, backward_stages):
     """``dg`` written over ``dg_in`` equals ``dg`` written elsewhere; two launches, the same bits (bf16)."""
     inputs, do = make_inputs("docs_1_45_0_130", (1, 1), l2=True, gates="strong", dtype=torch.bfloat16, seed=5)
     p = Prepared(inputs, do, True, device, torch.bfloat16, packed=False, seed=5)
-    first = p.run()
-    second = p.run()
+    first = p.run(backward_stages)
+    second = p.run(backward_stages)
     for name, a, b in zip(("dk", "dv", "dbeta", "dg"), first, second, strict=True):
         assert_bitwise(a, b, f"{name}: second launch")
-    aliased = p.run(dg_alias=True)
+    aliased = p.run(backward_stages, dg_alias=True)
     for name, a, b in zip(("dk", "dv", "dbeta", "dg"), first, aliased, strict=True):
         assert_bitwise(a, b, f"{name}: dg over dg_in")
     p.check(*aliased)
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_no_chunks(device):
+def test_no_chunks(device, backward_stages):
     """No chunk at all (every document empty): nothing is launched, nothing written."""
     tokens, h, hv = 0, 1, 3
     k = torch.zeros(tokens, h, DK, device=device)
@@ -268,5 +263,6 @@ def test_no_chunks(device):
     A = torch.zeros(tokens, hv, 64, device=device)
     dk, dv = torch.zeros(tokens, hv, DK, device=device), torch.zeros_like(v)
     chunk_indices = torch.zeros(0, 3, dtype=torch.int32, device=device)
-    out = launch_wy_backward(k, v, vec, A, vec, dk, dv, vec, chunk_indices, dk, dv, vec.clone(), vec.clone())
+    out = backward_stages.wy_backward(k, v, vec, A, vec, dk, dv, vec, chunk_indices, dk, dv, vec.clone(),
+                                      vec.clone())
     assert [t.shape[0] for t in out] == [0, 0, 0, 0]

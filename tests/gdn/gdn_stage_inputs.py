@@ -1,4 +1,4 @@
-"""Inputs the Gated DeltaNet stage tests share (tests/test_gdn_stages_*.py): the layouts, the
+"""Inputs the Gated DeltaNet stage tests share (tests/gdn/test_gdn_stages_*.py): the layouts, the
 forward's q, k, v and gates with the extra tensors a stage reads, and strided views of them.
 
 Sizes: K = 32, V = 64 (K != V, so a transposed state cannot pass). Layouts, batch 1: one sequence

@@ -1,7 +1,7 @@
 """Gated DeltaNet context parallelism (``chunk_gdn(..., cp_group=...)``, ``dsfuse.gdn.cp``).
 
 CPU (gloo, the reference backend): 1, 2, 3 and 4 ranks spawned by the test
-(``tests/gdn_cp_worker.py``) against one process on the whole row: documents crossing no rank
+(``tests/gdn/gdn_cp_worker.py``) against one process on the whole row: documents crossing no rank
 boundary, one, and all of them (one document over every rank, so the middle ranks span theirs);
 documents shorter than a share, of one token and empty; L2 norm on and off; with and without
 initial and final state. Tolerances (relative RMS of every output and gradient against the single
@@ -13,7 +13,7 @@ documents' rows and zeros elsewhere. The bytes each rank exchanges are those of 
 description. Checkpointed (``torch.utils.checkpoint``, non-reentrant): the forward and its exchange
 run again in the backward, same results.
 
-GPU (NCCL, the Triton stages): one rank bitwise equal to the call without ``cp_group`` (on one
+GPU (NCCL, the stages of every fused backend: the ``backend`` fixture): one rank bitwise equal to the call without ``cp_group`` (on one
 GPU); two ranks (needs two GPUs) against one GPU and against the float64 recurrence with the
 op's contract tolerances, bitwise repeatable, packed q/k/v views.
 """
@@ -145,16 +145,17 @@ def test_cpu_one_rank_equals_no_cp(tmp_path):
         assert records[0]["exchanged"] == ([] if not case["final_state"] else _expected_exchange(case, 1, 0))
 
 
-def test_cpu_triton_stages_two_ranks(tmp_path):
-    """The Triton path of context parallelism (``cp_local.fused_passes``: the stages, the reverse
-    pass alone for ``D``, the packed gradient row) under the interpreter, against one process."""
-    case_list = [dict(c, backend="triton", packed=True) for c in cases(3)
+def test_cpu_fused_stages_three_ranks(backend, tmp_path):
+    """The fused path of context parallelism (``cp_local.fused_passes``: the stages, the reverse
+    pass alone for ``D``, the packed gradient row) on each fused backend that runs on the CPU (Triton's
+    interpreter), against one process."""
+    case_list = [dict(c, backend=backend, packed=True) for c in cases(3)
                  if c["name"] in ("one_crossing-float32-l2-h0-ht", "one_document-float32-raw-zero-noht")]
     _spawn(3, tmp_path, case_list)  # three ranks: the middle one spans its document (the M pass)
     for case in case_list:
         joined, records = worker.assemble(tmp_path, case, 3)
         _check_records(records, case, 3)
-        _compare(joined, worker.single(case), TOL[case["dtype"]], f"{case['name']} triton W=3")
+        _compare(joined, worker.single(case), TOL[case["dtype"]], f"{case['name']} {backend} W=3")
 
 
 def test_shards():
@@ -220,23 +221,23 @@ def test_validation_without_process_group():
                   cp_group=object())
 
 
-# -- GPU (NCCL, Triton) ---------------------------------------------------------------------------------
+# -- GPU (NCCL, every fused backend) ----------------------------------------------------------------------
 
 GPU_BOUNDS = [0, 300, 1000, 1001, 2100, 2200, 2500, 4096]  # crosses the two-rank edge at 2048
 
 
-def gpu_cases(**extra) -> list[dict]:
+def gpu_cases(backend: str, **extra) -> list[dict]:
     out = []
     for i, (l2, h0, packed) in enumerate([(True, True, True), (False, False, False)]):
         out.append(dict(name=f"gpu-{'l2' if l2 else 'raw'}-{'h0' if h0 else 'zero'}-{'packed' if packed else 'split'}",
                         bounds=GPU_BOUNDS, heads=4, value_heads=12, dim=128, dtype=torch.bfloat16, l2=l2,
-                        initial_state=h0, final_state=True, backend="triton", packed=packed, seed=7 + i) | extra)
+                        initial_state=h0, final_state=True, backend=backend, packed=packed, seed=7 + i) | extra)
     return out
 
 
 @pytest.mark.gpu
-def test_gpu_one_rank_equals_no_cp(tmp_path):
-    case_list = gpu_cases() + gpu_cases(bounds=[0, 4096], name="gpu-one-document")[:1]
+def test_gpu_one_rank_equals_no_cp(backend, tmp_path):
+    case_list = gpu_cases(backend) + gpu_cases(backend, bounds=[0, 4096], name="gpu-one-document")[:1]
     _spawn(1, tmp_path, case_list, backend="nccl")
     for case in case_list:
         joined, records = worker.assemble(tmp_path, case, 1)
@@ -248,10 +249,10 @@ def test_gpu_one_rank_equals_no_cp(tmp_path):
 
 
 @pytest.mark.gpu
-def test_gpu_two_ranks(tmp_path):
+def test_gpu_two_ranks(backend, tmp_path):
     if torch.cuda.device_count() < 2:
         pytest.skip("needs two GPUs (device kind nvidia-h200-x2)")
-    case_list = gpu_cases() + gpu_cases(bounds=[0, 700, 4096], name="gpu-long-document")[:1]
+    case_list = gpu_cases(backend) + gpu_cases(backend, bounds=[0, 700, 4096], name="gpu-long-document")[:1]
     _spawn(2, tmp_path, case_list, backend="nccl")
     from test_gdn_backward import CONTRACT  # the op's tolerances against float64
 
@@ -275,7 +276,7 @@ def test_cp_bench_smoke_on_cpu_ranks(tmp_path):
 
     import pandas as pd
 
-    root = Path(__file__).parents[1]
+    root = Path(__file__).parents[2]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root / "kernels"), os.environ.get("PYTHONPATH", "")]))
     subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                     str(root / "experiments/gdn/cp_bench.py"), str(tmp_path), "--config",
@@ -305,7 +306,7 @@ def test_cp_scaling_table(tmp_path):
 
     import pandas as pd
 
-    root = Path(__file__).parents[1]
+    root = Path(__file__).parents[2]
     spec = util.spec_from_file_location("cp_bench", root / "experiments/gdn/cp_bench.py")
     bench = util.module_from_spec(spec)
     spec.loader.exec_module(bench)

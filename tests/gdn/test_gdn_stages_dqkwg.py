@@ -1,6 +1,8 @@
-"""Gated DeltaNet backward stage in Triton: dq, dk, dw and the gate gradient from o and the state update.
+"""Gated DeltaNet backward stage ``dqkwg`` of each fused backend's backward stage table (the
+``backward_stages`` fixture, from the registry): dq, dk, dw and the gate gradient from o and the
+state update.
 
-The launcher (``launch_dqkwg``) is fed the fp64 reference's own intermediates: the forward
+The stage (Triton's ``launch_dqkwg``) is fed the fp64 reference's own intermediates: the forward
 stages (``chunk_gdn_stages``: ``h``, ``v_new``, ``w``), then ``chunk_dv_local`` and
 ``chunk_state_backward`` for ``dh`` and ``dv_new`` from a random ``do`` (and a random
 ``dht`` in some cases), each cast to the test dtype. The oracle is ``chunk_dqkwg`` in fp64
@@ -52,14 +54,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import DEVICES
 from dsfuse.gdn import chunk_gdn_stages, chunk_local_cumsum, from_chunks, to_chunks
 from dsfuse.gdn.reference_backward import (
     chunk_dqkwg,
     chunk_dv_local,
     chunk_state_backward,
 )
-from dsfuse.gdn.triton.dqkwg import launch_dqkwg
 from gdn_stage_inputs import DK, DTYPES, DV, F64, head_view, qk_views
 from gdn_stage_inputs import make_inputs as stage_inputs
 from helpers import assert_bitwise, assert_rel_rms
@@ -145,13 +145,13 @@ class Prepared:
             return BF16_RMS
         return max(FP32_RMS, 2.0**-24 * self.max_g)
 
-    def run(self):
+    def run(self, stages):
         tokens, hv, dk = self.v_new.shape[0], self.v_new.shape[1], self.q.shape[-1]
         dq = torch.empty(tokens, hv, dk, dtype=torch.float32, device=self.device)
         dk_ = torch.empty(tokens, hv, dk, dtype=torch.float32, device=self.device)
         dw = torch.empty(tokens, hv, dk, dtype=self.dtype, device=self.device)
         dg = torch.empty(tokens, hv, dtype=torch.float32, device=self.device)
-        out = launch_dqkwg(self.q, self.k, self.v_new, self.h, self.dh, self.do, self.dv_new, self.g_cum,
+        out = stages.dqkwg(self.q, self.k, self.v_new, self.h, self.dh, self.do, self.dv_new, self.g_cum,
                            self.chunk_indices, self.scale, dq, dk_, dw, dg, use_qk_l2norm=self.l2)
         return dict(zip(("dq", "dk", "dw", "dg"), out, strict=True))
 
@@ -163,8 +163,8 @@ class Prepared:
 
 
 
-def check(p: Prepared) -> dict:
-    got = p.run()
+def check(stages, p: Prepared) -> dict:
+    got = p.run(stages)
     assert got["dq"].dtype == got["dk"].dtype == got["dg"].dtype == torch.float32
     assert got["dw"].dtype == p.dtype
     return {name: assert_rel_rms(got[name], p.want[name], p.tol(name), name) for name in ("dq", "dk", "dw", "dg")}
@@ -173,14 +173,13 @@ def check(p: Prepared) -> dict:
 # ----------------------------------------------------------------------------- tests
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", list(DTYPES), ids=list(DTYPES))
 @pytest.mark.parametrize("case", CASES, ids=case_id)
-def test_dqkwg(case, dtype, device):
+def test_dqkwg(case, dtype, device, backward_stages):
     layout, heads, l2, with_dht, gates = case
     inputs, do, dht = make_inputs(layout, heads, l2=l2, with_dht=with_dht, gates=gates, dtype=DTYPES[dtype],
                                   seed=CASES.index(case))
-    check(Prepared(inputs, do, dht, l2, device, DTYPES[dtype], scale=0.3 if l2 else None))
+    check(backward_stages, Prepared(inputs, do, dht, l2, device, DTYPES[dtype], scale=0.3 if l2 else None))
 
 
 # bf16 everywhere; fp32 only in the interpreter: on a GPU its full-fp32 (FMA) dots at K = V = 128
@@ -190,15 +189,14 @@ HEAD_DIMS_128 = [("bf16", "cpu"), pytest.param("bf16", "cuda", marks=pytest.mark
 
 
 @pytest.mark.parametrize("dtype,device", HEAD_DIMS_128)
-def test_head_dims_128(dtype, device):
+def test_head_dims_128(dtype, device, backward_stages):
     """The model's K = V = 128: two key blocks and two value blocks per program."""
     inputs, do, dht = make_inputs("docs_1_45_0_130", (1, 3), l2=True, with_dht=True, gates="model",
                                   dtype=DTYPES[dtype], seed=11, dk=128, dv=128)
-    check(Prepared(inputs, do, dht, True, device, DTYPES[dtype]))
+    check(backward_stages, Prepared(inputs, do, dht, True, device, DTYPES[dtype]))
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_distinct_token_strides(device):
+def test_distinct_token_strides(device, backward_stages):
     """Every tensor with its own token stride: ``do`` dense, ``dv_new`` a view of a wider buffer
     than ``v_new``'s, ``g_cum`` a column view, ``dq`` / ``dk`` / ``dw`` / ``dg`` views of wider
     outputs."""
@@ -218,8 +216,8 @@ def test_distinct_token_strides(device):
     bufs.append(torch.empty(tokens, hv + 1, device=device))
     outs = [bufs[0][:, :hv], bufs[1][:, :hv], bufs[2][:, 3:], bufs[3][:, 1:]]
     assert len({x.stride(0) for x in (p.q, p.v_new, p.do, p.dv_new, p.g_cum, *outs[1:])}) == 8
-    got = launch_dqkwg(p.q, p.k, p.v_new, p.h, p.dh, p.do, p.dv_new, p.g_cum, p.chunk_indices, p.scale, *outs,
-                       use_qk_l2norm=True)
+    got = backward_stages.dqkwg(p.q, p.k, p.v_new, p.h, p.dh, p.do, p.dv_new, p.g_cum, p.chunk_indices, p.scale,
+                                *outs, use_qk_l2norm=True)
     for name, x in zip(("dq", "dk", "dw", "dg"), got, strict=True):
         assert_rel_rms(x, p.want[name], p.tol(name), name)
     # the other heads of the output buffers are left as allocated (NaN-poisoned by the conftest)
@@ -227,20 +225,18 @@ def test_distinct_token_strides(device):
         assert torch.isnan(rest).all()
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", list(DTYPES), ids=list(DTYPES))
-def test_deterministic(dtype, device):
+def test_deterministic(dtype, device, backward_stages):
     """Two launches give the same bits."""
     inputs, do, dht = make_inputs("docs_1_45_0_130", (1, 3), l2=True, with_dht=True, gates="strong",
                                   dtype=DTYPES[dtype], seed=5)
     p = Prepared(inputs, do, dht, True, device, DTYPES[dtype])
-    first, second = p.run(), p.run()
+    first, second = p.run(backward_stages), p.run(backward_stages)
     for name in ("dq", "dk", "dw", "dg"):
         assert_bitwise(first[name], second[name], f"{name}: second launch")
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_no_chunks(device):
+def test_no_chunks(device, backward_stages):
     """No chunk at all (every document empty): the launch writes nothing."""
     tokens, h, hv = 5, 1, 3
     q = k = torch.zeros(tokens, h, DK, device=device)
@@ -249,6 +245,6 @@ def test_no_chunks(device):
     g_cum = torch.zeros(tokens, hv, device=device)
     chunk_indices = torch.zeros(0, 3, dtype=torch.int32, device=device)
     outs = [torch.full((tokens, hv, DK), 7.0, device=device) for _ in range(3)] + [torch.full_like(g_cum, 7.0)]
-    got = launch_dqkwg(q, k, v, states, states, v, v, g_cum, chunk_indices, 0.5, *outs)
+    got = backward_stages.dqkwg(q, k, v, states, states, v, v, g_cum, chunk_indices, 0.5, *outs)
     for x in got:
         assert (x == 7.0).all()

@@ -1,5 +1,6 @@
-"""Gated DeltaNet forward stages in Triton (chunk-local cumulative gate, UT transform, WY
-representation) against the matching stages of the chunked reference in float64.
+"""Gated DeltaNet forward stages (chunk-local cumulative gate, UT transform, WY representation)
+of each fused backend's forward stage table (the ``forward_stages`` fixture, from the registry)
+against the matching stages of the chunked reference in float64.
 
 The reference is ``dsfuse.gdn.reference.chunk_gdn_stages`` on the same inputs (the
 kernels' input dtype, upcast). ``A``, ``w`` and ``u`` are compared with the reference stages
@@ -48,7 +49,6 @@ from typing import NamedTuple
 
 import pytest
 import torch
-from conftest import DEVICES
 from helpers import spacing
 from helpers import assert_rel_rms
 
@@ -62,8 +62,6 @@ from dsfuse.gdn.reference import (
     ut_transform,
     wy_representation,
 )
-from dsfuse.gdn.triton.cumsum import launch_chunk_cumsum
-from dsfuse.gdn.triton.wy import launch_wy
 
 CHUNK = 64
 UNIT_ROUNDOFF = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
@@ -215,25 +213,26 @@ def assert_one_rounding(got: torch.Tensor, want: torch.Tensor, what: str, slack:
 # ----------------------------------------------------------------------------- tests
 
 
-def run_stages(inputs: dict, case: Case, chunk_indices: torch.Tensor):
+def run_stages(stages, inputs: dict, case: Case, chunk_indices: torch.Tensor):
+    """The ``cumsum`` and ``wy`` stages of the backend's forward stage table."""
     x = inputs
     tokens, value_heads = x["v"].shape[:2]
     device = x["v"].device
-    g_cum = launch_chunk_cumsum(x["g"], chunk_indices, torch.empty(tokens, value_heads, device=device))
+    g_cum = stages.cumsum(x["g"], chunk_indices, torch.empty(tokens, value_heads, device=device))
     A = torch.empty(tokens, value_heads, CHUNK, device=device)
     w = torch.empty(tokens, value_heads, case.dim_k, dtype=case.dtype, device=device)
     u = torch.empty(tokens, value_heads, case.dim_v, dtype=case.dtype, device=device)
-    launch_wy(x["k"], x["v"], x["beta"], g_cum, chunk_indices, A, w, u, use_qk_l2norm=case.l2norm)
+    stages.wy(x["k"], x["v"], x["beta"], g_cum, chunk_indices, A, w, u, use_qk_l2norm=case.l2norm)
     return g_cum, A, w, u
 
 
-def check_stages(case: Case, device: str, report: dict | None = None):
+def check_stages(stages, case: Case, device: str, report: dict | None = None):
     inputs = make_inputs(case, device)
     ref = reference_stages(inputs, case)
     chunk_indices = ref.chunk_indices.to(device=device, dtype=torch.int32)
     tokens = inputs["v"].shape[0]
     covered, pos = positions(ref, tokens, device)
-    g_cum, A, w, u = run_stages(inputs, case, chunk_indices)
+    g_cum, A, w, u = run_stages(stages, inputs, case, chunk_indices)
     report = {} if report is None else report
 
     # cumulative gate: bound of any summation order
@@ -277,32 +276,29 @@ def check_stages(case: Case, device: str, report: dict | None = None):
     report["u_chain"] = assert_one_rounding(u[covered], ref.u[covered], "u (chain)", slack=slack)
 
     if device != "cpu":  # bitwise repeatable (the interpreter is trivially so)
-        again = run_stages(inputs, case, chunk_indices)
+        again = run_stages(stages, inputs, case, chunk_indices)
         for name, first, second in zip(("g_cum", "A", "w", "u"), (g_cum, A, w, u), again, strict=True):
             assert torch.equal(first[covered], second[covered]), f"{name}: a second run differs"
     return report
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("case", CASES, ids=str)
-def test_stages_against_reference(case, device):
-    check_stages(case, device)
+def test_stages_against_reference(case, device, forward_stages):
+    check_stages(forward_stages, case, device)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("device", [pytest.param("cuda", marks=pytest.mark.gpu)])
-def test_model_geometry(device):
+def test_model_geometry(forward_stages):
     """(H, HV) = (16, 48), K = V = 128, bf16, L2 norm, strong gates, 4096 tokens in five documents."""
-    check_stages(MODEL, device)
+    check_stages(forward_stages, MODEL, "cuda")
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_no_chunks_is_a_no_op(device):
+def test_no_chunks_is_a_no_op(device, forward_stages):
     g = torch.zeros(0, 3, device=device)
     chunk_indices = torch.zeros(0, 3, dtype=torch.int32, device=device)
-    assert launch_chunk_cumsum(g, chunk_indices, torch.zeros(0, 3, device=device)).shape == (0, 3)
+    assert forward_stages.cumsum(g, chunk_indices, torch.zeros(0, 3, device=device)).shape == (0, 3)
     k = torch.zeros(0, 1, 16, device=device)
     v = torch.zeros(0, 3, 16, device=device)
-    out = launch_wy(k, v, g, g, chunk_indices, torch.zeros(0, 3, CHUNK, device=device), torch.zeros_like(v),
-                    torch.zeros_like(v))
+    out = forward_stages.wy(k, v, g, g, chunk_indices, torch.zeros(0, 3, CHUNK, device=device), torch.zeros_like(v),
+                            torch.zeros_like(v))
     assert [t.shape[0] for t in out] == [0, 0, 0]
