@@ -2,9 +2,12 @@
 compile cache, and the call path.
 
 * `require` imports ``cutlass`` (the ``cutedsl`` extra) on first use, so importing dsfuse
-  never needs it; without it an ``ImportError`` names the extra.
+  never needs it; without it an ``ImportError`` names the extra. `kernel_module`: a backend
+  package's loader of its kernel module (which imports ``cutlass``), so its table imports without it.
 * `target` / `arch_of`: a compile targets ``CUTE_DSL_ARCH`` (``sm_90a``, ``sm_100a``);
   `compile` sets it for the one compile, so the CPU can compile for any GPU (the AOT test).
+  `arch_of` reads a device's compute capability from `dsfuse._common.backends.capability`, the
+  one device lookup of the package.
 * `KernelCache`: one compiled function per key, the key naming everything that changes the
   generated code (dtype, compile-time sizes, target); lengths that vary between calls (tokens) are
   symbolic in the compiled function, so a new length never compiles. ``compiles`` counts the builds
@@ -17,15 +20,19 @@ compile cache, and the call path.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import importlib.util
 import os
 import threading
-from dataclasses import dataclass
 from collections.abc import Callable, Hashable
+from dataclasses import dataclass
+from types import ModuleType
 from typing import Any
 
 import torch
+
+from dsfuse._common.backends import capability
 
 EXTRA = "cutedsl"
 ARCH_ENV = "CUTE_DSL_ARCH"
@@ -52,9 +59,18 @@ def require():
     return cutlass, cute
 
 
+def kernel_module(name: str) -> Callable[[], ModuleType]:
+    """The loader of a backend package's kernel module ``name``: imported on the first call (it
+    imports ``cutlass``), the module from then on."""
+    return functools.cache(functools.partial(importlib.import_module, name))
+
+
 def arch_of(device: torch.device) -> str:
-    """The CuTe DSL target of a CUDA device: ``sm_90a`` (H100/H200), ``sm_100a`` (B200), ..."""
-    major, minor = torch.cuda.get_device_capability(device)
+    """The CuTe DSL target of a CUDA device: ``sm_90a`` (H100/H200), ``sm_100a`` (B200), ...
+
+    The exact compute capability, not the GPU family of `dsfuse._common.backends.gpu_family`: code
+    for an arch-specific target (``a``) runs on that capability only."""
+    major, minor = capability(device)
     return f"sm_{major}{minor}a"
 
 

@@ -12,19 +12,14 @@ bits differ, so auto does not change them with the extras installed. No B200 run
 
 from __future__ import annotations
 
-import functools
-import importlib
-
 import torch
 
 from dsfuse._common.backends import KERNEL_DTYPES, BackendTable, kernel_module_getattr
+from dsfuse._common.cutedsl import kernel_module
 
 KERNELS = "dsfuse.engram_gate.cutedsl.kernels"
 
-
-@functools.cache
-def _kernels():
-    return importlib.import_module(KERNELS)
+_kernels = kernel_module(KERNELS)
 
 
 def _reasons(x: torch.Tensor, backward: bool, tensors: dict) -> list[str]:

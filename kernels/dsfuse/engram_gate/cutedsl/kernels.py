@@ -196,6 +196,22 @@ def _load(src: cute.Tensor, dst: cute.Tensor, always: cutlass.Constexpr[bool], v
 
 
 @cute.jit
+def _fetch(src: cute.Tensor, dtype: cutlass.Constexpr, always: cutlass.Constexpr[bool], valid) -> cute.Tensor:
+    """A new register fragment of ``dtype`` holding the vector ``src`` (`_load`)."""
+    dst = cute.make_rmem_tensor((cute.size(src),), dtype)
+    _load(src, dst, always, valid)
+    return dst
+
+
+def _slot(tidx, i: int, threads: int, vectors: int) -> tuple:
+    """Vector ``i`` of thread ``tidx`` in a row of ``vectors`` vectors (see the module docstring):
+    ``(v, always, valid)``, its index ``tidx + i * threads``, whether vector ``i`` of every thread
+    lies in the row (known at compile time: no predicate) and whether this thread's does."""
+    v = tidx + i * threads
+    return v, (i + 1) * threads <= vectors, v < vectors
+
+
+@cute.jit
 def _block_sum(values: list, sRed: cute.Tensor, warps: cutlass.Constexpr[int]) -> list:
     """CTA-wide sums of ``len(values)`` per-thread fp32 values, the same in every thread.
 
@@ -265,18 +281,12 @@ class _Forward:
         rV = [None] * ITERS
         sums = [Float32(0.0)] * (3 * S)
         for i in cutlass.range_constexpr(ITERS):
-            v = tidx + i * T
-            always, valid = (i + 1) * T <= VD, v < VD
-            fV = cute.make_rmem_tensor((VEC,), dtype)
-            _load(_vector(rKV, S * VD + v, VEC), fV, always, valid)  # [VEC] of the value
-            rV[i] = fV
+            v, always, valid = _slot(tidx, i, T, VD)
+            rV[i] = _fetch(_vector(rKV, S * VD + v, VEC), dtype, always, valid)  # [VEC] of the value
             for s in cutlass.range_constexpr(S):
-                fH = cute.make_rmem_tensor((VEC,), dtype)
-                fK = cute.make_rmem_tensor((VEC,), dtype)
-                fW = cute.make_rmem_tensor((VEC,), Float32)
-                _load(_vector(mX[n, s, None], v, VEC), fH, always, valid)  # [VEC] of x[n, s]
-                _load(_vector(rKV, s * VD + v, VEC), fK, always, valid)  # [VEC] of key s
-                _load(_vector(mW[s, None], v, VEC), fW, always, valid)  # [VEC] of weight[s]
+                fH = _fetch(_vector(mX[n, s, None], v, VEC), dtype, always, valid)  # [VEC] of x[n, s]
+                fK = _fetch(_vector(rKV, s * VD + v, VEC), dtype, always, valid)  # [VEC] of key s
+                fW = _fetch(_vector(mW[s, None], v, VEC), Float32, always, valid)  # [VEC] of weight[s]
                 rH[s * ITERS + i] = fH
                 h, k, w = fH.load().to(Float32), fK.load().to(Float32), fW.load()
                 sums[3 * s] = sums[3 * s] + (h * h).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
@@ -414,11 +424,8 @@ class _Backward:
             # phase A: the value gradient and this thread's part of G = sum_d dout * value per stream
             partial_g = [Float32(0.0)] * S
             for i in cutlass.range_constexpr(ITERS):
-                v = tidx + i * T
-                always, valid = (i + 1) * T <= VD, v < VD
-                fVal = cute.make_rmem_tensor((VEC,), dtype)
-                _load(_vector(sDVn, S * VD + v, VEC), fVal, always, valid)  # [VEC] of the value
-                value = fVal.load().to(Float32)
+                v, always, valid = _slot(tidx, i, T, VD)
+                value = _fetch(_vector(sDVn, S * VD + v, VEC), dtype, always, valid).load().to(Float32)  # the value
                 fDo = cute.make_rmem_tensor((VEC,), dtype)
                 dvalue = cute.make_rmem_tensor((VEC,), Float32)
                 dvalue.fill(0.0)
@@ -455,10 +462,8 @@ class _Backward:
                             h = _vector(sXK, s * VD + v, VEC).load().to(Float32)
                             k = _vector(sXK, (S + s) * VD + v, VEC).load().to(Float32)
                         else:
-                            fH = cute.make_rmem_tensor((VEC,), dtype)
-                            fK = cute.make_rmem_tensor((VEC,), dtype)
-                            _load(_vector(mX[n, s, None], v, VEC), fH, True, True)
-                            _load(_vector(mKV[n, None], s * VD + v, VEC), fK, True, True)
+                            fH = _fetch(_vector(mX[n, s, None], v, VEC), dtype, True, True)
+                            fK = _fetch(_vector(mKV[n, None], s * VD + v, VEC), dtype, True, True)
                             h, k = fH.load().to(Float32), fK.load().to(Float32)
                         rWv = _vector(rW, s * ITERS + i, VEC)
                         if const_expr(not self.weight_in_registers):
@@ -599,14 +604,7 @@ def compile_dweight_sum(columns: int, arch: str, keep_ptx: bool = False):
     return _compile(_DweightSum(columns), *args, arch=arch, keep_ptx=keep_ptx)
 
 
-_ARCHS: dict[int, str] = {}
-
-
-def _arch(device: torch.device) -> str:
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _ARCHS:
-        _ARCHS[index] = _cd.arch_of(torch.device("cuda", index))
-    return _ARCHS[index]
+_arch = _cd.arch_of  # a device's compile target (the CPU tests replace it to launch without a GPU)
 
 
 def _forward_fn(dtype, streams, dim, arch):

@@ -3,11 +3,16 @@
 * The chunk size ``CHUNK`` (``BT``) and the L2 norm's eps.
 * Device helpers: `dot` and `round_to`, a ``tl.dot`` and an fp32 -> dtype conversion that
   the CPU interpreter can run with bf16 data as the GPU does (``EMULATE_BF16``);
-  `value_block_program`, a program's coordinates in the one-axis grids of the per-head stages;
-  `chunk_tokens`, the token offsets and mask of one chunk of the chunk table; `store_zero_tail`,
-  zeros for the tokens in no chunk.
+  `value_block_program` and `chunk_head_program`, a program's coordinates in the grids of the
+  stages; `chunk_span` and `chunk_tokens`, a chunk's tokens from the chunk table; `rows` and `cols`,
+  pointers to a chunk's tile of a ``[T, heads, C]`` tensor and to its transpose, `load_rows`,
+  `load_cols`, `store_rows` and `load_tokens` (a ``[T, heads]`` tensor's ``[BT]`` values) their
+  masked loads and stores; `state_tile`, a block of a ``[*, HV, K, V]`` state; `l2_normalize`,
+  `chunk_decays` and `causal_decay`, the L2 norm and the decays of a chunk; `store_zero_tail`, zeros
+  for the tokens in no chunk.
 * Host helpers of the launchers: `dot_precision`, `emulate_bf16`, `stage_constexprs` (the
-  constexprs the per-head stages have in common), `token_head_strides`, `check_programs`.
+  constexprs the per-head stages have in common), `token_head_strides`, `value_block_programs`
+  (the size of `value_block_program`'s grid), `sequential_pass` (a state pass's launch).
 * Launch constants: a `LaunchConfig` per kernel, per GPU family where the families differ.
   The families are ``HOPPER`` (``"sm_90"``: every device below compute capability 10, the CPU
   interpreter included) and ``BLACKWELL`` (``"sm_100"``: compute capability 10 and above);
@@ -16,6 +21,9 @@
   without its GPU.
 * `model_tensors`: meta tensors of the model's shapes, the example arguments from which each stage
   records its ``AOT_SPECS`` (`record_variants`, through `dsfuse._common.aot.record_specs`).
+
+The device helpers are inlined where they are called: a stage built from them compiles to the code
+it had with the same expressions written out.
 """
 
 from __future__ import annotations
@@ -85,16 +93,120 @@ def value_block_program(HV: tl.constexpr, GROUP: tl.constexpr, V: tl.constexpr, 
 
 
 @triton.jit
+def chunk_span(ci_ptr, i_c):
+    """``(start, end)`` (int64) of chunk ``i_c`` (int64) of the chunk table ``ci_ptr`` (int32
+    ``[NC, 3]``: sequence, start, end)."""
+    start = tl.load(ci_ptr + i_c * 3 + 1).to(tl.int64)
+    end = tl.load(ci_ptr + i_c * 3 + 2).to(tl.int64)
+    return start, end
+
+
+@triton.jit
+def chunk_head_program(ci_ptr, kv_group):
+    """This program's place in a ``(chunk, value head)`` grid: ``(i_c, i_hv, i_hv64, i_h, start, end)``,
+    the chunk (int64), the value head (int32 and int64), its qk head ``i_hv // kv_group`` (int64) and
+    the chunk's tokens (`chunk_span`)."""
+    i_c = tl.program_id(0).to(tl.int64)
+    i_hv = tl.program_id(1)
+    i_hv64 = i_hv.to(tl.int64)
+    i_h = (i_hv // kv_group).to(tl.int64)
+    start, end = chunk_span(ci_ptr, i_c)
+    return i_c, i_hv, i_hv64, i_h, start, end
+
+
+@triton.jit
 def chunk_tokens(ci_ptr, i_c, o_i):
-    """Chunk ``i_c`` of the chunk table ``ci_ptr`` (int32 ``[NC, 3]``: sequence, start, end):
-    ``(i_c64, eos, o_t, m_t)``, the chunk index and its end as int64, the int64 token offsets
-    ``start + o_i`` ``[BT]`` and their mask ``o_t < eos``."""
+    """Chunk ``i_c`` of the chunk table: ``(i_c64, eos, o_t, m_t)``, the chunk index and its end as
+    int64, the int64 token offsets ``start + o_i`` ``[BT]`` and their mask ``o_t < eos``."""
     i_c64 = i_c.to(tl.int64)
-    bos = tl.load(ci_ptr + i_c64 * 3 + 1).to(tl.int64)
-    eos = tl.load(ci_ptr + i_c64 * 3 + 2).to(tl.int64)
+    bos, eos = chunk_span(ci_ptr, i_c64)
     o_t = bos + o_i  # [BT] int64 token offsets
     m_t = o_t < eos
     return i_c64, eos, o_t, m_t
+
+
+@triton.jit
+def rows(ptr, s_t, s_h, o_t, i_h, o_c):
+    """Pointers ``[BT, C]`` to tokens ``o_t``, head ``i_h`` and channels ``o_c`` of a ``[T, heads, C]``
+    tensor with token stride ``s_t``, head stride ``s_h`` and unit channel stride."""
+    return ptr + o_t[:, None] * s_t + i_h * s_h + o_c[None, :]
+
+
+@triton.jit
+def cols(ptr, s_t, s_h, o_t, i_h, o_c):
+    """The `rows` tile transposed, ``[C, BT]``: a transposed operand is read through swapped strides,
+    so no dot result is ever transposed (Triton 3.6 on Hopper miscompiles ``tl.trans`` of a wgmma
+    accumulator)."""
+    return ptr + o_t[None, :] * s_t + i_h * s_h + o_c[:, None]
+
+
+@triton.jit
+def load_rows(ptr, s_t, s_h, o_t, m_t, i_h, o_c):
+    """The `rows` tile ``[BT, C]``, 0 in the rows of tokens outside the mask ``m_t``."""
+    p = rows(ptr, s_t, s_h, o_t, i_h, o_c)  # the pointers before the mask, as the stages wrote them out
+    return tl.load(p, mask=m_t[:, None], other=0.0)
+
+
+@triton.jit
+def load_cols(ptr, s_t, s_h, o_t, m_t, i_h, o_c):
+    """The `cols` tile ``[C, BT]``, 0 in the columns of tokens outside the mask ``m_t``."""
+    p = cols(ptr, s_t, s_h, o_t, i_h, o_c)
+    return tl.load(p, mask=m_t[None, :], other=0.0)
+
+
+@triton.jit
+def store_rows(ptr, s_t, s_h, o_t, m_t, i_h, o_c, x, EMULATE_BF16: tl.constexpr):
+    """fp32 ``x`` ``[BT, C]`` rounded once to ``ptr``'s dtype into the `rows` tile (tokens in ``m_t``)."""
+    p = rows(ptr, s_t, s_h, o_t, i_h, o_c)
+    tl.store(p, round_to(x, ptr.dtype.element_ty, EMULATE_BF16), mask=m_t[:, None])
+
+
+@triton.jit
+def load_tokens(ptr, s_t, s_h, o_t, m_t, i_h):
+    """The ``[BT]`` values of head ``i_h`` of a ``[T, heads]`` tensor (a gate), 0 outside ``m_t``."""
+    return tl.load(ptr + o_t * s_t + i_h * s_h, mask=m_t, other=0.0)
+
+
+@triton.jit
+def state_tile(ptr, i_x, i_hv, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, o_k, o_v):
+    """Pointers ``[BK, BV]`` to key rows ``o_k`` and value channels ``o_v`` of state ``i_x``
+    (int64: a chunk or a document) and value head ``i_hv`` of a contiguous ``[*, HV, K, V]`` tensor."""
+    return ptr + (i_x * HV + i_hv) * (K * V) + o_k[:, None] * V + o_v[None, :]
+
+
+@triton.jit
+def l2_normalize(x, AXIS: tl.constexpr, dtype: tl.constexpr, EMULATE_BF16: tl.constexpr):
+    """``x * rsqrt(sum x^2 + eps)`` along ``AXIS`` in fp32 (the rows of a ``[BT, K]`` tile with
+    ``AXIS = 1``, the columns of a ``[K, BT]`` one with ``AXIS = 0``), rounded once to ``dtype``."""
+    xf = x.to(tl.float32)
+    return round_to(xf * tl.expand_dims(tl.rsqrt(tl.sum(xf * xf, axis=AXIS) + L2NORM_EPS), AXIS), dtype,
+                    EMULATE_BF16)
+
+
+@triton.jit
+def chunk_decays(g_ptr, s_gt, s_gh, o_t, m_t, i_hv, eos):
+    """A chunk's decays from the cumulative gate ``g_ptr`` ``[T, HV]``: ``(G, G_last, exp(G_last - G))``,
+    ``G`` ``[BT]``, ``G_last`` at the chunk's last token, and the decays ``[BT]`` of its tokens (0
+    outside ``m_t``; the exponents, ``<= 0`` in the chunk, are masked to 0 before ``exp``)."""
+    b_g = load_tokens(g_ptr, s_gt, s_gh, o_t, m_t, i_hv)  # [BT]
+    b_g_last = tl.load(g_ptr + (eos - 1) * s_gt + i_hv * s_gh)
+    b_d = tl.where(m_t, tl.exp(tl.where(m_t, b_g_last - b_g, 0.0)), 0.0)  # [BT]
+    return b_g, b_g_last, b_d
+
+
+@triton.jit
+def causal_decay(b_a, b_g, o_i, m_t, TRANSPOSED: tl.constexpr):
+    """``b_a`` ``[BT, BT]`` times ``Gamma_ij = exp(G_i - G_j)`` where ``j <= i`` and both tokens are in
+    the chunk (``m_t``), 0 elsewhere; ``TRANSPOSED``: ``b_a`` is indexed ``[j, i]`` and times
+    ``Gamma^T``. The mask is applied to the exponent before ``exp`` (only ``G_i - G_j <= 0`` is
+    exponentiated) and to the product after it."""
+    if TRANSPOSED:
+        m_a = (o_i[:, None] <= o_i[None, :]) & m_t[:, None] & m_t[None, :]
+        b_a = tl.where(m_a, b_a * tl.exp(tl.where(m_a, b_g[None, :] - b_g[:, None], 0.0)), 0.0)
+    else:
+        m_a = (o_i[:, None] >= o_i[None, :]) & m_t[:, None] & m_t[None, :]
+        b_a = tl.where(m_a, b_a * tl.exp(tl.where(m_a, b_g[:, None] - b_g[None, :], 0.0)), 0.0)
+    return b_a
 
 
 @triton.jit
@@ -106,7 +218,7 @@ def store_zero_tail(ptr, ci_ptr, NC, T, s_t, s_h, i_hv, o_v, o_i, BT: tl.constex
     i_t = tail.to(tl.int64)
     while i_t < T:  # a while loop: runtime bounds, also in the interpreter
         o_t = i_t + o_i
-        p = ptr + o_t[:, None] * s_t + i_hv * s_h + o_v[None, :]
+        p = rows(ptr, s_t, s_h, o_t, i_hv, o_v)
         tl.store(p, b_zero, mask=(o_t < T)[:, None])
         i_t += BT
 
@@ -126,8 +238,10 @@ def emulate_bf16(dtype: torch.dtype) -> bool:
 
 def stage_constexprs(H: int, HV: int, K: int, V: int, dtype: torch.dtype, use_qk_l2norm: bool) -> dict[str, object]:
     """The constexprs of the per-head stages' kernels (state, output, state backward, dq/dk/dw/dg):
-    ``HV``, ``GROUP = HV // H``, ``K``, ``V``, ``BT = CHUNK``, ``USE_QK_L2NORM``, and
-    ``DOT_PRECISION`` and ``EMULATE_BF16`` for inputs of ``dtype``."""
+    ``HV``, ``GROUP = HV // H`` (value heads per qk head), ``K``, ``V``, ``BT = CHUNK``,
+    ``USE_QK_L2NORM``, and for inputs of ``dtype`` ``DOT_PRECISION`` (`dot_precision`: ``"ieee"``
+    for fp32, no TF32; ignored by bf16/fp16 dots) and ``EMULATE_BF16`` (`emulate_bf16`: bf16 data in
+    the CPU interpreter only; see `dot`, `round_to`)."""
     return {"HV": HV, "GROUP": HV // H, "K": K, "V": V, "BT": CHUNK, "USE_QK_L2NORM": use_qk_l2norm,
             "DOT_PRECISION": dot_precision(dtype), "EMULATE_BF16": emulate_bf16(dtype)}
 
@@ -138,11 +252,14 @@ def token_head_strides(*tensors: torch.Tensor) -> list[int]:
     return [s for t in tensors for s in (t.stride(0), t.stride(1))]
 
 
-def check_programs(programs: int, name: str, what: str) -> int:
-    """``programs`` if a one-axis grid can launch it (below 2**31), else ValueError naming
-    ``name`` (the argument that sets the count) and ``what`` the programs are."""
+def value_block_programs(rows: int, HV: int, V: int, BV: int, table: str) -> int:
+    """The programs of a `value_block_program` grid, ``rows * HV * (V // BV)``: rows of the chunk table
+    (``table`` ``"chunk_indices"``) or documents (``"chunk_offsets"``), plus a tail row where the kernel
+    has one. ValueError naming ``table`` from 2**31 programs on (a one-axis grid's limit)."""
+    programs = rows * HV * (V // BV)
     if programs >= 2**31:
-        raise ValueError(f"{name}: at most 2**31 - 1 programs ({what}), got {programs}")
+        what = {"chunk_indices": "chunks", "chunk_offsets": "sequences"}[table]
+        raise ValueError(f"{table}: at most 2**31 - 1 programs ({what} x heads x value blocks), got {programs}")
     return programs
 
 
@@ -206,17 +323,22 @@ class LaunchConfig:
         return options
 
 
-def sequential_pass_kwargs(config: LaunchConfig) -> dict[str, object]:
-    """The launch keywords of a sequential pass over chunks (the state passes): its chunk loop as a
-    software-pipelined for loop on the GPU (``PIPELINED``, ``NUM_STAGES_LOOP``; a while loop in the
-    interpreter, which cannot take runtime bounds in a for loop) and ``config``'s options."""
-    return {"PIPELINED": not interpreting(), "NUM_STAGES_LOOP": config.loop_stages, **config.options()}
-
-
 def family_config(configs: Mapping[str, LaunchConfig], device: torch.device) -> LaunchConfig:
     """``configs[launch_family(device)]``: the launch constants of a kernel whose setting depends
     on the GPU family (``configs`` holds one per family of ``FAMILIES``)."""
     return configs[launch_family(device)]
+
+
+def sequential_pass(configs: Mapping[str, LaunchConfig], device: torch.device, chunk_offsets: torch.Tensor,
+                    V: int) -> tuple[int, int, dict[str, object]]:
+    """A state pass's launch over the documents of ``chunk_offsets`` on ``device``: ``(N, BV, kwargs)``,
+    the documents, the value channels per program (the family's ``block_v``, at most ``V``) and the
+    launch keywords: the chunk loop as a software-pipelined for loop on the GPU (``PIPELINED``,
+    ``NUM_STAGES_LOOP``; a while loop in the interpreter, which cannot take runtime bounds in a for
+    loop) and the family's options."""
+    config = family_config(configs, device)
+    kwargs = {"PIPELINED": not interpreting(), "NUM_STAGES_LOOP": config.loop_stages, **config.options()}
+    return chunk_offsets.shape[0] - 1, min(config.block_v, V), kwargs
 
 
 # ----------------------------------------------------------------------------- AOT example tensors

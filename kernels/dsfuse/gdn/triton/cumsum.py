@@ -39,8 +39,7 @@ def _chunk_cumsum_kernel(
 ):
     i_c = tl.program_id(0).to(tl.int64)
     i_hb = tl.program_id(1)
-    start = tl.load(ci_ptr + i_c * 3 + 1).to(tl.int64)
-    end = tl.load(ci_ptr + i_c * 3 + 2).to(tl.int64)
+    start, end = common.chunk_span(ci_ptr, i_c)
 
     o_t = start + tl.arange(0, BT)  # int64 token offsets
     m_t = o_t < end

@@ -115,10 +115,13 @@ def _block_rows(ci_ptr, i_c, start, n_t, o_k, BT: tl.constexpr, V: tl.constexpr)
 
 
 @triton.jit
-def _rows_times_state_t(x_ptr, s_xt, st_ptr, ci_ptr, i_c, start, n_t, o_k, BT: tl.constexpr, BK: tl.constexpr,
-                        V: tl.constexpr, BV: tl.constexpr, DOT_PRECISION: tl.constexpr, EMULATE_BF16: tl.constexpr):
+def _rows_times_state_t(x_ptr, s_xt, st_ptr, ci_ptr, i_c, start, n_t, o_k, h_ptr, b_hdh, BT: tl.constexpr,
+                        BK: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                        EMULATE_BF16: tl.constexpr):
     """``x @ S^T`` for a key block (fp32 ``[BT, BK]``, over value blocks, ``S^T`` loaded transposed):
-    ``x`` the chunk's ``[BT, V]`` rows, ``S`` a ``[K, V]`` state; returns ``(o_t, m_t, x @ S^T)``."""
+    ``x`` the chunk's ``[BT, V]`` rows, ``S`` a ``[K, V]`` state; returns ``(o_t, m_t, x @ S^T)``.
+    With a state ``h_ptr`` (not None), in the same loop ``sum(S * h)`` of each ``S^T`` tile as loaded
+    and the same tile of ``h`` is added to ``b_hdh`` ``[BV]``, returned last."""
     o_t, m_t, o_h = _block_rows(ci_ptr, i_c, start, n_t, o_k, BT, V)
     b_acc = tl.zeros([BT, BK], dtype=tl.float32)
     for i_v in range(V // BV):
@@ -126,7 +129,45 @@ def _rows_times_state_t(x_ptr, s_xt, st_ptr, ci_ptr, i_c, start, n_t, o_k, BT: t
         b_st = tl.load(st_ptr + o_h[None, :] + o_v[:, None])  # [BV, BK]
         b_x = tl.load(x_ptr + o_t[:, None] * s_xt + o_v[None, :], mask=m_t[:, None], other=0.0)  # [BT, BV]
         b_acc = common.dot(b_x, b_st, b_acc, DOT_PRECISION, EMULATE_BF16)
-    return o_t, m_t, b_acc
+        if h_ptr is not None:
+            b_ht = tl.load(h_ptr + o_h[None, :] + o_v[:, None])
+            b_hdh += tl.sum(b_ht.to(tl.float32) * b_st.to(tl.float32), axis=1)
+    if h_ptr is None:
+        return o_t, m_t, b_acc
+    else:
+        return o_t, m_t, b_acc, b_hdh
+
+
+@triton.jit
+def _rows_times_rows_t(a_ptr, s_at, b_ptr, s_bt, o_t, m_t, BT: tl.constexpr, N: tl.constexpr, BN: tl.constexpr,
+                       NORMS: tl.constexpr, DOT_PRECISION: tl.constexpr, EMULATE_BF16: tl.constexpr):
+    """``a @ b^T`` (fp32 ``[BT, BT]``) of the chunk's ``[BT, N]`` rows of ``a`` and ``b``, over channel
+    blocks of ``BN`` (``b`` loaded transposed); returns it and, with ``NORMS``, the squared norms
+    ``[BT]`` of ``a``'s and ``b``'s rows, summed in fp32 from the same tiles (else zeros)."""
+    b_acc = tl.zeros([BT, BT], dtype=tl.float32)
+    b_ssa = tl.zeros([BT], dtype=tl.float32)
+    b_ssb = tl.zeros([BT], dtype=tl.float32)
+    for i_n in range(N // BN):
+        o_n = i_n * BN + tl.arange(0, BN)
+        b_a = tl.load(a_ptr + o_t[:, None] * s_at + o_n[None, :], mask=m_t[:, None], other=0.0)  # [BT, BN]
+        b_bt = tl.load(b_ptr + o_t[None, :] * s_bt + o_n[:, None], mask=m_t[None, :], other=0.0)  # [BN, BT]
+        b_acc = common.dot(b_a, b_bt, b_acc, DOT_PRECISION, EMULATE_BF16)
+        if NORMS:
+            b_af = b_a.to(tl.float32)
+            b_bf = b_bt.to(tl.float32)
+            b_ssa += tl.sum(b_af * b_af, axis=1)
+            b_ssb += tl.sum(b_bf * b_bf, axis=0)
+    return b_acc, b_ssa, b_ssb
+
+
+@triton.jit
+def _store_plus_product(b_acc, b_a, x_ptr, s_xt, out_ptr, s_ot, o_t, m_t, o_k, DOT_PRECISION: tl.constexpr,
+                        EMULATE_BF16: tl.constexpr):
+    """``b_acc + a @ x`` (fp32) stored into the key block ``o_k`` of ``out``'s chunk rows: ``a``
+    ``[BT, BT]``, ``x`` the chunk's ``[BT, BK]`` rows."""
+    b_x = tl.load(x_ptr + o_t[:, None] * s_xt + o_k[None, :], mask=m_t[:, None], other=0.0)  # [BT, BK]
+    b_acc = common.dot(b_a, b_x, b_acc, DOT_PRECISION, EMULATE_BF16)  # [BT, BT] @ [BT, BK]
+    tl.store(out_ptr + o_t[:, None] * s_ot + o_k[None, :], b_acc, mask=m_t[:, None])
 
 
 @triton.jit
@@ -155,16 +196,17 @@ def _dqkwg_kernel(
     s_dkt, s_dkh,
     s_dwt, s_dwh,
     s_dgt, s_dgh,
+    # common.stage_constexprs, BK and BV (key and value channels per block)
     HV: tl.constexpr,
-    GROUP: tl.constexpr,  # HV // H
+    GROUP: tl.constexpr,
     K: tl.constexpr,
     V: tl.constexpr,
     BT: tl.constexpr,
     BK: tl.constexpr,
     BV: tl.constexpr,
     USE_QK_L2NORM: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs (no TF32); ignored for bf16/fp16
-    EMULATE_BF16: tl.constexpr,  # CPU interpreter with bf16 data only (see common.dot, common.round_to)
+    DOT_PRECISION: tl.constexpr,
+    EMULATE_BF16: tl.constexpr,
 ):
     pid = tl.program_id(0)
     i_c = (pid // HV).to(tl.int64)  # value head fastest (module docstring: grid)
@@ -191,30 +233,15 @@ def _dqkwg_kernel(
     # ---- (1) q k^T [BT, BT] over key blocks (k loaded transposed), with the rows' squared norms
     o_t = tl.arange(0, BT)
     m_t = o_t < n_t
-    b_qk = tl.zeros([BT, BT], dtype=tl.float32)
-    b_ssq = tl.zeros([BT], dtype=tl.float32)
-    b_ssk = tl.zeros([BT], dtype=tl.float32)
-    for i_k in range(K // BK):
-        o_k = i_k * BK + tl.arange(0, BK)
-        b_q = tl.load(q_ptr + o_t[:, None] * s_qt + o_k[None, :], mask=m_t[:, None], other=0.0)  # [BT, BK]
-        b_kt = tl.load(k_ptr + o_t[None, :] * s_kt + o_k[:, None], mask=m_t[None, :], other=0.0)  # [BK, BT]
-        b_qk = common.dot(b_q, b_kt, b_qk, DOT_PRECISION, EMULATE_BF16)
-        if USE_QK_L2NORM:
-            b_qf = b_q.to(tl.float32)
-            b_kf = b_kt.to(tl.float32)
-            b_ssq += tl.sum(b_qf * b_qf, axis=1)
-            b_ssk += tl.sum(b_kf * b_kf, axis=0)
+    b_qk, b_ssq, b_ssk = _rows_times_rows_t(q_ptr, s_qt, k_ptr, s_kt, o_t, m_t, BT, K, BK, USE_QK_L2NORM,
+                                            DOT_PRECISION, EMULATE_BF16)
     if USE_QK_L2NORM:
         b_rq = tl.rsqrt(b_ssq + common.L2NORM_EPS)  # [BT]
         b_rk = tl.rsqrt(b_ssk + common.L2NORM_EPS)
 
     # ---- (2) dA_o = scale (do v_new^T) * Gamma over value blocks (v_new loaded transposed)
-    b_dA = tl.zeros([BT, BT], dtype=tl.float32)  # [i, j] = do_i . v_j
-    for i_v in range(V // BV):
-        o_v = i_v * BV + tl.arange(0, BV)
-        b_do = tl.load(do_ptr + o_t[:, None] * s_ot + o_v[None, :], mask=m_t[:, None], other=0.0)  # [BT, BV]
-        b_vt = tl.load(vn_ptr + o_t[None, :] * s_vt + o_v[:, None], mask=m_t[None, :], other=0.0)  # [BV, BT]
-        b_dA = common.dot(b_do, b_vt, b_dA, DOT_PRECISION, EMULATE_BF16)
+    b_dA, _, _ = _rows_times_rows_t(do_ptr, s_ot, vn_ptr, s_vt, o_t, m_t, BT, V, BV, False, DOT_PRECISION,
+                                    EMULATE_BF16)  # [i, j] = do_i . v_j
     b_g = tl.load(g_ptr + o_t * s_gt, mask=m_t, other=0.0)  # [BT], <= 0 in the chunk
     m_A = (o_t[:, None] >= o_t[None, :]) & (m_t[:, None] & m_t[None, :])
     b_dA = tl.where(m_A, b_dA * tl.exp(tl.where(m_A, b_g[:, None] - b_g[None, :], 0.0)), 0.0) * scale
@@ -233,31 +260,25 @@ def _dqkwg_kernel(
     b_dgq = tl.zeros([BT, 1], dtype=tl.float32)  # sum(q_i dq_inter_i) ([BT, 1]: see the module docstring)
     for i_k in range(K // BK):
         o_k = i_k * BK + tl.arange(0, BK)
-        o_t, m_t, b_dw = _rows_times_state_t(dv_ptr, s_dvt, h_ptr, ci_ptr, i_c, start, n_t, o_k, BT, BK, V, BV,
-                                             DOT_PRECISION, EMULATE_BF16)  # dv_new h^T
+        o_t, m_t, b_dw = _rows_times_state_t(dv_ptr, s_dvt, h_ptr, ci_ptr, i_c, start, n_t, o_k, None, None, BT, BK,
+                                             V, BV, DOT_PRECISION, EMULATE_BF16)  # dv_new h^T
         tl.store(dw_ptr + o_t[:, None] * s_dwt + o_k[None, :],
                  common.round_to(-b_dw, dw_ptr.dtype.element_ty, EMULATE_BF16), mask=m_t[:, None])
 
-        o_t, m_t, b_dq = _rows_times_state_t(do_ptr, s_ot, h_ptr, ci_ptr, i_c, start, n_t, o_k, BT, BK, V, BV,
-                                             DOT_PRECISION, EMULATE_BF16)  # do h^T
+        o_t, m_t, b_dq = _rows_times_state_t(do_ptr, s_ot, h_ptr, ci_ptr, i_c, start, n_t, o_k, None, None, BT, BK,
+                                             V, BV, DOT_PRECISION, EMULATE_BF16)  # do h^T
         b_q = tl.load(q_ptr + o_t[:, None] * s_qt + o_k[None, :], mask=m_t[:, None], other=0.0)  # [BT, BK]
         b_gk = tl.load(g_ptr + o_t * s_gt, mask=m_t, other=0.0)
         b_dq = b_dq * (tl.exp(b_gk) * scale)[:, None]  # dq_inter; padding rows: their accumulators are 0
         b_dgq += tl.sum(b_q.to(tl.float32) * b_dq, axis=1, keep_dims=True)
-        b_k = tl.load(k_ptr + o_t[:, None] * s_kt + o_k[None, :], mask=m_t[:, None], other=0.0)  # [BT, BK]
-        b_dq = common.dot(b_dA, b_k, b_dq, DOT_PRECISION, EMULATE_BF16)  # [BT, BT] @ [BT, BK]
-        tl.store(dq_ptr + o_t[:, None] * s_dqt + o_k[None, :], b_dq, mask=m_t[:, None])
+        _store_plus_product(b_dq, b_dA, k_ptr, s_kt, dq_ptr, s_dqt, o_t, m_t, o_k, DOT_PRECISION, EMULATE_BF16)
 
     # ---- (4) dA_o^T = scale (v_new do^T) * Gamma^T as its own dot (do loaded transposed)
     z = _zero(ci_ptr, i_c, start)
     o_t = tl.arange(0, BT) + z
     m_t = o_t < n_t
-    b_dAt = tl.zeros([BT, BT], dtype=tl.float32)  # [j, i] = v_j . do_i
-    for i_v in range(V // BV):
-        o_v = i_v * BV + tl.arange(0, BV)
-        b_v = tl.load(vn_ptr + o_t[:, None] * s_vt + o_v[None, :], mask=m_t[:, None], other=0.0)  # [BT, BV]
-        b_dot = tl.load(do_ptr + o_t[None, :] * s_ot + o_v[:, None], mask=m_t[None, :], other=0.0)  # [BV, BT]
-        b_dAt = common.dot(b_v, b_dot, b_dAt, DOT_PRECISION, EMULATE_BF16)
+    b_dAt, _, _ = _rows_times_rows_t(vn_ptr, s_vt, do_ptr, s_ot, o_t, m_t, BT, V, BV, False, DOT_PRECISION,
+                                     EMULATE_BF16)  # [j, i] = v_j . do_i
     b_g = tl.load(g_ptr + o_t * s_gt, mask=m_t, other=0.0)
     m_At = (o_t[:, None] <= o_t[None, :]) & (m_t[:, None] & m_t[None, :])
     b_dAt = tl.where(m_At, b_dAt * tl.exp(tl.where(m_At, b_g[None, :] - b_g[:, None], 0.0)), 0.0) * scale
@@ -271,23 +292,14 @@ def _dqkwg_kernel(
     b_kst = tl.zeros([BT, 1], dtype=tl.float32)  # sum(k_i dk_state_i)
     for i_k in range(K // BK):
         o_k = i_k * BK + tl.arange(0, BK)
-        o_t, m_t, o_h = _block_rows(ci_ptr, i_c, start, n_t, o_k, BT, V)
-        b_dk = tl.zeros([BT, BK], dtype=tl.float32)
-        for i_v in range(V // BV):
-            o_v = i_v * BV + tl.arange(0, BV)
-            b_dht = tl.load(dh_ptr + o_h[None, :] + o_v[:, None])  # [BV, BK]
-            b_v = tl.load(vn_ptr + o_t[:, None] * s_vt + o_v[None, :], mask=m_t[:, None], other=0.0)  # [BT, BV]
-            b_dk = common.dot(b_v, b_dht, b_dk, DOT_PRECISION, EMULATE_BF16)
-            b_ht = tl.load(h_ptr + o_h[None, :] + o_v[:, None])
-            b_hdh += tl.sum(b_ht.to(tl.float32) * b_dht.to(tl.float32), axis=1)
+        o_t, m_t, b_dk, b_hdh = _rows_times_state_t(vn_ptr, s_vt, dh_ptr, ci_ptr, i_c, start, n_t, o_k, h_ptr, b_hdh,
+                                                    BT, BK, V, BV, DOT_PRECISION, EMULATE_BF16)  # v_new dh^T
         b_k = tl.load(k_ptr + o_t[:, None] * s_kt + o_k[None, :], mask=m_t[:, None], other=0.0)  # [BT, BK]
         b_gk = tl.load(g_ptr + o_t * s_gt, mask=m_t, other=0.0)
         b_gl = tl.load(g_ptr + (n_t - 1) * s_gt)
         b_dk = b_dk * tl.where(m_t, tl.exp(tl.where(m_t, b_gl - b_gk, 0.0)), 0.0)[:, None]  # dk_state
         b_kst += tl.sum(b_k.to(tl.float32) * b_dk, axis=1, keep_dims=True)
-        b_q = tl.load(q_ptr + o_t[:, None] * s_qt + o_k[None, :], mask=m_t[:, None], other=0.0)  # [BT, BK]
-        b_dk = common.dot(b_dAt, b_q, b_dk, DOT_PRECISION, EMULATE_BF16)  # [BT, BT] @ [BT, BK]
-        tl.store(dk_ptr + o_t[:, None] * s_dkt + o_k[None, :], b_dk, mask=m_t[:, None])
+        _store_plus_product(b_dk, b_dAt, q_ptr, s_qt, dk_ptr, s_dkt, o_t, m_t, o_k, DOT_PRECISION, EMULATE_BF16)
 
     # q_hat . dq_inter and k_hat . dk_state: the norms times the sums of the loaded rows
     b_dgq = tl.reshape(b_dgq, [BT])

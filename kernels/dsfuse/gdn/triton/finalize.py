@@ -72,14 +72,14 @@ def _finalize_tile(
         b_dy = b_dy + tl.load(p_a + j * s_ah, mask=m_t, other=0.0)
 
     if USE_QK_L2NORM:
-        p_x = x_ptr + o_t[:, None] * s_xt + i_h * s_xh + o_k[None, :]
+        p_x = common.rows(x_ptr, s_xt, s_xh, o_t, i_h, o_k)
         b_x = tl.load(p_x, mask=m_t, other=0.0).to(tl.float32)  # [BT, K]
         b_r = tl.rsqrt(tl.sum(b_x * b_x, axis=1) + common.L2NORM_EPS)  # [BT]
         b_y = b_x * b_r[:, None]
         b_dyy = tl.sum(b_dy * b_y, axis=1)  # [BT]
         b_dy = b_r[:, None] * (b_dy - b_y * b_dyy[:, None])
 
-    p_d = dx_ptr + o_t[:, None] * s_dt + i_h * s_dh + o_k[None, :]
+    p_d = common.rows(dx_ptr, s_dt, s_dh, o_t, i_h, o_k)
     tl.store(p_d, common.round_to(b_dy, dx_ptr.dtype.element_ty, EMULATE_BF16), mask=m_t)
 
 

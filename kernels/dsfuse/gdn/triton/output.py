@@ -61,15 +61,16 @@ def _output_kernel(
     s_vt, s_vh,
     s_gt, s_gh,
     s_ot, s_oh,
+    # common.stage_constexprs and BV (value channels per program)
     HV: tl.constexpr,
-    GROUP: tl.constexpr,  # HV // H
+    GROUP: tl.constexpr,
     K: tl.constexpr,
     V: tl.constexpr,
     BT: tl.constexpr,
     BV: tl.constexpr,
     USE_QK_L2NORM: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs (no TF32); ignored for bf16/fp16
-    EMULATE_BF16: tl.constexpr,  # CPU interpreter with bf16 data only (see common.dot, common.round_to)
+    DOT_PRECISION: tl.constexpr,
+    EMULATE_BF16: tl.constexpr,
 ):
     # i_c in [0, NC]; NC: the tail of tokens in no chunk
     i_c, i_hv, i_h, o_k, o_v, o_i = common.value_block_program(HV, GROUP, V, BV, K, BT)
@@ -78,44 +79,28 @@ def _output_kernel(
     if i_c < NC:
         i_c64, _, o_t, m_t = common.chunk_tokens(ci_ptr, i_c, o_i)  # o_t: [BT] int64 token offsets
 
-        p_q = q_ptr + o_t[:, None] * s_qt + i_h * s_qh + o_k[None, :]
-        b_q = tl.load(p_q, mask=m_t[:, None], other=0.0)  # [BT, K]
-        p_k = k_ptr + o_t[None, :] * s_kt + i_h * s_kh + o_k[:, None]
-        b_k = tl.load(p_k, mask=m_t[None, :], other=0.0)  # [K, BT]: k transposed from memory
+        b_q = common.load_rows(q_ptr, s_qt, s_qh, o_t, m_t, i_h, o_k)  # [BT, K]
+        b_k = common.load_cols(k_ptr, s_kt, s_kh, o_t, m_t, i_h, o_k)  # [K, BT]: k transposed from memory
         if USE_QK_L2NORM:
-            b_qf = b_q.to(tl.float32)
-            b_q = common.round_to(b_qf * tl.rsqrt(tl.sum(b_qf * b_qf, axis=1) + common.L2NORM_EPS)[:, None], dtype,
-                                  EMULATE_BF16)
-            b_kf = b_k.to(tl.float32)
-            b_k = common.round_to(b_kf * tl.rsqrt(tl.sum(b_kf * b_kf, axis=0) + common.L2NORM_EPS)[None, :], dtype,
-                                  EMULATE_BF16)
+            b_q = common.l2_normalize(b_q, 1, dtype, EMULATE_BF16)
+            b_k = common.l2_normalize(b_k, 0, dtype, EMULATE_BF16)
 
-        p_h = h_ptr + (i_c64 * HV + i_hv) * (K * V) + o_k[:, None] * V + o_v[None, :]
-        b_h = tl.load(p_h)  # [K, BV]
+        b_h = tl.load(common.state_tile(h_ptr, i_c64, i_hv, HV, K, V, o_k, o_v))  # [K, BV]
         b_o = common.dot(b_q, b_h, None, DOT_PRECISION, EMULATE_BF16)  # [BT, K] @ [K, BV] -> [BT, BV]
         b_A = common.dot(b_q, b_k, None, DOT_PRECISION, EMULATE_BF16)  # [BT, K] @ [K, BT] -> [BT, BT]
 
-        b_g = tl.load(g_ptr + o_t * s_gt + i_hv * s_gh, mask=m_t, other=0.0)  # [BT], <= 0
+        b_g = common.load_tokens(g_ptr, s_gt, s_gh, o_t, m_t, i_hv)  # [BT], <= 0
         b_o = b_o * tl.exp(b_g)[:, None]
-        m_A = (o_i[:, None] >= o_i[None, :]) & m_t[:, None] & m_t[None, :]  # [BT, BT] causal, in the chunk
-        b_A = tl.where(m_A, b_A * tl.exp(tl.where(m_A, b_g[:, None] - b_g[None, :], 0.0)), 0.0)
+        b_A = common.causal_decay(b_A, b_g, o_i, m_t, False)  # [BT, BT] causal, in the chunk
 
-        p_vn = vn_ptr + o_t[:, None] * s_vt + i_hv * s_vh + o_v[None, :]
-        b_vn = tl.load(p_vn, mask=m_t[:, None], other=0.0)  # [BT, BV]
+        b_vn = common.load_rows(vn_ptr, s_vt, s_vh, o_t, m_t, i_hv, o_v)  # [BT, BV]
         # [BT, BT] @ [BT, BV]
         b_o = common.dot(common.round_to(b_A, dtype, EMULATE_BF16), b_vn, b_o, DOT_PRECISION, EMULATE_BF16)
         b_o = b_o * scale
-
-        p_o = o_ptr + o_t[:, None] * s_ot + i_hv * s_oh + o_v[None, :]
-        tl.store(p_o, common.round_to(b_o, o_ptr.dtype.element_ty, EMULATE_BF16), mask=m_t[:, None])
+        common.store_rows(o_ptr, s_ot, s_oh, o_t, m_t, i_hv, o_v, b_o, EMULATE_BF16)
     else:
         # tokens past the last chunk's end (past cu_seqlens[-1]) belong to no chunk: o = 0
         common.store_zero_tail(o_ptr, ci_ptr, NC, T, s_ot, s_oh, i_hv, o_v, o_i, BT, BV)
-
-
-def block_v(V: int) -> int:
-    """``BV``: value channels per program."""
-    return min(CONFIG.block_v, V)
 
 
 def launch_output(
@@ -139,9 +124,8 @@ def launch_output(
     T, H, K = q.shape
     HV, V = v_new.shape[1], v_new.shape[2]
     NC = chunk_indices.shape[0]
-    BV = block_v(V)
-    programs = common.check_programs((NC + 1) * HV * (V // BV), "chunk_indices", "chunks x heads x value blocks")
-    _output_kernel[(programs,)](
+    BV = min(CONFIG.block_v, V)
+    _output_kernel[(common.value_block_programs(NC + 1, HV, V, BV, "chunk_indices"),)](
         q, k, v_new, h, g_cum, chunk_indices, o,
         float(scale), T, NC,
         *common.token_head_strides(q, k, v_new, g_cum, o),

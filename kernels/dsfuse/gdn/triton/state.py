@@ -73,31 +73,21 @@ def _state_step(b_h, i_c, k_ptr, w_ptr, u_ptr, g_ptr, ci_ptr, h_ptr, vn_ptr, s_k
 
     # the state at the chunk's start
     b_hc = common.round_to(b_h, dtype, EMULATE_BF16)
-    p_h = h_ptr + (i_c64 * HV + i_hv) * (K * V) + o_k[:, None] * V + o_v[None, :]
-    tl.store(p_h, b_hc)
+    tl.store(common.state_tile(h_ptr, i_c64, i_hv, HV, K, V, o_k, o_v), b_hc)
 
     # v_new = u - w @ h
-    p_w = w_ptr + o_t[:, None] * s_wt + i_hv * s_wh + o_k[None, :]
-    b_w = tl.load(p_w, mask=m_t[:, None], other=0.0)  # [BT, K]
+    b_w = common.load_rows(w_ptr, s_wt, s_wh, o_t, m_t, i_hv, o_k)  # [BT, K]
     b_wh = common.dot(b_w, b_hc, None, DOT_PRECISION, EMULATE_BF16)  # [BT, K] @ [K, BV] -> [BT, BV]
-    p_u = u_ptr + o_t[:, None] * s_ut + i_hv * s_uh + o_v[None, :]
-    b_v = tl.load(p_u, mask=m_t[:, None], other=0.0).to(tl.float32) - b_wh  # [BT, BV]
-    p_vn = vn_ptr + o_t[:, None] * s_vt + i_hv * s_vh + o_v[None, :]
-    tl.store(p_vn, common.round_to(b_v, vn_ptr.dtype.element_ty, EMULATE_BF16), mask=m_t[:, None])
+    b_v = common.load_rows(u_ptr, s_ut, s_uh, o_t, m_t, i_hv, o_v).to(tl.float32) - b_wh  # [BT, BV]
+    common.store_rows(vn_ptr, s_vt, s_vh, o_t, m_t, i_hv, o_v, b_v, EMULATE_BF16)
 
     # decays: G_last - G_i <= 0 for tokens in the chunk, masked to 0 before exp
-    b_g = tl.load(g_ptr + o_t * s_gt + i_hv * s_gh, mask=m_t, other=0.0)  # [BT]
-    b_g_last = tl.load(g_ptr + (eos - 1) * s_gt + i_hv * s_gh)
-    b_d = tl.where(m_t, tl.exp(tl.where(m_t, b_g_last - b_g, 0.0)), 0.0)  # [BT]
+    _, b_g_last, b_d = common.chunk_decays(g_ptr, s_gt, s_gh, o_t, m_t, i_hv, eos)
     b_vd = common.round_to(b_v * b_d[:, None], dtype, EMULATE_BF16)  # [BT, BV]
 
-    # k transposed from memory: [K, BT]
-    p_k = k_ptr + o_t[None, :] * s_kt + i_h * s_kh + o_k[:, None]
-    b_k = tl.load(p_k, mask=m_t[None, :], other=0.0)  # [K, BT]
+    b_k = common.load_cols(k_ptr, s_kt, s_kh, o_t, m_t, i_h, o_k)  # [K, BT]: k transposed from memory
     if USE_QK_L2NORM:
-        b_kf = b_k.to(tl.float32)
-        b_k = common.round_to(b_kf * tl.rsqrt(tl.sum(b_kf * b_kf, axis=0) + common.L2NORM_EPS)[None, :], dtype,
-                              EMULATE_BF16)
+        b_k = common.l2_normalize(b_k, 0, dtype, EMULATE_BF16)
 
     # h = exp(G_last) h + (k * exp(G_last - G))^T v_new
     b_h = b_h * tl.exp(b_g_last)
@@ -113,10 +103,10 @@ def _state_pass_kernel(
     g_ptr,  # g_cum fp32 [T, HV] chunk-local cumulative log decay
     ci_ptr,  # chunk_indices int32 [NC, 3] (sequence, start, end)
     co_ptr,  # chunk_offsets int32 [N + 1]
-    h0_ptr,  # initial_state fp32 [N, HV, K, V] contiguous (read if USE_INITIAL_STATE)
+    h0_ptr,  # initial_state fp32 [N, HV, K, V] contiguous, or None (zeros)
     h_ptr,  # h [NC, HV, K, V] contiguous, input dtype
     vn_ptr,  # v_new [T, HV, V]
-    ht_ptr,  # final_state fp32 [N, HV, K, V] contiguous (written if STORE_FINAL_STATE)
+    ht_ptr,  # final_state fp32 [N, HV, K, V] contiguous, or None (not written)
     T,  # tokens
     N,  # sequences
     s_kt, s_kh,
@@ -124,18 +114,17 @@ def _state_pass_kernel(
     s_ut, s_uh,
     s_gt, s_gh,
     s_vt, s_vh,
+    # common.stage_constexprs, BV (value channels per program), common.sequential_pass's loop
     HV: tl.constexpr,
-    GROUP: tl.constexpr,  # HV // H: value heads per key head
+    GROUP: tl.constexpr,
     K: tl.constexpr,
     V: tl.constexpr,
     BT: tl.constexpr,
     BV: tl.constexpr,
-    USE_INITIAL_STATE: tl.constexpr,
-    STORE_FINAL_STATE: tl.constexpr,
     USE_QK_L2NORM: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs (no TF32); ignored for bf16/fp16
-    EMULATE_BF16: tl.constexpr,  # CPU interpreter with bf16 data only (see common.dot, common.round_to)
-    PIPELINED: tl.constexpr,  # the chunk loop as a pipelined for loop (GPU) or a while loop (interpreter)
+    DOT_PRECISION: tl.constexpr,
+    EMULATE_BF16: tl.constexpr,
+    PIPELINED: tl.constexpr,
     NUM_STAGES_LOOP: tl.constexpr,
 ):
     # i_n in [0, N]; N: the tail of tokens in no chunk
@@ -144,7 +133,7 @@ def _state_pass_kernel(
     if i_n < N:
         b_h = tl.zeros([K, BV], dtype=tl.float32)
         o_state = (i_n.to(tl.int64) * HV + i_hv) * (K * V) + o_k[:, None] * V + o_v[None, :]  # [K, BV]
-        if USE_INITIAL_STATE:
+        if h0_ptr is not None:
             b_h += tl.load(h0_ptr + o_state)  # [K, BV]
 
         i_c = tl.load(co_ptr + i_n)  # the document's chunks [i_c, i_c1)
@@ -161,7 +150,7 @@ def _state_pass_kernel(
                                   USE_QK_L2NORM, DOT_PRECISION, EMULATE_BF16)
                 i_c += 1
 
-        if STORE_FINAL_STATE:
+        if ht_ptr is not None:
             tl.store(ht_ptr + o_state, b_h)
     else:
         # tokens past the last chunk's end (past cu_seqlens[-1]) belong to no chunk: v_new = 0
@@ -193,18 +182,12 @@ def launch_state_pass(
     """
     T, H, K = k.shape
     HV, V = u.shape[1], u.shape[2]
-    N = chunk_offsets.shape[0] - 1
-    config = common.family_config(CONFIGS, w.device)
-    BV = min(config.block_v, V)
-    programs = common.check_programs((N + 1) * HV * (V // BV), "chunk_offsets", "sequences x heads x value blocks")
+    N, BV, loop = common.sequential_pass(CONFIGS, w.device, chunk_offsets, V)
+    programs = common.value_block_programs(N + 1, HV, V, BV, "chunk_offsets")
     _state_pass_kernel[(programs,)](
-        k, w, u, g_cum, chunk_indices, chunk_offsets, initial_state, h, v_new, final_state,
-        T, N,
+        k, w, u, g_cum, chunk_indices, chunk_offsets, initial_state, h, v_new, final_state, T, N,
         *common.token_head_strides(k, w, u, g_cum, v_new),
-        **common.stage_constexprs(H, HV, K, V, w.dtype, use_qk_l2norm), BV=BV,
-        USE_INITIAL_STATE=initial_state is not None,
-        STORE_FINAL_STATE=final_state is not None,
-        **common.sequential_pass_kwargs(config),
+        **common.stage_constexprs(H, HV, K, V, w.dtype, use_qk_l2norm), BV=BV, **loop,
     )
     return h, v_new, final_state
 

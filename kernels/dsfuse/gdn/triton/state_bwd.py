@@ -111,25 +111,24 @@ def _dv_local_kernel(
     s_dot, s_doh,
     s_gt, s_gh,
     s_dvt, s_dvh,
+    # common.stage_constexprs and BV (value channels per program)
     HV: tl.constexpr,
-    GROUP: tl.constexpr,  # HV // H
+    GROUP: tl.constexpr,
     K: tl.constexpr,
     V: tl.constexpr,
     BT: tl.constexpr,
     BV: tl.constexpr,
     USE_QK_L2NORM: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs (no TF32); ignored for bf16/fp16
-    EMULATE_BF16: tl.constexpr,  # CPU interpreter with bf16 data only (see common.dot, common.round_to)
+    DOT_PRECISION: tl.constexpr,
+    EMULATE_BF16: tl.constexpr,
 ):
     i_c, i_hv, i_h, o_k, o_v, o_i = common.value_block_program(HV, GROUP, V, BV, K, BT)  # i_c in [0, NC)
     dtype = q_ptr.dtype.element_ty
 
     _, _, o_t, m_t = common.chunk_tokens(ci_ptr, i_c, o_i)  # o_t: [BT] int64 token offsets
 
-    p_k = k_ptr + o_t[:, None] * s_kt + i_h * s_kh + o_k[None, :]
-    b_k = tl.load(p_k, mask=m_t[:, None], other=0.0)  # [BT, K]
-    p_q = q_ptr + o_t[None, :] * s_qt + i_h * s_qh + o_k[:, None]
-    b_q = tl.load(p_q, mask=m_t[None, :], other=0.0)  # [K, BT]: q transposed from memory
+    b_k = common.load_rows(k_ptr, s_kt, s_kh, o_t, m_t, i_h, o_k)  # [BT, K]
+    b_q = common.load_cols(q_ptr, s_qt, s_qh, o_t, m_t, i_h, o_k)  # [K, BT]: q transposed from memory
 
     # A^T[j, i] = (k_j . q_i) exp(G_i - G_j) for j <= i, both tokens in the chunk
     b_at = common.dot(b_k, b_q, None, DOT_PRECISION, EMULATE_BF16)  # [BT, K] @ [K, BT] -> [BT, BT]
@@ -139,22 +138,13 @@ def _dv_local_kernel(
         b_rk = tl.rsqrt(tl.sum(b_kf * b_kf, axis=1) + common.L2NORM_EPS)  # [BT]
         b_rq = tl.rsqrt(tl.sum(b_qf * b_qf, axis=0) + common.L2NORM_EPS)  # [BT]
         b_at = b_at * b_rk[:, None] * b_rq[None, :]
-    b_g = tl.load(g_ptr + o_t * s_gt + i_hv * s_gh, mask=m_t, other=0.0)  # [BT]
-    m_a = (o_i[:, None] <= o_i[None, :]) & m_t[:, None] & m_t[None, :]  # [BT, BT] rows j, columns i
-    b_at = tl.where(m_a, b_at * tl.exp(tl.where(m_a, b_g[None, :] - b_g[:, None], 0.0)), 0.0)
+    b_g = common.load_tokens(g_ptr, s_gt, s_gh, o_t, m_t, i_hv)  # [BT]
+    b_at = common.causal_decay(b_at, b_g, o_i, m_t, True)  # [BT, BT] rows j, columns i
 
-    p_do = do_ptr + o_t[:, None] * s_dot + i_hv * s_doh + o_v[None, :]
-    b_do = tl.load(p_do, mask=m_t[:, None], other=0.0)  # [BT, BV]
+    b_do = common.load_rows(do_ptr, s_dot, s_doh, o_t, m_t, i_hv, o_v)  # [BT, BV]
     b_dv = common.dot(common.round_to(b_at, dtype, EMULATE_BF16), b_do, None, DOT_PRECISION, EMULATE_BF16)  # [BT, BV]
     b_dv = b_dv * scale
-
-    p_dv = dv_ptr + o_t[:, None] * s_dvt + i_hv * s_dvh + o_v[None, :]
-    tl.store(p_dv, common.round_to(b_dv, dv_ptr.dtype.element_ty, EMULATE_BF16), mask=m_t[:, None])
-
-
-def dv_block_v(V: int) -> int:
-    """``BV`` of a dv_local program: value channels per program."""
-    return min(DV_CONFIG.block_v, V)
+    common.store_rows(dv_ptr, s_dvt, s_dvh, o_t, m_t, i_hv, o_v, b_dv, EMULATE_BF16)
 
 
 def launch_dv_local(
@@ -176,9 +166,8 @@ def launch_dv_local(
     """
     H, K = q.shape[1], q.shape[2]
     HV, V = do.shape[1], do.shape[2]
-    BV = dv_block_v(V)
-    programs = common.check_programs(chunk_indices.shape[0] * HV * (V // BV), "chunk_indices",
-                                     "chunks x heads x value blocks")
+    BV = min(DV_CONFIG.block_v, V)
+    programs = common.value_block_programs(chunk_indices.shape[0], HV, V, BV, "chunk_indices")
     if programs == 0:
         return dv_local
     _dv_local_kernel[(programs,)](
@@ -207,7 +196,7 @@ def _state_backward_step(b_dh1, b_dh2, i_c, q_ptr, k_ptr, w_ptr, do_ptr, dvl_ptr
 
     # dh[c] = dH (input dtype) and k @ dH [BT, K] @ [K, BV], one K block at a time
     p_dh = dh_ptr + (i_c64 * HV + i_hv) * (K * V) + o_kv
-    p_k = k_ptr + o_t[:, None] * s_kt + i_h * s_kh + o_k[None, :]
+    p_k = common.rows(k_ptr, s_kt, s_kh, o_t, i_h, o_k)
     b_dhc = common.round_to(b_dh1, dtype, EMULATE_BF16)
     tl.store(p_dh, b_dhc)
     b_k = tl.load(p_k, mask=m_t[:, None], other=0.0)  # [BT, BK]
@@ -225,19 +214,14 @@ def _state_backward_step(b_dh1, b_dh2, i_c, q_ptr, k_ptr, w_ptr, do_ptr, dvl_ptr
             b_ss += tl.sum(b_kf * b_kf, axis=1)
 
     # dv_new = dv_local + exp(G_last - G) (k @ dH): the decay (and k's norm) on the product's rows
-    b_g = tl.load(g_ptr + o_t * s_gt + i_hv * s_gh, mask=m_t, other=0.0)  # [BT]
-    b_g_last = tl.load(g_ptr + (eos - 1) * s_gt + i_hv * s_gh)
-    # exponents <= 0: masked to 0 for tokens past the chunk's end before exp
-    b_rk = tl.where(m_t, tl.exp(tl.where(m_t, b_g_last - b_g, 0.0)), 0.0)  # [BT] exp(G_last - G)
+    b_g, b_g_last, b_rk = common.chunk_decays(g_ptr, s_gt, s_gh, o_t, m_t, i_hv, eos)  # b_rk: exp(G_last - G)
     if USE_QK_L2NORM:
         b_rk = b_rk * tl.rsqrt(b_ss + common.L2NORM_EPS)
-    p_l = dvl_ptr + o_t[:, None] * s_lt + i_hv * s_lh + o_v[None, :]
-    b_dv = tl.load(p_l, mask=m_t[:, None], other=0.0).to(tl.float32) + b_kh * b_rk[:, None]  # [BT, BV]
-    p_vn = dvn_ptr + o_t[:, None] * s_vt + i_hv * s_vh + o_v[None, :]
-    tl.store(p_vn, common.round_to(b_dv, dvn_ptr.dtype.element_ty, EMULATE_BF16), mask=m_t[:, None])
+    b_dv = common.load_rows(dvl_ptr, s_lt, s_lh, o_t, m_t, i_hv, o_v).to(tl.float32) + b_kh * b_rk[:, None]  # [BT, BV]
+    common.store_rows(dvn_ptr, s_vt, s_vh, o_t, m_t, i_hv, o_v, b_dv, EMULATE_BF16)
 
     # dH = exp(G_last) dH + q^T (scale exp(G) do) - w^T dv_new; q, w transposed from memory
-    p_q = q_ptr + o_t[None, :] * s_qt + i_h * s_qh + o_k[:, None]
+    p_q = common.cols(q_ptr, s_qt, s_qh, o_t, i_h, o_k)
     b_q1 = tl.load(p_q, mask=m_t[None, :], other=0.0)  # [BK, BT]
     if K > BK:
         b_q2 = tl.load(p_q + BK, mask=m_t[None, :], other=0.0)
@@ -249,11 +233,10 @@ def _state_backward_step(b_dh1, b_dh2, i_c, q_ptr, k_ptr, w_ptr, do_ptr, dvl_ptr
             b_qf = b_q2.to(tl.float32)
             b_ss += tl.sum(b_qf * b_qf, axis=0)
         b_rq = b_rq * tl.rsqrt(b_ss + common.L2NORM_EPS)
-    p_do = do_ptr + o_t[:, None] * s_dot + i_hv * s_doh + o_v[None, :]
-    b_do = tl.load(p_do, mask=m_t[:, None], other=0.0).to(tl.float32)  # [BT, BV]
+    b_do = common.load_rows(do_ptr, s_dot, s_doh, o_t, m_t, i_hv, o_v).to(tl.float32)  # [BT, BV]
     b_do = common.round_to(b_do * b_rq[:, None], dtype, EMULATE_BF16)  # rounded once
     b_dvn = common.round_to(-b_dv, dtype, EMULATE_BF16)  # -dv_new as stored (rounding commutes with negation)
-    p_w = w_ptr + o_t[None, :] * s_wt + i_hv * s_wh + o_k[:, None]
+    p_w = common.cols(w_ptr, s_wt, s_wh, o_t, i_hv, o_k)
     b_decay = tl.exp(b_g_last)
     b_dh1 = common.dot(b_q1, b_do, b_dh1 * b_decay, DOT_PRECISION, EMULATE_BF16)  # [BK, BT] @ [BT, BV]
     b_w = tl.load(p_w, mask=m_t[None, :], other=0.0)  # [BK, BT]
@@ -275,10 +258,10 @@ def _state_backward_kernel(
     g_ptr,  # g_cum fp32 [T, HV] chunk-local cumulative log decay
     ci_ptr,  # chunk_indices int32 [NC, 3] (sequence, start, end)
     co_ptr,  # chunk_offsets int32 [N + 1]
-    dht_ptr,  # dht fp32 [N, HV, K, V] contiguous (read if USE_DHT)
+    dht_ptr,  # dht fp32 [N, HV, K, V] contiguous, or None (zeros)
     dh_ptr,  # dh [NC, HV, K, V] contiguous, input dtype (out)
     dvn_ptr,  # dv_new [T, HV, V] (out)
-    dh0_ptr,  # dh0 fp32 [N, HV, K, V] contiguous (written if STORE_DH0)
+    dh0_ptr,  # dh0 fp32 [N, HV, K, V] contiguous, or None (not written)
     scale,  # fp32
     N,  # sequences
     s_qt, s_qh,
@@ -288,19 +271,18 @@ def _state_backward_kernel(
     s_lt, s_lh,
     s_gt, s_gh,
     s_vt, s_vh,
+    # common.stage_constexprs, BK, BV (value channels per program), common.sequential_pass's loop
     HV: tl.constexpr,
-    GROUP: tl.constexpr,  # HV // H: value heads per qk head
+    GROUP: tl.constexpr,
     K: tl.constexpr,
     V: tl.constexpr,
     BT: tl.constexpr,
     BK: tl.constexpr,  # rows of K per block: K, or K / 2 (two blocks, b_dh1 and b_dh2)
     BV: tl.constexpr,
-    USE_DHT: tl.constexpr,
-    STORE_DH0: tl.constexpr,
     USE_QK_L2NORM: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs (no TF32); ignored for bf16/fp16
-    EMULATE_BF16: tl.constexpr,  # CPU interpreter with bf16 data only (see common.dot, common.round_to)
-    PIPELINED: tl.constexpr,  # the chunk loop as a pipelined for loop (GPU) or a while loop (interpreter)
+    DOT_PRECISION: tl.constexpr,
+    EMULATE_BF16: tl.constexpr,
+    PIPELINED: tl.constexpr,
     NUM_STAGES_LOOP: tl.constexpr,
 ):
     tl.static_assert(K == BK or K == 2 * BK)
@@ -311,7 +293,7 @@ def _state_backward_kernel(
     # b_dh = [b_dh1; b_dh2]: the state gradient's K rows in (up to) two fp32 blocks; dht as
     # loaded (not added to zeros, which would turn -0.0 into +0.0)
     p_state = (i_n.to(tl.int64) * HV + i_hv) * (K * V) + o_kv  # [BK, BV]
-    if USE_DHT:
+    if dht_ptr is not None:
         b_dh1 = tl.load(dht_ptr + p_state).to(tl.float32)
         if K > BK:
             b_dh2 = tl.load(dht_ptr + p_state + BK * V).to(tl.float32)
@@ -338,7 +320,7 @@ def _state_backward_kernel(
                                                   HV, K, V, BK, USE_QK_L2NORM, DOT_PRECISION, EMULATE_BF16)
             i_c -= 1
 
-    if STORE_DH0:
+    if dh0_ptr is not None:
         tl.store(dh0_ptr + p_state, b_dh1)
         if K > BK:
             tl.store(dh0_ptr + p_state + BK * V, b_dh2)
@@ -384,20 +366,15 @@ def launch_state_backward(
     """
     H, K = q.shape[1], q.shape[2]
     HV, V = do.shape[1], do.shape[2]
-    N = chunk_offsets.shape[0] - 1
-    config = common.family_config(CONFIGS, q.device)
-    BV = min(config.block_v, V)
-    programs = common.check_programs(N * HV * (V // BV), "chunk_offsets", "sequences x heads x value blocks")
+    N, BV, loop = common.sequential_pass(CONFIGS, q.device, chunk_offsets, V)
+    programs = common.value_block_programs(N, HV, V, BV, "chunk_offsets")
     if programs == 0:
         return dh, dv_new, dh0
     _state_backward_kernel[(programs,)](
         q, k, w, do, dv_local, g_cum, chunk_indices, chunk_offsets, dht, dh, dv_new, dh0,
         float(scale), N,
         *common.token_head_strides(q, k, w, do, dv_local, g_cum, dv_new),
-        **common.stage_constexprs(H, HV, K, V, q.dtype, use_qk_l2norm), BK=block_k(K), BV=BV,
-        USE_DHT=dht is not None,
-        STORE_DH0=dh0 is not None,
-        **common.sequential_pass_kwargs(config),
+        **common.stage_constexprs(H, HV, K, V, q.dtype, use_qk_l2norm), BK=block_k(K), BV=BV, **loop,
     )
     return dh, dv_new, dh0
 

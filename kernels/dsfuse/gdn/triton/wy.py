@@ -80,11 +80,7 @@ def _ut_kernel(
     KK_PRECISION: tl.constexpr,  # input precision of k k^T ("tf32x3" for fp32 keys)
 ):
     tl.static_assert(BT == 4 * BC)
-    i_c = tl.program_id(0).to(tl.int64)
-    i_hv = tl.program_id(1)
-    i_h = (i_hv // kv_group).to(tl.int64)
-    start = tl.load(ci_ptr + i_c * 3 + 1).to(tl.int64)
-    end = tl.load(ci_ptr + i_c * 3 + 2).to(tl.int64)
+    _, i_hv, _, i_h, start, end = common.chunk_head_program(ci_ptr, kv_group)
     n_rows = (end - start).to(tl.int32)
 
     # ---- L = strictly_lower(diag(beta) k k^T * Gamma), written to A's rows
@@ -99,8 +95,8 @@ def _ut_kernel(
     if USE_QK_L2NORM:
         b_r = tl.rsqrt(tl.sum(b_k * b_k, 1) + 1e-6)  # [BT]; eps as the reference's l2norm
         b_kk = b_kk * b_r[:, None] * b_r[None, :]
-    b_beta = tl.load(beta_ptr + o_t * s_bt + i_hv * s_bh, mask=m_t, other=0.0).to(tl.float32)  # [BT]
-    b_g = tl.load(gc_ptr + o_t * s_gt + i_hv * s_gh, mask=m_t, other=0.0)  # [BT]
+    b_beta = common.load_tokens(beta_ptr, s_bt, s_bh, o_t, m_t, i_hv).to(tl.float32)  # [BT]
+    b_g = common.load_tokens(gc_ptr, s_gt, s_gh, o_t, m_t, i_hv)  # [BT]
     m_l = (o_i[:, None] > o_i[None, :]) & m_t[:, None]  # strictly lower, valid rows (so valid columns)
     b_gamma = tl.exp(tl.where(m_l, b_g[:, None] - b_g[None, :], 0.0))  # [BT, BT], exponents <= 0
     b_l = tl.where(m_l, b_kk * b_gamma * b_beta[:, None], 0.0)  # [BT, BT]
@@ -208,21 +204,15 @@ def _wy_kernel(
     USE_QK_L2NORM: tl.constexpr,
     WY_PRECISION: tl.constexpr,  # input precision of the A products (see wy_precision)
 ):
-    i_c = tl.program_id(0).to(tl.int64)
-    i_hv = tl.program_id(1)
-    i_hv64 = i_hv.to(tl.int64)
-    i_h = (i_hv // kv_group).to(tl.int64)
-    start = tl.load(ci_ptr + i_c * 3 + 1).to(tl.int64)
-    end = tl.load(ci_ptr + i_c * 3 + 2).to(tl.int64)
+    _, i_hv, i_hv64, i_h, start, end = common.chunk_head_program(ci_ptr, kv_group)
 
     o_i = tl.arange(0, BT)
     o_t = start + o_i  # int64 token offsets
     m_t = o_t < end
 
-    p_a = a_ptr + o_t[:, None] * s_at + i_hv64 * s_ah + o_i[None, :]
-    b_a = tl.load(p_a, mask=m_t[:, None], other=0.0)  # [BT, BT]
-    b_beta = tl.load(beta_ptr + o_t * s_bt + i_hv64 * s_bh, mask=m_t, other=0.0).to(tl.float32)  # [BT]
-    b_g = tl.load(gc_ptr + o_t * s_gt + i_hv64 * s_gh, mask=m_t, other=0.0)  # [BT], <= 0 in a chunk
+    b_a = common.load_rows(a_ptr, s_at, s_ah, o_t, m_t, i_hv64, o_i)  # [BT, BT]
+    b_beta = common.load_tokens(beta_ptr, s_bt, s_bh, o_t, m_t, i_hv64).to(tl.float32)  # [BT]
+    b_g = common.load_tokens(gc_ptr, s_gt, s_gh, o_t, m_t, i_hv64)  # [BT], <= 0 in a chunk
     b_sk = b_beta * tl.exp(b_g)  # [BT] row scale of k
 
     p_k = k_ptr + i_h * s_kh + o_t[:, None] * s_kt

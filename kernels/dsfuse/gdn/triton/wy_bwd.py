@@ -208,12 +208,7 @@ def _wy_bwd_kernel(
     A_PRECISION: tl.constexpr,  # else, products with fp32 values: "ieee" (fp32 inputs) or "tf32" (fp16)
     EMULATE_BF16: tl.constexpr,  # CPU interpreter with bf16 data only (see common.dot, common.round_to)
 ):
-    i_c = tl.program_id(0).to(tl.int64)
-    i_hv = tl.program_id(1)
-    i_hv64 = i_hv.to(tl.int64)
-    i_h = (i_hv // kv_group).to(tl.int64)
-    start = tl.load(ci_ptr + i_c * 3 + 1).to(tl.int64)
-    end = tl.load(ci_ptr + i_c * 3 + 2).to(tl.int64)
+    i_c, i_hv, i_hv64, i_h, start, end = common.chunk_head_program(ci_ptr, kv_group)
     n_t = (end - start).to(tl.int32)  # tokens in the chunk
 
     # the chunk's first row (int64 token offsets); within the chunk, int32 offsets o_i * stride

@@ -14,19 +14,14 @@ a hot cache. Blackwell keeps Triton until a B200 run decides.
 
 from __future__ import annotations
 
-import functools
-import importlib
-
 import torch
 
 from dsfuse._common.backends import KERNEL_DTYPES, BackendTable, kernel_module_getattr
+from dsfuse._common.cutedsl import kernel_module
 
 KERNELS = "dsfuse.vision_rope.cutedsl.kernels"
 
-
-@functools.cache
-def _kernels():
-    return importlib.import_module(KERNELS)
+_kernels = kernel_module(KERNELS)
 
 
 def _backward_reasons(dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor | None, cos: torch.Tensor,
