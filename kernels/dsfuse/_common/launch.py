@@ -71,7 +71,7 @@ class TritonLaunch:
         if bind:
             device = torch.cuda.current_device()
             bound = self._bound.get((device, key))
-            if bound is not None and self._hooks.launch_enter_hook is None and self._hooks.launch_exit_hook is None:
+            if bound is not None and not _hooked(self._hooks.launch_enter_hook, self._hooks.launch_exit_hook):
                 run, grid, function, metadata, tail = bound
                 run(*grid, torch._C._cuda_getCurrentRawStream(device), function, metadata, None, None, None,
                     *tensors, *tail)
@@ -92,3 +92,8 @@ class TritonLaunch:
         grid = (*geo.grid, 1, 1)[:3]
         return kernel.run, grid, kernel.function, kernel.packed_metadata, tail
 
+
+
+def _hooked(*hooks) -> bool:
+    """Whether a launch hook is set: Triton 3.6 keeps them in (empty) hook chains, older ones as None."""
+    return any(getattr(hook, "calls", hook) for hook in hooks)
