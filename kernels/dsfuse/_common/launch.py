@@ -93,7 +93,6 @@ class TritonLaunch:
         return kernel.run, grid, kernel.function, kernel.packed_metadata, tail
 
 
-
 def _hooked(*hooks) -> bool:
     """Whether a launch hook is set: Triton 3.6 keeps them in (empty) hook chains, older ones as None."""
     return any(getattr(hook, "calls", hook) for hook in hooks)
