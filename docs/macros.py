@@ -250,11 +250,18 @@ class Figures:
         return _span([f"{100 * (1 - 1 / v):.1f}%" for v in sorted(tower[g]["ratio"] for g in geometries)])
 
     def host(self, call: str, provider: str = "dsfuse", run: str | None = None) -> str:
-        """Median host time per call of the newest host-time run (or ``run``), e.g. ``34.2 us``."""
+        """Median host time per call of ``run``, by default the newest host-time run that measured
+        ``provider`` (see `host_run`), e.g. ``34.2 us``."""
+        return _us(self.data["host_time"][run or self.host_run(provider)][call][provider])
+
+    def host_run(self, provider: str = "dsfuse") -> str:
+        """The id of the newest host-time run with rows of ``provider`` (a run on a machine without
+        the CuTe DSL extra has no ``dsfuse cutedsl`` rows)."""
         runs = self.data.get("host_time", {})
-        if not runs:
-            raise KeyError(f"{self.op} on {self.gpu}: no host-time run")
-        return _us(runs[run or max(runs)][call][provider])
+        measured = [run for run, calls in runs.items() if any(provider in row for row in calls.values())]
+        if not measured:
+            raise KeyError(f"{self.op} on {self.gpu}: no host-time run measured {provider!r}")
+        return max(measured)
 
     def tuned(self, stem: str, value: str = "us", **setting) -> str:
         """The median ``value`` of the setting of sweep ``stem`` matching ``setting``, e.g. ``30.4 us``."""
