@@ -349,3 +349,23 @@ def test_moved_kernel_code_is_unchanged_and_a_real_change_is_not(committed_packa
     git("commit", "-qm", "a real change")
     state = env.source_state("text_rope", run, package)
     assert state["state"] == "changed" and len(state["since"]) == 1
+
+
+def test_a_host_time_run_is_judged_over_its_call_path(committed_package):
+    """A host-time run's staleness covers the eager call's whole path: the public function, its checks,
+    the backend choice, the call plans and the launch, not only the kernels; the AOT check is not on it."""
+    package, git, run = committed_package
+    files = [p.relative_to(package).as_posix() for p in env.kernel_files("text_rope", package, scope="host")]
+    assert {"text_rope/api.py", "_common/plans.py", "_common/validation.py", "_common/backends.py",
+            "_common/launch.py", _kernel_file("text_rope", "triton")} <= set(files)
+    assert "_common/aot.py" not in files
+    run = dict(run, host_sources=env.kernel_sources("text_rope", package, scope="host"))
+    assert env.source_state("text_rope", run, package, scope="host")["state"] == "current"
+    api = package / "text_rope" / "api.py"
+    api.write_text(api.read_text() + "\nEXTRA = 1\n")  # the call path changed, the kernels did not
+    assert env.source_state("text_rope", run, package, scope="host")["state"] == "changed"
+    assert env.source_state("text_rope", run, package)["state"] == "current"
+    lines = report.state_lines(env.source_state("text_rope", run, package, scope="host"))
+    assert "the code of the call path has changed since" in lines[0]
+    with pytest.raises(ValueError, match="scope"):
+        env.kernel_files("text_rope", package, scope="api")

@@ -133,17 +133,20 @@ class _Tree:
                     root=self.root)
 
 
-def _module_file(module: str, tree: _Tree) -> str | None:
+def _module_file(module: str, tree: _Tree, packages: bool = False) -> str | None:
     """The file of module ``dsfuse.<...>``, if it is a module of the package (packages themselves,
-    their ``__init__.py``, are not followed: they gather the API, not the kernels)."""
+    their ``__init__.py``, only with ``packages``: they gather the API, not the kernels)."""
     parts = module.split(".")
     if parts[0] != "dsfuse" or len(parts) < 2:
         return None
-    name = "/".join(parts[1:]) + ".py"
-    return name if name in tree.files() else None
+    name = "/".join(parts[1:])
+    for candidate in (f"{name}.py", f"{name}/__init__.py") if packages else (f"{name}.py",):
+        if candidate in tree.files():
+            return candidate
+    return None
 
 
-def _imported_files(name: str, tree: _Tree) -> set[str]:
+def _imported_files(name: str, tree: _Tree, packages: bool = False) -> set[str]:
     """Package files named by the module-level imports of file ``name`` (``from dsfuse.x import y``
     names ``x`` and, when ``y`` is a module, ``x/y.py``; relative imports resolved from ``name``)."""
     source = tree.read(name)
@@ -162,7 +165,7 @@ def _imported_files(name: str, tree: _Tree) -> set[str]:
             modules = [base] + [f"{base}.{alias.name}" for alias in node.names]
         else:
             continue
-        found |= {f for f in (_module_file(m, tree) for m in modules if m) if f is not None}
+        found |= {f for f in (_module_file(m, tree, packages) for m in modules if m) if f is not None}
     return found
 
 
@@ -189,44 +192,55 @@ def _aot_declaration(node: ast.stmt) -> bool:
     return any(isinstance(t, ast.Name) and t.id == "AOT_SPECS" for t in targets)
 
 
-def _kernel_names(op: str, tree: _Tree) -> list[str]:
+def _kernel_names(op: str, tree: _Tree, scope: str = "kernels") -> list[str]:
     """`kernel_files` of ``tree``, as paths relative to the package directory."""
     todo = []
     for backend in _backend_names():
         todo += sorted(n for n in tree.files() if n.startswith(f"{op}/{backend}/") and not n.endswith("/__init__.py"))
         todo += [f"{op}/{backend}.py"] if f"{op}/{backend}.py" in tree.files() else []
+    skip = NOT_KERNEL_CODE
+    if scope == "host":  # an eager call's path: the public function, its checks, the choice, the launch
+        todo += [f"{op}/api.py"] if f"{op}/api.py" in tree.files() else []
+        skip = ("_common/aot.py",)
+    elif scope != "kernels":
+        raise ValueError(f"scope: expected 'kernels' or 'host', got {scope!r}")
     names: set[str] = set()
     while todo:
         name = todo.pop()
-        if name in names or name in NOT_KERNEL_CODE:  # not kernel code, nor what it imports
+        if name in names or name in skip:  # not code of the scope, nor what it imports
             continue
         names.add(name)
-        todo += sorted(_imported_files(name, tree) - names)
+        todo += sorted(_imported_files(name, tree, packages=scope == "host") - names)
     return sorted(n for n in names if not n.endswith("/__init__.py"))
 
 
-def kernel_files(op: str, package_dir: Path = PACKAGE_DIR) -> list[Path]:
+def kernel_files(op: str, package_dir: Path = PACKAGE_DIR, scope: str = "kernels") -> list[Path]:
     """The files that determine ``op``'s kernels, of every backend: ``dsfuse/<op>/<backend>.py`` or
     every ``.py`` under ``dsfuse/<op>/<backend>/`` (``triton``, ``cutedsl``) but the package's
     ``__init__.py`` (its table for the registry), and, transitively, the package modules they
     import at module level (not the packages' ``__init__.py`` that Python runs on the way, nor
-    ``NOT_KERNEL_CODE``). Sorted; empty for an unknown op."""
-    return [package_dir / name for name in _kernel_names(op, _Tree(package_dir))]
+    ``NOT_KERNEL_CODE``). Sorted; empty for an unknown op. ``scope="host"``: what an eager call's
+    host time depends on as well: the op's ``api.py`` and the package modules it imports (the
+    checks, the backend choice and the launch path; the AOT check aside)."""
+    return [package_dir / name for name in _kernel_names(op, _Tree(package_dir), scope)]
 
 
-def kernel_sources(op: str, package_dir: Path = PACKAGE_DIR) -> dict:
+def kernel_sources(op: str, package_dir: Path = PACKAGE_DIR, scope: str = "kernels") -> dict:
     """``{"sha256": ..., "files": [...]}`` of `kernel_files` (paths relative to the repository)."""
     root = package_dir.parents[1]
     digest = hashlib.sha256()
     names = []
-    for path in kernel_files(op, package_dir):
+    for path in kernel_files(op, package_dir, scope):
         name = path.relative_to(root).as_posix()
         names.append(name)
         digest.update(name.encode() + b"\0" + path.read_bytes() + b"\0")
     return {"sha256": digest.hexdigest(), "files": names}
 
 
-def source_state(op: str, env: dict, package_dir: Path = PACKAGE_DIR) -> dict:
+SOURCES_KEY = {"kernels": "kernel_sources", "host": "host_sources"}  # where env.json records each scope's hash
+
+
+def source_state(op: str, env: dict, package_dir: Path = PACKAGE_DIR, scope: str = "kernels") -> dict:
     """Whether the kernels a run measured are the current source.
 
     Returns ``state`` (``current``, ``changed`` or ``unknown``), ``how`` (``hash`` or ``git``),
@@ -239,12 +253,13 @@ def source_state(op: str, env: dict, package_dir: Path = PACKAGE_DIR) -> dict:
     sorted (an edit of prose alone, or code moved between files or renamed files, is not a kernel
     change); a run that hashed another set of files (a backend added since) is compared the same
     way. Without git (or the commit) a differing hash says ``changed``, no hash ``unknown``.
+    ``scope="host"`` (a host-time run): the same over `kernel_files`' host scope.
     """
     root = package_dir.parents[1]
     commit = env.get("git_commit")
-    now = kernel_sources(op, package_dir)
-    out = dict(state="unknown", how=None, commit=commit, files=now["files"], since=[], uncommitted=False)
-    recorded = env.get("kernel_sources") or {}
+    now = kernel_sources(op, package_dir, scope)
+    out = dict(state="unknown", how=None, commit=commit, files=now["files"], since=[], uncommitted=False, scope=scope)
+    recorded = env.get(SOURCES_KEY[scope]) or {}
     same_files = bool(recorded.get("sha256")) and recorded.get("files") == now["files"]
     if same_files and recorded["sha256"] == now["sha256"]:
         out.update(how="hash", state="current")
@@ -255,8 +270,8 @@ def source_state(op: str, env: dict, package_dir: Path = PACKAGE_DIR) -> dict:
         return out
     out["how"] = "git"
     then_tree, now_tree = _Tree(package_dir, commit), _Tree(package_dir)
-    then = {name: _definitions(then_tree.read(name)) for name in _kernel_names(op, then_tree)}
-    current = {name: _definitions(now_tree.read(name)) for name in _kernel_names(op, now_tree)}
+    then = {name: _definitions(then_tree.read(name)) for name in _kernel_names(op, then_tree, scope)}
+    current = {name: _definitions(now_tree.read(name)) for name in _kernel_names(op, now_tree, scope)}
     all_then = sorted(d for defs in then.values() for d in defs)
     all_now = sorted(d for defs in current.values() for d in defs)
     if all_then == all_now:  # a tree with uncommitted changes at the run: the commit is not all it measured
@@ -269,6 +284,7 @@ def source_state(op: str, env: dict, package_dir: Path = PACKAGE_DIR) -> dict:
     prefix = package_dir.relative_to(root).as_posix()
     differ = sorted({f"{prefix}/{name}" for name, defs in then.items() if only_then & set(defs)}
                     | {f"{prefix}/{name}" for name, defs in current.items() if only_now & set(defs)})
+    out["differ"] = differ
     log = _git("log", "--format=%h", f"{commit}..HEAD", "--", *differ, root=root)
     out["since"] = log.split() if log else []
     out["uncommitted"] = bool(_git("status", "--porcelain", "--", *differ, root=root))

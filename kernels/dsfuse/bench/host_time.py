@@ -92,6 +92,7 @@ def run(op: str, raw_root: Path | None = None, reps: int = 7, calls: int = 300) 
         raise SystemExit("host time needs a CUDA GPU (the point is an idle GPU behind the CPU's calls)")
     dev = torch.device("cuda")
     env = env_mod.collect(dev, op=op)  # with the hash of the op's kernel sources
+    env["host_sources"] = env_mod.kernel_sources(op, scope="host")  # and of its eager call's path
     run_id = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%d-%H%M%S") + f"-{env_mod.gpu_key(env['gpu_name'])}"
     run_dir = (raw_root or report.host_time_root(op)) / run_id
     entries = op_calls(op, dev) + [(name, "baseline", fn) for name, fn in _baselines(dev).items()]
