@@ -9,7 +9,8 @@
 # A tree copied to another machine (no .git, or a stale one) records DSFUSE_GIT_COMMIT, when set, as its commit (env.json).
 # Also the output fingerprints (scripts/output_hashes.py --check) and the host-time experiment.
 # TESTS=<paths> narrows the GPU tests, PYTEST_ARGS adds pytest arguments (e.g. "-n 8" with pytest-xdist);
-# SKIP_TESTS, SKIP_BENCH, SKIP_HOST, SKIP_FINGERPRINTS skip those parts. A Gated DeltaNet run also
+# SKIP_TESTS, SKIP_BENCH, SKIP_HOST, SKIP_FINGERPRINTS skip those parts; HOST_OPS="<ops>" measures the host
+# time of those ops instead of OPS, and HOST_PROFILE=1 adds their cProfile (host-profile.txt). A Gated DeltaNet run also
 # gets its stage times and peak memory (experiments/gdn/stage_times.py) in its raw folder's stages/.
 # DSFUSE_REQUIRE_CUTEDSL=1 (passed on to pytest) makes a missing cutedsl extra an error, not a skip.
 # STEP_TIMEOUT=<seconds> bounds each step, so a step that overruns still leaves the others' raw data
@@ -27,7 +28,7 @@ nvidia-smi > "$out/nvidia-smi.txt" 2>&1
 stamp=$(mktemp); sleep 1
 status=0
 step() { if [ -n "${STEP_TIMEOUT:-}" ]; then timeout -k 30 "$STEP_TIMEOUT" "$@"; else "$@"; fi; }
-rm -f "$out/bench.log" "$out/junit-gpu.xml" "$out/raw.tar.gz"  # nothing stale from an earlier job in OUT_DIR
+rm -f "$out/bench.log" "$out/junit-gpu.xml" "$out/raw.tar.gz" "$out/host-profile.txt"  # nothing stale from an earlier job in OUT_DIR
 if [ -z "${SKIP_TESTS:-}" ]; then
   DSFUSE_REQUIRE_GPU=1 step python3 -m pytest ${TESTS:-tests} -m gpu -q -p no:cacheprovider -W ignore::UserWarning ${PYTEST_ARGS:-} \
     --junitxml "$out/junit-gpu.xml" 2>&1 | tee "$out/pytest-gpu.log" || status=1
@@ -37,7 +38,11 @@ if [ -z "${SKIP_FINGERPRINTS:-}" ]; then
     | tee "$out/fingerprints.txt" || status=1
 fi
 if [ -z "${SKIP_HOST:-}" ]; then
-  step python3 -m dsfuse.bench.host_time run "${ops[@]}" 2>&1 | tee "$out/host-time.log" || status=1
+  host_ops=("${ops[@]}"); [ -n "${HOST_OPS:-}" ] && read -ra host_ops <<< "$HOST_OPS"
+  step python3 -m dsfuse.bench.host_time run "${host_ops[@]}" 2>&1 | tee "$out/host-time.log" || status=1
+  if [ -n "${HOST_PROFILE:-}" ]; then
+    step python3 -m dsfuse.bench.host_time profile "${host_ops[@]}" > "$out/host-profile.txt" 2>&1 || status=1
+  fi
 fi
 if [ -z "${SKIP_BENCH:-}" ]; then
   targets=("${ops[@]}")
