@@ -53,7 +53,7 @@ if [ -z "${SKIP_BENCH:-}" ]; then
 fi
 new=$(find experiments -path '*/raw/*' \( -name samples.csv -o -name host_time.csv \) -newer "$stamp" -printf '%h\n')
 for run in $new; do
-  case "$run" in experiments/gdn/raw/*)
+  case "$run" in experiments/gdn/raw/2*)  # a bench run, not host-time/
     step python3 experiments/gdn/stage_times.py "$run/stages" --samples "${STAGE_SAMPLES:-10}" 2>&1 \
       | tee "$out/stage-times.log" || status=1 ;;
   esac

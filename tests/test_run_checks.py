@@ -8,7 +8,6 @@ import sys
 import textwrap
 from pathlib import Path
 
-import nbformat
 import pytest
 import yaml
 
@@ -128,6 +127,8 @@ def test_notebook_smoke_run_checks_dsfuse_kernels(tiny_text_rope_config):
 
 
 def test_notebook_runner_fails_on_a_failing_cell(tmp_path):
+    import nbformat  # here, not at import: the GPU machine collects this module without the notebook tools
+
     nb = nbformat.v4.new_notebook(cells=[
         nbformat.v4.new_code_cell("SMOKE = None", metadata={"tags": ["parameters"]}),
         nbformat.v4.new_code_cell("from dsfuse.bench.checks import ChecksFailed\n"
@@ -142,6 +143,8 @@ def test_notebook_runner_fails_on_a_failing_cell(tmp_path):
 
 
 def test_every_notebook_ends_its_run_with_the_check():
+    import nbformat
+
     for path in sorted((ROOT / "notebooks").glob("*.ipynb")):
         sources = [c.source for c in nbformat.read(path, as_version=4).cells if c.cell_type == "code"]
         assert any(f'require_passed("{path.stem}", run_dir)' in s for s in sources), path.name
