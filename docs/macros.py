@@ -254,6 +254,30 @@ class Figures:
         ``provider`` (see `host_run`), e.g. ``34.2 us``."""
         return _us(self.data["host_time"][run or self.host_run(provider)][call][provider])
 
+    def host_x(self, calls: str | list[str], provider: str = "dsfuse", run: str | None = None) -> str:
+        """The host time of ``calls`` (summed where a list: the parts of a call) as a multiple of the
+        same run's ``torch.add``: ``8.9x``."""
+        rows = self.data["host_time"][run or self.host_run(provider)]
+        total = sum(rows[c][provider] for c in ([calls] if isinstance(calls, str) else calls))
+        return f"{total / rows['torch.add (1 kernel)']['baseline']:.1f}x"
+
+    def host_target(self, call: str, run: str | None = None) -> str:
+        """The op's host-time target of ``call`` (``HOST_TARGETS`` of its bench module) and its verdict
+        in ``run`` (default: the newest): ``<= 6x torch.add, missed``."""
+        from dsfuse.bench.report import host_targets
+
+        limit = host_targets(self.op)[call]
+        rows = self.data["host_time"][run or self.host_run()]
+        ratio = rows[call]["dsfuse"] / rows["torch.add (1 kernel)"]["baseline"]
+        return f"<= {limit:g}x torch.add, {'met' if ratio <= limit else 'missed'}"
+
+    def host_met(self, call: str, provider: str = "dsfuse cutedsl", run: str | None = None) -> str:
+        """``met`` or ``missed``: the CuTe DSL call target (at most ``HOST_CUTEDSL_TARGET_US`` per call)."""
+        from dsfuse.bench.tables import HOST_CUTEDSL_TARGET_US
+
+        us = self.data["host_time"][run or self.host_run(provider)][call][provider]
+        return "met" if us <= HOST_CUTEDSL_TARGET_US else "missed"
+
     def host_run(self, provider: str = "dsfuse") -> str:
         """The id of the newest host-time run with rows of ``provider`` (a run on a machine without
         the CuTe DSL extra has no ``dsfuse cutedsl`` rows)."""
