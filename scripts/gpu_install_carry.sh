@@ -5,6 +5,11 @@
 #   bash scripts/gpu_install_carry.sh a   # carry .carry/cutedsl-a (+ .carry/wheels-a: apache-tvm-ffi): half a kept
 #   bash scripts/gpu_install_carry.sh b   # carry .carry/cutedsl-b and .carry/wheels (the small CuTe DSL wheels)
 # then: export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages
+# FlashQLA (the GDN experiment's flashqla control) goes to its own folder, /tmp/site-qla, because its
+# TileLang pins apache-tvm-ffi below 0.1.13 and the cutedsl extra wants 0.1.15 or later; two calls too:
+#   bash scripts/gpu_install_carry.sh qla-a   # carry .carry/flashqla-a (TileLang, tvm-ffi 0.1.12, torch-c-dlpack-ext)
+#   bash scripts/gpu_install_carry.sh qla-b   # carry .carry/flashqla-b (flash-qla, z3-solver)
+# then run the GDN experiment with PYTHONPATH=/tmp/site-qla (not beside /tmp/site, whose tvm-ffi is newer).
 # pip --target does not merge a wheel into a package directory that exists already (the runtime wheel
 # and the base wheel share nvidia_cutlass_dsl/), so the runtime goes to /tmp/site2 and is copied over.
 # Any .carry/wheels*/ folder present in a call is installed too (e.g. .carry/wheels-anchors: FLA, Liger).
@@ -25,5 +30,10 @@ case "${1:-}" in
     install_present
     cp -r /tmp/site2/. /tmp/site/
     PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages python3 -c "import cutlass, tvm_ffi; print('CuTe DSL ready')" ;;
-  *) echo "usage: $0 a|b" >&2; exit 2 ;;
+  qla-a)
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-qla .carry/flashqla-a/*.whl ;;
+  qla-b)
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-qla .carry/flashqla-b/*.whl
+    PYTHONPATH=/tmp/site-qla python3 -c "import flash_qla; print('FlashQLA', flash_qla.__version__, 'ready')" ;;
+  *) echo "usage: $0 a|b|qla-a|qla-b" >&2; exit 2 ;;
 esac

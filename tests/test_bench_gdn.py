@@ -63,6 +63,19 @@ def test_fla_applies_only_where_installed():
         assert reason is None
 
 
+def test_flashqla_applies_only_where_installed_and_not_to_the_layer_step():
+    cases = {c.mode: c for c in gdn.cases(harness.load_config(CONFIGS / "smoke.yaml")) if c.params["l2norm"]}
+    (flashqla, fla_contiguous) = gdn.providers({"providers": ["flashqla", "fla-contiguous"]})
+    try:
+        import flash_qla as _  # noqa: F401
+    except ImportError:
+        assert "FlashQLA (flash_qla) is not importable" in flashqla.applies(cases["fwd"])
+    else:
+        assert flashqla.applies(cases["fwd"]) is None and "no contiguous form" in flashqla.applies(cases["layer"])
+    assert fla_contiguous.applies(cases["layer"])  # not installed, or no contiguous form: never None
+    assert flashqla.role == fla_contiguous.role == "control"
+
+
 def _tiny_config(**changes) -> dict:
     """The smoke config at an even smaller shape (two documents of 33 and 37 tokens, H = 1, HV = 2)."""
     config = harness.load_config(CONFIGS / "smoke.yaml")
@@ -88,6 +101,24 @@ def test_every_mode_with_the_reference_backend(tmp_path):
     dq, dk, dv = outputs[2:5]
     assert dq.untyped_storage().data_ptr() == dk.untyped_storage().data_ptr() == dv.untyped_storage().data_ptr()
     assert dk.data_ptr() - dq.data_ptr() == dq.shape[1] * dq.element_size()
+
+
+@pytest.mark.parametrize("mode", ["fwd", "bwd", "fwd+bwd", "ckpt"])
+def test_contiguous_form_equals_split_views(mode):
+    """`_build`'s contiguous form (the controls' best case: separate contiguous q, k, v as the leaves)
+    returns what the split views return, bit for bit, in the row gradient's parts' shapes; the layer
+    step has no contiguous form."""
+    config = _tiny_config(backend="reference")
+    case = next(c for c in gdn.cases(config) if c.mode == mode)
+    inputs = gdn.make_inputs(case, torch.device("cpu"), seed=0)
+    split = gdn._build(gdn.split_views, gdn.dsfuse_gdn)(case, inputs)()
+    contiguous = gdn._build(None, gdn.dsfuse_gdn, contiguous=True)(case, inputs)()
+    assert len(split) == len(contiguous) == (2 if mode == "fwd" else 8)
+    for a, b in zip(split, contiguous):
+        assert a.shape == b.shape and torch.equal(a, b)
+    layer = next(c for c in gdn.cases(config) if c.mode == "layer")
+    with pytest.raises(ValueError, match="no contiguous form"):
+        gdn._build(None, gdn.dsfuse_gdn, contiguous=True)(layer, gdn.make_inputs(layer, torch.device("cpu"), seed=0))
 
 
 @pytest.mark.slow

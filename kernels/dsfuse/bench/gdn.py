@@ -26,6 +26,10 @@ Providers (config ``providers``):
 
 * ``fla`` (control): flash-linear-attention's ``chunk_gated_delta_rule`` on plain split views of
   the row (see `fla_gdn` for its Hopper guard); ``cu_seqlens`` int64 on the device;
+* ``fla-contiguous`` (control): the same on separate contiguous q, k, v, its best case (`_build`'s
+  ``contiguous`` form: no split, copy or concatenation in the timed call; no layer step);
+* ``flashqla`` (control): FlashQLA's ``chunk_gated_delta_rule`` (`flashqla_gdn`) on the same
+  contiguous q, k, v;
 * ``dsfuse-packed`` (candidate): `dsfuse.gdn.chunk_gdn` on
   `dsfuse.gdn.packed.packed_qkv_views` of the row: the backward hands over one packed
   gradient row, no concatenation;
@@ -338,9 +342,20 @@ def _capture_stream_forward(device: torch.device):
     return torch.cuda.stream(stream)
 
 
-def _build(views, make_gdn):
+def contiguous_views(row: torch.Tensor, heads: int, value_heads: int) -> tuple[torch.Tensor, ...]:
+    """Contiguous copies of `split_views`: q, k, v as separate tensors (made once, outside the timed call)."""
+    return tuple(t.contiguous() for t in split_views(row, heads, value_heads))
+
+
+def _build(views, make_gdn, *, contiguous: bool = False):
     """A provider ``build``: ``views(row, H, HV) -> (q, k, v)`` and ``make_gdn(case, inputs)``, which
-    returns ``gdn(q, k, v, g, beta, h0) -> (o, final_state)``; one runner per mode (module docstring)."""
+    returns ``gdn(q, k, v, g, beta, h0) -> (o, final_state)``; one runner per mode (module docstring).
+
+    ``contiguous``: q, k, v are contiguous tensors of their own (`contiguous_views`, made when the
+    provider is built) and the leaves of the gradient, the best case of a kernel that copies views:
+    the timed call neither splits nor concatenates; dq, dk, dv are returned as the row gradient's
+    parts (``[T, H D]``, ``[T, H D]``, ``[T, HV D]``). The layer step has no such form (its
+    projection hands over one row)."""
 
     def build(case: Case, inputs: dict):
         p = case.params
@@ -348,6 +363,8 @@ def _build(views, make_gdn):
         gdn = make_gdn(case, inputs)
         do, dht = inputs["do"], inputs["dht"]
         g, beta, h0 = inputs["g"], inputs["beta"], inputs["initial_state"]
+        if contiguous:
+            return _contiguous_runner(case, gdn, inputs)
         if case.mode == "fwd":
             row = inputs["row"]
             return lambda: gdn(*views(row, h, hv), g, beta, h0)
@@ -386,6 +403,37 @@ def _build(views, make_gdn):
         raise ValueError(f"mode: expected one of {MODES}, got {case.mode!r}")
 
     return build
+
+
+def _contiguous_runner(case: Case, gdn, inputs: dict):
+    """`_build`'s runner on separate contiguous q, k, v (its ``contiguous`` form)."""
+    if case.mode not in ("fwd", *GRAD_MODES):
+        raise ValueError(f"mode {case.mode!r}: no contiguous form (the layer step hands over one row)")
+    qkv = contiguous_views(inputs["row"], case.params["heads"], case.params["value_heads"])
+    g, beta, h0, do, dht = (inputs[name] for name in ("g", "beta", "initial_state", "do", "dht"))
+    if case.mode == "fwd":
+        return lambda: gdn(*qkv, g, beta, h0)
+    leaves = [t.detach().requires_grad_() for t in (*qkv, g, beta, h0)]
+
+    def grads(o, ht, **kw):
+        dq, dk, dv, *rest = torch.autograd.grad((o, ht), leaves, (do, dht), **kw)
+        return (o.detach(), ht.detach(), *(t.flatten(2)[0] for t in (dq, dk, dv)), *rest)
+
+    if case.mode == "bwd":
+        with _capture_stream_forward(do.device):
+            o, ht = gdn(*leaves)
+        if do.device.type == "cuda":
+            torch.cuda.current_stream(do.device).wait_stream(torch.cuda.graph.default_capture_stream)
+        return lambda: grads(o, ht, retain_graph=True)
+    if case.mode == "fwd+bwd":
+        return lambda: grads(*gdn(*leaves))
+    from torch.utils.checkpoint import checkpoint
+
+    return lambda: grads(*checkpoint(gdn, *leaves, use_reentrant=False, preserve_rng_state=False))
+
+
+def _no_layer_form(case: Case) -> str | None:
+    return "the layer step hands over views of one projection row: no contiguous form" if case.mode == "layer" else None
 
 
 def dsfuse_gdn(case: Case, inputs: dict):
@@ -451,6 +499,39 @@ def _fla_applies(case: Case) -> str | None:
     return fla_import()[1] if fla_import()[0] is None else None
 
 
+@functools.cache
+def flashqla_import() -> tuple[object | None, str]:
+    """``(chunk_gated_delta_rule, note)`` of FlashQLA (the ``flash_qla`` package), or ``(None, why not)``.
+    It travels apart from the ``cutedsl`` extra (its TileLang pins apache-tvm-ffi below 0.1.13, the
+    extra wants 0.1.15 or later): ``bash scripts/gpu_install_carry.sh qla-a`` and ``qla-b``."""
+    try:
+        import flash_qla
+    except Exception as exc:  # not installed, or not importable with this torch
+        return None, f"FlashQLA (flash_qla) is not importable: {type(exc).__name__}: {exc}"
+    return flash_qla.chunk_gated_delta_rule, f"flash_qla {flash_qla.__version__}"
+
+
+def flashqla_gdn(case: Case, inputs: dict):
+    """FlashQLA's ``chunk_gated_delta_rule`` (TileLang kernels; on Hopper its fused, warp-specialised
+    forward and backward) with its defaults, automatic intra-GPU context parallelism included (its
+    best setting; its split of long documents depends on the SM count). TileLang compiles the kernels
+    on their first call, which the checks before timing make. ``cu_seqlens`` int64 on the device."""
+    fn, _ = flashqla_import()
+    p = case.params
+    cu = inputs["cu_seqlens"].to(device=inputs["do"].device, dtype=torch.int64)
+
+    def gdn(q, k, v, g, beta, h0):
+        return fn(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu,
+                  use_qk_l2norm_in_kernel=p["l2norm"])
+
+    return gdn
+
+
+def _flashqla_applies(case: Case) -> str | None:
+    fn, note = flashqla_import()
+    return note if fn is None else _no_layer_form(case)
+
+
 def tolerances(config: dict) -> tuple[float, ...]:
     """One relative RMS bound per output, in `OUTPUTS` order: the contract, updated by the config's
     ``relrms`` (by output name)."""
@@ -466,6 +547,10 @@ def providers(config: dict) -> list[Provider]:
     check = dict(check="relrms", rtol=tolerances(config), expect=as_row_parts)
     table = {
         "fla": lambda: Provider("fla", _build(split_views, fla_gdn), role="control", applies=_fla_applies, **check),
+        "fla-contiguous": lambda: Provider("fla-contiguous", _build(None, fla_gdn, contiguous=True), role="control",
+                                           applies=lambda case: _fla_applies(case) or _no_layer_form(case), **check),
+        "flashqla": lambda: Provider("flashqla", _build(None, flashqla_gdn, contiguous=True), role="control",
+                                     applies=_flashqla_applies, **check),
         "dsfuse-packed": lambda: Provider("dsfuse-packed", _build(packed_views, dsfuse_gdn), role="candidate",
                                           **check),
         "dsfuse-split": lambda: Provider("dsfuse-split", _build(split_views, dsfuse_gdn), role="candidate", **check),
