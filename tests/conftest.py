@@ -131,7 +131,7 @@ def pytest_generate_tests(metafunc):
     entry = registry(op_of(metafunc.module))
     calls = {c for mark in metafunc.definition.iter_markers("serves") for c in mark.args}
     calls |= {call for fixture, call in STAGE_FIXTURES.items() if fixture in names}
-    backends = [t.backend for t in entry.tables if calls <= set(t.calls)]
+    backends = [t.backend for t in entry.tables if t.calls and calls <= set(t.calls)]  # serving no call: no contract
     if not backends:
         raise pytest.UsageError(f"{metafunc.definition.nodeid}: no fused backend of {entry.op} serves {sorted(calls)}")
     refusals = metafunc.definition.get_closest_marker("refusals") is not None

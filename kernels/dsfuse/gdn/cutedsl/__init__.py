@@ -1,0 +1,19 @@
+"""The CuTe DSL backend of the Gated DeltaNet, under construction: it serves no call yet.
+
+``TABLE`` lists its kernel modules, so the CPU tests compile them for sm_90a and sm_100a (their
+``AOT_SPECS``), and no call: `chunk_gdn` never reaches them, ``auto`` never picks them, and the
+op's contract tests (which run on the backends that serve a call) do not run them. The modules:
+
+* ``ut_inverse``: the ungated UT inverse ``(I + diag(beta) strictly_lower(k k^T))^-1`` of every
+  chunk and value head (the first step of the fused forward planned on the GDN page); checked
+  against the reference on a GPU by ``tests/gdn/test_gdn_cutedsl_ut_inverse.py``.
+"""
+
+from __future__ import annotations
+
+from dsfuse._common.backends import KERNEL_DTYPES, BackendTable
+
+KERNELS = ("dsfuse.gdn.cutedsl.ut_inverse",)
+
+TABLE = BackendTable("cutedsl", dtypes=KERNEL_DTYPES, calls={}, kernels=KERNELS, load=dict,
+                     auto={"sm_90": None, "sm_100": None})

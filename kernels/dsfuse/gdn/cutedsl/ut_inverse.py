@@ -1,0 +1,198 @@
+"""The ungated UT inverse of every chunk and value head, in CuTe DSL: the first step of the fused
+CuTe DSL forward (the GDN page's plan). Not yet reachable from `chunk_gdn`.
+
+For chunk ``c`` (tokens ``start .. end`` of one document, at most ``CHUNK = 64``) and value head
+``hv`` (qk head ``hv // (HV // H)``)::
+
+    M = diag(beta) strictly_lower(k k^T)        (k L2-normalised in fp32 when asked)
+    A = (I + M)^-1                              unit lower triangular, fp32
+
+written as row ``i`` of the chunk at token ``start + i``: ``a`` fp32 ``[T, HV, 64]``, like the Triton
+``wy`` stage's ``A`` but without the gate. The gate enters exactly afterwards: with ``D = diag(e^G)``,
+``(I + D M D^-1)^-1 = D (I + M)^-1 D^-1``, so the gated inverse is ``A * Gamma`` elementwise,
+``Gamma_ij = exp(G_i - G_j)`` (``dsfuse.gdn.reference.ut_transform`` with ``g_cum`` zero is this
+``A``).
+
+One CTA of 128 threads per (chunk, value head): the chunk's k rows staged in shared memory as fp32,
+the strictly lower Gram matrix by fp32 dot products (fixed order), then forward substitution, one
+thread per column (a column of ``A`` depends only on itself and ``M``). No atomics, no
+tensor cores: a plain reference-grade kernel that the fused kernel's inverse is checked against.
+Padded rows of a partial chunk are zero (``beta`` = 0), so their rows of ``A`` are those of ``I``
+and are not written.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dsfuse._common import cutedsl as _cd
+
+cutlass, cute = _cd.require()
+from cutlass import Float32, Int32, const_expr  # noqa: E402
+
+CHUNK = 64
+THREADS = 128
+DTYPES = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16, torch.float32: Float32}
+L2NORM_EPS = 1e-6  # dsfuse.gdn.reference.L2NORM_EPS
+
+
+def shape_reasons(dtype: torch.dtype, heads: int, value_heads: int, dim_k: int) -> list[str]:
+    """Why the kernel cannot be compiled for these sizes (empty when it can)."""
+    reasons = []
+    if dtype not in DTYPES:
+        reasons.append(f"dtype {dtype} is not one of {sorted(map(str, DTYPES))}")
+    if heads < 1 or value_heads % heads:
+        reasons.append(f"value heads ({value_heads}) must be a multiple of the qk heads ({heads})")
+    if dim_k not in (16, 32, 64, 128):
+        reasons.append(f"head dim K = {dim_k} is not one of (16, 32, 64, 128)")
+    return reasons
+
+
+class _UtInverse:
+    """``(k [T, H, K], beta [T, HV], chunk_indices int32 [NC, 3]) -> a fp32 [T, HV, 64]``."""
+
+    def __init__(self, dtype: torch.dtype, heads: int, value_heads: int, dim_k: int, l2norm: bool):
+        self.dtype, self.heads, self.value_heads, self.dim_k, self.l2norm = (
+            DTYPES[dtype], heads, value_heads, dim_k, l2norm)
+
+    @cute.jit
+    def __call__(self, mK: cute.Tensor, mBeta: cute.Tensor, mChunks: cute.Tensor, mA: cute.Tensor, stream):
+        self.kernel(mK, mBeta, mChunks, mA).launch(grid=[mChunks.shape[0], self.value_heads, 1],
+                                                   block=[THREADS, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, mK: cute.Tensor, mBeta: cute.Tensor, mChunks: cute.Tensor, mA: cute.Tensor):
+        K, C, GROUP = self.dim_k, CHUNK, self.value_heads // self.heads
+        tidx, _, _ = cute.arch.thread_idx()
+        i_c, i_hv, _ = cute.arch.block_idx()
+        i_h = i_hv // GROUP
+        start = mChunks[i_c, 1]
+        rows = mChunks[i_c, 2] - start
+
+        smem = cutlass.memory.SmemAllocator()
+        # +1: a row pitch of K + 1 words, so the dot products' column reads hit distinct banks
+        sK = smem.allocate_tensor(Float32, cute.make_layout((C, K), stride=(K + 1, 1)), byte_alignment=16)
+        sM = smem.allocate_tensor(Float32, cute.make_layout((C, C), stride=(C + 1, 1)), byte_alignment=16)
+        sA = smem.allocate_tensor(Float32, cute.make_layout((C, C), stride=(C + 1, 1)), byte_alignment=16)
+        sRow = smem.allocate_tensor(Float32, cute.make_layout((C,)), byte_alignment=16)  # beta_i * rstd_i
+        sRstd = smem.allocate_tensor(Float32, cute.make_layout((C,)), byte_alignment=16)
+
+        # 1. the chunk's k rows (zeros past its end) as fp32
+        for item in cutlass.range_constexpr(C * K // THREADS):
+            idx = tidx + item * THREADS
+            r = idx // K
+            col = idx - r * K
+            value = Float32(0.0)
+            if r < rows:
+                value = mK[start + r, i_h, col].to(Float32)
+            sK[r, col] = value
+        cute.arch.sync_threads()
+
+        # 2. per row: rstd (1 without the L2 norm) and beta * rstd (0 past the chunk's end)
+        if tidx < C:
+            rstd = Float32(1.0)
+            if const_expr(self.l2norm):
+                total = Float32(0.0)
+                for col in cutlass.range(K):
+                    total = total + sK[tidx, col] * sK[tidx, col]
+                rstd = cute.math.rsqrt(total + Float32(L2NORM_EPS))
+            scaled = Float32(0.0)
+            if tidx < rows:
+                scaled = mBeta[start + tidx, i_hv].to(Float32) * rstd
+            sRstd[tidx] = rstd
+            sRow[tidx] = scaled
+        cute.arch.sync_threads()
+
+        # 3. M = diag(beta) strictly_lower(k k^T), normalised rows: beta_i rstd_i rstd_j (k_i . k_j)
+        for item in cutlass.range(C * C // THREADS):
+            idx = tidx + item * THREADS
+            i = idx // C
+            j = idx - i * C
+            m = Float32(0.0)
+            if j < i:
+                dot = Float32(0.0)
+                for col in cutlass.range(K):
+                    dot = dot + sK[i, col] * sK[j, col]
+                m = sRow[i] * (dot * sRstd[j])
+            sM[i, j] = m
+        cute.arch.sync_threads()
+
+        # 4. A = (I + M)^-1 by forward substitution, thread c solving column c (rows c .. 63)
+        if tidx < C:
+            c = tidx
+            for i in cutlass.range(C):
+                a = Float32(0.0)
+                if i == c:
+                    a = Float32(1.0)
+                elif i > c:
+                    total = Float32(0.0)
+                    for j in cutlass.range(c, i):
+                        total = total + sM[i, j] * sA[j, c]
+                    a = -total
+                sA[i, c] = a
+        cute.arch.sync_threads()
+
+        # 5. the chunk's rows
+        for item in cutlass.range_constexpr(C * C // THREADS):
+            idx = tidx + item * THREADS
+            i = idx // C
+            col = idx - i * C
+            if i < rows:
+                mA[start + i, i_hv, col] = sA[i, col]
+
+
+CACHE = _cd.KernelCache()  # (dtype, H, HV, K, l2norm, arch) -> compiled function
+
+
+def _fake_tensors(dtype: torch.dtype, heads: int, value_heads: int, dim_k: int) -> tuple:
+    """Fake tensors of the compiled signature: symbolic tokens and chunks, any token and head strides."""
+    cdt = DTYPES[dtype]
+    tokens, chunks = cute.sym_int(), cute.sym_int()
+    k = cute.runtime.make_fake_tensor(cdt, (tokens, heads, dim_k), (cute.sym_int64(), cute.sym_int64(), 1))
+    beta = cute.runtime.make_fake_tensor(cdt, (tokens, value_heads), (cute.sym_int64(), cute.sym_int64()))
+    table = cute.runtime.make_fake_tensor(Int32, (chunks, 3), (3, 1))
+    a = cute.runtime.make_fake_tensor(Float32, (tokens, value_heads, CHUNK), (value_heads * CHUNK, CHUNK, 1))
+    return k, beta, table, a
+
+
+def compile_ut_inverse(dtype: torch.dtype, heads: int, value_heads: int, dim_k: int, l2norm: bool, arch: str, *,
+                       keep_ptx: bool = False, dump_dir: str | None = None):
+    """The kernel for one configuration, compiled for ``arch`` (``sm_90a``, ``sm_100a``; no GPU needed).
+    Called as ``fn(k, beta, chunk_indices, a)`` with torch tensors, on the current torch stream."""
+    if reasons := shape_reasons(dtype, heads, value_heads, dim_k):
+        raise ValueError("the CuTe DSL UT inverse cannot compile this: " + "; ".join(reasons))
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    return _cd.compile(_UtInverse(dtype, heads, value_heads, dim_k, l2norm),
+                       *_fake_tensors(dtype, heads, value_heads, dim_k), stream, arch=arch, keep_ptx=keep_ptx,
+                       dump_dir=dump_dir)
+
+
+def launch_ut_inverse(k: torch.Tensor, beta: torch.Tensor, chunk_indices: torch.Tensor, a: torch.Tensor, *,
+                      use_qk_l2norm: bool = False) -> torch.Tensor:
+    """Write the ungated ``A`` of every chunk into ``a`` fp32 ``[T, HV, 64]`` (contiguous) and return it.
+
+    ``k`` ``[T, H, K]`` (unit channel stride), ``beta`` ``[T, HV]`` in k's dtype, ``chunk_indices``
+    int32 ``[NC, 3]`` contiguous (`dsfuse.gdn.reference.prepare_chunk_indices`). Rows of ``a`` at
+    tokens in no chunk are not written."""
+    tokens, heads, dim_k = k.shape
+    value_heads = beta.shape[1]
+    if k.stride(-1) != 1 or beta.dtype != k.dtype or not a.is_contiguous() or a.dtype != torch.float32:
+        raise ValueError("launch_ut_inverse: k needs unit channel stride, beta k's dtype, a contiguous fp32")
+    if chunk_indices.shape[0] == 0:
+        return a
+    fn = CACHE.get((k.dtype, heads, value_heads, dim_k, use_qk_l2norm, _cd.arch_of(k.device)),
+                   lambda: compile_ut_inverse(k.dtype, heads, value_heads, dim_k, use_qk_l2norm,
+                                              _cd.arch_of(k.device)))
+    fn(k, beta, chunk_indices, a)
+    return a
+
+
+def _aot_specs() -> list[_cd.CuteAotSpec]:
+    """The model's specialisation: H = 16, HV = 48, K = 128, bf16, with and without the L2 norm."""
+    return [_cd.CuteAotSpec(f"gdn_ut_inverse_bf16{'_l2' if l2 else ''}",
+                            lambda arch, dump_dir=None, l2=l2: compile_ut_inverse(
+                                torch.bfloat16, 16, 48, 128, l2, arch, keep_ptx=True, dump_dir=dump_dir))
+            for l2 in (True, False)]
+
+
+AOT_SPECS = _aot_specs()

@@ -1,0 +1,122 @@
+"""The CuTe DSL UT inverse (``dsfuse.gdn.cutedsl.ut_inverse``), the first kernel of the planned fused
+forward: the identity it relies on (CPU, float64), its compilation for sm_90a and sm_100a (CPU), and
+on a GPU its rows against the float64 reference with varlen documents, tails and the L2 norm."""
+
+import re
+
+import pytest
+import torch
+
+from conftest import cutedsl_or_skip
+from dsfuse.gdn.reference import (
+    decay_matrix,
+    l2norm,
+    prepare_chunk_indices,
+    to_chunks,
+    ut_transform,
+)
+
+F64 = torch.float64
+
+
+def _chunked(k, beta, g, cu_seqlens, group):
+    """k ``[T, H, K]``, beta and g ``[T, HV]`` as the reference's chunks ``[NC, HV, C, *]`` (k expanded
+    to the value heads), with ``g_cum`` the chunk-local cumulative gate."""
+    ci = prepare_chunk_indices(cu_seqlens)
+    k_c = to_chunks(k.repeat_interleave(group, dim=1), ci)  # [NC, HV, C, K]
+    return ci, k_c, to_chunks(beta, ci), to_chunks(g, ci).cumsum(-1)  # beta, g_cum [NC, HV, C]
+
+
+def test_gated_inverse_is_the_ungated_one_times_the_decays():
+    """The identity the fused forward relies on: with D = diag(exp(G)), (I + D M D^-1)^-1 =
+    D (I + M)^-1 D^-1, so ``ut_transform`` with the gate equals the ungated one times Gamma."""
+    gen = torch.Generator().manual_seed(0)
+    t, h, hv, d = 200, 2, 4, 32
+    cu = [0, 1, 64, 130, 200]
+    k = l2norm(torch.randn(t, h, d, generator=gen, dtype=F64))
+    beta = torch.rand(t, hv, generator=gen, dtype=F64)
+    g = -torch.rand(t, hv, generator=gen, dtype=F64) * 0.5
+    _, k_c, beta_c, g_cum = _chunked(k, beta, g, cu, hv // h)
+    gated = ut_transform(k_c, beta_c, g_cum)
+    ungated = ut_transform(k_c, beta_c, torch.zeros_like(g_cum))
+    torch.testing.assert_close(ungated * decay_matrix(g_cum, include_diagonal=True), gated, rtol=1e-12, atol=1e-12)
+
+
+class TestCompiled:
+    """Code generation on the CPU (the ``cutedsl`` extra): the model's specialisations for both targets."""
+
+    @pytest.fixture(scope="class")
+    def module(self):
+        cutedsl_or_skip()
+        from dsfuse.gdn.cutedsl import ut_inverse
+
+        return ut_inverse
+
+    @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+    def test_aot_specs_compile_without_atomics(self, module, arch, tmp_path):
+        assert [s.name for s in module.AOT_SPECS] == ["gdn_ut_inverse_bf16_l2", "gdn_ut_inverse_bf16"]
+        for spec in module.AOT_SPECS:
+            ptx = spec.build(arch, dump_dir=str(tmp_path)).__ptx__
+            assert re.search(rf"\.target {arch}\b", ptx), spec.name
+            assert not re.search(r"\b(atom|red)\.", ptx), spec.name  # fixed order: no atomics or reductions
+
+    def test_refuses_what_it_cannot_compile(self, module):
+        assert module.shape_reasons(torch.bfloat16, 16, 48, 128) == []
+        reasons = module.shape_reasons(torch.int8, 16, 40, 96)
+        assert len(reasons) == 3 and "dtype" in reasons[0] and "multiple" in reasons[1] and "K = 96" in reasons[2]
+        with pytest.raises(ValueError, match="cannot compile this"):
+            module.compile_ut_inverse(torch.bfloat16, 16, 40, 128, False, "sm_90a")
+
+    def test_serves_no_call_yet(self):
+        """Under construction: registered for its kernels only; `chunk_gdn` and ``auto`` never reach it."""
+        from dsfuse.gdn.api import BACKENDS
+
+        assert BACKENDS.serving("forward") == ("triton",) and BACKENDS.serving("backward") == ("triton",)
+        assert "cutedsl" in BACKENDS.kernels
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("l2", [True, False])
+@pytest.mark.parametrize("dims", [(2, 6, 64), (16, 48, 128)])
+def test_rows_match_the_float64_reference(dtype, l2, dims):
+    """Documents of 1, 63, 64, 65 and 200 tokens (partial chunks, one-token chunks) and a tail of
+    tokens in no chunk: every row of every chunk against the float64 ungated inverse (relative RMS
+    per chunk and head <= 1e-5; fp32 forward substitution), the tail left as poisoned, and a second
+    launch bitwise equal."""
+    cutedsl_or_skip()
+    from dsfuse.gdn.cutedsl.ut_inverse import launch_ut_inverse
+
+    h, hv, d = dims
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    lengths = [1, 63, 64, 65, 200]
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    t = cu[-1] + 7  # 7 tokens in no chunk
+    k_hd = torch.randn(t, h, 3 * d, device="cuda", generator=gen).to(dtype)[:, :, d:2 * d]  # a strided view
+    if not l2:
+        k_hd = (k_hd.float() * d**-0.5).to(dtype)
+    beta = torch.rand(t, hv, device="cuda", generator=gen).to(dtype)
+    ci = prepare_chunk_indices(cu).to(device="cuda", dtype=torch.int32).contiguous()
+    a = torch.full((t, hv, 64), float("nan"), device="cuda")
+    launch_ut_inverse(k_hd, beta, ci, a, use_qk_l2norm=l2)
+    again = torch.full_like(a, float("nan"))
+    launch_ut_inverse(k_hd, beta, ci, again, use_qk_l2norm=l2)
+    torch.cuda.synchronize()
+    assert torch.equal(a[:cu[-1]], again[:cu[-1]])
+    assert a[cu[-1]:].isnan().all()  # tokens in no chunk: not written
+
+    k64 = k_hd.to(F64).cpu()
+    k64 = l2norm(k64) if l2 else k64
+    ci_cpu, k_c, beta_c, _ = _chunked(k64, beta.to(F64).cpu(), torch.zeros(t, hv, dtype=F64), cu[:], hv // h)
+    expected = ut_transform(k_c, beta_c, torch.zeros(beta_c.shape, dtype=F64))  # [NC, HV, C, C]
+    got = a.double().cpu()
+    for c, (_, start, end) in enumerate(ci_cpu.tolist()):
+        rows = end - start
+        for i_hv in range(hv):
+            want = expected[c, i_hv, :rows]
+            have = got[start:end, i_hv]
+            assert not have.isnan().any(), (c, i_hv)
+            err = (have - want).square().mean().sqrt() / want.square().mean().sqrt()
+            assert err <= 1e-5, (c, i_hv, float(err))
