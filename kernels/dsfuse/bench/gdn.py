@@ -387,22 +387,28 @@ def _build(views, make_gdn, *, contiguous: bool = False):
             d_row, *rest = torch.autograd.grad((o, ht), leaves, (do, dht), **kw)
             return (o.detach(), ht.detach(), *row_parts(d_row, h, hv), *rest)
 
-        if case.mode == "bwd":
-            with _capture_stream_forward(do.device):
-                o, ht = forward(*leaves)
-            if do.device.type == "cuda":
-                torch.cuda.current_stream(do.device).wait_stream(torch.cuda.graph.default_capture_stream)
-            return lambda: grads(o, ht, retain_graph=True)
-        if case.mode == "fwd+bwd":
-            return lambda: grads(*forward(*leaves))
-        if case.mode == "ckpt":
-            from torch.utils.checkpoint import checkpoint
-
-            # no RNG in the op: nothing to stash (and reading the CUDA RNG state is not capturable)
-            return lambda: grads(*checkpoint(forward, *leaves, use_reentrant=False, preserve_rng_state=False))
-        raise ValueError(f"mode: expected one of {MODES}, got {case.mode!r}")
+        return _grad_runner(case.mode, forward, leaves, grads, do.device)
 
     return build
+
+
+def _grad_runner(mode: str, forward, leaves: list, grads, device: torch.device):
+    """The runner of a gradient mode (module docstring): ``forward(*leaves) -> (o, final_state)``,
+    ``grads(o, final_state, **autograd_grad_kwargs)`` -> the case's outputs."""
+    if mode == "bwd":
+        with _capture_stream_forward(device):
+            o, ht = forward(*leaves)
+        if device.type == "cuda":
+            torch.cuda.current_stream(device).wait_stream(torch.cuda.graph.default_capture_stream)
+        return lambda: grads(o, ht, retain_graph=True)
+    if mode == "fwd+bwd":
+        return lambda: grads(*forward(*leaves))
+    if mode == "ckpt":
+        from torch.utils.checkpoint import checkpoint
+
+        # no RNG in the op: nothing to stash (and reading the CUDA RNG state is not capturable)
+        return lambda: grads(*checkpoint(forward, *leaves, use_reentrant=False, preserve_rng_state=False))
+    raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
 
 
 def _contiguous_runner(case: Case, gdn, inputs: dict):
@@ -419,17 +425,7 @@ def _contiguous_runner(case: Case, gdn, inputs: dict):
         dq, dk, dv, *rest = torch.autograd.grad((o, ht), leaves, (do, dht), **kw)
         return (o.detach(), ht.detach(), *(t.flatten(2)[0] for t in (dq, dk, dv)), *rest)
 
-    if case.mode == "bwd":
-        with _capture_stream_forward(do.device):
-            o, ht = gdn(*leaves)
-        if do.device.type == "cuda":
-            torch.cuda.current_stream(do.device).wait_stream(torch.cuda.graph.default_capture_stream)
-        return lambda: grads(o, ht, retain_graph=True)
-    if case.mode == "fwd+bwd":
-        return lambda: grads(*gdn(*leaves))
-    from torch.utils.checkpoint import checkpoint
-
-    return lambda: grads(*checkpoint(gdn, *leaves, use_reentrant=False, preserve_rng_state=False))
+    return _grad_runner(case.mode, gdn, leaves, grads, do.device)
 
 
 def _no_layer_form(case: Case) -> str | None:
@@ -484,7 +480,12 @@ def fla_gdn(case: Case, inputs: dict):
     Triton path (its FlashQLA backend off: `fla_import`); q, k, v plain split views of the row,
     which FLA makes contiguous (its ``input_guard``).
     """
-    fn, _ = fla_import()
+    return _peer_gdn(fla_import()[0], case, inputs)
+
+
+def _peer_gdn(fn, case: Case, inputs: dict):
+    """``gdn`` of a peer's ``chunk_gated_delta_rule(q, k, v, g, beta, ...)`` (flash-linear-attention's
+    signature, which FlashQLA shares), with ``cu_seqlens`` int64 on the device, made once."""
     p = case.params
     cu = inputs["cu_seqlens"].to(device=inputs["do"].device, dtype=torch.int64)
 
@@ -516,15 +517,7 @@ def flashqla_gdn(case: Case, inputs: dict):
     forward and backward) with its defaults, automatic intra-GPU context parallelism included (its
     best setting; its split of long documents depends on the SM count). TileLang compiles the kernels
     on their first call, which the checks before timing make. ``cu_seqlens`` int64 on the device."""
-    fn, _ = flashqla_import()
-    p = case.params
-    cu = inputs["cu_seqlens"].to(device=inputs["do"].device, dtype=torch.int64)
-
-    def gdn(q, k, v, g, beta, h0):
-        return fn(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu,
-                  use_qk_l2norm_in_kernel=p["l2norm"])
-
-    return gdn
+    return _peer_gdn(flashqla_import()[0], case, inputs)
 
 
 def _flashqla_applies(case: Case) -> str | None:

@@ -48,6 +48,13 @@ def shape_reasons(dtype: torch.dtype, heads: int, value_heads: int, dim_k: int) 
     return reasons
 
 
+def _cell(tidx, item, width: int):
+    """Row and column of element ``tidx + item * THREADS`` of a row-major tile ``width`` wide (traced inline)."""
+    idx = tidx + item * THREADS
+    row = idx // width
+    return row, idx - row * width
+
+
 class _UtInverse:
     """``(k [T, H, K], beta [T, HV], chunk_indices int32 [NC, 3]) -> a fp32 [T, HV, 64]``."""
 
@@ -79,9 +86,7 @@ class _UtInverse:
 
         # 1. the chunk's k rows (zeros past its end) as fp32
         for item in cutlass.range_constexpr(C * K // THREADS):
-            idx = tidx + item * THREADS
-            r = idx // K
-            col = idx - r * K
+            r, col = _cell(tidx, item, K)
             value = Float32(0.0)
             if r < rows:
                 value = mK[start + r, i_h, col].to(Float32)
@@ -105,9 +110,7 @@ class _UtInverse:
 
         # 3. M = diag(beta) strictly_lower(k k^T), normalised rows: beta_i rstd_i rstd_j (k_i . k_j)
         for item in cutlass.range(C * C // THREADS):
-            idx = tidx + item * THREADS
-            i = idx // C
-            j = idx - i * C
+            i, j = _cell(tidx, item, C)
             m = Float32(0.0)
             if j < i:
                 dot = Float32(0.0)
@@ -134,9 +137,7 @@ class _UtInverse:
 
         # 5. the chunk's rows
         for item in cutlass.range_constexpr(C * C // THREADS):
-            idx = tidx + item * THREADS
-            i = idx // C
-            col = idx - i * C
+            i, col = _cell(tidx, item, C)
             if i < rows:
                 mA[start + i, i_hv, col] = sA[i, col]
 
