@@ -37,7 +37,7 @@ def _backends(op: str) -> str:
     from dsfuse._common.backends import load_all_ops
 
     entry = load_all_ops()[op]
-    fused = ", ".join(t.backend if t.calls else f"{t.backend} (kernels under construction: serves no call)"
+    fused = ", ".join(t.backend if t.calls else f"{t.backend} (no call yet)"
                       for t in entry.tables)
     orders = "; ".join(f"{family}: {' > '.join(order)}" for family, order in entry.preference.items())
     return fused + (f" (`auto` {orders})" if orders else "")
