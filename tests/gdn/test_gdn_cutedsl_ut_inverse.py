@@ -73,6 +73,10 @@ class TestCompiled:
 
         assert BACKENDS.serving("forward") == ("triton",) and BACKENDS.serving("backward") == ("triton",)
         assert "cutedsl" in BACKENDS.kernels
+        from dsfuse.bench.env import kernel_files
+
+        files = [p.as_posix() for p in kernel_files("gdn")]  # what a run's "kernel source changed" mark compares
+        assert any("/gdn/triton/" in f for f in files) and not any("/gdn/cutedsl/" in f for f in files)
 
 
 @pytest.mark.gpu

@@ -169,11 +169,14 @@ def _imported_files(name: str, tree: _Tree, packages: bool = False) -> set[str]:
     return found
 
 
-def _backend_names() -> tuple[str, ...]:
-    """The backends an op's kernels are written for (the registry's kinds: ``triton``, ``cutedsl``)."""
-    from dsfuse._common.backends import BACKENDS
+def _backend_names(op: str) -> tuple[str, ...]:
+    """The backends whose kernels ``op``'s calls can reach: those of its registry entry that serve a
+    call (a backend with kernels only, one under construction, changes no measured number); every
+    kind of the registry (``triton``, ``cutedsl``) for an op it does not know."""
+    from dsfuse._common.backends import BACKENDS, load_all_ops
 
-    return tuple(BACKENDS)
+    entry = load_all_ops().get(op)
+    return tuple(BACKENDS) if entry is None else tuple(t.backend for t in entry.tables if t.calls)
 
 
 # imported by kernel modules for a flag or a predicate (interpreting(), addresses_known()), not kernel
@@ -195,7 +198,7 @@ def _aot_declaration(node: ast.stmt) -> bool:
 def _kernel_names(op: str, tree: _Tree, scope: str = "kernels") -> list[str]:
     """`kernel_files` of ``tree``, as paths relative to the package directory."""
     todo = []
-    for backend in _backend_names():
+    for backend in _backend_names(op):
         todo += sorted(n for n in tree.files() if n.startswith(f"{op}/{backend}/") and not n.endswith("/__init__.py"))
         todo += [f"{op}/{backend}.py"] if f"{op}/{backend}.py" in tree.files() else []
     skip = NOT_KERNEL_CODE
@@ -215,7 +218,7 @@ def _kernel_names(op: str, tree: _Tree, scope: str = "kernels") -> list[str]:
 
 
 def kernel_files(op: str, package_dir: Path = PACKAGE_DIR, scope: str = "kernels") -> list[Path]:
-    """The files that determine ``op``'s kernels, of every backend: ``dsfuse/<op>/<backend>.py`` or
+    """The files that determine ``op``'s kernels, of every backend that serves a call: ``dsfuse/<op>/<backend>.py`` or
     every ``.py`` under ``dsfuse/<op>/<backend>/`` (``triton``, ``cutedsl``) but the package's
     ``__init__.py`` (its table for the registry), and, transitively, the package modules they
     import at module level (not the packages' ``__init__.py`` that Python runs on the way, nor
