@@ -85,7 +85,7 @@ class _UtInverse:
         sRstd = smem.allocate_tensor(Float32, cute.make_layout((C,)), byte_alignment=16)
 
         # 1. the chunk's k rows (zeros past its end) as fp32
-        for item in cutlass.range_constexpr(C * K // THREADS):
+        for item in cutlass.range(C * K // THREADS, unroll_full=True):
             r, col = _cell(tidx, item, K)
             value = Float32(0.0)
             if r < rows:
