@@ -3,7 +3,8 @@
 #   bash scripts/gpu_job.sh [OUT_DIR] [OPS...]
 # Writes to OUT_DIR (default $OUT, else build/gpu-job): pytest log + junit XML, the bench log,
 # and raw.tar.gz with the new experiments/*/raw/<run-id>/ folders (unpack at the repo root; then
-# `python -m dsfuse.bench report --gpu <gpu>` renders results/<gpu>/). Each op runs with the config of
+# `python -m dsfuse.bench report --gpu <gpu>` renders results/<gpu>/; `python scripts/compact_raw.py` compresses
+# the large raw CSVs before they are committed). Each op runs with the config of
 # the GPU found (configs/<gpu>.yaml); its env.json records the hash of the op's kernel sources.
 # Wheels under .carry/wheels-anchors (flash-linear-attention, Liger: the anchors) are installed if present.
 # A tree copied to another machine (no .git, or a stale one) records DSFUSE_GIT_COMMIT, when set, as its commit (env.json).

@@ -22,6 +22,8 @@ from pathlib import Path
 import pandas as pd
 from tabulate import tabulate
 
+from dsfuse.bench.paths import raw_file
+
 CANDIDATE = "candidate"
 
 
@@ -52,7 +54,7 @@ def summarize(op: str, run_dir: str | Path) -> list[dict]:
             first = f"{row['case']} ({row['stage']}): {row['error'].splitlines()[0] if row['error'] else 'differs'}"
         rows.append(dict(op=op, provider=provider, role=role, checks=f"{len(ran) - len(bad)}/{len(ran)}",
                          status=status, first_failure=first[:160]))
-    tower = run_dir / "tower_validation.csv"
+    tower = raw_file(run_dir, "tower_validation.csv")
     if tower.is_file():
         tv = pd.read_csv(tower)
         equal = tv["bitwise_equal"].astype(str).str.lower() == "true"

@@ -84,3 +84,15 @@ def repo_url() -> str:
 def raw_url(path: str | os.PathLike, branch: str = "main") -> str:
     """Web address of a repository folder (a raw run): ``<repo_url>/tree/<branch>/<path from the root>``."""
     return f"{repo_url()}/tree/{branch}/{relative(path)}"
+
+
+def raw_file(run_dir: str | os.PathLike, name: str) -> Path:
+    """``run_dir / name``, or its compacted form ``name + ".gz"`` where only that exists: committed raw
+    CSVs above `COMPACT_BYTES` are stored gzip-compressed (``scripts/compact_raw.py``), and pandas
+    reads either by the suffix."""
+    path = Path(run_dir) / name
+    gz = path.with_name(path.name + ".gz")
+    return gz if not path.exists() and gz.exists() else path
+
+
+COMPACT_BYTES = 64 * 1024  # raw CSVs at least this large are committed compressed (scripts/compact_raw.py)

@@ -47,7 +47,7 @@ import pandas as pd  # noqa: E402
 import yaml  # noqa: E402
 
 from dsfuse.bench.env import _git, gpu_key, source_state  # noqa: E402
-from dsfuse.bench.paths import raw_url, relative, repo_root, repo_url  # noqa: E402
+from dsfuse.bench.paths import raw_file, raw_url, relative, repo_root, repo_url  # noqa: E402
 from dsfuse.bench.tables import (  # noqa: E402
     CLOCK_REGIMES,  # noqa: F401  (part of this module's interface)
     REPEATS,
@@ -92,7 +92,7 @@ def run_gpu(run_dir: Path) -> str:
 def runs_of(raw_root: Path, marker: str = "samples.csv") -> list[Path]:
     """Run folders under ``raw_root`` holding ``marker``, oldest first (run ids start with their UTC stamp)."""
     raw_root = Path(raw_root)
-    return sorted(p for p in raw_root.iterdir() if (p / marker).exists()) if raw_root.exists() else []
+    return sorted(p for p in raw_root.iterdir() if raw_file(p, marker).exists()) if raw_root.exists() else []
 
 
 def runs_by_gpu(raw_root: Path, marker: str = "samples.csv") -> dict[str, list[Path]]:
@@ -128,7 +128,7 @@ def tuning_by_gpu(tuning_dir: Path) -> dict[str, list[Path]]:
 def load_run(run_dir: Path) -> dict:
     return dict(
         run_id=run_dir.name,
-        samples=pd.read_csv(run_dir / "samples.csv"),
+        samples=pd.read_csv(raw_file(run_dir, "samples.csv")),
         validation=pd.read_csv(run_dir / "validation.csv", keep_default_na=False),
         cases=pd.read_csv(run_dir / "cases.csv", keep_default_na=False),
         env=json.loads((run_dir / "env.json").read_text()),
@@ -706,8 +706,8 @@ def run_figures(op: str, run_dir: Path) -> dict:
     if targets:
         rows = target_table(targets, med, ratios, floors).to_dict("records")
         out["targets"] = [dict(row, goals=goal) for row, goal in zip(rows, targets)]  # goals: as the config sets them
-    if (run_dir / "tower_samples.csv").exists():
-        out["extra"]["tower"] = tower_figures(pd.read_csv(run_dir / "tower_samples.csv"))
+    if raw_file(run_dir, "tower_samples.csv").exists():
+        out["extra"]["tower"] = tower_figures(pd.read_csv(raw_file(run_dir, "tower_samples.csv")))
     return out
 
 

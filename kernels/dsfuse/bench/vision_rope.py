@@ -17,7 +17,7 @@ import torch
 import yaml
 
 from dsfuse.bench.harness import Case, Provider, select_providers
-from dsfuse.bench.paths import repo_path
+from dsfuse.bench.paths import raw_file, repo_path
 from dsfuse.models.vision_geometry import ProcessorConfig, patch_grid
 from dsfuse.vision_rope import (
     attention_front,
@@ -188,11 +188,11 @@ def report_extra(run_dir: Path) -> list[str]:
     from tabulate import tabulate
 
     run_dir = Path(run_dir)
-    if not (run_dir / "tower_validation.csv").exists():
+    if not raw_file(run_dir, "tower_validation.csv").exists():
         return []
-    val = pd.read_csv(run_dir / "tower_validation.csv")
-    prof = pd.read_csv(run_dir / "tower_profile.csv")
-    samples = pd.read_csv(run_dir / "tower_samples.csv")
+    val = pd.read_csv(raw_file(run_dir, "tower_validation.csv"))
+    prof = pd.read_csv(raw_file(run_dir, "tower_profile.csv"))
+    samples = pd.read_csv(raw_file(run_dir, "tower_samples.csv"))
     lines = ["### Whole tower: fused backward swapped in, every tensor compared", "",
              "32-layer tower + aligner, synthetic weights of the real shapes read from safetensors, forward + "
              "checkpointed backward with the model's rotary front end and with dsfuse's; output, 32 hidden "

@@ -1,0 +1,39 @@
+"""Committed raw CSVs above a size are gzip-compressed (``scripts/compact_raw.py``) and every reader takes
+either form (``dsfuse.bench.paths.raw_file``), so the tree stays small enough to travel to the GPU."""
+
+import gzip
+import importlib.util
+from pathlib import Path
+
+import pandas as pd
+
+from dsfuse.bench import report
+from dsfuse.bench.paths import COMPACT_BYTES, raw_file
+
+ROOT = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("compact_raw", ROOT / "scripts" / "compact_raw.py")
+compact_raw = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(compact_raw)
+
+
+def test_no_large_plain_raw_csv_is_committed():
+    """A fresh run writes plain CSVs: compact them before committing (``python scripts/compact_raw.py``)."""
+    assert compact_raw.candidates() == []
+
+
+def test_compacted_csv_reads_as_the_plain_one_and_is_reproducible(tmp_path):
+    run = tmp_path / "20261201-000000-h200"
+    run.mkdir()
+    frame = pd.DataFrame({"case": ["a"] * 5000, "us": [float(i) / 7 for i in range(5000)]})
+    frame.to_csv(run / "samples.csv", index=False)
+    plain = (run / "samples.csv").read_bytes()
+    assert len(plain) >= COMPACT_BYTES and raw_file(run, "samples.csv") == run / "samples.csv"
+    out = compact_raw.compact(run / "samples.csv")
+    assert not (run / "samples.csv").exists() and raw_file(run, "samples.csv") == out
+    assert gzip.decompress(out.read_bytes()) == plain
+    pd.testing.assert_frame_equal(pd.read_csv(raw_file(run, "samples.csv")), frame)
+    first = out.read_bytes()
+    out.unlink()
+    (run / "samples.csv").write_bytes(plain)
+    assert compact_raw.compact(run / "samples.csv").read_bytes() == first  # no time or name in the header
+    assert report.runs_of(tmp_path) == [run]  # a compacted run is still found
