@@ -265,18 +265,18 @@ class Figures:
         """The op's host-time target of ``call`` (``HOST_TARGETS`` of its bench module) and its verdict
         in ``run`` (default: the newest): ``<= 6x torch.add, missed``."""
         from dsfuse.bench.report import host_targets
+        from dsfuse.bench.tables import meets_ratio
 
         limit = host_targets(self.op)[call]
         rows = self.data["host_time"][run or self.host_run()]
-        ratio = rows[call]["dsfuse"] / rows["torch.add (1 kernel)"]["baseline"]
-        return f"<= {limit:g}x torch.add, {'met' if ratio <= limit else 'missed'}"
+        met = meets_ratio(rows[call]["dsfuse"], rows["torch.add (1 kernel)"]["baseline"], limit)
+        return f"<= {limit:g}x torch.add, {'met' if met else 'missed'}"
 
     def host_met(self, call: str, provider: str = "dsfuse cutedsl", run: str | None = None) -> str:
         """``met`` or ``missed``: the CuTe DSL call target (at most ``HOST_CUTEDSL_TARGET_US`` per call)."""
-        from dsfuse.bench.tables import HOST_CUTEDSL_TARGET_US
+        from dsfuse.bench.tables import meets_cutedsl
 
-        us = self.data["host_time"][run or self.host_run(provider)][call][provider]
-        return "met" if us <= HOST_CUTEDSL_TARGET_US else "missed"
+        return "met" if meets_cutedsl(self.data["host_time"][run or self.host_run(provider)][call][provider]) else "missed"
 
     def host_run(self, provider: str = "dsfuse") -> str:
         """The id of the newest host-time run with rows of ``provider`` (a run on a machine without

@@ -185,6 +185,16 @@ def blocks_table(df: pd.DataFrame) -> pd.DataFrame:
     return frame(rows, ["mode", "elements"] + [str(w) for w in wide.columns])
 
 
+def meets_ratio(us: float, add_us: float, limit: float) -> bool:
+    """A host-time ratio target: ``us`` at most ``limit`` times the same run's ``torch.add`` (``add_us``)."""
+    return us / add_us <= limit
+
+
+def meets_cutedsl(us: float) -> bool:
+    """The CuTe DSL call target: at most ``HOST_CUTEDSL_TARGET_US`` per whole call."""
+    return us <= HOST_CUTEDSL_TARGET_US
+
+
 def host_time_table(samples: pd.DataFrame, ratio_targets: dict[str, float] | None = None) -> pd.DataFrame:
     """A host-time run (``host_time.csv`` of ``python -m dsfuse.bench.host_time run``): the median host
     us per call and provider; dsfuse's median as a multiple of ``torch.add``'s in the same run; the
@@ -205,7 +215,7 @@ def host_time_table(samples: pd.DataFrame, ratio_targets: dict[str, float] | Non
     for call in med.index:
         if call in ratio_targets:
             target.append(f"<= {ratio_targets[call]:g}x torch.add")
-            ok = ours[call] / add <= ratio_targets[call] if pd.notna(ours[call]) and pd.notna(add) else None
+            ok = meets_ratio(ours[call], add, ratio_targets[call]) if pd.notna(ours[call]) and pd.notna(add) else None
         elif call == HOST_AUTOGRAD:
             target.append("< eager PyTorch")
             ok = ours[call] < eager[call] if pd.notna(ours[call]) and pd.notna(eager[call]) else None
@@ -216,7 +226,7 @@ def host_time_table(samples: pd.DataFrame, ratio_targets: dict[str, float] | Non
     out["target"], out["met"] = target, met
     if "dsfuse cutedsl" in med:
         out[f"cutedsl <= {HOST_CUTEDSL_TARGET_US:.0f} us"] = [
-            "" if pd.isna(v) or " part: " in c else ("yes" if v <= HOST_CUTEDSL_TARGET_US else "NO")
+            "" if pd.isna(v) or " part: " in c else ("yes" if meets_cutedsl(v) else "NO")
             for c, v in zip(med.index, med["dsfuse cutedsl"])]
     return out
 
