@@ -8,7 +8,9 @@
 # FlashQLA (the GDN experiment's flashqla control) goes to its own folder, /tmp/site-qla, because its
 # TileLang pins apache-tvm-ffi below 0.1.13 and the cutedsl extra wants 0.1.15 or later; two calls too:
 #   bash scripts/gpu_install_carry.sh qla-a   # carry .carry/flashqla-a (TileLang, tvm-ffi 0.1.12, torch-c-dlpack-ext)
-#   bash scripts/gpu_install_carry.sh qla-b   # carry .carry/flashqla-b (flash-qla, z3-solver)
+#   bash scripts/gpu_install_carry.sh qla-b   # carry .carry/flashqla-b (flash-qla, z3-solver; add TileLang's ml-dtypes,
+#     cloudpickle and psutil wheels there if the GPU machine lacks them: pip download --no-deps --only-binary=:all:
+#     --python-version 3.12 --platform manylinux_2_28_x86_64 -d .carry/flashqla-b ml-dtypes cloudpickle psutil)
 # then run the GDN experiment with PYTHONPATH=/tmp/site-qla (not beside /tmp/site, whose tvm-ffi is newer).
 # pip --target does not merge a wheel into a package directory that exists already (the runtime wheel
 # and the base wheel share nvidia_cutlass_dsl/), so the runtime goes to /tmp/site2 and is copied over.

@@ -28,8 +28,9 @@ def test_cases_and_floors_at_the_brief_shape():
     """32,768 tokens in five documents (none a multiple of 64), (16, 48), 128; floors by hand."""
     config = harness.load_config(CONFIGS / "h200.yaml")
     cases = gdn.cases(config)
-    assert [c.name for c in cases] == [f"T32768_{l2}_{m}" for l2 in ("l2", "nol2")
+    assert [c.name for c in cases] == [f"T32768{hv}_{l2}_{m}" for hv in ("", "_hv32") for l2 in ("l2", "nol2")
                                        for m in ("fwd", "bwd", "fwd+bwd", "ckpt", "layer")]
+    assert {c.params["value_heads"] for c in cases if "_hv32" in c.name} == {32}
     p = cases[0].params
     bounds = p["bounds"]
     lengths = [b - a for a, b in itertools.pairwise(bounds)]
@@ -39,7 +40,7 @@ def test_cases_and_floors_at_the_brief_shape():
     qkv, o, state, gates = t * (2 * 16 + 48) * d * 2, t * hv * d * 2, n * hv * d * d * 4, t * hv * (4 + 2)
     fwd = qkv + gates + state + o + state
     bwd = qkv + gates + state + o + state + qkv + gates + state
-    by_mode = {c.mode: c for c in cases if c.params["l2norm"]}
+    by_mode = {c.mode: c for c in cases if c.params["l2norm"] and c.params["value_heads"] == 48}
     assert by_mode["fwd"].bytes == fwd and by_mode["bwd"].bytes == bwd
     assert by_mode["fwd+bwd"].bytes == fwd + bwd and by_mode["ckpt"].bytes == 2 * fwd + bwd
     chunks = sum(math.ceil(m / 64) for m in lengths)
@@ -49,6 +50,13 @@ def test_cases_and_floors_at_the_brief_shape():
     assert gdn.tolerances(config) == (0.005, 0.005, 0.008, 0.008, 0.008, 0.02, 0.02, 0.008, 0.008)
     with pytest.raises(ValueError, match="multiple of 64"):
         gdn.document_bounds(300, [64, 236])
+
+
+@pytest.mark.parametrize("value_heads", [[40], [0], ["48"]])
+def test_value_heads_must_be_multiples_of_the_qk_heads(value_heads):
+    config = harness.load_config(CONFIGS / "h200.yaml") | {"value_heads": value_heads}
+    with pytest.raises(ValueError, match="value_heads"):
+        gdn.cases(config)
 
 
 def test_fla_applies_only_where_installed():

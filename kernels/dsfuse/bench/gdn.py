@@ -212,16 +212,24 @@ def cases(config: dict) -> list[Case]:
     dtype = config.get("dtype", "bfloat16")
     if dtype not in DTYPES:
         raise ValueError(f"dtype: expected one of {sorted(DTYPES)}, got {dtype!r}")
+    heads, model_hv = model["num_k_heads"], model["num_v_heads"]
+    value_heads = config.get("value_heads", [model_hv])
+    for hv in value_heads:
+        if not isinstance(hv, int) or hv <= 0 or hv % heads:
+            raise ValueError(f"value_heads: expected positive multiples of the {heads} qk heads, got {hv!r}")
     out = []
-    for l2 in config.get("l2norm", [True]):
-        for mode in config["modes"]:
-            if mode not in MODES:
-                raise ValueError(f"modes: expected some of {MODES}, got {mode!r}")
-            params = dict(tokens=tokens, documents=len(bounds) - 1, bounds=bounds, heads=model["num_k_heads"],
-                          value_heads=model["num_v_heads"], head_dim=model["head_dim"], hidden=model["hidden_size"],
-                          dtype=dtype, l2norm=bool(l2), backend=config.get("backend", "triton"))
-            nbytes, flops = floors(params)[mode]
-            out.append(Case(f"T{tokens}_{'l2' if l2 else 'nol2'}_{mode}", mode, params, bytes=nbytes, flops=flops))
+    for hv in value_heads:
+        tag = "" if hv == model_hv else f"_hv{hv}"  # the model's geometry keeps the plain name
+        for l2 in config.get("l2norm", [True]):
+            for mode in config["modes"]:
+                if mode not in MODES:
+                    raise ValueError(f"modes: expected some of {MODES}, got {mode!r}")
+                params = dict(tokens=tokens, documents=len(bounds) - 1, bounds=bounds, heads=heads,
+                              value_heads=hv, head_dim=model["head_dim"], hidden=model["hidden_size"],
+                              dtype=dtype, l2norm=bool(l2), backend=config.get("backend", "triton"))
+                nbytes, flops = floors(params)[mode]
+                name = f"T{tokens}{tag}_{'l2' if l2 else 'nol2'}_{mode}"
+                out.append(Case(name, mode, params, bytes=nbytes, flops=flops))
     return out
 
 
