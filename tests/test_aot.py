@@ -89,7 +89,8 @@ def test_recorded_spec_keeps_do_not_specialize_and_none():
     assert spec.signature["T"] == spec.signature["N"] == "i32"
     assert "T" not in spec.divisible_by_16 and "N" not in spec.divisible_by_16
     assert spec.constexprs["h0_ptr"] is None and spec.constexprs["ht_ptr"] is None
-    assert spec.constexprs["PIPELINED"] is True and spec.constexprs["EMULATE_BF16"] is False
+    assert spec.constexprs["PIPELINED"] is True and spec.constexprs["S"].EMULATE_BF16.value is False
+    assert [f.value for f in spec.constexprs["S"]] == [48, 3, 128, 128, 64, False, "tf32", False]  # common.Stage
     assert spec.options == {"num_warps": 4, "num_stages": 2} and spec.constexprs["BV"] == 64
     with assume_family(BLACKWELL):
         (spec,) = record_specs("state", launch_state_pass, *args)

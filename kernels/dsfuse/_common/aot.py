@@ -44,11 +44,17 @@ def compile_for(spec: AotSpec, arch: str):
     if arch not in ARCHS:
         raise ValueError(f"arch: expected one of {sorted(ARCHS)}, got {arch!r}")
     signature = dict(spec.signature)
-    for name in spec.constexprs:
-        signature[name] = "constexpr"
     arg_names = spec.kernel.arg_names
+    constexprs = {}
+    for name, value in spec.constexprs.items():
+        if isinstance(value, tuple):  # a tuple of constexprs: one constexpr per field, as Triton's runtime passes it
+            signature[name] = type(value)(*("constexpr",) * len(value))
+            constexprs.update({(arg_names.index(name), i): field for i, field in enumerate(value)})
+        else:
+            signature[name] = "constexpr"
+            constexprs[name] = value
     attrs = {(arg_names.index(name),): [["tt.divisibility", 16]] for name in spec.divisible_by_16}
-    src = triton.compiler.ASTSource(fn=spec.kernel, signature=signature, constexprs=dict(spec.constexprs), attrs=attrs)
+    src = triton.compiler.ASTSource(fn=spec.kernel, signature=signature, constexprs=constexprs, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", ARCHS[arch], 32), options=dict(spec.options))
 
 
@@ -111,7 +117,8 @@ def spec_of_launch(name: str, kernel, args: tuple, kwargs: dict) -> AotSpec:
     specialises it on a GPU (Triton 3.6, ``create_function_from_signature`` and ``_pack_args``):
 
     * ``constexprs``: the ``tl.constexpr`` arguments, and the arguments the runtime turns into
-      constants (``None``, and an int equal to 1 unless listed in ``do_not_specialize``);
+      constants (``None``, an int equal to 1 unless listed in ``do_not_specialize``, and a tuple
+      of ``tl.constexpr`` values, kept whole);
     * ``signature``: every other argument's type from ``native_specialize_impl`` (``*bf16``,
       ``i32``, ``i64``, ``fp32``, ...; a Triton type annotation wins, floats and bools not
       specialised);
@@ -144,6 +151,11 @@ def spec_of_launch(name: str, kernel, args: tuple, kwargs: dict) -> AotSpec:
             continue
         specialize, align = not kp.do_not_specialize, not kp.do_not_specialize_on_alignment
         ty, attr = native_specialize_impl(CUDABackend, value, kp.is_const, specialize, align)
+        if isinstance(ty, tuple):  # a tuple argument: only tuples of constexprs (e.g. a stage's shared constants)
+            if any(t != "constexpr" for t in ty):
+                raise ValueError(f"{kp.name}: a tuple argument of {ty} is more than an AotSpec holds (constexpr fields)")
+            constexprs[kp.name] = value
+            continue
         if kp.annotation_type:  # an annotated argument keeps its type; floats and bools not specialised
             if kp.annotation_type == "u1" or kp.annotation_type[:2] in ("fp", "bf"):
                 specialize = False

@@ -10,8 +10,8 @@
   masked loads and stores; `state_tile`, a block of a ``[*, HV, K, V]`` state; `l2_normalize`,
   `chunk_decays` and `causal_decay`, the L2 norm and the decays of a chunk; `store_zero_tail`, zeros
   for the tokens in no chunk.
-* Host helpers of the launchers: `dot_precision`, `emulate_bf16`, `stage_constexprs` (the
-  constexprs the per-head stages have in common), `token_head_strides`, `value_block_programs`
+* Host helpers of the launchers: `dot_precision`, `emulate_bf16`, `stage` (the
+  constexprs the per-head stages have in common, one `Stage` argument), `token_head_strides`, `value_block_programs`
   (the size of `value_block_program`'s grid), `sequential_pass` (a state pass's launch).
 * Launch constants: a `LaunchConfig` per kernel, per GPU family where the families differ.
   The families are ``HOPPER`` (``"sm_90"``: every device below compute capability 10, the CPU
@@ -33,6 +33,7 @@ import contextvars
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from types import SimpleNamespace
+from typing import NamedTuple
 
 import torch
 import triton
@@ -236,14 +237,25 @@ def emulate_bf16(dtype: torch.dtype) -> bool:
     return dtype == torch.bfloat16 and interpreting()
 
 
-def stage_constexprs(H: int, HV: int, K: int, V: int, dtype: torch.dtype, use_qk_l2norm: bool) -> dict[str, object]:
-    """The constexprs of the per-head stages' kernels (state, output, state backward, dq/dk/dw/dg):
-    ``HV``, ``GROUP = HV // H`` (value heads per qk head), ``K``, ``V``, ``BT = CHUNK``,
-    ``USE_QK_L2NORM``, and for inputs of ``dtype`` ``DOT_PRECISION`` (`dot_precision`: ``"ieee"``
-    for fp32, no TF32; ignored by bf16/fp16 dots) and ``EMULATE_BF16`` (`emulate_bf16`: bf16 data in
-    the CPU interpreter only; see `dot`, `round_to`)."""
-    return {"HV": HV, "GROUP": HV // H, "K": K, "V": V, "BT": CHUNK, "USE_QK_L2NORM": use_qk_l2norm,
-            "DOT_PRECISION": dot_precision(dtype), "EMULATE_BF16": emulate_bf16(dtype)}
+class Stage(NamedTuple):
+    """The constexprs the per-head stages' kernels share (state, output, state backward,
+    dq/dk/dw/dg), passed as one kernel argument ``S`` (a tuple of ``tl.constexpr``: Triton
+    specialises each field as a constexpr, so the kernel compiles as with eight arguments)."""
+
+    HV: tl.constexpr  # value heads
+    GROUP: tl.constexpr  # HV // H: value heads per qk head
+    K: tl.constexpr
+    V: tl.constexpr
+    BT: tl.constexpr  # CHUNK
+    USE_QK_L2NORM: tl.constexpr
+    DOT_PRECISION: tl.constexpr  # `dot_precision`: "ieee" for fp32 inputs (no TF32); ignored by bf16/fp16 dots
+    EMULATE_BF16: tl.constexpr  # `emulate_bf16`: bf16 data in the CPU interpreter only (see `dot`, `round_to`)
+
+
+def stage(H: int, HV: int, K: int, V: int, dtype: torch.dtype, use_qk_l2norm: bool) -> Stage:
+    """The `Stage` of a call with inputs of ``dtype``: the kernel argument ``S``."""
+    values = (HV, HV // H, K, V, CHUNK, use_qk_l2norm, dot_precision(dtype), emulate_bf16(dtype))
+    return Stage(*(tl.constexpr(v) for v in values))
 
 
 def token_head_strides(*tensors: torch.Tensor) -> list[int]:

@@ -196,22 +196,15 @@ def _dqkwg_kernel(
     s_dkt, s_dkh,
     s_dwt, s_dwh,
     s_dgt, s_dgh,
-    # common.stage_constexprs, BK and BV (key and value channels per block)
-    HV: tl.constexpr,
-    GROUP: tl.constexpr,
-    K: tl.constexpr,
-    V: tl.constexpr,
-    BT: tl.constexpr,
+    # common.stage (S), BK and BV (key and value channels per block)
+    S,  # common.Stage: HV, GROUP, K, V, BT, USE_QK_L2NORM, DOT_PRECISION, EMULATE_BF16
     BK: tl.constexpr,
     BV: tl.constexpr,
-    USE_QK_L2NORM: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    EMULATE_BF16: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    i_c = (pid // HV).to(tl.int64)  # value head fastest (module docstring: grid)
-    i_hv = pid % HV
-    i_h = i_hv // GROUP
+    i_c = (pid // S.HV).to(tl.int64)  # value head fastest (module docstring: grid)
+    i_hv = pid % S.HV
+    i_h = i_hv // S.GROUP
     start = tl.load(ci_ptr + i_c * 3 + 1)
     n_t = tl.load(ci_ptr + i_c * 3 + 2) - start  # tokens in the chunk, 1 .. BT
     bos = start.to(tl.int64)  # int64 before it multiplies a stride
@@ -227,93 +220,93 @@ def _dqkwg_kernel(
     dk_ptr += bos * s_dkt + i_hv * s_dkh
     dw_ptr += bos * s_dwt + i_hv * s_dwh
     dg_ptr += bos * s_dgt + i_hv * s_dgh
-    h_ptr += (i_c * HV + i_hv) * (K * V)
-    dh_ptr += (i_c * HV + i_hv) * (K * V)
+    h_ptr += (i_c * S.HV + i_hv) * (S.K * S.V)
+    dh_ptr += (i_c * S.HV + i_hv) * (S.K * S.V)
 
     # ---- (1) q k^T [BT, BT] over key blocks (k loaded transposed), with the rows' squared norms
-    o_t = tl.arange(0, BT)
+    o_t = tl.arange(0, S.BT)
     m_t = o_t < n_t
-    b_qk, b_ssq, b_ssk = _rows_times_rows_t(q_ptr, s_qt, k_ptr, s_kt, o_t, m_t, BT, K, BK, USE_QK_L2NORM,
-                                            DOT_PRECISION, EMULATE_BF16)
-    if USE_QK_L2NORM:
+    b_qk, b_ssq, b_ssk = _rows_times_rows_t(q_ptr, s_qt, k_ptr, s_kt, o_t, m_t, S.BT, S.K, BK, S.USE_QK_L2NORM,
+                                            S.DOT_PRECISION, S.EMULATE_BF16)
+    if S.USE_QK_L2NORM:
         b_rq = tl.rsqrt(b_ssq + common.L2NORM_EPS)  # [BT]
         b_rk = tl.rsqrt(b_ssk + common.L2NORM_EPS)
 
     # ---- (2) dA_o = scale (do v_new^T) * Gamma over value blocks (v_new loaded transposed)
-    b_dA, _, _ = _rows_times_rows_t(do_ptr, s_ot, vn_ptr, s_vt, o_t, m_t, BT, V, BV, False, DOT_PRECISION,
-                                    EMULATE_BF16)  # [i, j] = do_i . v_j
+    b_dA, _, _ = _rows_times_rows_t(do_ptr, s_ot, vn_ptr, s_vt, o_t, m_t, S.BT, S.V, BV, False, S.DOT_PRECISION,
+                                    S.EMULATE_BF16)  # [i, j] = do_i . v_j
     b_g = tl.load(g_ptr + o_t * s_gt, mask=m_t, other=0.0)  # [BT], <= 0 in the chunk
     m_A = (o_t[:, None] >= o_t[None, :]) & (m_t[:, None] & m_t[None, :])
     b_dA = tl.where(m_A, b_dA * tl.exp(tl.where(m_A, b_g[:, None] - b_g[None, :], 0.0)), 0.0) * scale
     # k's norms folded into dA_o's columns (the dot operand below: dA_o k_hat = (dA_o r_k) k)
-    if USE_QK_L2NORM:
+    if S.USE_QK_L2NORM:
         b_dA = b_dA * b_rk[None, :]
     # the intra-chunk term of dG: ds = dA_o * (q_hat k_hat^T), fp32 (q k^T of the loaded rows)
     b_ds = b_dA * b_qk
-    if USE_QK_L2NORM:
+    if S.USE_QK_L2NORM:
         b_ds = b_ds * b_rq[:, None]
     b_dg = tl.sum(b_ds, axis=1) - tl.sum(b_ds, axis=0)  # [BT]
-    b_dA = common.round_to(b_dA, dtype, EMULATE_BF16)  # one rounding
+    b_dA = common.round_to(b_dA, dtype, S.EMULATE_BF16)  # one rounding
 
     # ---- (3) per key block: dw = -dv_new h^T, then dq = scale exp(G) (do h^T) + dA_o k, each a loop
     # over value blocks (h loaded transposed)
-    b_dgq = tl.zeros([BT, 1], dtype=tl.float32)  # sum(q_i dq_inter_i) ([BT, 1]: see the module docstring)
-    for i_k in range(K // BK):
+    b_dgq = tl.zeros([S.BT, 1], dtype=tl.float32)  # sum(q_i dq_inter_i) ([BT, 1]: see the module docstring)
+    for i_k in range(S.K // BK):
         o_k = i_k * BK + tl.arange(0, BK)
-        o_t, m_t, b_dw = _rows_times_state_t(dv_ptr, s_dvt, h_ptr, ci_ptr, i_c, start, n_t, o_k, None, None, BT, BK,
-                                             V, BV, DOT_PRECISION, EMULATE_BF16)  # dv_new h^T
+        o_t, m_t, b_dw = _rows_times_state_t(dv_ptr, s_dvt, h_ptr, ci_ptr, i_c, start, n_t, o_k, None, None, S.BT, BK,
+                                             S.V, BV, S.DOT_PRECISION, S.EMULATE_BF16)  # dv_new h^T
         tl.store(dw_ptr + o_t[:, None] * s_dwt + o_k[None, :],
-                 common.round_to(-b_dw, dw_ptr.dtype.element_ty, EMULATE_BF16), mask=m_t[:, None])
+                 common.round_to(-b_dw, dw_ptr.dtype.element_ty, S.EMULATE_BF16), mask=m_t[:, None])
 
-        o_t, m_t, b_dq = _rows_times_state_t(do_ptr, s_ot, h_ptr, ci_ptr, i_c, start, n_t, o_k, None, None, BT, BK,
-                                             V, BV, DOT_PRECISION, EMULATE_BF16)  # do h^T
+        o_t, m_t, b_dq = _rows_times_state_t(do_ptr, s_ot, h_ptr, ci_ptr, i_c, start, n_t, o_k, None, None, S.BT, BK,
+                                             S.V, BV, S.DOT_PRECISION, S.EMULATE_BF16)  # do h^T
         b_q = tl.load(q_ptr + o_t[:, None] * s_qt + o_k[None, :], mask=m_t[:, None], other=0.0)  # [BT, BK]
         b_gk = tl.load(g_ptr + o_t * s_gt, mask=m_t, other=0.0)
         b_dq = b_dq * (tl.exp(b_gk) * scale)[:, None]  # dq_inter; padding rows: their accumulators are 0
         b_dgq += tl.sum(b_q.to(tl.float32) * b_dq, axis=1, keep_dims=True)
-        _store_plus_product(b_dq, b_dA, k_ptr, s_kt, dq_ptr, s_dqt, o_t, m_t, o_k, DOT_PRECISION, EMULATE_BF16)
+        _store_plus_product(b_dq, b_dA, k_ptr, s_kt, dq_ptr, s_dqt, o_t, m_t, o_k, S.DOT_PRECISION, S.EMULATE_BF16)
 
     # ---- (4) dA_o^T = scale (v_new do^T) * Gamma^T as its own dot (do loaded transposed)
     z = _zero(ci_ptr, i_c, start)
-    o_t = tl.arange(0, BT) + z
+    o_t = tl.arange(0, S.BT) + z
     m_t = o_t < n_t
-    b_dAt, _, _ = _rows_times_rows_t(vn_ptr, s_vt, do_ptr, s_ot, o_t, m_t, BT, V, BV, False, DOT_PRECISION,
-                                     EMULATE_BF16)  # [j, i] = v_j . do_i
+    b_dAt, _, _ = _rows_times_rows_t(vn_ptr, s_vt, do_ptr, s_ot, o_t, m_t, S.BT, S.V, BV, False, S.DOT_PRECISION,
+                                     S.EMULATE_BF16)  # [j, i] = v_j . do_i
     b_g = tl.load(g_ptr + o_t * s_gt, mask=m_t, other=0.0)
     m_At = (o_t[:, None] <= o_t[None, :]) & (m_t[:, None] & m_t[None, :])
     b_dAt = tl.where(m_At, b_dAt * tl.exp(tl.where(m_At, b_g[None, :] - b_g[:, None], 0.0)), 0.0) * scale
-    if USE_QK_L2NORM:
+    if S.USE_QK_L2NORM:
         b_dAt = b_dAt * b_rq[None, :]  # q's norms folded into the columns
-    b_dAt = common.round_to(b_dAt, dtype, EMULATE_BF16)
+    b_dAt = common.round_to(b_dAt, dtype, S.EMULATE_BF16)
 
     # ---- (5) per key block: dk = exp(G_last - G) (v_new dh^T) + dA_o^T q over value blocks (dh loaded
     # transposed), with sum(dh * h)
     b_hdh = tl.zeros([BV], dtype=tl.float32)  # sum(dh * h) per row of an h^T tile; summed at the end
-    b_kst = tl.zeros([BT, 1], dtype=tl.float32)  # sum(k_i dk_state_i)
-    for i_k in range(K // BK):
+    b_kst = tl.zeros([S.BT, 1], dtype=tl.float32)  # sum(k_i dk_state_i)
+    for i_k in range(S.K // BK):
         o_k = i_k * BK + tl.arange(0, BK)
         o_t, m_t, b_dk, b_hdh = _rows_times_state_t(vn_ptr, s_vt, dh_ptr, ci_ptr, i_c, start, n_t, o_k, h_ptr, b_hdh,
-                                                    BT, BK, V, BV, DOT_PRECISION, EMULATE_BF16)  # v_new dh^T
+                                                    S.BT, BK, S.V, BV, S.DOT_PRECISION, S.EMULATE_BF16)  # v_new dh^T
         b_k = tl.load(k_ptr + o_t[:, None] * s_kt + o_k[None, :], mask=m_t[:, None], other=0.0)  # [BT, BK]
         b_gk = tl.load(g_ptr + o_t * s_gt, mask=m_t, other=0.0)
         b_gl = tl.load(g_ptr + (n_t - 1) * s_gt)
         b_dk = b_dk * tl.where(m_t, tl.exp(tl.where(m_t, b_gl - b_gk, 0.0)), 0.0)[:, None]  # dk_state
         b_kst += tl.sum(b_k.to(tl.float32) * b_dk, axis=1, keep_dims=True)
-        _store_plus_product(b_dk, b_dAt, q_ptr, s_qt, dk_ptr, s_dkt, o_t, m_t, o_k, DOT_PRECISION, EMULATE_BF16)
+        _store_plus_product(b_dk, b_dAt, q_ptr, s_qt, dk_ptr, s_dkt, o_t, m_t, o_k, S.DOT_PRECISION, S.EMULATE_BF16)
 
     # q_hat . dq_inter and k_hat . dk_state: the norms times the sums of the loaded rows
-    b_dgq = tl.reshape(b_dgq, [BT])
-    b_kst = tl.reshape(b_kst, [BT])
-    if USE_QK_L2NORM:
+    b_dgq = tl.reshape(b_dgq, [S.BT])
+    b_kst = tl.reshape(b_kst, [S.BT])
+    if S.USE_QK_L2NORM:
         b_dgq = b_dgq * b_rq
         b_kst = b_kst * b_rk
     b_dg += b_dgq - b_kst
     # G_last's gradient at the chunk's last token
     # (sum_i k_state_i as a [1, BT] -> [1] sum: a rank-1 sum to a scalar of a value computed from a
     # tensor-memory accumulator crashes Triton 3.6's sm_100 TMEM layout pass)
-    o_t = tl.arange(0, BT)
+    o_t = tl.arange(0, S.BT)
     b_gl = tl.load(g_ptr + (n_t - 1) * s_gt)
-    b_dg_last = tl.exp(b_gl) * tl.sum(b_hdh, axis=0) + tl.sum(tl.reshape(b_kst, [1, BT]), axis=1)  # [1]
+    b_dg_last = tl.exp(b_gl) * tl.sum(b_hdh, axis=0) + tl.sum(tl.reshape(b_kst, [1, S.BT]), axis=1)  # [1]
     b_dg = tl.where(o_t == n_t - 1, b_dg + b_dg_last, b_dg)
     tl.store(dg_ptr + o_t * s_dgt, b_dg, mask=o_t < n_t)
 
@@ -361,7 +354,7 @@ def launch_dqkwg(
         q, k, v_new, h, dh, do, dv_new, g_cum, chunk_indices, dq, dk, dw, dg,
         float(scale),
         *common.token_head_strides(q, k, v_new, do, dv_new, g_cum, dq, dk, dw, dg),
-        **common.stage_constexprs(H, HV, K, V, q.dtype, use_qk_l2norm), BK=BK, BV=BV,
+        S=common.stage(H, HV, K, V, q.dtype, use_qk_l2norm), BK=BK, BV=BV,
         **CONFIG.options(cap_registers=q.dtype != torch.float32),
     )
     return dq, dk, dw, dg

@@ -61,19 +61,12 @@ def _output_kernel(
     s_vt, s_vh,
     s_gt, s_gh,
     s_ot, s_oh,
-    # common.stage_constexprs and BV (value channels per program)
-    HV: tl.constexpr,
-    GROUP: tl.constexpr,
-    K: tl.constexpr,
-    V: tl.constexpr,
-    BT: tl.constexpr,
+    # common.stage (S) and BV (value channels per program)
+    S,  # common.Stage: HV, GROUP, K, V, BT, USE_QK_L2NORM, DOT_PRECISION, EMULATE_BF16
     BV: tl.constexpr,
-    USE_QK_L2NORM: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    EMULATE_BF16: tl.constexpr,
 ):
     # i_c in [0, NC]; NC: the tail of tokens in no chunk
-    i_c, i_hv, i_h, o_k, o_v, o_i = common.value_block_program(HV, GROUP, V, BV, K, BT)
+    i_c, i_hv, i_h, o_k, o_v, o_i = common.value_block_program(S.HV, S.GROUP, S.V, BV, S.K, S.BT)
     dtype = q_ptr.dtype.element_ty
 
     if i_c < NC:
@@ -81,13 +74,13 @@ def _output_kernel(
 
         b_q = common.load_rows(q_ptr, s_qt, s_qh, o_t, m_t, i_h, o_k)  # [BT, K]
         b_k = common.load_cols(k_ptr, s_kt, s_kh, o_t, m_t, i_h, o_k)  # [K, BT]: k transposed from memory
-        if USE_QK_L2NORM:
-            b_q = common.l2_normalize(b_q, 1, dtype, EMULATE_BF16)
-            b_k = common.l2_normalize(b_k, 0, dtype, EMULATE_BF16)
+        if S.USE_QK_L2NORM:
+            b_q = common.l2_normalize(b_q, 1, dtype, S.EMULATE_BF16)
+            b_k = common.l2_normalize(b_k, 0, dtype, S.EMULATE_BF16)
 
-        b_h = tl.load(common.state_tile(h_ptr, i_c64, i_hv, HV, K, V, o_k, o_v))  # [K, BV]
-        b_o = common.dot(b_q, b_h, None, DOT_PRECISION, EMULATE_BF16)  # [BT, K] @ [K, BV] -> [BT, BV]
-        b_A = common.dot(b_q, b_k, None, DOT_PRECISION, EMULATE_BF16)  # [BT, K] @ [K, BT] -> [BT, BT]
+        b_h = tl.load(common.state_tile(h_ptr, i_c64, i_hv, S.HV, S.K, S.V, o_k, o_v))  # [K, BV]
+        b_o = common.dot(b_q, b_h, None, S.DOT_PRECISION, S.EMULATE_BF16)  # [BT, K] @ [K, BV] -> [BT, BV]
+        b_A = common.dot(b_q, b_k, None, S.DOT_PRECISION, S.EMULATE_BF16)  # [BT, K] @ [K, BT] -> [BT, BT]
 
         b_g = common.load_tokens(g_ptr, s_gt, s_gh, o_t, m_t, i_hv)  # [BT], <= 0
         b_o = b_o * tl.exp(b_g)[:, None]
@@ -95,12 +88,12 @@ def _output_kernel(
 
         b_vn = common.load_rows(vn_ptr, s_vt, s_vh, o_t, m_t, i_hv, o_v)  # [BT, BV]
         # [BT, BT] @ [BT, BV]
-        b_o = common.dot(common.round_to(b_A, dtype, EMULATE_BF16), b_vn, b_o, DOT_PRECISION, EMULATE_BF16)
+        b_o = common.dot(common.round_to(b_A, dtype, S.EMULATE_BF16), b_vn, b_o, S.DOT_PRECISION, S.EMULATE_BF16)
         b_o = b_o * scale
-        common.store_rows(o_ptr, s_ot, s_oh, o_t, m_t, i_hv, o_v, b_o, EMULATE_BF16)
+        common.store_rows(o_ptr, s_ot, s_oh, o_t, m_t, i_hv, o_v, b_o, S.EMULATE_BF16)
     else:
         # tokens past the last chunk's end (past cu_seqlens[-1]) belong to no chunk: o = 0
-        common.store_zero_tail(o_ptr, ci_ptr, NC, T, s_ot, s_oh, i_hv, o_v, o_i, BT, BV)
+        common.store_zero_tail(o_ptr, ci_ptr, NC, T, s_ot, s_oh, i_hv, o_v, o_i, S.BT, BV)
 
 
 def launch_output(
@@ -129,7 +122,7 @@ def launch_output(
         q, k, v_new, h, g_cum, chunk_indices, o,
         float(scale), T, NC,
         *common.token_head_strides(q, k, v_new, g_cum, o),
-        **common.stage_constexprs(H, HV, K, V, q.dtype, use_qk_l2norm), BV=BV,
+        S=common.stage(H, HV, K, V, q.dtype, use_qk_l2norm), BV=BV,
         **CONFIG.options(),
     )
     return o

@@ -114,25 +114,18 @@ def _state_pass_kernel(
     s_ut, s_uh,
     s_gt, s_gh,
     s_vt, s_vh,
-    # common.stage_constexprs, BV (value channels per program), common.sequential_pass's loop
-    HV: tl.constexpr,
-    GROUP: tl.constexpr,
-    K: tl.constexpr,
-    V: tl.constexpr,
-    BT: tl.constexpr,
+    # common.stage (S), BV (value channels per program), common.sequential_pass's loop
+    S,  # common.Stage: HV, GROUP, K, V, BT, USE_QK_L2NORM, DOT_PRECISION, EMULATE_BF16
     BV: tl.constexpr,
-    USE_QK_L2NORM: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    EMULATE_BF16: tl.constexpr,
     PIPELINED: tl.constexpr,
     NUM_STAGES_LOOP: tl.constexpr,
 ):
     # i_n in [0, N]; N: the tail of tokens in no chunk
-    i_n, i_hv, i_h, o_k, o_v, o_i = common.value_block_program(HV, GROUP, V, BV, K, BT)
+    i_n, i_hv, i_h, o_k, o_v, o_i = common.value_block_program(S.HV, S.GROUP, S.V, BV, S.K, S.BT)
 
     if i_n < N:
-        b_h = tl.zeros([K, BV], dtype=tl.float32)
-        o_state = (i_n.to(tl.int64) * HV + i_hv) * (K * V) + o_k[:, None] * V + o_v[None, :]  # [K, BV]
+        b_h = tl.zeros([S.K, BV], dtype=tl.float32)
+        o_state = (i_n.to(tl.int64) * S.HV + i_hv) * (S.K * S.V) + o_k[:, None] * S.V + o_v[None, :]  # [K, BV]
         if h0_ptr is not None:
             b_h += tl.load(h0_ptr + o_state)  # [K, BV]
 
@@ -141,20 +134,20 @@ def _state_pass_kernel(
         if PIPELINED:  # a for loop the compiler software-pipelines (loads of the next chunk early)
             for i_c in tl.range(i_c, i_c1, num_stages=NUM_STAGES_LOOP):
                 b_h = _state_step(b_h, i_c, k_ptr, w_ptr, u_ptr, g_ptr, ci_ptr, h_ptr, vn_ptr, s_kt, s_kh, s_wt, s_wh,
-                                  s_ut, s_uh, s_gt, s_gh, s_vt, s_vh, i_hv, i_h, o_k, o_v, o_i, HV, K, V,
-                                  USE_QK_L2NORM, DOT_PRECISION, EMULATE_BF16)
+                                  s_ut, s_uh, s_gt, s_gh, s_vt, s_vh, i_hv, i_h, o_k, o_v, o_i, S.HV, S.K, S.V,
+                                  S.USE_QK_L2NORM, S.DOT_PRECISION, S.EMULATE_BF16)
         else:  # the interpreter cannot take runtime bounds in a for loop
             while i_c < i_c1:
                 b_h = _state_step(b_h, i_c, k_ptr, w_ptr, u_ptr, g_ptr, ci_ptr, h_ptr, vn_ptr, s_kt, s_kh, s_wt, s_wh,
-                                  s_ut, s_uh, s_gt, s_gh, s_vt, s_vh, i_hv, i_h, o_k, o_v, o_i, HV, K, V,
-                                  USE_QK_L2NORM, DOT_PRECISION, EMULATE_BF16)
+                                  s_ut, s_uh, s_gt, s_gh, s_vt, s_vh, i_hv, i_h, o_k, o_v, o_i, S.HV, S.K, S.V,
+                                  S.USE_QK_L2NORM, S.DOT_PRECISION, S.EMULATE_BF16)
                 i_c += 1
 
         if ht_ptr is not None:
             tl.store(ht_ptr + o_state, b_h)
     else:
         # tokens past the last chunk's end (past cu_seqlens[-1]) belong to no chunk: v_new = 0
-        common.store_zero_tail(vn_ptr, ci_ptr, tl.load(co_ptr + N), T, s_vt, s_vh, i_hv, o_v, o_i, BT, BV)
+        common.store_zero_tail(vn_ptr, ci_ptr, tl.load(co_ptr + N), T, s_vt, s_vh, i_hv, o_v, o_i, S.BT, BV)
 
 
 def launch_state_pass(
@@ -187,7 +180,7 @@ def launch_state_pass(
     _state_pass_kernel[(programs,)](
         k, w, u, g_cum, chunk_indices, chunk_offsets, initial_state, h, v_new, final_state, T, N,
         *common.token_head_strides(k, w, u, g_cum, v_new),
-        **common.stage_constexprs(H, HV, K, V, w.dtype, use_qk_l2norm), BV=BV, **loop,
+        S=common.stage(H, HV, K, V, w.dtype, use_qk_l2norm), BV=BV, **loop,
     )
     return h, v_new, final_state
 

@@ -111,18 +111,11 @@ def _dv_local_kernel(
     s_dot, s_doh,
     s_gt, s_gh,
     s_dvt, s_dvh,
-    # common.stage_constexprs and BV (value channels per program)
-    HV: tl.constexpr,
-    GROUP: tl.constexpr,
-    K: tl.constexpr,
-    V: tl.constexpr,
-    BT: tl.constexpr,
+    # common.stage (S) and BV (value channels per program)
+    S,  # common.Stage: HV, GROUP, K, V, BT, USE_QK_L2NORM, DOT_PRECISION, EMULATE_BF16
     BV: tl.constexpr,
-    USE_QK_L2NORM: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    EMULATE_BF16: tl.constexpr,
 ):
-    i_c, i_hv, i_h, o_k, o_v, o_i = common.value_block_program(HV, GROUP, V, BV, K, BT)  # i_c in [0, NC)
+    i_c, i_hv, i_h, o_k, o_v, o_i = common.value_block_program(S.HV, S.GROUP, S.V, BV, S.K, S.BT)  # i_c in [0, NC)
     dtype = q_ptr.dtype.element_ty
 
     _, _, o_t, m_t = common.chunk_tokens(ci_ptr, i_c, o_i)  # o_t: [BT] int64 token offsets
@@ -131,8 +124,8 @@ def _dv_local_kernel(
     b_q = common.load_cols(q_ptr, s_qt, s_qh, o_t, m_t, i_h, o_k)  # [K, BT]: q transposed from memory
 
     # A^T[j, i] = (k_j . q_i) exp(G_i - G_j) for j <= i, both tokens in the chunk
-    b_at = common.dot(b_k, b_q, None, DOT_PRECISION, EMULATE_BF16)  # [BT, K] @ [K, BT] -> [BT, BT]
-    if USE_QK_L2NORM:  # the norms scale the product's rows (k) and columns (q)
+    b_at = common.dot(b_k, b_q, None, S.DOT_PRECISION, S.EMULATE_BF16)  # [BT, K] @ [K, BT] -> [BT, BT]
+    if S.USE_QK_L2NORM:  # the norms scale the product's rows (k) and columns (q)
         b_kf = b_k.to(tl.float32)
         b_qf = b_q.to(tl.float32)
         b_rk = tl.rsqrt(tl.sum(b_kf * b_kf, axis=1) + common.L2NORM_EPS)  # [BT]
@@ -142,9 +135,9 @@ def _dv_local_kernel(
     b_at = common.causal_decay(b_at, b_g, o_i, m_t, True)  # [BT, BT] rows j, columns i
 
     b_do = common.load_rows(do_ptr, s_dot, s_doh, o_t, m_t, i_hv, o_v)  # [BT, BV]
-    b_dv = common.dot(common.round_to(b_at, dtype, EMULATE_BF16), b_do, None, DOT_PRECISION, EMULATE_BF16)  # [BT, BV]
+    b_dv = common.dot(common.round_to(b_at, dtype, S.EMULATE_BF16), b_do, None, S.DOT_PRECISION, S.EMULATE_BF16)  # [BT, BV]
     b_dv = b_dv * scale
-    common.store_rows(dv_ptr, s_dvt, s_dvh, o_t, m_t, i_hv, o_v, b_dv, EMULATE_BF16)
+    common.store_rows(dv_ptr, s_dvt, s_dvh, o_t, m_t, i_hv, o_v, b_dv, S.EMULATE_BF16)
 
 
 def launch_dv_local(
@@ -174,7 +167,7 @@ def launch_dv_local(
         q, k, do, g_cum, chunk_indices, dv_local,
         float(scale),
         *common.token_head_strides(q, k, do, g_cum, dv_local),
-        **common.stage_constexprs(H, HV, K, V, q.dtype, use_qk_l2norm), BV=BV,
+        S=common.stage(H, HV, K, V, q.dtype, use_qk_l2norm), BV=BV,
         **DV_CONFIG.options(),
     )
     return dv_local
@@ -271,37 +264,30 @@ def _state_backward_kernel(
     s_lt, s_lh,
     s_gt, s_gh,
     s_vt, s_vh,
-    # common.stage_constexprs, BK, BV (value channels per program), common.sequential_pass's loop
-    HV: tl.constexpr,
-    GROUP: tl.constexpr,
-    K: tl.constexpr,
-    V: tl.constexpr,
-    BT: tl.constexpr,
+    # common.stage (S), BK, BV (value channels per program), common.sequential_pass's loop
+    S,  # common.Stage: HV, GROUP, K, V, BT, USE_QK_L2NORM, DOT_PRECISION, EMULATE_BF16
     BK: tl.constexpr,  # rows of K per block: K, or K / 2 (two blocks, b_dh1 and b_dh2)
     BV: tl.constexpr,
-    USE_QK_L2NORM: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    EMULATE_BF16: tl.constexpr,
     PIPELINED: tl.constexpr,
     NUM_STAGES_LOOP: tl.constexpr,
 ):
-    tl.static_assert(K == BK or K == 2 * BK)
+    tl.static_assert(S.K == BK or S.K == 2 * BK)
     # i_n in [0, N); o_k: rows of the first K block, the second's are BK + o_k
-    i_n, i_hv, i_h, o_k, o_v, o_i = common.value_block_program(HV, GROUP, V, BV, BK, BT)
-    o_kv = o_k[:, None] * V + o_v[None, :]  # [BK, BV] offsets in a [K, V] state
+    i_n, i_hv, i_h, o_k, o_v, o_i = common.value_block_program(S.HV, S.GROUP, S.V, BV, BK, S.BT)
+    o_kv = o_k[:, None] * S.V + o_v[None, :]  # [BK, BV] offsets in a [K, V] state
 
     # b_dh = [b_dh1; b_dh2]: the state gradient's K rows in (up to) two fp32 blocks; dht as
     # loaded (not added to zeros, which would turn -0.0 into +0.0)
-    p_state = (i_n.to(tl.int64) * HV + i_hv) * (K * V) + o_kv  # [BK, BV]
+    p_state = (i_n.to(tl.int64) * S.HV + i_hv) * (S.K * S.V) + o_kv  # [BK, BV]
     if dht_ptr is not None:
         b_dh1 = tl.load(dht_ptr + p_state).to(tl.float32)
-        if K > BK:
-            b_dh2 = tl.load(dht_ptr + p_state + BK * V).to(tl.float32)
+        if S.K > BK:
+            b_dh2 = tl.load(dht_ptr + p_state + BK * S.V).to(tl.float32)
     else:
         b_dh1 = tl.zeros([BK, BV], dtype=tl.float32)
-        if K > BK:
+        if S.K > BK:
             b_dh2 = tl.zeros([BK, BV], dtype=tl.float32)
-    if K == BK:
+    if S.K == BK:
         b_dh2 = tl.zeros([BK, BV], dtype=tl.float32)  # a placeholder the step carries unused
 
     i_c0 = tl.load(co_ptr + i_n)  # the document's chunks [i_c0, i_c1), visited last to first
@@ -311,19 +297,19 @@ def _state_backward_kernel(
             b_dh1, b_dh2 = _state_backward_step(b_dh1, b_dh2, i_c - j, q_ptr, k_ptr, w_ptr, do_ptr, dvl_ptr, g_ptr, ci_ptr, dh_ptr,
                                                   dvn_ptr, scale, s_qt, s_qh, s_kt, s_kh, s_wt, s_wh, s_dot, s_doh,
                                                   s_lt, s_lh, s_gt, s_gh, s_vt, s_vh, i_hv, i_h, o_k, o_v, o_i, o_kv,
-                                                  HV, K, V, BK, USE_QK_L2NORM, DOT_PRECISION, EMULATE_BF16)
+                                                  S.HV, S.K, S.V, BK, S.USE_QK_L2NORM, S.DOT_PRECISION, S.EMULATE_BF16)
     else:  # the interpreter cannot take runtime bounds in a for loop
         while i_c >= i_c0:
             b_dh1, b_dh2 = _state_backward_step(b_dh1, b_dh2, i_c, q_ptr, k_ptr, w_ptr, do_ptr, dvl_ptr, g_ptr, ci_ptr, dh_ptr,
                                                   dvn_ptr, scale, s_qt, s_qh, s_kt, s_kh, s_wt, s_wh, s_dot, s_doh,
                                                   s_lt, s_lh, s_gt, s_gh, s_vt, s_vh, i_hv, i_h, o_k, o_v, o_i, o_kv,
-                                                  HV, K, V, BK, USE_QK_L2NORM, DOT_PRECISION, EMULATE_BF16)
+                                                  S.HV, S.K, S.V, BK, S.USE_QK_L2NORM, S.DOT_PRECISION, S.EMULATE_BF16)
             i_c -= 1
 
     if dh0_ptr is not None:
         tl.store(dh0_ptr + p_state, b_dh1)
-        if K > BK:
-            tl.store(dh0_ptr + p_state + BK * V, b_dh2)
+        if S.K > BK:
+            tl.store(dh0_ptr + p_state + BK * S.V, b_dh2)
 
 
 def launch_config(device: torch.device, V: int) -> tuple[int, int]:
@@ -374,7 +360,7 @@ def launch_state_backward(
         q, k, w, do, dv_local, g_cum, chunk_indices, chunk_offsets, dht, dh, dv_new, dh0,
         float(scale), N,
         *common.token_head_strides(q, k, w, do, dv_local, g_cum, dv_new),
-        **common.stage_constexprs(H, HV, K, V, q.dtype, use_qk_l2norm), BK=block_k(K), BV=BV, **loop,
+        S=common.stage(H, HV, K, V, q.dtype, use_qk_l2norm), BK=block_k(K), BV=BV, **loop,
     )
     return dh, dv_new, dh0
 
