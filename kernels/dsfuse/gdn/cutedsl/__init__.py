@@ -7,13 +7,17 @@ op's contract tests (which run on the backends that serve a call) do not run the
 * ``ut_inverse``: the ungated UT inverse ``(I + diag(beta) strictly_lower(k k^T))^-1`` of every
   chunk and value head (the first step of the fused forward planned on the GDN page); checked
   against the reference on a GPU by ``tests/gdn/test_gdn_cutedsl_ut_inverse.py``.
+* ``fused_fwd``: the fused chunked forward, one CTA per (document, value head, value tile) walking
+  its chunks with the fp32 state on chip, from ``ut_inverse``'s ``A`` (fp32 CUDA-core arithmetic:
+  the reference-grade second step, before tensor cores and warp specialisation); checked by
+  ``tests/gdn/test_gdn_cutedsl_fused_forward.py``, timed by ``experiments/gdn/fused_forward_probe.py``.
 """
 
 from __future__ import annotations
 
 from dsfuse._common.backends import KERNEL_DTYPES, BackendTable
 
-KERNELS = ("dsfuse.gdn.cutedsl.ut_inverse",)
+KERNELS = ("dsfuse.gdn.cutedsl.ut_inverse", "dsfuse.gdn.cutedsl.fused_fwd")
 
 TABLE = BackendTable("cutedsl", dtypes=KERNEL_DTYPES, calls={}, kernels=KERNELS, load=dict,
                      auto={"sm_90": None, "sm_100": None})

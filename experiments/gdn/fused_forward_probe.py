@@ -1,0 +1,120 @@
+"""Gated DeltaNet on the GPU: the time of the CuTe DSL fused forward as it stands (not yet reachable
+from `chunk_gdn`), beside the Triton forward, at the experiment's shape.
+
+    python experiments/gdn/fused_forward_probe.py OUT_DIR [--config experiments/gdn/configs/h200.yaml]
+        [--samples 10]
+
+For each forward case of the config (its tokens, documents, value heads and L2 norm settings; q, k,
+v head views of one packed row, initial and final state): the UT inverse kernel alone
+(``ut_inverse``), the fused kernel alone (``fused``), both (``cutedsl``) and the Triton forward
+(``triton``, `chunk_gdn`), each replayed from a CUDA Graph with the L2 overwritten before each call
+(`dsfuse.bench.harness.Timer`, evicted regime). Before timing, the fused forward's ``o`` and final
+state are checked against the Triton forward's (relative RMS <= 1e-2: two approximations of one
+float64 result; the float64 checks are the GPU tests'). Writes ``samples.csv`` (case, tokens, value
+heads, l2norm, part, sample, us) and ``env.json`` under OUT_DIR and prints the medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from dsfuse.bench import env as env_mod
+from dsfuse.bench import gdn
+from dsfuse.bench.harness import Timer, capture_graph, load_config, write_csv
+from dsfuse.bench.paths import cli_path
+
+DEFAULT_CONFIG = "experiments/gdn/configs/h200.yaml"
+FLUSH_BYTES = 256 << 20
+
+
+def rel_rms(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.double() - want.double()).norm() / want.double().norm().clamp_min(1e-30))
+
+
+def case_rows(case, timer: Timer, samples: int, device: torch.device) -> list[dict]:
+    from dsfuse.gdn import chunk_gdn
+    from dsfuse.gdn.cutedsl.fused_fwd import CHUNK, launch_fused_forward
+    from dsfuse.gdn.cutedsl.ut_inverse import launch_ut_inverse
+    from dsfuse.gdn.reference import prepare_chunk_indices, prepare_chunk_offsets
+
+    p = case.params
+    inputs = gdn.make_inputs(case, device, seed=0)
+    q, k, v = (x[0] for x in gdn.split_views(inputs["row"], p["heads"], p["value_heads"]))  # [T, *, D] views
+    g, beta, h0 = inputs["g"][0], inputs["beta"][0], inputs["initial_state"].contiguous()
+    bounds, l2 = p["bounds"], p["l2norm"]
+    ci = prepare_chunk_indices(bounds).to(device=device, dtype=torch.int32).contiguous()
+    co = prepare_chunk_offsets(bounds).to(device=device, dtype=torch.int32).contiguous()
+    tokens, hv, dv = v.shape
+    a = torch.empty(tokens, hv, CHUNK, device=device)
+    ht = torch.empty_like(h0)
+    o = torch.zeros(tokens, hv, dv, device=device, dtype=v.dtype)
+    scale = q.shape[-1] ** -0.5
+
+    def inverse():
+        launch_ut_inverse(k, beta, ci, a, use_qk_l2norm=l2)
+
+    def fused():
+        launch_fused_forward(q, k, v, g, beta, a, ci, co, h0, ht, o, scale, use_qk_l2norm=l2)
+
+    def both():
+        inverse()
+        fused()
+
+    def triton():
+        return chunk_gdn(q[None], k[None], v[None], inputs["g"], inputs["beta"], initial_state=h0,
+                         output_final_state=True, cu_seqlens=inputs["cu_seqlens"], use_qk_l2norm_in_kernel=l2,
+                         backend="triton")
+
+    both()
+    o_tri, ht_tri = triton()
+    torch.cuda.synchronize(device)
+    errors = {"o": rel_rms(o, o_tri[0]), "final_state": rel_rms(ht, ht_tri)}
+    bad = {name: err for name, err in errors.items() if not err <= 1e-2}
+    if bad:
+        raise AssertionError(f"{case.name}: the fused forward differs from the Triton forward: {bad}")
+    print(f"{case.name}: relative RMS against the Triton forward: "
+          + ", ".join(f"{name} {err:.1e}" for name, err in errors.items()))
+
+    rows = []
+    for part, fn in (("ut_inverse", inverse), ("fused", fused), ("cutedsl", both), ("triton", triton)):
+        graph, _ = capture_graph(lambda fn=fn: (fn(),), device)
+        for i, us in enumerate(timer.samples(graph.replay, "evicted", samples, 1)):
+            rows.append(dict(case=case.name, tokens=p["tokens"], value_heads=hv, l2norm=l2, part=part, sample=i,
+                             us=us))
+        del graph
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out", type=Path, help="output folder (created)")
+    parser.add_argument("--config", default=DEFAULT_CONFIG, help=f"experiment config (default {DEFAULT_CONFIG})")
+    parser.add_argument("--samples", type=int, default=10, help="samples per part (default 10)")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("fused_forward_probe.py needs a CUDA GPU and the cutedsl extra. Run it on the GPU machine.",
+              file=sys.stderr)
+        return 2
+    import pandas as pd
+
+    device = torch.device("cuda")
+    config = load_config(cli_path(args.config)) | {"modes": ["fwd"]}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "env.json").write_text(json.dumps(env_mod.collect(device, op=gdn.OP), indent=2) + "\n")
+    timer = Timer(device, FLUSH_BYTES)
+    rows = [row for case in gdn.cases(config) for row in case_rows(case, timer, args.samples, device)]
+    write_csv(args.out / "samples.csv", rows)
+    table = pd.DataFrame(rows).groupby(["case", "part"], sort=False)["us"].median().unstack("part")
+    print(f"median us per call, CUDA Graph replay, L2 evicted ({args.samples} samples)")
+    print(table.round(1).to_string())
+    print(f"wrote {args.out / 'samples.csv'}, {args.out / 'env.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,334 @@
+"""The fused chunked forward of the Gated DeltaNet in CuTe DSL, first form: one CTA walks one chain
+(document, value head, tile of ``BV`` value channels) chunk by chunk with the fp32 state on chip;
+``w``, ``u``, ``v_new`` and the per-chunk states never reach memory. Not yet reachable from
+`chunk_gdn`: the second green step of the fused forward planned on the GDN page (the inverse, then
+this kernel, then its tensor-core, warp-specialised form).
+
+Per chunk (``C = 64`` tokens, ``G`` the chunk-local cumulative gate, ``Gamma_ij = exp(G_i - G_j)``
+for ``j <= i``, ``A0`` the ungated inverse of `dsfuse.gdn.cutedsl.ut_inverse`, ``S`` the state
+``[K, BV]`` at the chunk's start; q and k L2-normalised in fp32 when asked)::
+
+    X     = beta * (v - exp(G) * (k S))                       # [C, BV]
+    v_new = (A0 * Gamma) X                                    # = u - w S, the delta rule's corrections
+    o     = scale * (exp(G) * (q S) + ((q k^T) * Gamma) v_new) # the triangle with its diagonal
+    S     = exp(G_last) S + (k * exp(G_last - G))^T v_new
+
+(`dsfuse.gdn.reference`'s stages with ``A = A0 * Gamma``: ``(I + D M D^-1)^-1 = D (I + M)^-1 D^-1``
+for ``D = diag(exp(G))``.) Only differences ``G_i - G_j <= 0`` are exponentiated.
+
+Arithmetic: fp32 throughout, each product a plain fp32 dot in a fixed order (no tensor cores, no
+atomics), so a call is bitwise reproducible and independent of the SM count. 128 threads; the
+``[C, BV]`` tiles by thread ``(row0, col) = divmod(tid, BV)``, rows ``row0 + 4 i``; the state's
+``[K, BV]`` entries likewise, rows ``row0 + 4 i``. A reference-grade kernel: the tensor-core form
+is checked against it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dsfuse._common import cutedsl as _cd
+
+cutlass, cute = _cd.require()
+from cutlass import Float32, Int32, const_expr  # noqa: E402
+
+CHUNK = 64
+THREADS = 128
+BV = 32  # value channels per CTA
+DTYPES = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16, torch.float32: Float32}
+L2NORM_EPS = 1e-6  # dsfuse.gdn.reference.L2NORM_EPS
+ROWS = THREADS // BV  # 4 thread rows: a thread holds CHUNK / ROWS rows of a [C, BV] tile
+
+
+def shape_reasons(dtype: torch.dtype, heads: int, value_heads: int, dim_k: int, dim_v: int) -> list[str]:
+    """Why the kernel cannot be compiled for these sizes (empty when it can)."""
+    reasons = []
+    if dtype not in DTYPES:
+        reasons.append(f"dtype {dtype} is not one of {sorted(map(str, DTYPES))}")
+    if heads < 1 or value_heads % heads:
+        reasons.append(f"value heads ({value_heads}) must be a multiple of the qk heads ({heads})")
+    if dim_k not in (16, 32, 64, 128):
+        reasons.append(f"head dim K = {dim_k} is not one of (16, 32, 64, 128)")
+    if dim_v % BV or dim_v > 256:
+        reasons.append(f"head dim V = {dim_v} is not a multiple of {BV} up to 256")
+    return reasons
+
+
+class _FusedForward:
+    """``(q, k, v, g, beta, a, chunk_indices, chunk_offsets, h0, ht, o, scale)``: writes ``o`` and ``ht``."""
+
+    def __init__(self, dtype: torch.dtype, heads: int, value_heads: int, dim_k: int, dim_v: int, l2norm: bool):
+        self.dtype, self.heads, self.value_heads, self.dim_k, self.dim_v, self.l2norm = (
+            DTYPES[dtype], heads, value_heads, dim_k, dim_v, l2norm)
+
+    @cute.jit
+    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mG: cute.Tensor, mBeta: cute.Tensor,
+                 mA: cute.Tensor, mChunks: cute.Tensor, mOffsets: cute.Tensor, mH0: cute.Tensor, mHt: cute.Tensor,
+                 mO: cute.Tensor, scale: Float32, stream):
+        grid = [self.dim_v // BV, self.value_heads, mOffsets.shape[0] - 1]
+        self.kernel(mQ, mK, mV, mG, mBeta, mA, mChunks, mOffsets, mH0, mHt, mO, scale).launch(
+            grid=grid, block=[THREADS, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mG: cute.Tensor, mBeta: cute.Tensor,
+               mA: cute.Tensor, mChunks: cute.Tensor, mOffsets: cute.Tensor, mH0: cute.Tensor, mHt: cute.Tensor,
+               mO: cute.Tensor, scale: Float32):
+        K, C, GROUP = self.dim_k, CHUNK, self.value_heads // self.heads
+        TILE_ROWS, STATE_ROWS = C // ROWS, K // ROWS  # a thread's rows of a [C, BV] tile / of the state
+        tidx, _, _ = cute.arch.thread_idx()
+        i_v, i_hv, i_n = cute.arch.block_idx()
+        i_h = i_hv // GROUP
+        row0 = tidx // BV
+        col = tidx - row0 * BV
+        v_col = i_v * BV + col
+
+        smem = cutlass.memory.SmemAllocator()
+        # row pitch +1 word: a warp's column reads of q, k, A, q k^T fall in distinct banks
+        sQ = smem.allocate_tensor(Float32, cute.make_layout((C, K), stride=(K + 1, 1)), byte_alignment=16)
+        sK = smem.allocate_tensor(Float32, cute.make_layout((C, K), stride=(K + 1, 1)), byte_alignment=16)
+        sA = smem.allocate_tensor(Float32, cute.make_layout((C, C), stride=(C + 1, 1)), byte_alignment=16)
+        sQK = smem.allocate_tensor(Float32, cute.make_layout((C, C), stride=(C + 1, 1)), byte_alignment=16)
+        sS = smem.allocate_tensor(Float32, cute.make_layout((K, BV), stride=(BV, 1)), byte_alignment=16)
+        sX = smem.allocate_tensor(Float32, cute.make_layout((C, BV), stride=(BV, 1)), byte_alignment=16)
+        sVn = smem.allocate_tensor(Float32, cute.make_layout((C, BV), stride=(BV, 1)), byte_alignment=16)
+        sG = smem.allocate_tensor(Float32, cute.make_layout((C,)), byte_alignment=16)  # g, then G
+        sBeta = smem.allocate_tensor(Float32, cute.make_layout((C,)), byte_alignment=16)
+        sEG = smem.allocate_tensor(Float32, cute.make_layout((C,)), byte_alignment=16)  # exp(G_i)
+        sDec = smem.allocate_tensor(Float32, cute.make_layout((C,)), byte_alignment=16)  # exp(G_last - G_i)
+        sRstd = smem.allocate_tensor(Float32, cute.make_layout((2 * C,)), byte_alignment=16)  # q rows, k rows
+
+        rP = cute.make_rmem_tensor((TILE_ROWS,), Float32)  # k S, then X
+        rQS = cute.make_rmem_tensor((TILE_ROWS,), Float32)  # q S
+
+        # the state at the document's start
+        for i in cutlass.range_constexpr(STATE_ROWS):
+            kk = row0 + ROWS * i
+            sS[kk, col] = mH0[i_n, i_hv, kk, v_col]
+        cute.arch.sync_threads()
+
+        for i_c in cutlass.range(mOffsets[i_n], mOffsets[i_n + 1]):
+            start = mChunks[i_c, 1]
+            rows = mChunks[i_c, 2] - start
+
+            # 1. the chunk's q, k rows, A0 rows (zeros past the chunk's end), g and beta
+            for item in cutlass.range(C * K // THREADS, unroll=4):
+                idx = tidx + item * THREADS
+                r = idx // K
+                c = idx - r * K
+                qv, kv = Float32(0.0), Float32(0.0)
+                if r < rows:
+                    qv = mQ[start + r, i_h, c].to(Float32)
+                    kv = mK[start + r, i_h, c].to(Float32)
+                sQ[r, c] = qv
+                sK[r, c] = kv
+            for item in cutlass.range(C * C // THREADS, unroll=4):
+                idx = tidx + item * THREADS
+                r = idx // C
+                c = idx - r * C
+                av = Float32(0.0)
+                if r < rows:
+                    av = mA[start + r, i_hv, c]
+                sA[r, c] = av
+            if tidx < C:
+                gv, bv = Float32(0.0), Float32(0.0)
+                if tidx < rows:
+                    gv = mG[start + tidx, i_hv]
+                    bv = mBeta[start + tidx, i_hv].to(Float32)
+                sG[tidx] = gv
+                sBeta[tidx] = bv
+            cute.arch.sync_threads()
+
+            # 2. rstd of the q rows (threads 0..63) and k rows (64..127); G = cumsum(g) by thread 0
+            if const_expr(self.l2norm):
+                row = tidx % C
+                total = Float32(0.0)
+                if tidx < C:
+                    for c in cutlass.range(K):
+                        total = total + sQ[row, c] * sQ[row, c]
+                else:
+                    for c in cutlass.range(K):
+                        total = total + sK[row, c] * sK[row, c]
+                sRstd[tidx] = cute.math.rsqrt(total + Float32(L2NORM_EPS))
+            if tidx == 0:
+                run = Float32(0.0)
+                for pos in cutlass.range(C):
+                    run = run + sG[pos]
+                    sG[pos] = run
+            cute.arch.sync_threads()
+
+            # 3. normalise q and k; the gate vectors (padding keeps G flat: G_last is the last real G)
+            if const_expr(self.l2norm):
+                for item in cutlass.range(C * K // THREADS, unroll=4):
+                    idx = tidx + item * THREADS
+                    r = idx // K
+                    c = idx - r * K
+                    sQ[r, c] = sQ[r, c] * sRstd[r]
+                    sK[r, c] = sK[r, c] * sRstd[C + r]
+            if tidx < C:
+                sEG[tidx] = cute.math.exp(sG[tidx])
+                sDec[tidx] = cute.math.exp(sG[C - 1] - sG[tidx])
+            cute.arch.sync_threads()
+
+            # 4a. A0 * Gamma in place, and (q k^T) * Gamma, both lower triangular with the diagonal
+            for item in cutlass.range(C * C // THREADS):
+                idx = tidx + item * THREADS
+                i = idx // C
+                j = idx - i * C
+                gated, qk = Float32(0.0), Float32(0.0)
+                if j <= i:
+                    decay = cute.math.exp(sG[i] - sG[j])
+                    gated = sA[i, j] * decay
+                    dot = Float32(0.0)
+                    for c in cutlass.range(K):
+                        dot = dot + sQ[i, c] * sK[j, c]
+                    qk = dot * decay
+                sA[i, j] = gated
+                sQK[i, j] = qk
+
+            # 4b. k S and q S for this thread's rows; X = beta (v - exp(G) k S)
+            for i in cutlass.range_constexpr(TILE_ROWS):
+                rP[i] = Float32(0.0)
+                rQS[i] = Float32(0.0)
+            for c in cutlass.range(K):
+                s = sS[c, col]
+                for i in cutlass.range_constexpr(TILE_ROWS):
+                    r = row0 + ROWS * i
+                    rP[i] = rP[i] + sK[r, c] * s
+                    rQS[i] = rQS[i] + sQ[r, c] * s
+            for i in cutlass.range_constexpr(TILE_ROWS):
+                r = row0 + ROWS * i
+                vv = Float32(0.0)
+                if r < rows:
+                    vv = mV[start + r, i_hv, v_col].to(Float32)
+                sX[r, col] = sBeta[r] * (vv - sEG[r] * rP[i])
+            cute.arch.sync_threads()
+
+            # 5. v_new = (A0 * Gamma) X
+            for i in cutlass.range_constexpr(TILE_ROWS):
+                r = row0 + ROWS * i
+                acc = Float32(0.0)
+                for j in cutlass.range(r + 1):
+                    acc = acc + sA[r, j] * sX[j, col]
+                sVn[r, col] = acc
+            cute.arch.sync_threads()
+
+            # 6. o = scale (exp(G) q S + ((q k^T) * Gamma) v_new), the chunk's real rows
+            for i in cutlass.range_constexpr(TILE_ROWS):
+                r = row0 + ROWS * i
+                acc = Float32(0.0)
+                for j in cutlass.range(r + 1):
+                    acc = acc + sQK[r, j] * sVn[j, col]
+                if r < rows:
+                    mO[start + r, i_hv, v_col] = (scale * (sEG[r] * rQS[i] + acc)).to(mO.element_type)
+
+            # 7. S = exp(G_last) S + (k * exp(G_last - G))^T v_new, this thread's entries
+            last = sEG[C - 1]
+            for i in cutlass.range_constexpr(STATE_ROWS):
+                kk = row0 + ROWS * i
+                acc = Float32(0.0)
+                for j in cutlass.range(C):
+                    acc = acc + sK[j, kk] * sDec[j] * sVn[j, col]
+                sS[kk, col] = last * sS[kk, col] + acc
+            cute.arch.sync_threads()
+
+        for i in cutlass.range_constexpr(STATE_ROWS):
+            kk = row0 + ROWS * i
+            mHt[i_n, i_hv, kk, v_col] = sS[kk, col]
+
+
+CACHE = _cd.KernelCache()  # (dtype, H, HV, K, V, l2norm, arch) -> compiled function
+
+
+def _fake_tensors(dtype: torch.dtype, heads: int, value_heads: int, dim_k: int, dim_v: int) -> tuple:
+    """Fake tensors of the compiled signature: symbolic tokens, chunks and documents; q, k, v, g and beta
+    with any token and head strides (packed views), the rest contiguous."""
+    cdt = DTYPES[dtype]
+    tokens, chunks, docs, docs1 = cute.sym_int(), cute.sym_int(), cute.sym_int(), cute.sym_int()
+
+    def rows(elem, heads_, dim):  # [T, heads, dim]: any token and head strides, unit channel stride
+        return cute.runtime.make_fake_tensor(elem, (tokens, heads_, dim), (cute.sym_int64(), cute.sym_int64(), 1))
+
+    def gates(elem):  # [T, HV]: any strides
+        return cute.runtime.make_fake_tensor(elem, (tokens, value_heads), (cute.sym_int64(), cute.sym_int64()))
+
+    q, k, v = rows(cdt, heads, dim_k), rows(cdt, heads, dim_k), rows(cdt, value_heads, dim_v)
+    g, beta = gates(Float32), gates(cdt)
+    a = cute.runtime.make_fake_tensor(Float32, (tokens, value_heads, CHUNK), (value_heads * CHUNK, CHUNK, 1))
+    table = cute.runtime.make_fake_tensor(Int32, (chunks, 3), (3, 1))
+    offsets = cute.runtime.make_fake_tensor(Int32, (docs1,), (1,))
+    state = (value_heads * dim_k * dim_v, dim_k * dim_v, dim_v, 1)
+    h0 = cute.runtime.make_fake_tensor(Float32, (docs, value_heads, dim_k, dim_v), state)
+    ht = cute.runtime.make_fake_tensor(Float32, (docs, value_heads, dim_k, dim_v), state)
+    o = cute.runtime.make_fake_tensor(cdt, (tokens, value_heads, dim_v), (value_heads * dim_v, dim_v, 1))
+    return q, k, v, g, beta, a, table, offsets, h0, ht, o
+
+
+def compile_fused_forward(dtype: torch.dtype, heads: int, value_heads: int, dim_k: int, dim_v: int, l2norm: bool,
+                          arch: str, *, keep_ptx: bool = False, dump_dir: str | None = None):
+    """The kernel for one configuration, compiled for ``arch`` (``sm_90a``, ``sm_100a``; no GPU needed).
+    Called as ``fn(q, k, v, g, beta, a, chunk_indices, chunk_offsets, h0, ht, o, scale)``."""
+    if reasons := shape_reasons(dtype, heads, value_heads, dim_k, dim_v):
+        raise ValueError("the CuTe DSL fused forward cannot compile this: " + "; ".join(reasons))
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    return _cd.compile(_FusedForward(dtype, heads, value_heads, dim_k, dim_v, l2norm),
+                       *_fake_tensors(dtype, heads, value_heads, dim_k, dim_v), Float32(1.0), stream, arch=arch,
+                       keep_ptx=keep_ptx, dump_dir=dump_dir)
+
+
+def launch_fused_forward(q, k, v, g, beta, a, chunk_indices, chunk_offsets, h0, ht, o, scale: float,
+                         *, use_qk_l2norm: bool = False) -> torch.Tensor:
+    """Write ``o`` ``[T, HV, V]`` (the chunks' tokens; others untouched) and ``ht`` fp32 ``[N, HV, K, V]``.
+
+    ``q``, ``k`` ``[T, H, K]``, ``v`` ``[T, HV, V]`` and ``beta`` ``[T, HV]`` in one dtype, unit
+    channel stride; ``g`` fp32 ``[T, HV]`` (per-token log decay); ``a`` fp32 ``[T, HV, 64]`` from
+    `dsfuse.gdn.cutedsl.ut_inverse.launch_ut_inverse` with the same k, beta and L2 norm;
+    ``chunk_indices`` int32 ``[NC, 3]``, ``chunk_offsets`` int32 ``[N + 1]``; ``h0`` fp32 (zeros for
+    none), ``ht``, ``o`` contiguous."""
+    tokens, heads, dim_k = k.shape
+    value_heads, dim_v = v.shape[1:]
+    if not (q.dtype == k.dtype == v.dtype == beta.dtype and g.dtype == a.dtype == torch.float32):
+        raise ValueError("launch_fused_forward: q, k, v, beta in one dtype; g and a fp32")
+    if any(x.stride(-1) != 1 for x in (q, k, v)) or not all(x.is_contiguous() for x in (a, h0, ht, o)):
+        raise ValueError("launch_fused_forward: q, k, v need unit channel stride; a, h0, ht, o contiguous")
+    fn = CACHE.get((k.dtype, heads, value_heads, dim_k, dim_v, use_qk_l2norm, _cd.arch_of(k.device)),
+                   lambda: compile_fused_forward(k.dtype, heads, value_heads, dim_k, dim_v, use_qk_l2norm,
+                                                 _cd.arch_of(k.device)))
+    if chunk_offsets.shape[0] > 1:
+        fn(q, k, v, g, beta, a, chunk_indices, chunk_offsets, h0, ht, o, float(scale))
+    return o
+
+
+def fused_forward(q, k, v, g, beta, scale=None, initial_state=None, cu_seqlens=None, use_qk_l2norm=False):
+    """``(o, final_state, a)`` of packed ``[T, ...]`` inputs (no batch dim): the UT inverse, then the
+    fused kernel. Tokens in no document get ``o = 0``; ``a`` is what a backward would keep."""
+    from dsfuse.gdn.cutedsl.ut_inverse import launch_ut_inverse
+    from dsfuse.gdn.reference import prepare_chunk_indices, prepare_chunk_offsets
+
+    tokens, value_heads, dim_v = v.shape
+    dim_k = k.shape[-1]
+    bounds = [0, tokens] if cu_seqlens is None else [int(x) for x in cu_seqlens]
+    dev = k.device
+    ci = prepare_chunk_indices(bounds).to(device=dev, dtype=torch.int32).contiguous()
+    co = prepare_chunk_offsets(bounds).to(device=dev, dtype=torch.int32).contiguous()
+    n = len(bounds) - 1
+    a = torch.empty(tokens, value_heads, CHUNK, device=dev, dtype=torch.float32)
+    if ci.shape[0]:
+        launch_ut_inverse(k, beta, ci, a, use_qk_l2norm=use_qk_l2norm)
+    h0 = (torch.zeros(n, value_heads, dim_k, dim_v, device=dev) if initial_state is None
+          else initial_state.float().contiguous())
+    ht = torch.empty_like(h0)
+    o = torch.zeros(tokens, value_heads, dim_v, device=dev, dtype=v.dtype)
+    launch_fused_forward(q, k, v, g.float(), beta, a, ci, co, h0, ht, o, dim_k**-0.5 if scale is None else scale,
+                         use_qk_l2norm=use_qk_l2norm)
+    return o, ht, a
+
+
+def _aot_specs() -> list[_cd.CuteAotSpec]:
+    """The model's specialisation: H = 16, HV = 48, K = V = 128, bf16, with and without the L2 norm."""
+    return [_cd.CuteAotSpec(f"gdn_fused_forward_bf16{'_l2' if l2 else ''}",
+                            lambda arch, dump_dir=None, l2=l2: compile_fused_forward(
+                                torch.bfloat16, 16, 48, 128, 128, l2, arch, keep_ptx=True, dump_dir=dump_dir))
+            for l2 in (True, False)]
+
+
+AOT_SPECS = _aot_specs()

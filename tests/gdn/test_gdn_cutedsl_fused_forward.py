@@ -1,0 +1,150 @@
+"""The CuTe DSL fused forward (``dsfuse.gdn.cutedsl.fused_fwd``), second step of the planned fused
+forward: its per-chunk formulas against the chunked reference (CPU, float64), its compilation for
+sm_90a and sm_100a (CPU), and on a GPU its outputs and final states against the float64 reference
+with varlen documents (empty, one token, partial chunks), grouped value heads, an initial state and
+a tail of tokens in no document, bitwise run to run."""
+
+import re
+
+import pytest
+import torch
+
+from conftest import cutedsl_or_skip
+from helpers import assert_rel_rms
+from dsfuse.gdn.reference import (
+    chunk_gdn_reference,
+    decay_matrix,
+    l2norm,
+    prepare_chunk_indices,
+    to_chunks,
+    ut_transform,
+)
+
+F64 = torch.float64
+LENGTHS = [1, 63, 0, 64, 65, 200]  # an empty document among them
+
+
+def _inputs(t, h, hv, dk, dv, dtype, device, seed=0, l2=True):
+    gen = torch.Generator(device=device).manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(shape, generator=gen, device=device)
+
+    q, k = randn(t, h, dk), randn(t, h, dk)
+    if not l2:
+        q, k = l2norm(q) * 0.9, l2norm(k) * 0.9  # keep the unnormalised system well conditioned
+    v = randn(t, hv, dv)
+    g = -torch.rand(t, hv, generator=gen, device=device) * 0.3
+    beta = torch.rand(t, hv, generator=gen, device=device)
+    n = len(LENGTHS)
+    h0 = randn(n, hv, dk, dv) * 0.1
+    return q.to(dtype), k.to(dtype), v.to(dtype), g, beta.to(dtype), h0
+
+
+def _bounds():
+    cu = [0]
+    for n in LENGTHS:
+        cu.append(cu[-1] + n)
+    return cu
+
+
+def _fused_in_float64(q, k, v, g, beta, scale, h0, cu, l2):
+    """The kernel's per-chunk formulas, written with torch in float64 (its arithmetic order aside)."""
+    group = v.shape[1] // q.shape[1]
+    if l2:
+        q, k = l2norm(q), l2norm(k)
+    q, k = q.repeat_interleave(group, 1), k.repeat_interleave(group, 1)
+    ci = prepare_chunk_indices(cu)
+    qc, kc, vc, gc, bc = (to_chunks(x, ci) for x in (q, k, v, g, beta))
+    G = gc.cumsum(-1)  # [NC, HV, C]
+    a0 = ut_transform(kc, bc, torch.zeros_like(G))
+    gamma = decay_matrix(G, include_diagonal=True)
+    states = list(h0.unbind(0))
+    o = torch.zeros_like(v)
+    for c, (n, start, end) in enumerate(ci.tolist()):
+        s = states[n]  # [HV, K, V]
+        e = G[c].exp()[..., None]  # [HV, C, 1]
+        x = bc[c][..., None] * (vc[c] - e * (kc[c] @ s))
+        v_new = (a0[c] * gamma[c]) @ x
+        oc = scale * (e * (qc[c] @ s) + ((qc[c] @ kc[c].transpose(-1, -2)) * gamma[c]) @ v_new)
+        o[start:end] = oc[:, : end - start].transpose(0, 1)
+        last = G[c][:, -1]
+        dec = (last[:, None] - G[c]).exp()[..., None]
+        states[n] = last.exp()[:, None, None] * s + (kc[c] * dec).transpose(-1, -2) @ v_new
+    return o, torch.stack(states)
+
+
+@pytest.mark.parametrize("l2", [True, False])
+def test_the_formulas_match_the_chunked_reference(l2):
+    """The ungated inverse times the decays, ``X = beta (v - e^G k S)`` and the rest (float64, CPU)."""
+    t, h, hv, dk, dv = _bounds()[-1] + 5, 2, 4, 32, 16
+    q, k, v, g, beta, h0 = (x.to(F64) for x in _inputs(t, h, hv, dk, dv, F64, "cpu", l2=l2))
+    cu = _bounds()
+    o, ht = _fused_in_float64(q, k, v, g, beta, dk**-0.5, h0, cu, l2)
+    o_ref, ht_ref = chunk_gdn_reference(q[None], k[None], v[None], g[None], beta[None], initial_state=h0,
+                                        output_final_state=True, cu_seqlens=cu, use_qk_l2norm_in_kernel=l2)
+    torch.testing.assert_close(o, o_ref[0], rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(ht, ht_ref, rtol=1e-10, atol=1e-10)
+
+
+class TestCompiled:
+    """Code generation on the CPU (the ``cutedsl`` extra): the model's specialisations for both targets."""
+
+    @pytest.fixture(scope="class")
+    def module(self):
+        cutedsl_or_skip()
+        from dsfuse.gdn.cutedsl import fused_fwd
+
+        return fused_fwd
+
+    @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+    def test_aot_specs_compile_without_atomics_or_local_memory(self, module, arch, tmp_path):
+        assert [s.name for s in module.AOT_SPECS] == ["gdn_fused_forward_bf16_l2", "gdn_fused_forward_bf16"]
+        for spec in module.AOT_SPECS:
+            ptx = spec.build(arch, dump_dir=str(tmp_path)).__ptx__
+            assert re.search(rf"\.target {arch}\b", ptx), spec.name
+            assert not re.search(r"\b(atom|red)\.", ptx), spec.name  # fixed order: no atomics or reductions
+            assert not re.search(r"\b(ld|st)\.local\b", ptx), spec.name  # the fragments stay in registers
+
+    def test_refuses_what_it_cannot_compile(self, module):
+        assert module.shape_reasons(torch.bfloat16, 16, 48, 128, 128) == []
+        reasons = module.shape_reasons(torch.int8, 16, 40, 96, 48)
+        assert len(reasons) == 4 and "V = 48" in reasons[3]
+        with pytest.raises(ValueError, match="cannot compile this"):
+            module.compile_fused_forward(torch.bfloat16, 16, 48, 128, 100, False, "sm_90a")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("l2", [True, False])
+@pytest.mark.parametrize("dims", [(2, 6, 64, 64), (16, 48, 128, 128), (4, 4, 128, 96)])
+def test_matches_the_float64_reference(dtype, l2, dims):
+    """o and the final states against the float64 reference on the same (rounded) inputs: relative
+    RMS per document and value head <= 1e-4 for the fp32 states and fp32 o (fp32 arithmetic), 6e-3 for
+    a bf16 o (its rounding); poisoned o rows of the tail stay as written by the caller (zeros); a
+    second call bitwise equal; q, k, v as strided head views of one row."""
+    cutedsl_or_skip()
+    from dsfuse.gdn.cutedsl.fused_fwd import fused_forward
+
+    h, hv, dk, dv = dims
+    cu = _bounds()
+    t = cu[-1] + 7  # 7 tokens in no document
+    q, k, v, g, beta, h0 = _inputs(t, h, hv, dk, dv, dtype, "cuda", seed=1, l2=l2)
+    row = torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], 1)  # the packed row: strided views
+    q, k, v = row[:, : h * dk].view(t, h, dk), row[:, h * dk: 2 * h * dk].view(t, h, dk), row[:, 2 * h * dk:].view(t, hv, dv)
+    o, ht, _ = fused_forward(q, k, v, g, beta, initial_state=h0, cu_seqlens=cu, use_qk_l2norm=l2)
+    o2, ht2, _ = fused_forward(q, k, v, g, beta, initial_state=h0, cu_seqlens=cu, use_qk_l2norm=l2)
+    torch.cuda.synchronize()
+    assert torch.equal(o, o2) and torch.equal(ht, ht2)
+    assert not o.isnan().any() and (o[cu[-1]:] == 0).all()
+
+    o_ref, ht_ref = chunk_gdn_reference(*(x.to(F64).cpu()[None] for x in (q, k, v, g, beta)),
+                                        initial_state=h0.to(F64).cpu(), output_final_state=True, cu_seqlens=cu,
+                                        use_qk_l2norm_in_kernel=l2)
+    o_tol = 6e-3 if dtype == torch.bfloat16 else 1e-4
+    got_o, got_ht = o.to(F64).cpu(), ht.to(F64).cpu()
+    for n, (bos, eos) in enumerate(zip(cu[:-1], cu[1:])):
+        for i_hv in range(hv):
+            assert_rel_rms(got_ht[n, i_hv], ht_ref[n, i_hv], 1e-4, f"final state, document {n}, head {i_hv}")
+            if eos > bos:
+                assert_rel_rms(got_o[bos:eos, i_hv], o_ref[0, bos:eos, i_hv], o_tol, f"o, document {n}, head {i_hv}")
