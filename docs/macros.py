@@ -361,3 +361,18 @@ def define_env(env):
     def results(op: str, gpu: str, run: str | None = None) -> Figures:
         """The figures of ``op`` on ``gpu`` (a folder under results/): the newest run, or ``run``."""
         return Figures(root, op, gpu, run)
+
+    @env.macro
+    def raw_median_us(run: str, **match) -> str:
+        """The median ``us`` of the rows of ``<run>/samples.csv`` (a raw folder relative to the repository
+        root) whose columns equal ``match`` (compared as text): a probe's figure, formatted as the tables
+        format it. No matching row raises."""
+        import csv
+        import statistics
+
+        with open(root / run / "samples.csv", newline="") as fh:
+            values = [float(row["us"]) for row in csv.DictReader(fh)
+                      if all(row.get(key) == str(want) for key, want in match.items())]
+        if not values:
+            raise ValueError(f"no row of {run}/samples.csv matches {match}")
+        return _us(statistics.median(values))
