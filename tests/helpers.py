@@ -105,3 +105,16 @@ def compiled_kernels(op: str, backend: str) -> int:
     if backend == "cutedsl":
         return sum(m.CACHE.compiles for m in modules if hasattr(m, "CACHE"))
     raise LookupError(f"compiled_kernels: no compile count for the {backend} backend; add one here")
+
+
+def cute_spec_ptx(spec, arch: str, tmp_path) -> str:
+    """The PTX of a CuTe DSL AOT spec compiled for ``arch`` (CPU): it targets ``arch`` and has no
+    atomics or reductions (a fixed order of every sum) and nothing in local memory (the fragments
+    stay in registers)."""
+    import re
+
+    ptx = spec.build(arch, dump_dir=str(tmp_path)).__ptx__
+    assert re.search(rf"\.target {arch}\b", ptx), spec.name
+    assert not re.search(r"\b(atom|red)\.", ptx), f"{spec.name}: atomics or reductions"
+    assert not re.search(r"\b(ld|st)\.local\b", ptx), f"{spec.name}: local memory"
+    return ptx

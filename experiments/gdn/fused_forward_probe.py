@@ -22,7 +22,6 @@ import sys
 from pathlib import Path
 
 import torch
-
 from dsfuse.bench import env as env_mod
 from dsfuse.bench import gdn
 from dsfuse.bench.harness import Timer, capture_graph, load_config, write_csv
@@ -84,8 +83,8 @@ def case_rows(case, timer: Timer, samples: int, device: torch.device) -> list[di
     for part, fn in (("ut_inverse", inverse), ("fused", fused), ("cutedsl", both), ("triton", triton)):
         graph, _ = capture_graph(lambda fn=fn: (fn(),), device)
         for i, us in enumerate(timer.samples(graph.replay, "evicted", samples, 1)):
-            rows.append(dict(case=case.name, tokens=p["tokens"], value_heads=hv, l2norm=l2, part=part, sample=i,
-                             us=us))
+            rows.append({"case": case.name, "tokens": p["tokens"], "value_heads": hv, "l2norm": l2, "part": part,
+                         "sample": i, "us": us})
         del graph
     return rows
 

@@ -4,13 +4,11 @@ sm_90a and sm_100a (CPU), and on a GPU its outputs and final states against the 
 with varlen documents (empty, one token, partial chunks), grouped value heads, an initial state and
 a tail of tokens in no document, bitwise run to run."""
 
-import re
+import itertools
 
 import pytest
 import torch
-
 from conftest import cutedsl_or_skip
-from helpers import assert_rel_rms
 from dsfuse.gdn.reference import (
     chunk_gdn_reference,
     decay_matrix,
@@ -19,6 +17,7 @@ from dsfuse.gdn.reference import (
     to_chunks,
     ut_transform,
 )
+from helpers import assert_rel_rms
 
 F64 = torch.float64
 LENGTHS = [1, 63, 0, 64, 65, 200]  # an empty document among them
@@ -87,31 +86,17 @@ def test_the_formulas_match_the_chunked_reference(l2):
     torch.testing.assert_close(ht, ht_ref, rtol=1e-10, atol=1e-10)
 
 
-class TestCompiled:
-    """Code generation on the CPU (the ``cutedsl`` extra): the model's specialisations for both targets."""
+def test_refuses_what_it_cannot_compile():
+    """The AOT specs (compiled by ``test_gdn_cutedsl_compile.py``) are the model's; other sizes are refused by name."""
+    cutedsl_or_skip()
+    from dsfuse.gdn.cutedsl import fused_fwd as module
 
-    @pytest.fixture(scope="class")
-    def module(self):
-        cutedsl_or_skip()
-        from dsfuse.gdn.cutedsl import fused_fwd
-
-        return fused_fwd
-
-    @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
-    def test_aot_specs_compile_without_atomics_or_local_memory(self, module, arch, tmp_path):
-        assert [s.name for s in module.AOT_SPECS] == ["gdn_fused_forward_bf16_l2", "gdn_fused_forward_bf16"]
-        for spec in module.AOT_SPECS:
-            ptx = spec.build(arch, dump_dir=str(tmp_path)).__ptx__
-            assert re.search(rf"\.target {arch}\b", ptx), spec.name
-            assert not re.search(r"\b(atom|red)\.", ptx), spec.name  # fixed order: no atomics or reductions
-            assert not re.search(r"\b(ld|st)\.local\b", ptx), spec.name  # the fragments stay in registers
-
-    def test_refuses_what_it_cannot_compile(self, module):
-        assert module.shape_reasons(torch.bfloat16, 16, 48, 128, 128) == []
-        reasons = module.shape_reasons(torch.int8, 16, 40, 96, 48)
-        assert len(reasons) == 4 and "V = 48" in reasons[3]
-        with pytest.raises(ValueError, match="cannot compile this"):
-            module.compile_fused_forward(torch.bfloat16, 16, 48, 128, 100, False, "sm_90a")
+    assert [s.name for s in module.AOT_SPECS] == ["gdn_fused_forward_bf16_l2", "gdn_fused_forward_bf16"]
+    assert module.shape_reasons(torch.bfloat16, 16, 48, 128, 128) == []
+    reasons = module.shape_reasons(torch.int8, 16, 40, 96, 48)
+    assert len(reasons) == 4 and "V = 48" in reasons[3]
+    with pytest.raises(ValueError, match="cannot compile this"):
+        module.compile_fused_forward(torch.bfloat16, 16, 48, 128, 100, False, "sm_90a")
 
 
 @pytest.mark.gpu
@@ -143,7 +128,7 @@ def test_matches_the_float64_reference(dtype, l2, dims):
                                         use_qk_l2norm_in_kernel=l2)
     o_tol = 6e-3 if dtype == torch.bfloat16 else 1e-4
     got_o, got_ht = o.to(F64).cpu(), ht.to(F64).cpu()
-    for n, (bos, eos) in enumerate(zip(cu[:-1], cu[1:])):
+    for n, (bos, eos) in enumerate(itertools.pairwise(cu)):
         for i_hv in range(hv):
             assert_rel_rms(got_ht[n, i_hv], ht_ref[n, i_hv], 1e-4, f"final state, document {n}, head {i_hv}")
             if eos > bos:

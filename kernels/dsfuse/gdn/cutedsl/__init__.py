@@ -11,13 +11,16 @@ op's contract tests (which run on the backends that serve a call) do not run the
   its chunks with the fp32 state on chip, from ``ut_inverse``'s ``A`` (fp32 CUDA-core arithmetic:
   the reference-grade second step, before tensor cores and warp specialisation); checked by
   ``tests/gdn/test_gdn_cutedsl_fused_forward.py``, timed by ``experiments/gdn/fused_forward_probe.py``.
+* ``mma``: tensor-core products of shared-memory tiles (``mma.sync`` 16x8x16, fp32 accumulation,
+  operands in any stored orientation), the building block of the fused forward's tensor-core form;
+  checked by ``tests/gdn/test_gdn_cutedsl_mma.py``.
 """
 
 from __future__ import annotations
 
 from dsfuse._common.backends import KERNEL_DTYPES, BackendTable
 
-KERNELS = ("dsfuse.gdn.cutedsl.ut_inverse", "dsfuse.gdn.cutedsl.fused_fwd")
+KERNELS = ("dsfuse.gdn.cutedsl.ut_inverse", "dsfuse.gdn.cutedsl.fused_fwd", "dsfuse.gdn.cutedsl.mma")
 
 TABLE = BackendTable("cutedsl", dtypes=KERNEL_DTYPES, calls={}, kernels=KERNELS, load=dict,
                      auto={"sm_90": None, "sm_100": None})

@@ -30,28 +30,31 @@ import torch
 from dsfuse._common import cutedsl as _cd
 
 cutlass, cute = _cd.require()
-from cutlass import Float32, Int32, const_expr  # noqa: E402
+from cutlass import Float32, Int32, const_expr
 
-CHUNK = 64
+from dsfuse.gdn.cutedsl.ut_inverse import CHUNK, DTYPES, L2NORM_EPS
+from dsfuse.gdn.cutedsl.ut_inverse import shape_reasons as _inverse_reasons
+
 THREADS = 128
 BV = 32  # value channels per CTA
-DTYPES = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16, torch.float32: Float32}
-L2NORM_EPS = 1e-6  # dsfuse.gdn.reference.L2NORM_EPS
 ROWS = THREADS // BV  # 4 thread rows: a thread holds CHUNK / ROWS rows of a [C, BV] tile
 
 
 def shape_reasons(dtype: torch.dtype, heads: int, value_heads: int, dim_k: int, dim_v: int) -> list[str]:
-    """Why the kernel cannot be compiled for these sizes (empty when it can)."""
-    reasons = []
-    if dtype not in DTYPES:
-        reasons.append(f"dtype {dtype} is not one of {sorted(map(str, DTYPES))}")
-    if heads < 1 or value_heads % heads:
-        reasons.append(f"value heads ({value_heads}) must be a multiple of the qk heads ({heads})")
-    if dim_k not in (16, 32, 64, 128):
-        reasons.append(f"head dim K = {dim_k} is not one of (16, 32, 64, 128)")
+    """Why the kernel cannot be compiled for these sizes (empty when it can): the inverse's, and V's."""
+    reasons = _inverse_reasons(dtype, heads, value_heads, dim_k)
     if dim_v % BV or dim_v > 256:
         reasons.append(f"head dim V = {dim_v} is not a multiple of {BV} up to 256")
     return reasons
+
+
+@cute.jit
+def _lower_row_times(sM: cute.Tensor, sX: cute.Tensor, r: Int32, col: Int32) -> Float32:
+    """``sum_{j <= r} M[r, j] X[j, col]`` in fp32, j ascending (traced inline)."""
+    acc = Float32(0.0)
+    for j in cutlass.range(r + 1):
+        acc = acc + sM[r, j] * sX[j, col]
+    return acc
 
 
 class _FusedForward:
@@ -206,18 +209,13 @@ class _FusedForward:
             # 5. v_new = (A0 * Gamma) X
             for i in cutlass.range_constexpr(TILE_ROWS):
                 r = row0 + ROWS * i
-                acc = Float32(0.0)
-                for j in cutlass.range(r + 1):
-                    acc = acc + sA[r, j] * sX[j, col]
-                sVn[r, col] = acc
+                sVn[r, col] = _lower_row_times(sA, sX, r, col)
             cute.arch.sync_threads()
 
             # 6. o = scale (exp(G) q S + ((q k^T) * Gamma) v_new), the chunk's real rows
             for i in cutlass.range_constexpr(TILE_ROWS):
                 r = row0 + ROWS * i
-                acc = Float32(0.0)
-                for j in cutlass.range(r + 1):
-                    acc = acc + sQK[r, j] * sVn[j, col]
+                acc = _lower_row_times(sQK, sVn, r, col)
                 if r < rows:
                     mO[start + r, i_hv, v_col] = (scale * (sEG[r] * rQS[i] + acc)).to(mO.element_type)
 
@@ -284,7 +282,7 @@ def launch_fused_forward(q, k, v, g, beta, a, chunk_indices, chunk_offsets, h0, 
     `dsfuse.gdn.cutedsl.ut_inverse.launch_ut_inverse` with the same k, beta and L2 norm;
     ``chunk_indices`` int32 ``[NC, 3]``, ``chunk_offsets`` int32 ``[N + 1]``; ``h0`` fp32 (zeros for
     none), ``ht``, ``o`` contiguous."""
-    tokens, heads, dim_k = k.shape
+    heads, dim_k = k.shape[1:]
     value_heads, dim_v = v.shape[1:]
     if not (q.dtype == k.dtype == v.dtype == beta.dtype and g.dtype == a.dtype == torch.float32):
         raise ValueError("launch_fused_forward: q, k, v, beta in one dtype; g and a fp32")

@@ -1,0 +1,145 @@
+"""Tensor-core products of shared-memory tiles, the building block of the fused forward's tensor-core
+form: ``C (+)= A B^T`` for bf16/fp16 tiles ``A`` ``(M, K)`` and ``B`` ``(N, K)`` with fp32
+accumulation, on the warp-level ``mma.sync`` 16x8x16 instruction (sm_80 and later: the same code on
+sm_90a and sm_100a; the wgmma and tcgen05 forms come with the pipelined kernel).
+
+Either operand may be a transposed view of a stored tile (``cute.make_tensor`` over the tile's
+iterator with swapped strides): ``K^T`` for the state update, ``S`` stored ``[K, BV]`` as the B
+operand of ``k S``. The register fragments are filled by element-wise copies from those views, so
+any strides work; the pipelined kernel replaces them with ``ldmatrix`` and swizzled layouts.
+
+`tiled_mma` builds the product of 4 warps (2 x 2 over M and N); `gemm` runs one product for the
+calling thread; `store` writes the fp32 accumulator into a shared (or global) tile. The GPU test
+(``tests/gdn/test_gdn_cutedsl_mma.py``) checks the three operand layouts the fused forward needs
+against torch on the same bf16 values.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dsfuse._common import cutedsl as _cd
+
+cutlass, cute = _cd.require()
+from cutlass import Float32
+
+WARPS_MN = (2, 2)  # warps over M and N: a product needs M % 32 == 0, N % 16 == 0, K % 16 == 0
+THREADS = 32 * WARPS_MN[0] * WARPS_MN[1]
+
+
+def tiled_mma(ab_dtype):
+    """The 4-warp product of ``ab_dtype`` (``cutlass.BFloat16`` or ``cutlass.Float16``) operands, fp32 accumulators."""
+    op = cute.nvgpu.warp.MmaF16BF16Op(ab_dtype, Float32, (16, 8, 16))
+    return cute.make_tiled_mma(op, atom_layout_mnk=(*WARPS_MN, 1))
+
+
+def accumulator(mma, tidx, shape_mn):
+    """This thread's fp32 accumulator of an ``(M, N)`` product, zeroed."""
+    acc = mma.make_fragment_C(mma.get_slice(tidx).partition_shape_C(shape_mn))
+    acc.fill(0.0)
+    return acc
+
+
+def gemm(mma, tidx, acc, sA, sB):
+    """``acc += A B^T`` for this thread's part: ``sA`` ``(M, K)``, ``sB`` ``(N, K)`` tile views."""
+    thr = mma.get_slice(tidx)
+    tCsA, tCsB = thr.partition_A(sA), thr.partition_B(sB)
+    tCrA, tCrB = mma.make_fragment_A(tCsA), mma.make_fragment_B(tCsB)
+    cute.autovec_copy(tCsA, tCrA)
+    cute.autovec_copy(tCsB, tCrB)
+    cute.gemm(mma, acc, tCrA, tCrB, acc)
+
+
+def store(mma, tidx, acc, sC):
+    """Write this thread's accumulator into the ``(M, N)`` fp32 tile ``sC``."""
+    cute.autovec_copy(acc, mma.get_slice(tidx).partition_C(sC))
+
+
+def view(tile, shape, stride):
+    """``tile``'s storage seen with another shape and stride (a transposed operand)."""
+    return cute.make_tensor(tile.iterator, cute.make_layout(shape, stride=stride))
+
+
+# -- the check of the building block ---------------------------------------------------------------
+
+# The fused forward's operand forms, as (name, M, N, K, A stored transposed, B stored transposed):
+# q k^T (both stored [tokens, K]); k S (S stored [K, BV]); k^T v_new (k stored [tokens, K], v_new [tokens, BV]).
+FORMS = {"qkT": (64, 64, 128, False, False), "kS": (64, 32, 128, False, True), "kTv": (128, 32, 64, True, True)}
+
+
+class _Check:
+    """``c = a b^T`` with ``a`` stored ``[M, K]`` (or ``[K, M]``) and ``b`` ``[N, K]`` (or ``[K, N]``), all contiguous."""
+
+    def __init__(self, dtype: torch.dtype, form: str):
+        self.dtype = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16}[dtype]
+        self.m, self.n, self.k, self.a_t, self.b_t = FORMS[form]
+
+    @cute.jit
+    def __call__(self, mA: cute.Tensor, mB: cute.Tensor, mC: cute.Tensor, stream):
+        self.kernel(mA, mB, mC).launch(grid=[1, 1, 1], block=[THREADS, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, mA: cute.Tensor, mB: cute.Tensor, mC: cute.Tensor):
+        M, N, K = self.m, self.n, self.k
+        tidx, _, _ = cute.arch.thread_idx()
+        smem = cutlass.memory.SmemAllocator()
+        a_shape = (K, M) if self.a_t else (M, K)
+        b_shape = (K, N) if self.b_t else (N, K)
+        sA = smem.allocate_tensor(self.dtype, cute.make_layout(a_shape, stride=(a_shape[1], 1)), byte_alignment=16)
+        sB = smem.allocate_tensor(self.dtype, cute.make_layout(b_shape, stride=(b_shape[1], 1)), byte_alignment=16)
+        sC = smem.allocate_tensor(Float32, cute.make_layout((M, N), stride=(N, 1)), byte_alignment=16)
+        for i in cutlass.range(M * K // THREADS):
+            idx = tidx + i * THREADS
+            r = idx // a_shape[1]
+            sA[r, idx - r * a_shape[1]] = mA[r, idx - r * a_shape[1]]
+        for i in cutlass.range(N * K // THREADS):
+            idx = tidx + i * THREADS
+            r = idx // b_shape[1]
+            sB[r, idx - r * b_shape[1]] = mB[r, idx - r * b_shape[1]]
+        cute.arch.sync_threads()
+
+        mma = tiled_mma(self.dtype)
+        opA = view(sA, (M, K), (1, M)) if self.a_t else sA
+        opB = view(sB, (N, K), (1, N)) if self.b_t else sB
+        acc = accumulator(mma, tidx, (M, N))
+        gemm(mma, tidx, acc, opA, opB)
+        store(mma, tidx, acc, sC)
+        cute.arch.sync_threads()
+        for i in cutlass.range(M * N // THREADS):
+            idx = tidx + i * THREADS
+            r = idx // N
+            mC[r, idx - r * N] = sC[r, idx - r * N]
+
+
+CACHE = _cd.KernelCache()  # (dtype, form, arch) -> compiled function
+
+
+def compile_check(dtype: torch.dtype, form: str, arch: str, *, keep_ptx: bool = False, dump_dir: str | None = None):
+    """The check kernel of one operand form, compiled for ``arch`` (no GPU needed)."""
+    kernel = _Check(dtype, form)
+    m, n, k, a_t, b_t = FORMS[form]
+    a_shape, b_shape = ((k, m) if a_t else (m, k)), ((k, n) if b_t else (n, k))
+    fake = [cute.runtime.make_fake_compact_tensor(kernel.dtype, a_shape, stride_order=(1, 0), assumed_align=16),
+            cute.runtime.make_fake_compact_tensor(kernel.dtype, b_shape, stride_order=(1, 0), assumed_align=16),
+            cute.runtime.make_fake_compact_tensor(Float32, (m, n), stride_order=(1, 0), assumed_align=16)]
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    return _cd.compile(kernel, *fake, stream, arch=arch, keep_ptx=keep_ptx, dump_dir=dump_dir)
+
+
+def check(a: torch.Tensor, b: torch.Tensor, form: str) -> torch.Tensor:
+    """``c`` fp32 ``[M, N]`` of the form's stored operands (contiguous, on a GPU)."""
+    m, n, _, _, _ = FORMS[form]
+    c = torch.empty(m, n, device=a.device, dtype=torch.float32)
+    fn = CACHE.get((a.dtype, form, _cd.arch_of(a.device)), lambda: compile_check(a.dtype, form, _cd.arch_of(a.device)))
+    fn(a, b, c)
+    return c
+
+
+def _aot_specs() -> list[_cd.CuteAotSpec]:
+    return [_cd.CuteAotSpec(f"gdn_mma_check_{form}",
+                            lambda arch, dump_dir=None, form=form: compile_check(torch.bfloat16, form, arch,
+                                                                                 keep_ptx=True, dump_dir=dump_dir))
+            for form in FORMS]
+
+
+AOT_SPECS = _aot_specs()
