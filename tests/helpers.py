@@ -109,12 +109,13 @@ def compiled_kernels(op: str, backend: str) -> int:
 
 def cute_spec_ptx(spec, arch: str, tmp_path) -> str:
     """The PTX of a CuTe DSL AOT spec compiled for ``arch`` (CPU): it targets ``arch`` and has no
-    atomics or reductions (a fixed order of every sum) and nothing in local memory (the fragments
-    stay in registers)."""
+    atomics or reductions (a fixed order of every sum) and reads nothing back from local memory (the
+    fragments stay in registers; the tensor-core form leaves dead stores of operand copies there,
+    which are never read)."""
     import re
 
     ptx = spec.build(arch, dump_dir=str(tmp_path)).__ptx__
     assert re.search(rf"\.target {arch}\b", ptx), spec.name
     assert not re.search(r"\b(atom|red)\.", ptx), f"{spec.name}: atomics or reductions"
-    assert not re.search(r"\b(ld|st)\.local\b", ptx), f"{spec.name}: local memory"
+    assert not re.search(r"\bld\.local\b", ptx), f"{spec.name}: reads from local memory (a spill)"
     return ptx

@@ -6,11 +6,12 @@ from `chunk_gdn`), beside the Triton forward, at the experiment's shape.
 
 For each forward case of the config (its tokens, documents, value heads and L2 norm settings; q, k,
 v head views of one packed row, initial and final state): the UT inverse kernel alone
-(``ut_inverse``), the fused kernel alone (``fused``), both (``cutedsl``) and the Triton forward
-(``triton``, `chunk_gdn`), each replayed from a CUDA Graph with the L2 overwritten before each call
-(`dsfuse.bench.harness.Timer`, evicted regime). Before timing, the fused forward's ``o`` and final
-state are checked against the Triton forward's (relative RMS <= 1e-2: two approximations of one
-float64 result; the float64 checks are the GPU tests'). Writes ``samples.csv`` (case, tokens, value
+(``ut_inverse``), the fused kernel alone (``fused``; its tensor-core form ``fused_tc``), the inverse
+and a fused kernel (``cutedsl``, ``cutedsl_tc``) and the Triton forward (``triton``, `chunk_gdn`),
+each replayed from a CUDA Graph with the L2 overwritten before each call
+(`dsfuse.bench.harness.Timer`, evicted regime). Before timing, both forms' ``o`` and final state
+(poisoned with NaN before the call) are checked against the Triton forward's (relative RMS <= 1e-2:
+two approximations of one float64 result; the float64 checks are the GPU tests'). Writes ``samples.csv`` (case, tokens, value
 heads, l2norm, part, sample, us) and ``env.json`` under OUT_DIR and prints the medians.
 """
 
@@ -60,27 +61,39 @@ def case_rows(case, timer: Timer, samples: int, device: torch.device) -> list[di
     def fused():
         launch_fused_forward(q, k, v, g, beta, a, ci, co, h0, ht, o, scale, use_qk_l2norm=l2)
 
+    def fused_tc():
+        launch_fused_forward(q, k, v, g, beta, a, ci, co, h0, ht, o, scale, use_qk_l2norm=l2, tensor_cores=True)
+
     def both():
         inverse()
         fused()
+
+    def both_tc():
+        inverse()
+        fused_tc()
 
     def triton():
         return chunk_gdn(q[None], k[None], v[None], inputs["g"], inputs["beta"], initial_state=h0,
                          output_final_state=True, cu_seqlens=inputs["cu_seqlens"], use_qk_l2norm_in_kernel=l2,
                          backend="triton")
 
-    both()
     o_tri, ht_tri = triton()
-    torch.cuda.synchronize(device)
-    errors = {"o": rel_rms(o, o_tri[0]), "final_state": rel_rms(ht, ht_tri)}
-    bad = {name: err for name, err in errors.items() if not err <= 1e-2}
-    if bad:
-        raise AssertionError(f"{case.name}: the fused forward differs from the Triton forward: {bad}")
-    print(f"{case.name}: relative RMS against the Triton forward: "
-          + ", ".join(f"{name} {err:.1e}" for name, err in errors.items()))
+    for form, run in (("CUDA-core", both), ("tensor-core", both_tc)):
+        o.fill_(float("nan"))
+        ht.fill_(float("nan"))
+        run()
+        torch.cuda.synchronize(device)
+        errors = {"o": rel_rms(o, o_tri[0]), "final_state": rel_rms(ht, ht_tri)}
+        bad = {name: err for name, err in errors.items() if not err <= 1e-2}
+        if bad:
+            raise AssertionError(f"{case.name}: the {form} fused forward differs from the Triton forward: {bad}")
+        print(f"{case.name}: {form} form, relative RMS against the Triton forward: "
+              + ", ".join(f"{name} {err:.1e}" for name, err in errors.items()))
 
     rows = []
-    for part, fn in (("ut_inverse", inverse), ("fused", fused), ("cutedsl", both), ("triton", triton)):
+    parts = (("ut_inverse", inverse), ("fused", fused), ("cutedsl", both), ("fused_tc", fused_tc),
+             ("cutedsl_tc", both_tc), ("triton", triton))
+    for part, fn in parts:
         graph, _ = capture_graph(lambda fn=fn: (fn(),), device)
         for i, us in enumerate(timer.samples(graph.replay, "evicted", samples, 1)):
             rows.append({"case": case.name, "tokens": p["tokens"], "value_heads": hv, "l2norm": l2, "part": part,

@@ -91,23 +91,20 @@ def test_refuses_what_it_cannot_compile():
     cutedsl_or_skip()
     from dsfuse.gdn.cutedsl import fused_fwd as module
 
-    assert [s.name for s in module.AOT_SPECS] == ["gdn_fused_forward_bf16_l2", "gdn_fused_forward_bf16"]
+    assert [s.name for s in module.AOT_SPECS] == ["gdn_fused_forward_bf16_l2", "gdn_fused_forward_bf16",
+                                                  "gdn_fused_forward_tc_bf16_l2", "gdn_fused_forward_tc_bf16"]
     assert module.shape_reasons(torch.bfloat16, 16, 48, 128, 128) == []
     reasons = module.shape_reasons(torch.int8, 16, 40, 96, 48)
     assert len(reasons) == 4 and "V = 48" in reasons[3]
     with pytest.raises(ValueError, match="cannot compile this"):
         module.compile_fused_forward(torch.bfloat16, 16, 48, 128, 100, False, "sm_90a")
+    assert "tensor-core form" in module.shape_reasons(torch.float32, 16, 48, 128, 128, tensor_cores=True)[0]
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("l2", [True, False])
-@pytest.mark.parametrize("dims", [(2, 6, 64, 64), (16, 48, 128, 128), (4, 4, 128, 96)])
-def test_matches_the_float64_reference(dtype, l2, dims):
-    """o and the final states against the float64 reference on the same (rounded) inputs: relative
-    RMS per document and value head <= 1e-4 for the fp32 states and fp32 o (fp32 arithmetic), 6e-3 for
-    a bf16 o (its rounding); poisoned o rows of the tail stay as written by the caller (zeros); a
-    second call bitwise equal; q, k, v as strided head views of one row."""
+def _run_on_gpu(dtype, l2, dims, tensor_cores):
+    """``(o, ht, o_ref, ht_ref, cu)``: the fused forward on strided head views of one packed row (a
+    second call bitwise equal, the tail's o zero, nothing left unwritten) and the float64 reference
+    on the same rounded inputs."""
     cutedsl_or_skip()
     from dsfuse.gdn.cutedsl.fused_fwd import fused_forward
 
@@ -117,19 +114,46 @@ def test_matches_the_float64_reference(dtype, l2, dims):
     q, k, v, g, beta, h0 = _inputs(t, h, hv, dk, dv, dtype, "cuda", seed=1, l2=l2)
     row = torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], 1)  # the packed row: strided views
     q, k, v = row[:, : h * dk].view(t, h, dk), row[:, h * dk: 2 * h * dk].view(t, h, dk), row[:, 2 * h * dk:].view(t, hv, dv)
-    o, ht, _ = fused_forward(q, k, v, g, beta, initial_state=h0, cu_seqlens=cu, use_qk_l2norm=l2)
-    o2, ht2, _ = fused_forward(q, k, v, g, beta, initial_state=h0, cu_seqlens=cu, use_qk_l2norm=l2)
+    args = {"initial_state": h0, "cu_seqlens": cu, "use_qk_l2norm": l2, "tensor_cores": tensor_cores}
+    o, ht, _ = fused_forward(q, k, v, g, beta, **args)
+    o2, ht2, _ = fused_forward(q, k, v, g, beta, **args)
     torch.cuda.synchronize()
     assert torch.equal(o, o2) and torch.equal(ht, ht2)
-    assert not o.isnan().any() and (o[cu[-1]:] == 0).all()
-
+    assert not o.isnan().any() and not ht.isnan().any() and (o[cu[-1]:] == 0).all()
     o_ref, ht_ref = chunk_gdn_reference(*(x.to(F64).cpu()[None] for x in (q, k, v, g, beta)),
                                         initial_state=h0.to(F64).cpu(), output_final_state=True, cu_seqlens=cu,
                                         use_qk_l2norm_in_kernel=l2)
+    return o.to(F64).cpu(), ht.to(F64).cpu(), o_ref[0], ht_ref, cu
+
+
+DIMS = [(2, 6, 64, 64), (16, 48, 128, 128), (4, 4, 128, 96)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("l2", [True, False])
+@pytest.mark.parametrize("dims", DIMS)
+def test_matches_the_float64_reference(dtype, l2, dims):
+    """The first form (fp32 arithmetic) against float64: relative RMS per document and value head
+    <= 1e-4 for the states and an fp32 o, 6e-3 for a bf16 o (its rounding)."""
+    o, ht, o_ref, ht_ref, cu = _run_on_gpu(dtype, l2, dims, tensor_cores=False)
     o_tol = 6e-3 if dtype == torch.bfloat16 else 1e-4
-    got_o, got_ht = o.to(F64).cpu(), ht.to(F64).cpu()
     for n, (bos, eos) in enumerate(itertools.pairwise(cu)):
-        for i_hv in range(hv):
-            assert_rel_rms(got_ht[n, i_hv], ht_ref[n, i_hv], 1e-4, f"final state, document {n}, head {i_hv}")
+        for i_hv in range(dims[1]):
+            assert_rel_rms(ht[n, i_hv], ht_ref[n, i_hv], 1e-4, f"final state, document {n}, head {i_hv}")
             if eos > bos:
-                assert_rel_rms(got_o[bos:eos, i_hv], o_ref[0, bos:eos, i_hv], o_tol, f"o, document {n}, head {i_hv}")
+                assert_rel_rms(o[bos:eos, i_hv], o_ref[bos:eos, i_hv], o_tol, f"o, document {n}, head {i_hv}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("l2", [True, False])
+@pytest.mark.parametrize("dims", DIMS)
+def test_tensor_core_form_matches_the_float64_reference(dtype, l2, dims):
+    """The tensor-core form (operands rounded to the input dtype) against float64 within the op's
+    contract: relative RMS of o and of the final states <= 0.005 (``dsfuse.bench.gdn.TOLERANCES``)."""
+    from dsfuse.bench.gdn import TOLERANCES
+
+    o, ht, o_ref, ht_ref, _ = _run_on_gpu(dtype, l2, dims, tensor_cores=True)
+    assert_rel_rms(o, o_ref, TOLERANCES["o"], "o")
+    assert_rel_rms(ht, ht_ref, TOLERANCES["final_state"], "final state")

@@ -11,6 +11,9 @@ op's contract tests (which run on the backends that serve a call) do not run the
   its chunks with the fp32 state on chip, from ``ut_inverse``'s ``A`` (fp32 CUDA-core arithmetic:
   the reference-grade second step, before tensor cores and warp specialisation); checked by
   ``tests/gdn/test_gdn_cutedsl_fused_forward.py``, timed by ``experiments/gdn/fused_forward_probe.py``.
+  With ``tensor_cores=True`` it runs its tensor-core form (``fused_fwd_tc``: every product on
+  ``mma.sync`` through ``mma``, operands rounded to the input dtype; compiled on the CPU, not yet
+  run on a GPU).
 * ``mma``: tensor-core products of shared-memory tiles (``mma.sync`` 16x8x16, fp32 accumulation,
   operands in any stored orientation), the building block of the fused forward's tensor-core form;
   checked by ``tests/gdn/test_gdn_cutedsl_mma.py``.

@@ -32,6 +32,7 @@ from dsfuse._common import cutedsl as _cd
 cutlass, cute = _cd.require()
 from cutlass import Float32, Int32, const_expr
 
+from dsfuse.gdn.cutedsl.fused_fwd_tc import TC_DTYPES, FusedForwardTC
 from dsfuse.gdn.cutedsl.ut_inverse import CHUNK, DTYPES, L2NORM_EPS
 from dsfuse.gdn.cutedsl.ut_inverse import shape_reasons as _inverse_reasons
 
@@ -40,11 +41,15 @@ BV = 32  # value channels per CTA
 ROWS = THREADS // BV  # 4 thread rows: a thread holds CHUNK / ROWS rows of a [C, BV] tile
 
 
-def shape_reasons(dtype: torch.dtype, heads: int, value_heads: int, dim_k: int, dim_v: int) -> list[str]:
-    """Why the kernel cannot be compiled for these sizes (empty when it can): the inverse's, and V's."""
+def shape_reasons(dtype: torch.dtype, heads: int, value_heads: int, dim_k: int, dim_v: int,
+                  tensor_cores: bool = False) -> list[str]:
+    """Why the kernel cannot be compiled for these sizes (empty when it can): the inverse's, V's, and
+    for the tensor-core form (`dsfuse.gdn.cutedsl.fused_fwd_tc`) a 16-bit dtype."""
     reasons = _inverse_reasons(dtype, heads, value_heads, dim_k)
     if dim_v % BV or dim_v > 256:
         reasons.append(f"head dim V = {dim_v} is not a multiple of {BV} up to 256")
+    if tensor_cores and dtype in DTYPES and dtype not in TC_DTYPES:
+        reasons.append(f"the tensor-core form takes {' or '.join(map(str, TC_DTYPES))} inputs, not {dtype}")
     return reasons
 
 
@@ -262,41 +267,45 @@ def _fake_tensors(dtype: torch.dtype, heads: int, value_heads: int, dim_k: int, 
 
 
 def compile_fused_forward(dtype: torch.dtype, heads: int, value_heads: int, dim_k: int, dim_v: int, l2norm: bool,
-                          arch: str, *, keep_ptx: bool = False, dump_dir: str | None = None):
-    """The kernel for one configuration, compiled for ``arch`` (``sm_90a``, ``sm_100a``; no GPU needed).
+                          arch: str, *, tensor_cores: bool = False, keep_ptx: bool = False, dump_dir: str | None = None):
+    """The kernel for one configuration, compiled for ``arch`` (``sm_90a``, ``sm_100a``; no GPU needed):
+    this module's CUDA-core form, or with ``tensor_cores`` `dsfuse.gdn.cutedsl.fused_fwd_tc`'s.
     Called as ``fn(q, k, v, g, beta, a, chunk_indices, chunk_offsets, h0, ht, o, scale)``."""
-    if reasons := shape_reasons(dtype, heads, value_heads, dim_k, dim_v):
+    if reasons := shape_reasons(dtype, heads, value_heads, dim_k, dim_v, tensor_cores):
         raise ValueError("the CuTe DSL fused forward cannot compile this: " + "; ".join(reasons))
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-    return _cd.compile(_FusedForward(dtype, heads, value_heads, dim_k, dim_v, l2norm),
+    kernel = FusedForwardTC if tensor_cores else _FusedForward
+    return _cd.compile(kernel(dtype, heads, value_heads, dim_k, dim_v, l2norm),
                        *_fake_tensors(dtype, heads, value_heads, dim_k, dim_v), Float32(1.0), stream, arch=arch,
                        keep_ptx=keep_ptx, dump_dir=dump_dir)
 
 
 def launch_fused_forward(q, k, v, g, beta, a, chunk_indices, chunk_offsets, h0, ht, o, scale: float,
-                         *, use_qk_l2norm: bool = False) -> torch.Tensor:
+                         *, use_qk_l2norm: bool = False, tensor_cores: bool = False) -> torch.Tensor:
     """Write ``o`` ``[T, HV, V]`` (the chunks' tokens; others untouched) and ``ht`` fp32 ``[N, HV, K, V]``.
 
     ``q``, ``k`` ``[T, H, K]``, ``v`` ``[T, HV, V]`` and ``beta`` ``[T, HV]`` in one dtype, unit
     channel stride; ``g`` fp32 ``[T, HV]`` (per-token log decay); ``a`` fp32 ``[T, HV, 64]`` from
     `dsfuse.gdn.cutedsl.ut_inverse.launch_ut_inverse` with the same k, beta and L2 norm;
     ``chunk_indices`` int32 ``[NC, 3]``, ``chunk_offsets`` int32 ``[N + 1]``; ``h0`` fp32 (zeros for
-    none), ``ht``, ``o`` contiguous."""
+    none), ``ht``, ``o`` contiguous. ``tensor_cores``: the tensor-core form (bf16 / fp16 inputs)."""
     heads, dim_k = k.shape[1:]
     value_heads, dim_v = v.shape[1:]
     if not (q.dtype == k.dtype == v.dtype == beta.dtype and g.dtype == a.dtype == torch.float32):
         raise ValueError("launch_fused_forward: q, k, v, beta in one dtype; g and a fp32")
     if any(x.stride(-1) != 1 for x in (q, k, v)) or not all(x.is_contiguous() for x in (a, h0, ht, o)):
         raise ValueError("launch_fused_forward: q, k, v need unit channel stride; a, h0, ht, o contiguous")
-    fn = CACHE.get((k.dtype, heads, value_heads, dim_k, dim_v, use_qk_l2norm, _cd.arch_of(k.device)),
-                   lambda: compile_fused_forward(k.dtype, heads, value_heads, dim_k, dim_v, use_qk_l2norm,
-                                                 _cd.arch_of(k.device)))
+    arch = _cd.arch_of(k.device)
+    fn = CACHE.get((k.dtype, heads, value_heads, dim_k, dim_v, use_qk_l2norm, tensor_cores, arch),
+                   lambda: compile_fused_forward(k.dtype, heads, value_heads, dim_k, dim_v, use_qk_l2norm, arch,
+                                                 tensor_cores=tensor_cores))
     if chunk_offsets.shape[0] > 1:
         fn(q, k, v, g, beta, a, chunk_indices, chunk_offsets, h0, ht, o, float(scale))
     return o
 
 
-def fused_forward(q, k, v, g, beta, scale=None, initial_state=None, cu_seqlens=None, use_qk_l2norm=False):
+def fused_forward(q, k, v, g, beta, scale=None, initial_state=None, cu_seqlens=None, use_qk_l2norm=False,
+                  tensor_cores=False):
     """``(o, final_state, a)`` of packed ``[T, ...]`` inputs (no batch dim): the UT inverse, then the
     fused kernel. Tokens in no document get ``o = 0``; ``a`` is what a backward would keep."""
     from dsfuse.gdn.cutedsl.ut_inverse import launch_ut_inverse
@@ -317,16 +326,17 @@ def fused_forward(q, k, v, g, beta, scale=None, initial_state=None, cu_seqlens=N
     ht = torch.empty_like(h0)
     o = torch.zeros(tokens, value_heads, dim_v, device=dev, dtype=v.dtype)
     launch_fused_forward(q, k, v, g.float(), beta, a, ci, co, h0, ht, o, dim_k**-0.5 if scale is None else scale,
-                         use_qk_l2norm=use_qk_l2norm)
+                         use_qk_l2norm=use_qk_l2norm, tensor_cores=tensor_cores)
     return o, ht, a
 
 
 def _aot_specs() -> list[_cd.CuteAotSpec]:
-    """The model's specialisation: H = 16, HV = 48, K = V = 128, bf16, with and without the L2 norm."""
-    return [_cd.CuteAotSpec(f"gdn_fused_forward_bf16{'_l2' if l2 else ''}",
-                            lambda arch, dump_dir=None, l2=l2: compile_fused_forward(
-                                torch.bfloat16, 16, 48, 128, 128, l2, arch, keep_ptx=True, dump_dir=dump_dir))
-            for l2 in (True, False)]
+    """The model's specialisation: H = 16, HV = 48, K = V = 128, bf16, with and without the L2 norm, both forms."""
+    return [_cd.CuteAotSpec(f"gdn_fused_forward{'_tc' if tc else ''}_bf16{'_l2' if l2 else ''}",
+                            lambda arch, dump_dir=None, l2=l2, tc=tc: compile_fused_forward(
+                                torch.bfloat16, 16, 48, 128, 128, l2, arch, tensor_cores=tc, keep_ptx=True,
+                                dump_dir=dump_dir))
+            for tc in (False, True) for l2 in (True, False)]
 
 
 AOT_SPECS = _aot_specs()

@@ -8,8 +8,8 @@ iterator with swapped strides): ``K^T`` for the state update, ``S`` stored ``[K,
 operand of ``k S``. The register fragments are filled by element-wise copies from those views, so
 any strides work; the pipelined kernel replaces them with ``ldmatrix`` and swizzled layouts.
 
-`tiled_mma` builds the product of 4 warps (2 x 2 over M and N); `gemm` runs one product for the
-calling thread; `store` writes the fp32 accumulator into a shared (or global) tile. The GPU test
+`tiled_mma` builds the product of 4 warps (2 x 2 over M and N); `operands` partitions a product's
+tiles for the calling thread, `gemm` runs it; `store` writes the fp32 accumulator into a shared (or global) tile. The GPU test
 (``tests/gdn/test_gdn_cutedsl_mma.py``) checks the three operand layouts the fused forward needs
 against torch on the same bf16 values.
 """
@@ -40,14 +40,22 @@ def accumulator(mma, tidx, shape_mn):
     return acc
 
 
-def gemm(mma, tidx, acc, sA, sB):
-    """``acc += A B^T`` for this thread's part: ``sA`` ``(M, K)``, ``sB`` ``(N, K)`` tile views."""
+def operands(mma, tidx, sA, sB):
+    """This thread's part of a product's operands: ``sA`` ``(M, K)``, ``sB`` ``(N, K)`` tile views and
+    register fragments of one 16-wide block of K each. Made once, before any loop that runs the
+    product (fragments made inside a runtime loop end up in local memory)."""
     thr = mma.get_slice(tidx)
     tCsA, tCsB = thr.partition_A(sA), thr.partition_B(sB)
-    tCrA, tCrB = mma.make_fragment_A(tCsA), mma.make_fragment_B(tCsB)
-    cute.autovec_copy(tCsA, tCrA)
-    cute.autovec_copy(tCsB, tCrB)
-    cute.gemm(mma, acc, tCrA, tCrB, acc)
+    return tCsA, tCsB, mma.make_fragment_A(tCsA[None, None, 0]), mma.make_fragment_B(tCsB[None, None, 0])
+
+
+def gemm(mma, acc, ops):
+    """``acc += A B^T`` of `operands` ``ops``, one block of K at a time."""
+    tCsA, tCsB, tCrA, tCrB = ops
+    for kb in range(cute.size(tCsA, mode=[2])):  # static: unrolled as the kernel is traced
+        cute.autovec_copy(tCsA[None, None, kb], tCrA)
+        cute.autovec_copy(tCsB[None, None, kb], tCrB)
+        cute.gemm(mma, acc, tCrA, tCrB, acc)
 
 
 def store(mma, tidx, acc, sC):
@@ -102,7 +110,7 @@ class _Check:
         opA = view(sA, (M, K), (1, M)) if self.a_t else sA
         opB = view(sB, (N, K), (1, N)) if self.b_t else sB
         acc = accumulator(mma, tidx, (M, N))
-        gemm(mma, tidx, acc, opA, opB)
+        gemm(mma, acc, operands(mma, tidx, opA, opB))
         store(mma, tidx, acc, sC)
         cute.arch.sync_threads()
         for i in cutlass.range(M * N // THREADS):
