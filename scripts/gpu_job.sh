@@ -14,6 +14,9 @@
 # time of those ops instead of OPS, and HOST_PROFILE=1 adds their cProfile (host-profile.txt). A Gated DeltaNet run also
 # gets its stage times and peak memory (experiments/gdn/stage_times.py) in its raw folder's stages/.
 # DSFUSE_REQUIRE_CUTEDSL=1 (passed on to pytest) makes a missing cutedsl extra an error, not a skip.
+# GDN_CUTEDSL=1 adds the CuTe DSL Gated DeltaNet forward's probe (experiments/gdn/fused_forward_probe.py, into
+# experiments/gdn/raw/fused-forward/<stamp>-<gpu>/) and its compute-sanitizer runs (memcheck, racecheck, synccheck;
+# both forms) into the same folder's sanitizer.log; it needs the cutedsl extra (scripts/gpu_install_carry.sh a, b).
 # STEP_TIMEOUT=<seconds> bounds each step, so a step that overruns still leaves the others' raw data
 # packed in raw.tar.gz (the remote tree is replaced at the next call: only OUT_DIR comes back).
 set -uo pipefail
@@ -51,6 +54,18 @@ if [ -z "${SKIP_BENCH:-}" ]; then
   for op in "${targets[@]}"; do  # one step per op: an op that overruns leaves the others' data
     step python3 -m dsfuse.bench run "$op" --gpu 2>&1 | tee -a "$out/bench.log" || status=1
   done
+fi
+if [ -n "${GDN_CUTEDSL:-}" ]; then
+  probe="experiments/gdn/raw/fused-forward/$(date -u +%Y%m%d-%H%M%S)-$(python3 -c 'from dsfuse.bench.env import gpu_key; import torch; print(gpu_key(torch.cuda.get_device_name()))')"
+  mkdir -p "$probe"
+  for form in "" --tensor-cores; do
+    for tool in memcheck racecheck synccheck; do
+      echo "== $tool ${form:-(CUDA-core form)}" >> "$probe/sanitizer.log"
+      step compute-sanitizer --tool "$tool" --error-exitcode 1 --report-api-errors no python3 experiments/gdn/sanitize_fused_forward.py $form \
+        >> "$probe/sanitizer.log" 2>&1 || status=1
+    done
+  done
+  step python3 experiments/gdn/fused_forward_probe.py "$probe" 2>&1 | tee "$probe/probe.log" || status=1
 fi
 new=$(find experiments -path '*/raw/*' \( -name samples.csv -o -name host_time.csv \) -newer "$stamp" -printf '%h\n')
 for run in $new; do

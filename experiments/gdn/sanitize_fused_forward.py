@@ -1,0 +1,36 @@
+"""One small varlen call of the CuTe DSL fused forward (the UT inverse, then the fused kernel), for
+compute-sanitizer: six documents (an empty and a one-token one among them, partial chunks), (H, HV) =
+(2, 6), K = V = 64, bf16, L2 norm on, an initial state; both forms (``--tensor-cores`` for the
+tensor-core form).
+
+    compute-sanitizer --tool memcheck --report-api-errors no python3 experiments/gdn/sanitize_fused_forward.py
+
+(``--report-api-errors no``: the runtime's probes of driver entry points are not kernel errors.)
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+from dsfuse.gdn.cutedsl.fused_fwd import fused_forward
+
+
+def main(argv: list[str]) -> int:
+    torch.manual_seed(0)
+    cu = [0, 1, 63, 63, 127, 192, 392]
+    t, h, hv, d = cu[-1] + 7, 2, 6, 64
+    q, k = torch.randn(t, h, d, device="cuda").bfloat16(), torch.randn(t, h, d, device="cuda").bfloat16()
+    v = torch.randn(t, hv, d, device="cuda").bfloat16()
+    g = -torch.rand(t, hv, device="cuda") * 0.3
+    beta = torch.rand(t, hv, device="cuda").bfloat16()
+    h0 = torch.randn(len(cu) - 1, hv, d, d, device="cuda") * 0.1
+    o, ht, _ = fused_forward(q, k, v, g, beta, initial_state=h0, cu_seqlens=cu, use_qk_l2norm=True,
+                             tensor_cores="--tensor-cores" in argv)
+    torch.cuda.synchronize()
+    print("ok", float(o.float().norm()), float(ht.norm()))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
