@@ -14,6 +14,8 @@ op's contract tests (which run on the backends that serve a call) do not run the
   With ``tensor_cores=True`` it runs its tensor-core form (``fused_fwd_tc``: every product on
   ``mma.sync`` through ``mma``, operands rounded to the input dtype; compiled on the CPU, not yet
   run on a GPU).
+* ``chunk``: what those kernels do to a chunk alike (loads, L2-norm scales, cumulative gate, gate
+  vectors) and the fused forwards' signature and grid (``ChainKernel``).
 * ``mma``: tensor-core products of shared-memory tiles (``mma.sync`` 16x8x16, fp32 accumulation,
   operands in any stored orientation), the building block of the fused forward's tensor-core form;
   checked by ``tests/gdn/test_gdn_cutedsl_mma.py``.

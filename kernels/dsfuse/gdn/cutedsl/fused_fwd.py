@@ -30,14 +30,13 @@ import torch
 from dsfuse._common import cutedsl as _cd
 
 cutlass, cute = _cd.require()
-from cutlass import Float32, Int32, const_expr
+from cutlass import Float32, Int32
 
+from dsfuse.gdn.cutedsl import chunk
+from dsfuse.gdn.cutedsl.chunk import BV, CHUNK, DTYPES, THREADS
 from dsfuse.gdn.cutedsl.fused_fwd_tc import TC_DTYPES, FusedForwardTC
-from dsfuse.gdn.cutedsl.ut_inverse import CHUNK, DTYPES, L2NORM_EPS
 from dsfuse.gdn.cutedsl.ut_inverse import shape_reasons as _inverse_reasons
 
-THREADS = 128
-BV = 32  # value channels per CTA
 ROWS = THREADS // BV  # 4 thread rows: a thread holds CHUNK / ROWS rows of a [C, BV] tile
 
 
@@ -62,20 +61,8 @@ def _lower_row_times(sM: cute.Tensor, sX: cute.Tensor, r: Int32, col: Int32) -> 
     return acc
 
 
-class _FusedForward:
-    """``(q, k, v, g, beta, a, chunk_indices, chunk_offsets, h0, ht, o, scale)``: writes ``o`` and ``ht``."""
-
-    def __init__(self, dtype: torch.dtype, heads: int, value_heads: int, dim_k: int, dim_v: int, l2norm: bool):
-        self.dtype, self.heads, self.value_heads, self.dim_k, self.dim_v, self.l2norm = (
-            DTYPES[dtype], heads, value_heads, dim_k, dim_v, l2norm)
-
-    @cute.jit
-    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mG: cute.Tensor, mBeta: cute.Tensor,
-                 mA: cute.Tensor, mChunks: cute.Tensor, mOffsets: cute.Tensor, mH0: cute.Tensor, mHt: cute.Tensor,
-                 mO: cute.Tensor, scale: Float32, stream):
-        grid = [self.dim_v // BV, self.value_heads, mOffsets.shape[0] - 1]
-        self.kernel(mQ, mK, mV, mG, mBeta, mA, mChunks, mOffsets, mH0, mHt, mO, scale).launch(
-            grid=grid, block=[THREADS, 1, 1], stream=stream)
+class _FusedForward(chunk.ChainKernel):
+    """The first form (module docstring)."""
 
     @cute.kernel
     def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mG: cute.Tensor, mBeta: cute.Tensor,
@@ -119,69 +106,18 @@ class _FusedForward:
             rows = mChunks[i_c, 2] - start
 
             # 1. the chunk's q, k rows, A0 rows (zeros past the chunk's end), g and beta
-            for item in cutlass.range(C * K // THREADS, unroll=4):
-                idx = tidx + item * THREADS
-                r = idx // K
-                c = idx - r * K
-                qv, kv = Float32(0.0), Float32(0.0)
-                if r < rows:
-                    qv = mQ[start + r, i_h, c].to(Float32)
-                    kv = mK[start + r, i_h, c].to(Float32)
-                sQ[r, c] = qv
-                sK[r, c] = kv
-            for item in cutlass.range(C * C // THREADS, unroll=4):
-                idx = tidx + item * THREADS
-                r = idx // C
-                c = idx - r * C
-                av = Float32(0.0)
-                if r < rows:
-                    av = mA[start + r, i_hv, c]
-                sA[r, c] = av
-            if tidx < C:
-                gv, bv = Float32(0.0), Float32(0.0)
-                if tidx < rows:
-                    gv = mG[start + tidx, i_hv]
-                    bv = mBeta[start + tidx, i_hv].to(Float32)
-                sG[tidx] = gv
-                sBeta[tidx] = bv
+            chunk.load_chunk(tidx, mQ, mK, mA, mG, mBeta, sQ, sK, sA, sG, sBeta, start, rows, i_h, i_hv)
             cute.arch.sync_threads()
-
             # 2. rstd of the q rows (threads 0..63) and k rows (64..127); G = cumsum(g) by thread 0
-            if const_expr(self.l2norm):
-                row = tidx % C
-                total = Float32(0.0)
-                if tidx < C:
-                    for c in cutlass.range(K):
-                        total = total + sQ[row, c] * sQ[row, c]
-                else:
-                    for c in cutlass.range(K):
-                        total = total + sK[row, c] * sK[row, c]
-                sRstd[tidx] = cute.math.rsqrt(total + Float32(L2NORM_EPS))
-            if tidx == 0:
-                run = Float32(0.0)
-                for pos in cutlass.range(C):
-                    run = run + sG[pos]
-                    sG[pos] = run
+            chunk.rstd_and_cumsum(tidx, sQ, sK, sRstd, sG, self.l2norm)
             cute.arch.sync_threads()
-
-            # 3. normalise q and k; the gate vectors (padding keeps G flat: G_last is the last real G)
-            if const_expr(self.l2norm):
-                for item in cutlass.range(C * K // THREADS, unroll=4):
-                    idx = tidx + item * THREADS
-                    r = idx // K
-                    c = idx - r * K
-                    sQ[r, c] = sQ[r, c] * sRstd[r]
-                    sK[r, c] = sK[r, c] * sRstd[C + r]
-            if tidx < C:
-                sEG[tidx] = cute.math.exp(sG[tidx])
-                sDec[tidx] = cute.math.exp(sG[C - 1] - sG[tidx])
+            # 3. normalise q and k; the gate vectors
+            chunk.normalize_and_gates(tidx, sQ, sK, sRstd, sG, sEG, sDec, self.l2norm)
             cute.arch.sync_threads()
 
             # 4a. A0 * Gamma in place, and (q k^T) * Gamma, both lower triangular with the diagonal
             for item in cutlass.range(C * C // THREADS):
-                idx = tidx + item * THREADS
-                i = idx // C
-                j = idx - i * C
+                i, j = chunk.cell(tidx, item, C)
                 gated, qk = Float32(0.0), Float32(0.0)
                 if j <= i:
                     decay = cute.math.exp(sG[i] - sG[j])

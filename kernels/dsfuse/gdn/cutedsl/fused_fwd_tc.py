@@ -26,13 +26,13 @@ import torch
 from dsfuse._common import cutedsl as _cd
 
 cutlass, cute = _cd.require()
-from cutlass import Float32, const_expr
+from cutlass import Float32
 
+from dsfuse.gdn.cutedsl import chunk
 from dsfuse.gdn.cutedsl import mma as _mma
-from dsfuse.gdn.cutedsl.ut_inverse import CHUNK, DTYPES, L2NORM_EPS
+from dsfuse.gdn.cutedsl.chunk import BV, CHUNK, THREADS
 
-THREADS = _mma.THREADS  # 128: the 2 x 2 warps of every product
-BV = 32  # value channels per CTA
+assert THREADS == _mma.THREADS  # the 2 x 2 warps of every product are the CTA
 TC_DTYPES = (torch.bfloat16, torch.float16)
 
 
@@ -45,20 +45,8 @@ def _vector(smem, length: int):
     return smem.allocate_tensor(Float32, cute.make_layout((length,)), byte_alignment=16)
 
 
-class FusedForwardTC:
-    """``(q, k, v, g, beta, a, chunk_indices, chunk_offsets, h0, ht, o, scale)``: writes ``o`` and ``ht``."""
-
-    def __init__(self, dtype: torch.dtype, heads: int, value_heads: int, dim_k: int, dim_v: int, l2norm: bool):
-        self.dtype, self.heads, self.value_heads, self.dim_k, self.dim_v, self.l2norm = (
-            DTYPES[dtype], heads, value_heads, dim_k, dim_v, l2norm)
-
-    @cute.jit
-    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mG: cute.Tensor, mBeta: cute.Tensor,
-                 mA: cute.Tensor, mChunks: cute.Tensor, mOffsets: cute.Tensor, mH0: cute.Tensor, mHt: cute.Tensor,
-                 mO: cute.Tensor, scale: Float32, stream):
-        grid = [self.dim_v // BV, self.value_heads, mOffsets.shape[0] - 1]
-        self.kernel(mQ, mK, mV, mG, mBeta, mA, mChunks, mOffsets, mH0, mHt, mO, scale).launch(
-            grid=grid, block=[THREADS, 1, 1], stream=stream)
+class FusedForwardTC(chunk.ChainKernel):
+    """The tensor-core form (module docstring)."""
 
     @cute.kernel
     def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mG: cute.Tensor, mBeta: cute.Tensor,
@@ -94,9 +82,7 @@ class FusedForwardTC:
                                 _mma.operands(mma, tidx, opKt, opVd))
 
         for item in cutlass.range(K * BV // THREADS, unroll=4):
-            idx = tidx + item * THREADS
-            r = idx // BV
-            c = idx - r * BV
+            r, c = chunk.cell(tidx, item, BV)
             sS[r, c] = mH0[i_n, i_hv, r, v0 + c]
         cute.arch.sync_threads()
 
@@ -104,77 +90,23 @@ class FusedForwardTC:
             start = mChunks[i_c, 1]
             rows = mChunks[i_c, 2] - start
 
-            # 1. q, k rows, A0 rows (zeros past the chunk's end), g and beta
-            for item in cutlass.range(C * K // THREADS, unroll=4):
-                idx = tidx + item * THREADS
-                r = idx // K
-                c = idx - r * K
-                qv, kv = ab(0.0), ab(0.0)
-                if r < rows:
-                    qv = mQ[start + r, i_h, c]
-                    kv = mK[start + r, i_h, c]
-                sQ[r, c] = qv
-                sK[r, c] = kv
-            for item in cutlass.range(C * C // THREADS, unroll=4):
-                idx = tidx + item * THREADS
-                r = idx // C
-                c = idx - r * C
-                av = Float32(0.0)
-                if r < rows:
-                    av = mA[start + r, i_hv, c]
-                sF[r, c] = av
-            if tidx < C:
-                gv, bv = Float32(0.0), Float32(0.0)
-                if tidx < rows:
-                    gv = mG[start + tidx, i_hv]
-                    bv = mBeta[start + tidx, i_hv].to(Float32)
-                sG[tidx] = gv
-                sBeta[tidx] = bv
+            # 1. q, k rows (in the input dtype), A0 rows (zeros past the chunk's end), g and beta
+            chunk.load_chunk(tidx, mQ, mK, mA, mG, mBeta, sQ, sK, sF, sG, sBeta, start, rows, i_h, i_hv)
             cute.arch.sync_threads()
-
             # 2. rstd of the q rows (threads 0..63) and k rows (64..127); G = cumsum(g) by thread 0
-            if const_expr(self.l2norm):
-                row = tidx % C
-                total = Float32(0.0)
-                if tidx < C:
-                    for c in cutlass.range(K):
-                        x = sQ[row, c].to(Float32)
-                        total = total + x * x
-                else:
-                    for c in cutlass.range(K):
-                        x = sK[row, c].to(Float32)
-                        total = total + x * x
-                sRstd[tidx] = cute.math.rsqrt(total + Float32(L2NORM_EPS))
-            if tidx == 0:
-                run = Float32(0.0)
-                for pos in cutlass.range(C):
-                    run = run + sG[pos]
-                    sG[pos] = run
+            chunk.rstd_and_cumsum(tidx, sQ, sK, sRstd, sG, self.l2norm)
             cute.arch.sync_threads()
 
             # 3. normalised, rounded q and k; the gate vectors; A0 * Gamma rounded; the state rounded
-            if const_expr(self.l2norm):
-                for item in cutlass.range(C * K // THREADS, unroll=4):
-                    idx = tidx + item * THREADS
-                    r = idx // K
-                    c = idx - r * K
-                    sQ[r, c] = (sQ[r, c].to(Float32) * sRstd[r]).to(ab)
-                    sK[r, c] = (sK[r, c].to(Float32) * sRstd[C + r]).to(ab)
-            if tidx < C:
-                sEG[tidx] = cute.math.exp(sG[tidx])
-                sDec[tidx] = cute.math.exp(sG[C - 1] - sG[tidx])
+            chunk.normalize_and_gates(tidx, sQ, sK, sRstd, sG, sEG, sDec, self.l2norm)
             for item in cutlass.range(C * C // THREADS, unroll=4):
-                idx = tidx + item * THREADS
-                i = idx // C
-                j = idx - i * C
+                i, j = chunk.cell(tidx, item, C)
                 gated = Float32(0.0)
                 if j <= i:
                     gated = sF[i, j] * cute.math.exp(sG[i] - sG[j])
                 sAg[i, j] = gated.to(ab)
             for item in cutlass.range(K * BV // THREADS, unroll=4):
-                idx = tidx + item * THREADS
-                r = idx // BV
-                c = idx - r * BV
+                r, c = chunk.cell(tidx, item, BV)
                 sSb[r, c] = sS[r, c].to(ab)
             cute.arch.sync_threads()
 
@@ -192,17 +124,13 @@ class FusedForwardTC:
 
             # 5. (q k^T) * Gamma rounded; X = beta (v - exp(G) k S) rounded
             for item in cutlass.range(C * C // THREADS, unroll=4):
-                idx = tidx + item * THREADS
-                i = idx // C
-                j = idx - i * C
+                i, j = chunk.cell(tidx, item, C)
                 qk = Float32(0.0)
                 if j <= i:
                     qk = sF[i, j] * cute.math.exp(sG[i] - sG[j])
                 sQKg[i, j] = qk.to(ab)
             for item in cutlass.range(C * BV // THREADS, unroll=4):
-                idx = tidx + item * THREADS
-                r = idx // BV
-                c = idx - r * BV
+                r, c = chunk.cell(tidx, item, BV)
                 vv = Float32(0.0)
                 if r < rows:
                     vv = mV[start + r, i_hv, v0 + c].to(Float32)
@@ -217,9 +145,7 @@ class FusedForwardTC:
 
             # 7. v_new rounded, and decayed to the chunk's end
             for item in cutlass.range(C * BV // THREADS, unroll=4):
-                idx = tidx + item * THREADS
-                r = idx // BV
-                c = idx - r * BV
+                r, c = chunk.cell(tidx, item, BV)
                 sVnb[r, c] = sVn[r, c].to(ab)
                 sVdb[r, c] = (sVn[r, c] * sDec[r]).to(ab)
             cute.arch.sync_threads()
@@ -235,21 +161,15 @@ class FusedForwardTC:
 
             # 9. o of the chunk's real rows; S = exp(G_last) S + U
             for item in cutlass.range(C * BV // THREADS, unroll=4):
-                idx = tidx + item * THREADS
-                r = idx // BV
-                c = idx - r * BV
+                r, c = chunk.cell(tidx, item, BV)
                 if r < rows:
                     mO[start + r, i_hv, v0 + c] = (scale * (sEG[r] * sQS[r, c] + sP[r, c])).to(mO.element_type)
             last = sEG[C - 1]
             for item in cutlass.range(K * BV // THREADS, unroll=4):
-                idx = tidx + item * THREADS
-                r = idx // BV
-                c = idx - r * BV
+                r, c = chunk.cell(tidx, item, BV)
                 sS[r, c] = last * sS[r, c] + sU[r, c]
             cute.arch.sync_threads()
 
         for item in cutlass.range(K * BV // THREADS, unroll=4):
-            idx = tidx + item * THREADS
-            r = idx // BV
-            c = idx - r * BV
+            r, c = chunk.cell(tidx, item, BV)
             mHt[i_n, i_hv, r, v0 + c] = sS[r, c]

@@ -28,12 +28,9 @@ import torch
 from dsfuse._common import cutedsl as _cd
 
 cutlass, cute = _cd.require()
-from cutlass import Float32, Int32, const_expr  # noqa: E402
+from cutlass import Float32, Int32, const_expr
 
-CHUNK = 64
-THREADS = 128
-DTYPES = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16, torch.float32: Float32}
-L2NORM_EPS = 1e-6  # dsfuse.gdn.reference.L2NORM_EPS
+from dsfuse.gdn.cutedsl.chunk import CHUNK, DTYPES, L2NORM_EPS, THREADS, cell
 
 
 def shape_reasons(dtype: torch.dtype, heads: int, value_heads: int, dim_k: int) -> list[str]:
@@ -46,13 +43,6 @@ def shape_reasons(dtype: torch.dtype, heads: int, value_heads: int, dim_k: int) 
     if dim_k not in (16, 32, 64, 128):
         reasons.append(f"head dim K = {dim_k} is not one of (16, 32, 64, 128)")
     return reasons
-
-
-def _cell(tidx, item, width: int):
-    """Row and column of element ``tidx + item * THREADS`` of a row-major tile ``width`` wide (traced inline)."""
-    idx = tidx + item * THREADS
-    row = idx // width
-    return row, idx - row * width
 
 
 class _UtInverse:
@@ -86,7 +76,7 @@ class _UtInverse:
 
         # 1. the chunk's k rows (zeros past its end) as fp32
         for item in cutlass.range(C * K // THREADS, unroll_full=True):
-            r, col = _cell(tidx, item, K)
+            r, col = cell(tidx, item, K)
             value = Float32(0.0)
             if r < rows:
                 value = mK[start + r, i_h, col].to(Float32)
@@ -110,7 +100,7 @@ class _UtInverse:
 
         # 3. M = diag(beta) strictly_lower(k k^T), normalised rows: beta_i rstd_i rstd_j (k_i . k_j)
         for item in cutlass.range(C * C // THREADS):
-            i, j = _cell(tidx, item, C)
+            i, j = cell(tidx, item, C)
             m = Float32(0.0)
             if j < i:
                 dot = Float32(0.0)
@@ -137,7 +127,7 @@ class _UtInverse:
 
         # 5. the chunk's rows
         for item in cutlass.range_constexpr(C * C // THREADS):
-            i, col = _cell(tidx, item, C)
+            i, col = cell(tidx, item, C)
             if i < rows:
                 mA[start + i, i_hv, col] = sA[i, col]
 

@@ -1,0 +1,116 @@
+"""What the CuTe DSL Gated DeltaNet kernels do to a chunk alike (128 threads, chunks of ``C = 64``):
+`ChainKernel`, the signature and grid of a fused forward (one CTA per document, value head and ``BV``
+value channels); `cell`, the element of a row-major tile a thread takes on a pass; `load_chunk`, the chunk's q, k, A0
+rows, g and beta into shared memory; `rstd_and_cumsum`, the rows' L2-norm scales and the chunk-local
+cumulative gate; `normalize_and_gates`, the normalised rows (rounded to the tiles' dtype) and the gate
+vectors. Each is traced into the calling kernel; the caller places the barriers between them."""
+
+from __future__ import annotations
+
+import torch
+
+from dsfuse._common import cutedsl as _cd
+
+cutlass, cute = _cd.require()
+from cutlass import Float32, Int32, const_expr
+
+CHUNK = 64
+THREADS = 128
+BV = 32  # value channels per CTA of a fused forward
+L2NORM_EPS = 1e-6  # dsfuse.gdn.reference.L2NORM_EPS
+DTYPES = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16, torch.float32: Float32}
+
+
+class ChainKernel:
+    """A fused forward ``(q, k, v, g, beta, a, chunk_indices, chunk_offsets, h0, ht, o, scale)`` that
+    writes ``o`` and ``ht``: grid (V / BV, HV, N) of ``THREADS`` threads; a subclass defines ``kernel``."""
+
+    def __init__(self, dtype: torch.dtype, heads: int, value_heads: int, dim_k: int, dim_v: int, l2norm: bool):
+        self.dtype, self.heads, self.value_heads, self.dim_k, self.dim_v, self.l2norm = (
+            DTYPES[dtype], heads, value_heads, dim_k, dim_v, l2norm)
+
+    @cute.jit
+    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mG: cute.Tensor, mBeta: cute.Tensor,
+                 mA: cute.Tensor, mChunks: cute.Tensor, mOffsets: cute.Tensor, mH0: cute.Tensor, mHt: cute.Tensor,
+                 mO: cute.Tensor, scale: Float32, stream):
+        grid = [self.dim_v // BV, self.value_heads, mOffsets.shape[0] - 1]
+        self.kernel(mQ, mK, mV, mG, mBeta, mA, mChunks, mOffsets, mH0, mHt, mO, scale).launch(
+            grid=grid, block=[THREADS, 1, 1], stream=stream)
+
+
+def cell(tidx, item, width: int):
+    """Row and column of element ``tidx + item * THREADS`` of a row-major tile ``width`` wide."""
+    idx = tidx + item * THREADS
+    row = idx // width
+    return row, idx - row * width
+
+
+@cute.jit
+def load_chunk(tidx: Int32, mQ: cute.Tensor, mK: cute.Tensor, mA: cute.Tensor, mG: cute.Tensor, mBeta: cute.Tensor,
+               sQ: cute.Tensor, sK: cute.Tensor, sA: cute.Tensor, sG: cute.Tensor, sBeta: cute.Tensor,
+               start: Int32, rows: Int32, i_h: Int32, i_hv: Int32):
+    """Rows ``start ..`` of q and k (qk head ``i_h``) in ``sQ``/``sK``'s dtype, of A0 (value head
+    ``i_hv``) in ``sA``, g and beta (fp32) in ``sG``/``sBeta``: zeros past the chunk's ``rows``."""
+    C, K = cute.size(sQ, mode=[0]), cute.size(sQ, mode=[1])
+    for item in cutlass.range(C * K // THREADS, unroll=4):
+        r, c = cell(tidx, item, K)
+        qv, kv = sQ.element_type(0.0), sK.element_type(0.0)
+        if r < rows:
+            qv = mQ[start + r, i_h, c].to(sQ.element_type)
+            kv = mK[start + r, i_h, c].to(sK.element_type)
+        sQ[r, c] = qv
+        sK[r, c] = kv
+    for item in cutlass.range(C * C // THREADS, unroll=4):
+        r, c = cell(tidx, item, C)
+        av = Float32(0.0)
+        if r < rows:
+            av = mA[start + r, i_hv, c]
+        sA[r, c] = av
+    if tidx < C:
+        gv, bv = Float32(0.0), Float32(0.0)
+        if tidx < rows:
+            gv = mG[start + tidx, i_hv]
+            bv = mBeta[start + tidx, i_hv].to(Float32)
+        sG[tidx] = gv
+        sBeta[tidx] = bv
+
+
+@cute.jit
+def rstd_and_cumsum(tidx: Int32, sQ: cute.Tensor, sK: cute.Tensor, sRstd: cute.Tensor, sG: cute.Tensor,
+                    l2norm: cutlass.Constexpr):
+    """``sRstd``: ``rsqrt(sum(x^2) + eps)`` of the q rows (threads 0 .. C-1) and the k rows (C .. 2C-1),
+    in fp32, with the L2 norm; ``sG``: its cumulative sum in place (thread 0, in order)."""
+    C, K = cute.size(sQ, mode=[0]), cute.size(sQ, mode=[1])
+    if const_expr(l2norm):
+        row = tidx % C
+        total = Float32(0.0)
+        if tidx < C:
+            for c in cutlass.range(K):
+                x = sQ[row, c].to(Float32)
+                total = total + x * x
+        else:
+            for c in cutlass.range(K):
+                x = sK[row, c].to(Float32)
+                total = total + x * x
+        sRstd[tidx] = cute.math.rsqrt(total + Float32(L2NORM_EPS))
+    if tidx == 0:
+        run = Float32(0.0)
+        for pos in cutlass.range(C):
+            run = run + sG[pos]
+            sG[pos] = run
+
+
+@cute.jit
+def normalize_and_gates(tidx: Int32, sQ: cute.Tensor, sK: cute.Tensor, sRstd: cute.Tensor, sG: cute.Tensor,
+                        sEG: cute.Tensor, sDec: cute.Tensor, l2norm: cutlass.Constexpr):
+    """With the L2 norm, the q and k rows times their scales (in fp32, stored in the tiles' dtype);
+    ``sEG = exp(G)``, ``sDec = exp(G_last - G)`` (padding keeps G flat: G_last is the last real G)."""
+    C, K = cute.size(sQ, mode=[0]), cute.size(sQ, mode=[1])
+    if const_expr(l2norm):
+        for item in cutlass.range(C * K // THREADS, unroll=4):
+            r, c = cell(tidx, item, K)
+            sQ[r, c] = (sQ[r, c].to(Float32) * sRstd[r]).to(sQ.element_type)
+            sK[r, c] = (sK[r, c].to(Float32) * sRstd[C + r]).to(sK.element_type)
+    if tidx < C:
+        sEG[tidx] = cute.math.exp(sG[tidx])
+        sDec[tidx] = cute.math.exp(sG[C - 1] - sG[tidx])
