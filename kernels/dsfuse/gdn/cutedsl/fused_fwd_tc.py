@@ -75,7 +75,7 @@ class FusedForwardTC(chunk.ChainKernel):
         opS = _mma.view(sSb, (BV, K), (1, BV))
         opX, opVn, opVd = (_mma.view(t, (BV, C), (1, BV)) for t in (sXb, sVnb, sVdb))
         opKt = _mma.view(sK, (K, C), (1, K))  # K^T as the A operand of the state update
-        # every product's operands, partitioned once (outside the chunk loop: no local memory)
+        # every product's operands, partitioned once, outside the chunk loop
         ops_qk, ops_ks, ops_qs = (_mma.operands(mma, tidx, sQ, sK), _mma.operands(mma, tidx, sK, opS),
                                   _mma.operands(mma, tidx, sQ, opS))
         ops_vn, ops_o, ops_u = (_mma.operands(mma, tidx, sAg, opX), _mma.operands(mma, tidx, sQKg, opVn),

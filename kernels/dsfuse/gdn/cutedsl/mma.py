@@ -9,9 +9,9 @@ operand of ``k S``. The register fragments are filled by element-wise copies fro
 any strides work; the pipelined kernel replaces them with ``ldmatrix`` and swizzled layouts.
 
 `tiled_mma` builds the product of 4 warps (2 x 2 over M and N); `operands` partitions a product's
-tiles for the calling thread, `gemm` runs it; `store` writes the fp32 accumulator into a shared (or global) tile. The GPU test
-(``tests/gdn/test_gdn_cutedsl_mma.py``) checks the three operand layouts the fused forward needs
-against torch on the same bf16 values.
+tiles for the calling thread, `gemm` runs it; `store` writes the fp32 accumulator into a shared (or
+global) tile. The GPU test (``tests/gdn/test_gdn_cutedsl_mma.py``) checks the three operand layouts
+the fused forward needs against float64 products of the same bf16 / fp16 values.
 """
 
 from __future__ import annotations
@@ -42,8 +42,8 @@ def accumulator(mma, tidx, shape_mn):
 
 def operands(mma, tidx, sA, sB):
     """This thread's part of a product's operands: ``sA`` ``(M, K)``, ``sB`` ``(N, K)`` tile views and
-    register fragments of one 16-wide block of K each. Made once, before any loop that runs the
-    product (fragments made inside a runtime loop end up in local memory)."""
+    register fragments of one 16-wide block of K each. Made once, before the loop that runs the
+    product (the partitions are the same on every pass)."""
     thr = mma.get_slice(tidx)
     tCsA, tCsB = thr.partition_A(sA), thr.partition_B(sB)
     return tCsA, tCsB, mma.make_fragment_A(tCsA[None, None, 0]), mma.make_fragment_B(tCsB[None, None, 0])
