@@ -46,7 +46,7 @@ import torch.distributed as dist
 
 from dsfuse.bench import env as env_mod
 from dsfuse.bench import gdn
-from dsfuse.bench.harness import load_config, new_run_id, write_csv
+from dsfuse.bench.harness import load_config, new_run_id, rel_rms, write_csv
 from dsfuse.bench.paths import cli_path
 
 DEFAULT_CONFIG = "experiments/gdn/configs/h200.yaml"
@@ -130,11 +130,6 @@ def timed(fn, device, flush, prepare=None) -> float:
     end.record()
     end.synchronize()
     return start.elapsed_time(end) * 1e3
-
-
-def rel_rms(got: torch.Tensor, want: torch.Tensor) -> float:
-    got, want = got.double(), want.double()
-    return float(((got - want).pow(2).mean() / want.pow(2).mean().clamp_min(1e-300)).sqrt())
 
 
 def main(argv: list[str] | None = None) -> int:

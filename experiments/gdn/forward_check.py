@@ -24,6 +24,7 @@ import torch
 
 from dsfuse.bench import env as env_mod
 from dsfuse.bench.harness import Timer, bits, capture_graph, write_csv
+from dsfuse.bench.harness import rel_rms as relrms
 from dsfuse.gdn import chunk_gdn, gdn_gates, naive_recurrent_gdn
 from dsfuse.gdn.api import _validate
 from dsfuse.gdn.triton import FORWARD as TRITON_FORWARD
@@ -58,10 +59,6 @@ def inputs(tokens: int, docs: int, device, seed: int = 0):
     bf = lambda t: t.to(device=device, dtype=torch.bfloat16)  # noqa: E731
     return dict(q=bf(q), k=bf(k), v=bf(v), g=g.float().to(device), beta=bf(beta), initial_state=h0.to(device),
                 cu_seqlens=cu)
-
-
-def relrms(got, want) -> float:
-    return float((got.double() - want.double()).norm() / want.double().norm().clamp_min(1e-300))
 
 
 def check_against_fp64(tokens: int) -> list[dict]:

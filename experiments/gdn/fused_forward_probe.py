@@ -25,15 +25,11 @@ from pathlib import Path
 import torch
 from dsfuse.bench import env as env_mod
 from dsfuse.bench import gdn
-from dsfuse.bench.harness import Timer, capture_graph, load_config, write_csv
+from dsfuse.bench.harness import Timer, capture_graph, load_config, rel_rms, write_csv
 from dsfuse.bench.paths import cli_path
 
 DEFAULT_CONFIG = "experiments/gdn/configs/h200.yaml"
 FLUSH_BYTES = 256 << 20
-
-
-def rel_rms(got: torch.Tensor, want: torch.Tensor) -> float:
-    return float((got.double() - want.double()).norm() / want.double().norm().clamp_min(1e-30))
 
 
 def case_rows(case, timer: Timer, samples: int, device: torch.device) -> list[dict]:
