@@ -35,6 +35,7 @@ from typing import NamedTuple
 import torch
 
 from dsfuse.gdn.reference import CHUNK_SIZE, packed_cu_seqlens, prepare_chunk_indices, prepare_chunk_offsets
+from dsfuse.gdn.split import split_state_pass
 
 
 @dataclass(frozen=True)
@@ -125,17 +126,20 @@ def chunk_table(bounds: list[int], device: torch.device) -> ChunkTable:
 
 
 def stage_calls(stages: ForwardStages, q, k, v, g, beta, *, scale: float, initial_state, output_final_state: bool,
-                cu_seqlens, use_qk_l2norm: bool):
+                cu_seqlens, use_qk_l2norm: bool, segment_chunks: int | None = None):
     """The forward of validated inputs as ``(calls, ForwardOutputs)``: ``calls`` lists
     ``(stage name, zero-argument launch)`` in order over buffers allocated here, once; running
     them fills the outputs. ``cu_seqlens``: the document bounds (python ints) or None (``B``
-    sequences of ``T``). Experiments time the calls one by one; `forward` runs them."""
+    sequences of ``T``). Experiments time the calls one by one; `forward` runs them.
+    ``segment_chunks``: run the state pass split into segments of that many chunks
+    (`dsfuse.gdn.split`; not yet reachable from `chunk_gdn`)."""
     batch, tokens, heads_v, dim_v = v.shape
     dim_k = k.shape[-1]
     n = batch * tokens
     q_, k_, v_ = (t.reshape(n, *t.shape[2:]) for t in (q, k, v))  # views for the layouts the API accepts
     g_, beta_ = g.reshape(n, heads_v), beta.reshape(n, heads_v)
-    table = chunk_table(packed_cu_seqlens(cu_seqlens, batch, tokens), v.device)
+    bounds = packed_cu_seqlens(cu_seqlens, batch, tokens)
+    table = chunk_table(bounds, v.device)
     chunks = table.indices.shape[0]
     new = functools.partial(torch.empty, device=v.device)
     g_cum = new((n, heads_v), dtype=torch.float32)
@@ -145,11 +149,20 @@ def stage_calls(stages: ForwardStages, q, k, v, g, beta, *, scale: float, initia
     v_new, o = new((n, heads_v, dim_v), dtype=v.dtype), new((n, heads_v, dim_v), dtype=v.dtype)
     final_state = new((table.num_seqs, heads_v, dim_k, dim_v), dtype=torch.float32) if output_final_state else None
     l2 = dict(use_qk_l2norm=use_qk_l2norm)
+    state_args = (k_, w, u, g_cum, table.indices)
+    if segment_chunks is None:
+        def state():
+            stages.state(*state_args, table.offsets, initial_state, h, v_new, final_state, **l2)
+    else:
+        offsets = prepare_chunk_offsets(bounds, CHUNK_SIZE).tolist()
+
+        def state():
+            split_state_pass(stages.state, *state_args, offsets, segment_chunks, initial_state, h, v_new, final_state,
+                             **l2)
     calls = [
         ("cumsum", lambda: stages.cumsum(g_, table.indices, g_cum)),
         ("wy", lambda: stages.wy(k_, v_, beta_, g_cum, table.indices, a, w, u, **l2)),
-        ("state", lambda: stages.state(k_, w, u, g_cum, table.indices, table.offsets, initial_state, h, v_new,
-                                       final_state, **l2)),
+        ("state", state),
         ("output", lambda: stages.output(q_, k_, v_new, h, g_cum, table.indices, scale, o, **l2)),
     ]
     return calls, ForwardOutputs(o.view(batch, tokens, heads_v, dim_v), final_state, g_cum, a)

@@ -1,0 +1,64 @@
+"""The split of long documents inside one GPU, forward state pass (``dsfuse.gdn.split``): segments as
+extra chunk offsets, the ``E`` and ``M`` passes and the fp64 merge, against the float64 reference
+stages and against the unsplit pass, on every backend with a state pass (Triton's interpreter on the
+CPU)."""
+
+import pytest
+import torch
+from dsfuse.gdn import schedule
+from dsfuse.gdn.split import segment_offsets, split_state_pass
+from helpers import assert_bitwise, assert_rel_rms
+from test_gdn_stages_state_output import DTYPES, Prepared, assert_tail_zero, make_inputs
+
+
+def test_segments_follow_the_documents_chunks():
+    # documents of 5, 0, 1 and 4 chunks, segments of at most 2 chunks
+    bounds, docs = segment_offsets([0, 5, 5, 6, 10], 2)
+    assert bounds == [0, 2, 4, 5, 5, 6, 8, 10] and docs == [0, 0, 0, 1, 2, 3, 3]
+    assert segment_offsets([0, 5, 5, 6, 10], 64) == ([0, 5, 5, 6, 10], [0, 1, 2, 3])  # none split
+    with pytest.raises(ValueError, match="segment_chunks"):
+        segment_offsets([0, 3], 0)
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES), ids=list(DTYPES))
+@pytest.mark.parametrize("layout", ["one_seq_T150", "docs_1_45_0_130_tail4"])
+@pytest.mark.parametrize("segment_chunks", [1, 2])
+def test_split_state_pass_matches_the_reference_and_the_unsplit_pass(segment_chunks, layout, dtype, device,
+                                                                     forward_stages):
+    """h at every chunk, v_new and the final states within the stage tests' float64 tolerance, close
+    to the unsplit pass, the tail of v_new zero, and a second run bitwise equal."""
+    inputs = make_inputs(layout, (2, 6), l2=True, with_h0=True, gates="model", dtype=DTYPES[dtype], seed=5)
+    p = Prepared(inputs, True, device, DTYPES[dtype])
+    offsets = p.chunk_offsets.tolist()
+
+    def run():
+        h, v_new, ht = p.state_outputs(final=True)
+        split_state_pass(forward_stages.state, p.k, p.w, p.u, p.g_cum, p.chunk_indices, offsets, segment_chunks,
+                         p.h0, h, v_new, ht, use_qk_l2norm=True)
+        return h, v_new, ht
+
+    h, v_new, ht = run()
+    tol = p.tol()
+    assert_rel_rms(h, p.ref.h, tol, "h")
+    assert_rel_rms(v_new[: p.tail], p.ref.v_new[: p.tail], tol, "v_new")
+    assert_rel_rms(ht, p.ref.final_state, tol, "final state")
+    assert_tail_zero(v_new, p.tail, "v_new")
+    names = ("h", "v_new", "final state")
+    for name, a, b in zip(names, (h, v_new, ht), p.run_state(forward_stages)):
+        assert_rel_rms(a, b, 2 * tol, f"{name} against the unsplit pass")
+    for name, a, b in zip(names, (h, v_new, ht), run()):
+        assert_bitwise(a, b, f"{name}: second run")
+    assert not torch.equal(ht.cpu(), torch.zeros_like(ht).cpu())
+
+
+def test_the_schedule_runs_the_split_state_pass(device, forward_stages):
+    """`schedule.forward` with ``segment_chunks``: o and the final states close to the unsplit forward's."""
+    inputs = make_inputs("docs_1_45_0_130_tail4", (2, 6), l2=True, with_h0=True, gates="model",
+                         dtype=torch.float32, seed=9)
+    args = {name: inputs[name].to(device) for name in ("q", "k", "v", "g", "beta")}
+    kwargs = {"scale": inputs["q"].shape[-1] ** -0.5, "initial_state": inputs["initial_state"].to(device),
+              "output_final_state": True, "cu_seqlens": inputs["cu_seqlens"], "use_qk_l2norm": True}
+    whole = schedule.forward(forward_stages, **args, **kwargs)
+    split = schedule.forward(forward_stages, **args, **kwargs, segment_chunks=1)
+    assert_rel_rms(split.o, whole.o, 1e-5, "o")
+    assert_rel_rms(split.final_state, whole.final_state, 1e-5, "final state")
