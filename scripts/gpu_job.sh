@@ -16,7 +16,7 @@
 # DSFUSE_REQUIRE_CUTEDSL=1 (passed on to pytest) makes a missing cutedsl extra an error, not a skip.
 # GDN_CUTEDSL=1 adds the CuTe DSL Gated DeltaNet forward's probe (experiments/gdn/fused_forward_probe.py, into
 # experiments/gdn/raw/fused-forward/<stamp>-<gpu>/) and its compute-sanitizer runs (memcheck, racecheck, synccheck;
-# both forms) into the same folder's sanitizer.log; it needs the cutedsl extra (scripts/gpu_install_carry.sh a, b).
+# each form of GDN_CUTEDSL_FORMS, default all) into the same folder's sanitizer.log; it needs the cutedsl extra (scripts/gpu_install_carry.sh a, b).
 # STEP_TIMEOUT=<seconds> bounds each step, so a step that overruns still leaves the others' raw data
 # packed in raw.tar.gz (the remote tree is replaced at the next call: only OUT_DIR comes back).
 set -uo pipefail
@@ -58,10 +58,10 @@ fi
 if [ -n "${GDN_CUTEDSL:-}" ]; then
   probe="experiments/gdn/raw/fused-forward/$(date -u +%Y%m%d-%H%M%S)-$(python3 -c 'from dsfuse.bench.env import gpu_key; import torch; print(gpu_key(torch.cuda.get_device_name()))')"
   mkdir -p "$probe"
-  for form in "" --tensor-cores; do
+  for form in ${GDN_CUTEDSL_FORMS:-cuda_core tensor_core head}; do
     for tool in memcheck racecheck synccheck; do
-      echo "== $tool ${form:-(CUDA-core form)}" >> "$probe/sanitizer.log"
-      step compute-sanitizer --tool "$tool" --error-exitcode 1 --report-api-errors no python3 experiments/gdn/sanitize_fused_forward.py $form \
+      echo "== $tool $form" >> "$probe/sanitizer.log"
+      step compute-sanitizer --tool "$tool" --error-exitcode 1 --report-api-errors no python3 experiments/gdn/sanitize_fused_forward.py --form "$form" \
         >> "$probe/sanitizer.log" 2>&1 || status=1
     done
   done

@@ -6,10 +6,11 @@ from `chunk_gdn`), beside the Triton forward, at the experiment's shape.
 
 For each forward case of the config (its tokens, documents, value heads and L2 norm settings; q, k,
 v head views of one packed row, initial and final state): the UT inverse kernel alone
-(``ut_inverse``), the fused kernel alone (``fused``; its tensor-core form ``fused_tc``), the inverse
-and a fused kernel (``cutedsl``, ``cutedsl_tc``) and the Triton forward (``triton``, `chunk_gdn`),
+(``ut_inverse``), the fused kernel alone in each form (``fused`` for the CUDA-core form, ``fused_tc``
+for the tensor-core form, ``fused_head`` for the per-head form), the inverse and a fused kernel
+(``cutedsl``, ``cutedsl_tc``, ``cutedsl_head``) and the Triton forward (``triton``, `chunk_gdn`),
 each replayed from a CUDA Graph with the L2 overwritten before each call
-(`dsfuse.bench.harness.Timer`, evicted regime). Before timing, both forms' ``o`` and final state
+(`dsfuse.bench.harness.Timer`, evicted regime). Before timing, every form's ``o`` and final state
 (poisoned with NaN before the call) are checked against the Triton forward's (relative RMS <= 1e-2:
 two approximations of one float64 result; the float64 checks are the GPU tests'). Writes ``samples.csv`` (case, tokens, value
 heads, l2norm, part, sample, us) and ``env.json`` under OUT_DIR and prints the medians.
@@ -34,7 +35,7 @@ FLUSH_BYTES = 256 << 20
 
 def case_rows(case, timer: Timer, samples: int, device: torch.device) -> list[dict]:
     from dsfuse.gdn import chunk_gdn
-    from dsfuse.gdn.cutedsl.fused_fwd import CHUNK, launch_fused_forward
+    from dsfuse.gdn.cutedsl.fused_fwd import CHUNK, FORMS, launch_fused_forward
     from dsfuse.gdn.cutedsl.ut_inverse import launch_ut_inverse
     from dsfuse.gdn.reference import prepare_chunk_indices, prepare_chunk_offsets
 
@@ -54,19 +55,15 @@ def case_rows(case, timer: Timer, samples: int, device: torch.device) -> list[di
     def inverse():
         launch_ut_inverse(k, beta, ci, a, use_qk_l2norm=l2)
 
-    def fused():
-        launch_fused_forward(q, k, v, g, beta, a, ci, co, h0, ht, o, scale, use_qk_l2norm=l2)
+    def fused(form):
+        return lambda: launch_fused_forward(q, k, v, g, beta, a, ci, co, h0, ht, o, scale, use_qk_l2norm=l2,
+                                            form=form)
 
-    def fused_tc():
-        launch_fused_forward(q, k, v, g, beta, a, ci, co, h0, ht, o, scale, use_qk_l2norm=l2, tensor_cores=True)
-
-    def both():
-        inverse()
-        fused()
-
-    def both_tc():
-        inverse()
-        fused_tc()
+    def both(form):
+        def run():
+            inverse()
+            fused(form)()
+        return run
 
     def triton():
         return chunk_gdn(q[None], k[None], v[None], inputs["g"], inputs["beta"], initial_state=h0,
@@ -74,10 +71,10 @@ def case_rows(case, timer: Timer, samples: int, device: torch.device) -> list[di
                          backend="triton")
 
     o_tri, ht_tri = triton()
-    for form, run in (("CUDA-core", both), ("tensor-core", both_tc)):
+    for form in FORMS:
         o.fill_(float("nan"))
         ht.fill_(float("nan"))
-        run()
+        both(form)()
         torch.cuda.synchronize(device)
         errors = {"o": rel_rms(o, o_tri[0]), "final_state": rel_rms(ht, ht_tri)}
         bad = {name: err for name, err in errors.items() if not err <= 1e-2}
@@ -87,8 +84,11 @@ def case_rows(case, timer: Timer, samples: int, device: torch.device) -> list[di
               + ", ".join(f"{name} {err:.1e}" for name, err in errors.items()))
 
     rows = []
-    parts = (("ut_inverse", inverse), ("fused", fused), ("cutedsl", both), ("fused_tc", fused_tc),
-             ("cutedsl_tc", both_tc), ("triton", triton))
+    suffix = {"cuda_core": "", "tensor_core": "_tc", "head": "_head"}
+    parts = [("ut_inverse", inverse)]
+    parts += [(f"{name}{suffix[form]}", make(form)) for form in FORMS for name, make in (("fused", fused),
+                                                                                         ("cutedsl", both))]
+    parts.append(("triton", triton))
     for part, fn in parts:
         graph, _ = capture_graph(lambda fn=fn: (fn(),), device)
         for i, us in enumerate(timer.samples(graph.replay, "evicted", samples, 1)):

@@ -123,16 +123,22 @@ def test_refuses_what_it_cannot_compile():
     from dsfuse.gdn.cutedsl import fused_fwd as module
 
     assert [s.name for s in module.AOT_SPECS] == ["gdn_fused_forward_bf16_l2", "gdn_fused_forward_bf16",
-                                                  "gdn_fused_forward_tc_bf16_l2", "gdn_fused_forward_tc_bf16"]
+                                                  "gdn_fused_forward_tc_bf16_l2", "gdn_fused_forward_tc_bf16",
+                                                  "gdn_fused_forward_head_bf16_l2", "gdn_fused_forward_head_bf16"]
     assert module.shape_reasons(torch.bfloat16, 16, 48, 128, 128) == []
     reasons = module.shape_reasons(torch.int8, 16, 40, 96, 48)
     assert len(reasons) == 4 and "V = 48" in reasons[3]
     with pytest.raises(ValueError, match="cannot compile this"):
         module.compile_fused_forward(torch.bfloat16, 16, 48, 128, 100, False, "sm_90a")
-    assert "tensor-core form" in module.shape_reasons(torch.float32, 16, 48, 128, 128, tensor_cores=True)[0]
+    assert "tensor_core form" in module.shape_reasons(torch.float32, 16, 48, 128, 128, form="tensor_core")[0]
+    assert module.shape_reasons(torch.bfloat16, 16, 48, 128, 128, form="head") == []
+    reasons = module.shape_reasons(torch.bfloat16, 16, 48, 32, 160, form="head")
+    assert len(reasons) == 2 and "K a multiple of 64 up to 128, not 32" in reasons[0] and "not 160" in reasons[1]
+    with pytest.raises(ValueError, match="form is one of"):
+        module.shape_reasons(torch.bfloat16, 16, 48, 128, 128, form="tc")
 
 
-def _run_on_gpu(dtype, l2, dims, tensor_cores):
+def _run_on_gpu(dtype, l2, dims, form):
     """``(o, ht, o_ref, ht_ref, cu)``: the fused forward on strided head views of one packed row (a
     second call bitwise equal, the tail's o zero, nothing left unwritten) and the float64 reference
     on the same rounded inputs."""
@@ -145,7 +151,7 @@ def _run_on_gpu(dtype, l2, dims, tensor_cores):
     q, k, v, g, beta, h0 = _inputs(t, h, hv, dk, dv, dtype, "cuda", seed=1, l2=l2)
     row = torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], 1)  # the packed row: strided views
     q, k, v = row[:, : h * dk].view(t, h, dk), row[:, h * dk: 2 * h * dk].view(t, h, dk), row[:, 2 * h * dk:].view(t, hv, dv)
-    args = {"initial_state": h0, "cu_seqlens": cu, "use_qk_l2norm": l2, "tensor_cores": tensor_cores}
+    args = {"initial_state": h0, "cu_seqlens": cu, "use_qk_l2norm": l2, "form": form}
     o, ht, _ = fused_forward(q, k, v, g, beta, **args)
     o2, ht2, _ = fused_forward(q, k, v, g, beta, **args)
     torch.cuda.synchronize()
@@ -167,7 +173,7 @@ DIMS = [(2, 6, 64, 64), (16, 48, 128, 128), (4, 4, 128, 96)]
 def test_matches_the_float64_reference(dtype, l2, dims):
     """The first form (fp32 arithmetic) against float64: relative RMS per document and value head
     <= 1e-4 for the states and an fp32 o, 6e-3 for a bf16 o (its rounding)."""
-    o, ht, o_ref, ht_ref, cu = _run_on_gpu(dtype, l2, dims, tensor_cores=False)
+    o, ht, o_ref, ht_ref, cu = _run_on_gpu(dtype, l2, dims, "cuda_core")
     o_tol = 6e-3 if dtype == torch.bfloat16 else 1e-4
     for n, (bos, eos) in enumerate(itertools.pairwise(cu)):
         for i_hv in range(dims[1]):
@@ -177,14 +183,15 @@ def test_matches_the_float64_reference(dtype, l2, dims):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("form", ["tensor_core", "head"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("l2", [True, False])
 @pytest.mark.parametrize("dims", DIMS)
-def test_tensor_core_form_matches_the_float64_reference(dtype, l2, dims):
-    """The tensor-core form (operands rounded to the input dtype) against float64 within the op's
+def test_tensor_core_forms_match_the_float64_reference(form, dtype, l2, dims):
+    """The tensor-core forms (operands rounded to the input dtype) against float64 within the op's
     contract: relative RMS of o and of the final states <= 0.005 (``dsfuse.bench.gdn.TOLERANCES``)."""
     from dsfuse.bench.gdn import TOLERANCES
 
-    o, ht, o_ref, ht_ref, _ = _run_on_gpu(dtype, l2, dims, tensor_cores=True)
+    o, ht, o_ref, ht_ref, _ = _run_on_gpu(dtype, l2, dims, form)
     assert_rel_rms(o, o_ref, TOLERANCES["o"], "o")
     assert_rel_rms(ht, ht_ref, TOLERANCES["final_state"], "final state")

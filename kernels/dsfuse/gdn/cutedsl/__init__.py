@@ -11,9 +11,10 @@ op's contract tests (which run on the backends that serve a call) do not run the
   its chunks with the fp32 state on chip, from ``ut_inverse``'s ``A`` (fp32 CUDA-core arithmetic:
   the reference-grade second step, before tensor cores and warp specialisation); checked by
   ``tests/gdn/test_gdn_cutedsl_fused_forward.py``, timed by ``experiments/gdn/fused_forward_probe.py``.
-  With ``tensor_cores=True`` it runs its tensor-core form (``fused_fwd_tc``: every product on
-  ``mma.sync`` through ``mma``, operands rounded to the input dtype; compiled on the CPU, not yet
-  run on a GPU).
+  Its ``form`` picks a later step: ``tensor_core`` (``fused_fwd_tc``: every product on ``mma.sync``
+  through ``mma``, operands rounded to the input dtype) or ``head`` (``fused_fwd_head``: one CTA per
+  document and value head with all value channels, the state and the products' results in
+  registers).
 * ``chunk``: what those kernels do to a chunk alike (loads, L2-norm scales, cumulative gate, gate
   vectors) and the fused forwards' signature and grid (``ChainKernel``).
 * ``mma``: tensor-core products of shared-memory tiles (``mma.sync`` 16x8x16, fp32 accumulation,

@@ -23,24 +23,28 @@ DTYPES = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16, torc
 
 class ChainKernel:
     """A fused forward ``(q, k, v, g, beta, a, chunk_indices, chunk_offsets, h0, ht, o, scale)`` that
-    writes ``o`` and ``ht``: grid (V / BV, HV, N) of ``THREADS`` threads; a subclass defines ``kernel``."""
+    writes ``o`` and ``ht``: grid (V / block_v, HV, N) of ``threads`` threads (``BV`` and ``THREADS``
+    unless a subclass says otherwise); a subclass defines ``kernel``."""
+
+    threads = THREADS
 
     def __init__(self, dtype: torch.dtype, heads: int, value_heads: int, dim_k: int, dim_v: int, l2norm: bool):
         self.dtype, self.heads, self.value_heads, self.dim_k, self.dim_v, self.l2norm = (
             DTYPES[dtype], heads, value_heads, dim_k, dim_v, l2norm)
+        self.block_v = BV
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mG: cute.Tensor, mBeta: cute.Tensor,
                  mA: cute.Tensor, mChunks: cute.Tensor, mOffsets: cute.Tensor, mH0: cute.Tensor, mHt: cute.Tensor,
                  mO: cute.Tensor, scale: Float32, stream):
-        grid = [self.dim_v // BV, self.value_heads, mOffsets.shape[0] - 1]
+        grid = [self.dim_v // self.block_v, self.value_heads, mOffsets.shape[0] - 1]
         self.kernel(mQ, mK, mV, mG, mBeta, mA, mChunks, mOffsets, mH0, mHt, mO, scale).launch(
-            grid=grid, block=[THREADS, 1, 1], stream=stream)
+            grid=grid, block=[self.threads, 1, 1], stream=stream)
 
 
-def cell(tidx, item, width: int):
-    """Row and column of element ``tidx + item * THREADS`` of a row-major tile ``width`` wide."""
-    idx = tidx + item * THREADS
+def cell(tidx, item, width: int, threads: int = THREADS):
+    """Row and column of element ``tidx + item * threads`` of a row-major tile ``width`` wide."""
+    idx = tidx + item * threads
     row = idx // width
     return row, idx - row * width
 

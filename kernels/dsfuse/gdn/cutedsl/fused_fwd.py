@@ -34,21 +34,34 @@ from cutlass import Float32, Int32
 
 from dsfuse.gdn.cutedsl import chunk
 from dsfuse.gdn.cutedsl.chunk import BV, CHUNK, DTYPES, THREADS
+from dsfuse.gdn.cutedsl import fused_fwd_head
+from dsfuse.gdn.cutedsl.fused_fwd_head import FusedForwardHead
 from dsfuse.gdn.cutedsl.fused_fwd_tc import TC_DTYPES, FusedForwardTC
 from dsfuse.gdn.cutedsl.ut_inverse import shape_reasons as _inverse_reasons
 
 ROWS = THREADS // BV  # 4 thread rows: a thread holds CHUNK / ROWS rows of a [C, BV] tile
 
 
+FORMS = ("cuda_core", "tensor_core", "head")
+"""The fused forward's forms, each a green step of the plan on the GDN page: ``cuda_core`` (this
+module's fp32 kernel, the reference-grade one), ``tensor_core`` (`dsfuse.gdn.cutedsl.fused_fwd_tc`:
+the same CTAs, products on ``mma.sync``), ``head`` (`dsfuse.gdn.cutedsl.fused_fwd_head`: one CTA per
+document and value head, results in registers)."""
+
+
 def shape_reasons(dtype: torch.dtype, heads: int, value_heads: int, dim_k: int, dim_v: int,
-                  tensor_cores: bool = False) -> list[str]:
+                  form: str = "cuda_core") -> list[str]:
     """Why the kernel cannot be compiled for these sizes (empty when it can): the inverse's, V's, and
-    for the tensor-core form (`dsfuse.gdn.cutedsl.fused_fwd_tc`) a 16-bit dtype."""
+    for the tensor-core forms a 16-bit dtype (and the per-head form's head dims)."""
+    if form not in FORMS:
+        raise ValueError(f"the fused forward's form is one of {FORMS}, not {form!r}")
     reasons = _inverse_reasons(dtype, heads, value_heads, dim_k)
     if dim_v % BV or dim_v > 256:
         reasons.append(f"head dim V = {dim_v} is not a multiple of {BV} up to 256")
-    if tensor_cores and dtype in DTYPES and dtype not in TC_DTYPES:
-        reasons.append(f"the tensor-core form takes {' or '.join(map(str, TC_DTYPES))} inputs, not {dtype}")
+    if form != "cuda_core" and dtype in DTYPES and dtype not in TC_DTYPES:
+        reasons.append(f"the {form} form takes {' or '.join(map(str, TC_DTYPES))} inputs, not {dtype}")
+    if form == "head":
+        reasons += fused_fwd_head.shape_reasons(dim_k, dim_v)
     return reasons
 
 
@@ -203,28 +216,28 @@ def _fake_tensors(dtype: torch.dtype, heads: int, value_heads: int, dim_k: int, 
 
 
 def compile_fused_forward(dtype: torch.dtype, heads: int, value_heads: int, dim_k: int, dim_v: int, l2norm: bool,
-                          arch: str, *, tensor_cores: bool = False, keep_ptx: bool = False, dump_dir: str | None = None):
-    """The kernel for one configuration, compiled for ``arch`` (``sm_90a``, ``sm_100a``; no GPU needed):
-    this module's CUDA-core form, or with ``tensor_cores`` `dsfuse.gdn.cutedsl.fused_fwd_tc`'s.
-    Called as ``fn(q, k, v, g, beta, a, chunk_indices, chunk_offsets, h0, ht, o, scale)``."""
-    if reasons := shape_reasons(dtype, heads, value_heads, dim_k, dim_v, tensor_cores):
+                          arch: str, *, form: str = "cuda_core", keep_ptx: bool = False, dump_dir: str | None = None):
+    """The kernel of one `FORMS` entry for one configuration, compiled for ``arch`` (``sm_90a``,
+    ``sm_100a``; no GPU needed). Called as ``fn(q, k, v, g, beta, a, chunk_indices, chunk_offsets,
+    h0, ht, o, scale)``."""
+    if reasons := shape_reasons(dtype, heads, value_heads, dim_k, dim_v, form):
         raise ValueError("the CuTe DSL fused forward cannot compile this: " + "; ".join(reasons))
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-    kernel = FusedForwardTC if tensor_cores else _FusedForward
+    kernel = {"cuda_core": _FusedForward, "tensor_core": FusedForwardTC, "head": FusedForwardHead}[form]
     return _cd.compile(kernel(dtype, heads, value_heads, dim_k, dim_v, l2norm),
                        *_fake_tensors(dtype, heads, value_heads, dim_k, dim_v), Float32(1.0), stream, arch=arch,
                        keep_ptx=keep_ptx, dump_dir=dump_dir)
 
 
 def launch_fused_forward(q, k, v, g, beta, a, chunk_indices, chunk_offsets, h0, ht, o, scale: float,
-                         *, use_qk_l2norm: bool = False, tensor_cores: bool = False) -> torch.Tensor:
+                         *, use_qk_l2norm: bool = False, form: str = "cuda_core") -> torch.Tensor:
     """Write ``o`` ``[T, HV, V]`` (the chunks' tokens; others untouched) and ``ht`` fp32 ``[N, HV, K, V]``.
 
     ``q``, ``k`` ``[T, H, K]``, ``v`` ``[T, HV, V]`` and ``beta`` ``[T, HV]`` in one dtype, unit
     channel stride; ``g`` fp32 ``[T, HV]`` (per-token log decay); ``a`` fp32 ``[T, HV, 64]`` from
     `dsfuse.gdn.cutedsl.ut_inverse.launch_ut_inverse` with the same k, beta and L2 norm;
     ``chunk_indices`` int32 ``[NC, 3]``, ``chunk_offsets`` int32 ``[N + 1]``; ``h0`` fp32 (zeros for
-    none), ``ht``, ``o`` contiguous. ``tensor_cores``: the tensor-core form (bf16 / fp16 inputs)."""
+    none), ``ht``, ``o`` contiguous. ``form``: one of `FORMS` (the tensor-core ones take bf16 / fp16)."""
     heads, dim_k = k.shape[1:]
     value_heads, dim_v = v.shape[1:]
     if not (q.dtype == k.dtype == v.dtype == beta.dtype and g.dtype == a.dtype == torch.float32):
@@ -232,16 +245,16 @@ def launch_fused_forward(q, k, v, g, beta, a, chunk_indices, chunk_offsets, h0, 
     if any(x.stride(-1) != 1 for x in (q, k, v)) or not all(x.is_contiguous() for x in (a, h0, ht, o)):
         raise ValueError("launch_fused_forward: q, k, v need unit channel stride; a, h0, ht, o contiguous")
     arch = _cd.arch_of(k.device)
-    fn = CACHE.get((k.dtype, heads, value_heads, dim_k, dim_v, use_qk_l2norm, tensor_cores, arch),
+    fn = CACHE.get((k.dtype, heads, value_heads, dim_k, dim_v, use_qk_l2norm, form, arch),
                    lambda: compile_fused_forward(k.dtype, heads, value_heads, dim_k, dim_v, use_qk_l2norm, arch,
-                                                 tensor_cores=tensor_cores))
+                                                 form=form))
     if chunk_offsets.shape[0] > 1:
         fn(q, k, v, g, beta, a, chunk_indices, chunk_offsets, h0, ht, o, float(scale))
     return o
 
 
 def fused_forward(q, k, v, g, beta, scale=None, initial_state=None, cu_seqlens=None, use_qk_l2norm=False,
-                  tensor_cores=False):
+                  form="cuda_core"):
     """``(o, final_state, a)`` of packed ``[T, ...]`` inputs (no batch dim): the UT inverse, then the
     fused kernel. Tokens in no document get ``o = 0``; ``a`` is what a backward would keep."""
     from dsfuse.gdn.cutedsl.ut_inverse import launch_ut_inverse
@@ -262,17 +275,18 @@ def fused_forward(q, k, v, g, beta, scale=None, initial_state=None, cu_seqlens=N
     ht = torch.empty_like(h0)
     o = torch.zeros(tokens, value_heads, dim_v, device=dev, dtype=v.dtype)
     launch_fused_forward(q, k, v, g.float(), beta, a, ci, co, h0, ht, o, dim_k**-0.5 if scale is None else scale,
-                         use_qk_l2norm=use_qk_l2norm, tensor_cores=tensor_cores)
+                         use_qk_l2norm=use_qk_l2norm, form=form)
     return o, ht, a
 
 
 def _aot_specs() -> list[_cd.CuteAotSpec]:
-    """The model's specialisation: H = 16, HV = 48, K = V = 128, bf16, with and without the L2 norm, both forms."""
-    return [_cd.CuteAotSpec(f"gdn_fused_forward{'_tc' if tc else ''}_bf16{'_l2' if l2 else ''}",
-                            lambda arch, dump_dir=None, l2=l2, tc=tc: compile_fused_forward(
-                                torch.bfloat16, 16, 48, 128, 128, l2, arch, tensor_cores=tc, keep_ptx=True,
+    """The model's specialisation: H = 16, HV = 48, K = V = 128, bf16, with and without the L2 norm, every form."""
+    suffix = {"cuda_core": "", "tensor_core": "_tc", "head": "_head"}
+    return [_cd.CuteAotSpec(f"gdn_fused_forward{suffix[form]}_bf16{'_l2' if l2 else ''}",
+                            lambda arch, dump_dir=None, l2=l2, form=form: compile_fused_forward(
+                                torch.bfloat16, 16, 48, 128, 128, l2, arch, form=form, keep_ptx=True,
                                 dump_dir=dump_dir))
-            for tc in (False, True) for l2 in (True, False)]
+            for form in FORMS for l2 in (True, False)]
 
 
 AOT_SPECS = _aot_specs()

@@ -27,10 +27,12 @@ WARPS_MN = (2, 2)  # warps over M and N: a product needs M % 32 == 0, N % 16 == 
 THREADS = 32 * WARPS_MN[0] * WARPS_MN[1]
 
 
-def tiled_mma(ab_dtype):
-    """The 4-warp product of ``ab_dtype`` (``cutlass.BFloat16`` or ``cutlass.Float16``) operands, fp32 accumulators."""
+def tiled_mma(ab_dtype, warps_mn: tuple[int, int] = WARPS_MN):
+    """The product of ``ab_dtype`` (``cutlass.BFloat16`` or ``cutlass.Float16``) operands with fp32
+    accumulators on ``warps_mn`` warps (over M and N: a product needs M a multiple of 16 times the
+    first, N of 8 times the second, K of 16)."""
     op = cute.nvgpu.warp.MmaF16BF16Op(ab_dtype, Float32, (16, 8, 16))
-    return cute.make_tiled_mma(op, atom_layout_mnk=(*WARPS_MN, 1))
+    return cute.make_tiled_mma(op, atom_layout_mnk=(*warps_mn, 1))
 
 
 def accumulator(mma, tidx, shape_mn):
@@ -61,6 +63,19 @@ def gemm(mma, acc, ops):
 def store(mma, tidx, acc, sC):
     """Write this thread's accumulator into the ``(M, N)`` fp32 tile ``sC``."""
     cute.autovec_copy(acc, mma.get_slice(tidx).partition_C(sC))
+
+
+def coordinates(mma, tidx, shape_mn):
+    """The ``(row, column)`` of each element of this thread's accumulator of an ``(M, N)`` product:
+    elementwise work on the accumulator in registers (masks, gates, row scales)."""
+    return mma.get_slice(tidx).partition_C(cute.make_identity_tensor(shape_mn))
+
+
+def rounded(acc, dtype):
+    """A register copy of ``acc`` in ``dtype`` (the operand of a following product), same layout."""
+    frag = cute.make_fragment_like(acc, dtype)
+    frag.store(acc.load().to(dtype))
+    return frag
 
 
 def view(tile, shape, stride):

@@ -1,0 +1,255 @@
+"""The fused chunked forward with one CTA per (document, value head), all value channels: the fourth
+step of the fused forward planned on the GDN page. Same chains, formulas, roundings and outputs as
+the tensor-core form (`dsfuse.gdn.cutedsl.fused_fwd_tc`), with what that form repeats per 32 value
+channels done once per value head, and the products' results kept in registers:
+
+- 8 warps (2 x 4 over N and M of each ``mma.sync`` product), one CTA per chain: the q and k rows,
+  their L2-norm scales, ``q k^T`` and the gated ``A0`` are made once per value head and chunk (the
+  tensor-core form made them once per 32 value channels).
+- The fp32 state ``S`` ``[K, V]`` lives in the accumulators of the state update (64 registers a
+  thread at K = V = 128): ``S = exp(G_last) S + K^T round(Vd)`` accumulates into it, and only its
+  rounded copy goes to shared memory, as the B operand of ``k S`` and ``q S``.
+- Elementwise work runs on the accumulators where they are, by their coordinates
+  (`dsfuse.gdn.cutedsl.mma.coordinates`): the mask and decays of ``q k^T``, ``X = beta (v - exp(G) k S)``
+  with v read straight from memory, the decay of ``v_new``, ``o`` written straight to memory.
+- The L2-norm scales by warp reductions (a row per warp and pass, lanes over the row's channels), the
+  cumulative gate by a warp scan; both in a fixed order.
+
+Per chunk, 6 barriers: (1) q, k, g, beta loaded and the rounded state stored; (2) scales and the
+cumulative gate; (3) normalised q, k, the gate vectors, ``round(A0 * Gamma)``; (4) ``q k^T`` and ``k S``,
+then ``round((q k^T) * Gamma)`` and ``round(X)`` stored; (5) ``v_new`` and its decayed copy stored,
+rounded; (6) the output (``q S``, scaled by ``exp(G)`` in the accumulator, then the intra-chunk
+product added to it) and the state update. Not pipelined and not warp-specialised: the
+loads and the products still follow each other (the next step). Operands are copied from shared
+memory element by element (`dsfuse.gdn.cutedsl.mma.gemm`), not by ``ldmatrix``.
+
+Shared memory at K = V = 128, bf16: q, k 16 KiB each, the rounded state 32 KiB, X, ``v_new`` and its
+decayed copy 16 KiB each, the two gated 64 x 64 tiles 8 KiB each: about 129 KiB, one CTA per SM.
+"""
+
+from __future__ import annotations
+
+from dsfuse._common import cutedsl as _cd
+
+cutlass, cute = _cd.require()
+from cutlass import Float32, Int32, const_expr
+
+from dsfuse.gdn.cutedsl import chunk
+from dsfuse.gdn.cutedsl import mma as _mma
+from dsfuse.gdn.cutedsl.chunk import CHUNK, L2NORM_EPS
+
+WARPS_MN = (4, 2)  # 4 warps over M (the chunk's 64 rows, or K), 2 over N
+THREADS = 32 * WARPS_MN[0] * WARPS_MN[1]
+WARPS = THREADS // 32
+MAX_DIM = 128  # K and V: the state's accumulators (K V / 256 registers a thread) and shared memory
+
+
+def shape_reasons(dim_k: int, dim_v: int) -> list[str]:
+    """Why this form cannot take these head dims (empty when it can)."""
+    reasons = []
+    if dim_k % (16 * WARPS_MN[0]) or dim_k > MAX_DIM:
+        reasons.append(f"the per-head form takes K a multiple of {16 * WARPS_MN[0]} up to {MAX_DIM}, not {dim_k}")
+    if dim_v % (8 * WARPS_MN[1]) or dim_v > MAX_DIM:
+        reasons.append(f"the per-head form takes V a multiple of {8 * WARPS_MN[1]} up to {MAX_DIM}, not {dim_v}")
+    return reasons
+
+
+def _tile(smem, dtype, rows: int, cols: int):
+    return smem.allocate_tensor(dtype, cute.make_layout((rows, cols), stride=(cols, 1)), byte_alignment=16)
+
+
+def _vector(smem, length: int):
+    return smem.allocate_tensor(Float32, cute.make_layout((length,)), byte_alignment=16)
+
+
+@cute.jit
+def _load_rows(tidx: Int32, mX: cute.Tensor, sX: cute.Tensor, start: Int32, rows: Int32, head: Int32):
+    """Rows ``start ..`` of ``mX[:, head, :]`` into ``sX`` (its dtype), zeros past the chunk's ``rows``."""
+    C, D = cute.size(sX, mode=[0]), cute.size(sX, mode=[1])
+    for item in cutlass.range(C * D // THREADS, unroll=4):
+        r, c = chunk.cell(tidx, item, D, THREADS)
+        x = sX.element_type(0.0)
+        if r < rows:
+            x = mX[start + r, head, c].to(sX.element_type)
+        sX[r, c] = x
+
+
+@cute.jit
+def _row_scales(warp: Int32, lane: Int32, sQ: cute.Tensor, sK: cute.Tensor, sRstd: cute.Tensor):
+    """``sRstd``: ``rsqrt(sum(x^2) + eps)`` of the q rows (``[0, C)``, warps 0-3) and the k rows
+    (``[C, 2C)``, warps 4-7): each warp a row at a time, lane ``l`` summing channels ``l, l + 32, ..``,
+    then a butterfly sum (the same bits on every lane)."""
+    C, K = cute.size(sQ, mode=[0]), cute.size(sQ, mode=[1])
+    half = WARPS // 2
+    per_warp = C // half
+    for rr in cutlass.range_constexpr(per_warp):
+        r = (warp % half) * per_warp + rr
+        total = Float32(0.0)
+        if warp < half:
+            for j in cutlass.range_constexpr(K // 32):
+                x = sQ[r, lane + 32 * j].to(Float32)
+                total = total + x * x
+        else:
+            for j in cutlass.range_constexpr(K // 32):
+                x = sK[r, lane + 32 * j].to(Float32)
+                total = total + x * x
+        total = cute.arch.warp_reduction(total, lambda a, b: a + b)
+        if lane == 0:
+            sRstd[(warp // half) * C + r] = cute.math.rsqrt(total + Float32(L2NORM_EPS))
+
+
+@cute.jit
+def _cumulative_gate(lane: Int32, sG: cute.Tensor):
+    """``sG`` (64 entries) replaced by its inclusive cumulative sum, by one warp: lane ``l`` adds its
+    pair ``(2l, 2l + 1)``, a shuffle scan over the lanes' pair sums, then each pair gets the sum of the
+    pairs before it. A fixed order of additions, so the same bits every call."""
+    a = sG[2 * lane]
+    b = a + sG[2 * lane + 1]
+    run = b
+    for step in cutlass.range_constexpr(5):
+        other = cute.arch.shuffle_sync_up(run, offset=1 << step)
+        if lane >= (1 << step):
+            run = run + other
+    before = cute.arch.shuffle_sync_up(run, offset=1)
+    if lane == 0:
+        before = Float32(0.0)
+    sG[2 * lane] = before + a
+    sG[2 * lane + 1] = before + b
+
+
+class FusedForwardHead(chunk.ChainKernel):
+    """The per-head form (module docstring): grid (1, HV, N) of 256 threads."""
+
+    threads = THREADS
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.block_v = self.dim_v
+
+    @cute.kernel
+    def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mG: cute.Tensor, mBeta: cute.Tensor,
+               mA: cute.Tensor, mChunks: cute.Tensor, mOffsets: cute.Tensor, mH0: cute.Tensor, mHt: cute.Tensor,
+               mO: cute.Tensor, scale: Float32):
+        K, V, C, ab = self.dim_k, self.dim_v, CHUNK, self.dtype
+        tidx, _, _ = cute.arch.thread_idx()
+        _, i_hv, i_n = cute.arch.block_idx()
+        i_h = i_hv // (self.value_heads // self.heads)
+        warp, lane = tidx // 32, tidx % 32
+
+        smem = cutlass.memory.SmemAllocator()
+        sQ, sK = _tile(smem, ab, C, K), _tile(smem, ab, C, K)  # the operands, rounded
+        sSb = _tile(smem, ab, K, V)  # the state at the chunk's start, rounded
+        sX, sVn, sVd = _tile(smem, ab, C, V), _tile(smem, ab, C, V), _tile(smem, ab, C, V)
+        sQKg, sAg = _tile(smem, ab, C, C), _tile(smem, ab, C, C)
+        sG, sBeta, sEG, sDec = _vector(smem, C), _vector(smem, C), _vector(smem, C), _vector(smem, C)
+        sRstd = _vector(smem, 2 * C)
+
+        mma = _mma.tiled_mma(ab, WARPS_MN)
+        thr = mma.get_slice(tidx)
+        # the B operands stored [rows, V] seen as (V, rows): S (rows = K), X, v_new, decayed v_new (rows = C)
+        opS = _mma.view(sSb, (V, K), (1, V))
+        opX, opVn, opVd = (_mma.view(t, (V, C), (1, V)) for t in (sX, sVn, sVd))
+        opKt = _mma.view(sK, (K, C), (1, K))  # K^T as the A operand of the state update
+        ops_qk, ops_ks, ops_qs = (_mma.operands(mma, tidx, sQ, sK), _mma.operands(mma, tidx, sK, opS),
+                                  _mma.operands(mma, tidx, sQ, opS))
+        ops_vn, ops_o, ops_u = (_mma.operands(mma, tidx, sAg, opX), _mma.operands(mma, tidx, sQKg, opVn),
+                                _mma.operands(mma, tidx, opKt, opVd))
+        cCC, cCV, cKV = (_mma.coordinates(mma, tidx, (C, C)), _mma.coordinates(mma, tidx, (C, V)),
+                         _mma.coordinates(mma, tidx, (K, V)))
+
+        acc_s = _mma.accumulator(mma, tidx, (K, V))  # the fp32 state, for the whole chain
+        for i in cutlass.range_constexpr(cute.size(acc_s)):
+            acc_s[i] = mH0[i_n, i_hv, cKV[i][0], cKV[i][1]]
+
+        for i_c in cutlass.range(mOffsets[i_n], mOffsets[i_n + 1]):
+            start = mChunks[i_c, 1]
+            rows = mChunks[i_c, 2] - start
+
+            # 1. q, k rows (zeros past the chunk's end), g and beta; the state rounded for k S and q S
+            _load_rows(tidx, mQ, sQ, start, rows, i_h)
+            _load_rows(tidx, mK, sK, start, rows, i_h)
+            if tidx < C:
+                gv, bv = Float32(0.0), Float32(0.0)
+                if tidx < rows:
+                    gv = mG[start + tidx, i_hv]
+                    bv = mBeta[start + tidx, i_hv].to(Float32)
+                sG[tidx] = gv
+                sBeta[tidx] = bv
+            cute.autovec_copy(_mma.rounded(acc_s, ab), thr.partition_C(sSb))
+            cute.arch.sync_threads()
+
+            # 2. the rows' L2-norm scales; G = cumsum(g) (warp 0, after its rows)
+            if const_expr(self.l2norm):
+                _row_scales(warp, lane, sQ, sK, sRstd)
+            if warp == 0:
+                _cumulative_gate(lane, sG)
+            cute.arch.sync_threads()
+
+            # 3. normalised, rounded q and k; the gate vectors; round(A0 * Gamma) from memory
+            if const_expr(self.l2norm):
+                for item in cutlass.range(C * K // THREADS, unroll=4):
+                    r, c = chunk.cell(tidx, item, K, THREADS)
+                    sQ[r, c] = (sQ[r, c].to(Float32) * sRstd[r]).to(ab)
+                    sK[r, c] = (sK[r, c].to(Float32) * sRstd[C + r]).to(ab)
+            if tidx < C:
+                sEG[tidx] = cute.math.exp(sG[tidx])
+                sDec[tidx] = cute.math.exp(sG[C - 1] - sG[tidx])
+            for item in cutlass.range(C * C // THREADS, unroll=4):
+                i, j = chunk.cell(tidx, item, C, THREADS)
+                gated = Float32(0.0)
+                if j <= i and i < rows:
+                    gated = mA[start + i, i_hv, j] * cute.math.exp(sG[i] - sG[j])
+                sAg[i, j] = gated.to(ab)
+            cute.arch.sync_threads()
+
+            # 4. q k^T and k S on the tensor cores; then, in registers, round((q k^T) * Gamma) and
+            #    round(X), X = beta (v - exp(G) k S), into shared memory
+            acc_f = _mma.accumulator(mma, tidx, (C, C))
+            _mma.gemm(mma, acc_f, ops_qk)
+            acc_p = _mma.accumulator(mma, tidx, (C, V))
+            _mma.gemm(mma, acc_p, ops_ks)
+            for i in cutlass.range_constexpr(cute.size(acc_f)):
+                r, c = cCC[i][0], cCC[i][1]
+                qk = Float32(0.0)
+                if c <= r:
+                    qk = acc_f[i] * cute.math.exp(sG[r] - sG[c])
+                acc_f[i] = qk
+            for i in cutlass.range_constexpr(cute.size(acc_p)):
+                r, c = cCV[i][0], cCV[i][1]
+                vv = Float32(0.0)
+                if r < rows:
+                    vv = mV[start + r, i_hv, c].to(Float32)
+                acc_p[i] = sBeta[r] * (vv - sEG[r] * acc_p[i])
+            cute.autovec_copy(_mma.rounded(acc_f, ab), thr.partition_C(sQKg))
+            cute.autovec_copy(_mma.rounded(acc_p, ab), thr.partition_C(sX))
+            cute.arch.sync_threads()
+
+            # 5. v_new = round(A0 * Gamma) round(X); stored rounded, and decayed to the chunk's end
+            acc_vn = _mma.accumulator(mma, tidx, (C, V))
+            _mma.gemm(mma, acc_vn, ops_vn)
+            cute.autovec_copy(_mma.rounded(acc_vn, ab), thr.partition_C(sVn))
+            for i in cutlass.range_constexpr(cute.size(acc_vn)):
+                acc_vn[i] = acc_vn[i] * sDec[cCV[i][0]]
+            cute.autovec_copy(_mma.rounded(acc_vn, ab), thr.partition_C(sVd))
+            cute.arch.sync_threads()
+
+            # 6. o = scale (exp(G) q S + round((q k^T) * Gamma) round(v_new)) of the chunk's real rows
+            #    (q S made here, not kept from step 4: fewer registers live across steps 5 and 6);
+            #    S = exp(G_last) S + K^T round(Vd) (G is flat past the chunk's end: G_last is the last real G)
+            acc_o = _mma.accumulator(mma, tidx, (C, V))
+            _mma.gemm(mma, acc_o, ops_qs)
+            for i in cutlass.range_constexpr(cute.size(acc_o)):
+                acc_o[i] = sEG[cCV[i][0]] * acc_o[i]
+            _mma.gemm(mma, acc_o, ops_o)
+            for i in cutlass.range_constexpr(cute.size(acc_o)):
+                r, c = cCV[i][0], cCV[i][1]
+                if r < rows:
+                    mO[start + r, i_hv, c] = (scale * acc_o[i]).to(mO.element_type)
+            last = sEG[C - 1]
+            for i in cutlass.range_constexpr(cute.size(acc_s)):
+                acc_s[i] = last * acc_s[i]
+            _mma.gemm(mma, acc_s, ops_u)
+            cute.arch.sync_threads()
+
+        for i in cutlass.range_constexpr(cute.size(acc_s)):
+            mHt[i_n, i_hv, cKV[i][0], cKV[i][1]] = acc_s[i]
