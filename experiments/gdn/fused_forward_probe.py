@@ -2,7 +2,7 @@
 from `chunk_gdn`), beside the Triton forward, at the experiment's shape.
 
     python experiments/gdn/fused_forward_probe.py OUT_DIR [--config experiments/gdn/configs/h200.yaml]
-        [--samples 10]
+        [--samples 10] [--parts fused_head,triton] [--cases 1]
 
 For each forward case of the config (its tokens, documents, value heads and L2 norm settings; q, k,
 v head views of one packed row, initial and final state): the UT inverse kernel alone
@@ -33,7 +33,7 @@ DEFAULT_CONFIG = "experiments/gdn/configs/h200.yaml"
 FLUSH_BYTES = 256 << 20
 
 
-def case_rows(case, timer: Timer, samples: int, device: torch.device) -> list[dict]:
+def case_rows(case, timer: Timer, samples: int, device: torch.device, only: set[str] | None = None) -> list[dict]:
     from dsfuse.gdn import chunk_gdn
     from dsfuse.gdn.cutedsl.fused_fwd import CHUNK, FORMS, launch_fused_forward
     from dsfuse.gdn.cutedsl.ut_inverse import launch_ut_inverse
@@ -90,6 +90,8 @@ def case_rows(case, timer: Timer, samples: int, device: torch.device) -> list[di
                                                                                          ("cutedsl", both))]
     parts.append(("triton", triton))
     for part, fn in parts:
+        if only and part not in only:
+            continue
         graph, _ = capture_graph(lambda fn=fn: (fn(),), device)
         for i, us in enumerate(timer.samples(graph.replay, "evicted", samples, 1)):
             rows.append({"case": case.name, "tokens": p["tokens"], "value_heads": hv, "l2norm": l2, "part": part,
@@ -103,6 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("out", type=Path, help="output folder (created)")
     parser.add_argument("--config", default=DEFAULT_CONFIG, help=f"experiment config (default {DEFAULT_CONFIG})")
     parser.add_argument("--samples", type=int, default=10, help="samples per part (default 10)")
+    parser.add_argument("--parts", help="comma-separated parts to time (default all; e.g. fused_head under ncu)")
+    parser.add_argument("--cases", type=int, help="time the config's first CASES forward cases only")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("fused_forward_probe.py needs a CUDA GPU and the cutedsl extra. Run it on the GPU machine.",
@@ -115,7 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "env.json").write_text(json.dumps(env_mod.collect(device, op=gdn.OP), indent=2) + "\n")
     timer = Timer(device, FLUSH_BYTES)
-    rows = [row for case in gdn.cases(config) for row in case_rows(case, timer, args.samples, device)]
+    only = set(args.parts.split(",")) if args.parts else None
+    rows = [row for case in gdn.cases(config)[: args.cases] for row in case_rows(case, timer, args.samples, device, only)]
     write_csv(args.out / "samples.csv", rows)
     table = pd.DataFrame(rows).groupby(["case", "part"], sort=False)["us"].median().unstack("part")
     print(f"median us per call, CUDA Graph replay, L2 evicted ({args.samples} samples)")

@@ -133,7 +133,8 @@ def test_refuses_what_it_cannot_compile():
     assert "tensor_core form" in module.shape_reasons(torch.float32, 16, 48, 128, 128, form="tensor_core")[0]
     assert module.shape_reasons(torch.bfloat16, 16, 48, 128, 128, form="head") == []
     reasons = module.shape_reasons(torch.bfloat16, 16, 48, 32, 160, form="head")
-    assert len(reasons) == 2 and "K a multiple of 64 up to 128, not 32" in reasons[0] and "not 160" in reasons[1]
+    assert len(reasons) == 2 and "K = 64 or 128, not 32" in reasons[0] and "V = 64 or 128, not 160" in reasons[1]
+    assert "V = 64 or 128, not 96" in module.shape_reasons(torch.bfloat16, 4, 4, 128, 96, form="head")[0]
     with pytest.raises(ValueError, match="form is one of"):
         module.shape_reasons(torch.bfloat16, 16, 48, 128, 128, form="tc")
 
@@ -192,6 +193,31 @@ def test_tensor_core_forms_match_the_float64_reference(form, dtype, l2, dims):
     contract: relative RMS of o and of the final states <= 0.005 (``dsfuse.bench.gdn.TOLERANCES``)."""
     from dsfuse.bench.gdn import TOLERANCES
 
+    if form == "head" and dims[3] not in (64, 128):
+        pytest.skip("the per-head form takes V = 64 or 128 (test_refuses_what_it_cannot_compile)")
     o, ht, o_ref, ht_ref, _ = _run_on_gpu(dtype, l2, dims, form)
     assert_rel_rms(o, o_ref, TOLERANCES["o"], "o")
     assert_rel_rms(ht, ht_ref, TOLERANCES["final_state"], "final state")
+
+
+def test_the_per_head_form_refuses_rows_it_cannot_copy_in_16_bytes():
+    """The per-head form reads q, k, v rows with 16-byte copies: a view whose base or token stride is
+    not a multiple of 16 bytes is refused by name before any launch (the other forms take it)."""
+    cutedsl_or_skip()
+    from dsfuse.gdn.cutedsl.fused_fwd import launch_fused_forward
+    from dsfuse.gdn.cutedsl.fused_fwd_head import aligned_reasons
+
+    t, h, d = 70, 2, 64
+    row = torch.zeros(t, 3 * h * d + 4, dtype=torch.bfloat16)  # 4 extra channels: an 8-byte token stride step
+    q, k, v = (row[:, i * h * d:(i + 1) * h * d].view(t, h, d) for i in range(3))
+    assert aligned_reasons(q=q, k=k, v=v) and all("16-byte aligned" in r for r in aligned_reasons(q=q))
+    shifted = row[:, 4:4 + h * d].view(t, h, d)  # a base 8 bytes past an aligned one
+    assert aligned_reasons(q=row[:, : h * d].view(t, h, d).contiguous()) == []
+    assert aligned_reasons(s=torch.zeros(t, h + 1, d, dtype=torch.bfloat16)[:, 1:]) == []  # 128-byte head step
+    assert len(aligned_reasons(s=shifted)) == 1
+    g, beta = torch.zeros(t, h), torch.zeros(t, h, dtype=torch.bfloat16)
+    a, o = torch.zeros(t, h, 64), torch.zeros(t, h, d, dtype=torch.bfloat16)
+    ci, co = torch.zeros(2, 3, dtype=torch.int32), torch.zeros(2, dtype=torch.int32)
+    h0 = torch.zeros(1, h, d, d)
+    with pytest.raises(ValueError, match="q needs a 16-byte aligned base"):
+        launch_fused_forward(q, k, v, g, beta, a, ci, co, h0, h0.clone(), o, 1.0, form="head")

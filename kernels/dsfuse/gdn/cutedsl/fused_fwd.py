@@ -191,21 +191,28 @@ class _FusedForward(chunk.ChainKernel):
 CACHE = _cd.KernelCache()  # (dtype, H, HV, K, V, l2norm, arch) -> compiled function
 
 
-def _fake_tensors(dtype: torch.dtype, heads: int, value_heads: int, dim_k: int, dim_v: int) -> tuple:
+def _fake_tensors(dtype: torch.dtype, heads: int, value_heads: int, dim_k: int, dim_v: int,
+                  aligned: bool = False) -> tuple:
     """Fake tensors of the compiled signature: symbolic tokens, chunks and documents; q, k, v, g and beta
-    with any token and head strides (packed views), the rest contiguous."""
+    with any token and head strides (packed views; with ``aligned``, q, k, v with 16-byte aligned
+    bases and strides, and ``a`` 16-byte aligned), the rest contiguous."""
     cdt = DTYPES[dtype]
     tokens, chunks, docs, docs1 = cute.sym_int(), cute.sym_int(), cute.sym_int(), cute.sym_int()
+    vector = 16 // dtype.itemsize if aligned else 1
+    align = 16 if aligned else None
 
-    def rows(elem, heads_, dim):  # [T, heads, dim]: any token and head strides, unit channel stride
-        return cute.runtime.make_fake_tensor(elem, (tokens, heads_, dim), (cute.sym_int64(), cute.sym_int64(), 1))
+    def rows(elem, heads_, dim):  # [T, heads, dim]: token and head strides, unit channel stride
+        return cute.runtime.make_fake_tensor(elem, (tokens, heads_, dim), (cute.sym_int64(divisibility=vector),
+                                                                           cute.sym_int64(divisibility=vector), 1),
+                                             assumed_align=align)
 
     def gates(elem):  # [T, HV]: any strides
         return cute.runtime.make_fake_tensor(elem, (tokens, value_heads), (cute.sym_int64(), cute.sym_int64()))
 
     q, k, v = rows(cdt, heads, dim_k), rows(cdt, heads, dim_k), rows(cdt, value_heads, dim_v)
     g, beta = gates(Float32), gates(cdt)
-    a = cute.runtime.make_fake_tensor(Float32, (tokens, value_heads, CHUNK), (value_heads * CHUNK, CHUNK, 1))
+    a = cute.runtime.make_fake_tensor(Float32, (tokens, value_heads, CHUNK), (value_heads * CHUNK, CHUNK, 1),
+                                      assumed_align=align)
     table = cute.runtime.make_fake_tensor(Int32, (chunks, 3), (3, 1))
     offsets = cute.runtime.make_fake_tensor(Int32, (docs1,), (1,))
     state = (value_heads * dim_k * dim_v, dim_k * dim_v, dim_v, 1)
@@ -225,7 +232,8 @@ def compile_fused_forward(dtype: torch.dtype, heads: int, value_heads: int, dim_
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     kernel = {"cuda_core": _FusedForward, "tensor_core": FusedForwardTC, "head": FusedForwardHead}[form]
     return _cd.compile(kernel(dtype, heads, value_heads, dim_k, dim_v, l2norm),
-                       *_fake_tensors(dtype, heads, value_heads, dim_k, dim_v), Float32(1.0), stream, arch=arch,
+                       *_fake_tensors(dtype, heads, value_heads, dim_k, dim_v, form == "head"), Float32(1.0),
+                       stream, arch=arch,
                        keep_ptx=keep_ptx, dump_dir=dump_dir)
 
 
@@ -244,6 +252,8 @@ def launch_fused_forward(q, k, v, g, beta, a, chunk_indices, chunk_offsets, h0, 
         raise ValueError("launch_fused_forward: q, k, v, beta in one dtype; g and a fp32")
     if any(x.stride(-1) != 1 for x in (q, k, v)) or not all(x.is_contiguous() for x in (a, h0, ht, o)):
         raise ValueError("launch_fused_forward: q, k, v need unit channel stride; a, h0, ht, o contiguous")
+    if form == "head" and (reasons := fused_fwd_head.aligned_reasons(q=q, k=k, v=v, a=a)):
+        raise ValueError("launch_fused_forward: " + "; ".join(reasons))
     arch = _cd.arch_of(k.device)
     fn = CACHE.get((k.dtype, heads, value_heads, dim_k, dim_v, use_qk_l2norm, form, arch),
                    lambda: compile_fused_forward(k.dtype, heads, value_heads, dim_k, dim_v, use_qk_l2norm, arch,

@@ -14,25 +14,31 @@ channels done once per value head, and the products' results kept in registers:
   with v read straight from memory, the decay of ``v_new``, ``o`` written straight to memory.
 - The L2-norm scales by warp reductions (a row per warp and pass, lanes over the row's channels), the
   cumulative gate by a warp scan; both in a fixed order.
+- The chunk's q, k, v rows and ``A0`` rows arrive by 16-byte ``cp.async`` copies into swizzled tiles,
+  and every product's operands by ``ldmatrix`` (``.trans`` where the operand is stored transposed:
+  the state, X, ``v_new`` and ``k^T``); so q, k and v need 16-byte aligned rows (`aligned_reasons`).
 
 Per chunk, 6 barriers: (1) q, k, g, beta loaded and the rounded state stored; (2) scales and the
 cumulative gate; (3) normalised q, k, the gate vectors, ``round(A0 * Gamma)``; (4) ``q k^T`` and ``k S``,
 then ``round((q k^T) * Gamma)`` and ``round(X)`` stored; (5) ``v_new`` and its decayed copy stored,
 rounded; (6) the output (``q S``, scaled by ``exp(G)`` in the accumulator, then the intra-chunk
 product added to it) and the state update. Not pipelined and not warp-specialised: the
-loads and the products still follow each other (the next step). Operands are copied from shared
-memory element by element (`dsfuse.gdn.cutedsl.mma.gemm`), not by ``ldmatrix``.
+loads and the products still follow each other (the next step).
 
 Shared memory at K = V = 128, bf16: q, k 16 KiB each, the rounded state 32 KiB, X, ``v_new`` and its
-decayed copy 16 KiB each, the two gated 64 x 64 tiles 8 KiB each: about 129 KiB, one CTA per SM.
+decayed copy (v's rows before that) 16 KiB each, the two gated 64 x 64 tiles 8 KiB each, ``A0``'s
+rows 16 KiB in fp32: about 145 KiB, one CTA per SM.
 """
 
 from __future__ import annotations
+
+import torch
 
 from dsfuse._common import cutedsl as _cd
 
 cutlass, cute = _cd.require()
 from cutlass import Float32, Int32, const_expr
+from cutlass.cute.nvgpu import cpasync
 
 from dsfuse.gdn.cutedsl import chunk
 from dsfuse.gdn.cutedsl import mma as _mma
@@ -44,14 +50,50 @@ WARPS = THREADS // 32
 MAX_DIM = 128  # K and V: the state's accumulators (K V / 256 registers a thread) and shared memory
 
 
+ALIGN = 16  # bytes: the cp.async vectors
+
+
 def shape_reasons(dim_k: int, dim_v: int) -> list[str]:
     """Why this form cannot take these head dims (empty when it can)."""
-    reasons = []
-    if dim_k % (16 * WARPS_MN[0]) or dim_k > MAX_DIM:
-        reasons.append(f"the per-head form takes K a multiple of {16 * WARPS_MN[0]} up to {MAX_DIM}, not {dim_k}")
-    if dim_v % (8 * WARPS_MN[1]) or dim_v > MAX_DIM:
-        reasons.append(f"the per-head form takes V a multiple of {8 * WARPS_MN[1]} up to {MAX_DIM}, not {dim_v}")
-    return reasons
+    return [f"the per-head form takes {name} = 64 or {MAX_DIM}, not {dim}"  # whole swizzle atoms and copy passes
+            for name, dim in (("K", dim_k), ("V", dim_v)) if dim not in (64, MAX_DIM)]
+
+
+def aligned_reasons(**tensors: torch.Tensor) -> list[str]:
+    """Why the per-head form cannot read these ``[T, heads, D]`` tensors with 16-byte copies (empty
+    when it can): a base address or a token or head stride that is not a multiple of 16 bytes."""
+    return [f"{name} needs a 16-byte aligned base and token and head strides (got address "
+            f"{x.data_ptr()} and strides {tuple(x.stride())} in {x.element_size()}-byte elements)"
+            for name, x in tensors.items()
+            if x.data_ptr() % ALIGN or any(s * x.element_size() % ALIGN for s in x.stride()[:2])]
+
+
+def _copy_rows(dtype, width: int):
+    """The tiled 16-byte ``cp.async`` of a ``[rows, width]`` tile by the CTA: ``width / vector``
+    threads a row, each row a contiguous run of ``width`` elements in memory."""
+    vector = 128 // dtype.width
+    per_row = width // vector
+    atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), dtype,
+                               num_bits_per_copy=128)
+    return cute.make_tiled_copy_tv(atom, cute.make_layout((THREADS // per_row, per_row), stride=(per_row, 1)),
+                                   cute.make_layout((1, vector)))
+
+
+@cute.jit
+def _start_rows(copy: cute.TiledCopy, tidx: Int32, mX: cute.Tensor, sX: cute.Tensor, start: Int32, rows: Int32,
+                head: Int32):
+    """Start the copy of rows ``start ..`` of ``mX[:, head, :]`` into ``sX``; zeros past the chunk's
+    ``rows`` (written now; the copies land by the caller's ``cp_async_wait_group``)."""
+    shape = (cute.size(sX, mode=[0]), cute.size(sX, mode=[1]))
+    gX = cute.local_tile(cute.domain_offset((start, 0), mX[None, head, None]), shape, (0, 0))
+    part = copy.get_slice(tidx)
+    tXg, tXs = part.partition_S(gX), part.partition_D(sX)
+    tXc = part.partition_S(cute.make_identity_tensor(shape))
+    for m in cutlass.range_constexpr(cute.size(tXs, mode=[1])):
+        if tXc[0, m, 0][0] < rows:
+            cute.copy(copy, tXg[None, m, None], tXs[None, m, None])
+        else:
+            tXs[None, m, None].fill(0)
 
 
 def _tile(smem, dtype, rows: int, cols: int):
@@ -60,18 +102,6 @@ def _tile(smem, dtype, rows: int, cols: int):
 
 def _vector(smem, length: int):
     return smem.allocate_tensor(Float32, cute.make_layout((length,)), byte_alignment=16)
-
-
-@cute.jit
-def _load_rows(tidx: Int32, mX: cute.Tensor, sX: cute.Tensor, start: Int32, rows: Int32, head: Int32):
-    """Rows ``start ..`` of ``mX[:, head, :]`` into ``sX`` (its dtype), zeros past the chunk's ``rows``."""
-    C, D = cute.size(sX, mode=[0]), cute.size(sX, mode=[1])
-    for item in cutlass.range(C * D // THREADS, unroll=4):
-        r, c = chunk.cell(tidx, item, D, THREADS)
-        x = sX.element_type(0.0)
-        if r < rows:
-            x = mX[start + r, head, c].to(sX.element_type)
-        sX[r, c] = x
 
 
 @cute.jit
@@ -137,23 +167,27 @@ class FusedForwardHead(chunk.ChainKernel):
         warp, lane = tidx // 32, tidx % 32
 
         smem = cutlass.memory.SmemAllocator()
-        sQ, sK = _tile(smem, ab, C, K), _tile(smem, ab, C, K)  # the operands, rounded
-        sSb = _tile(smem, ab, K, V)  # the state at the chunk's start, rounded
-        sX, sVn, sVd = _tile(smem, ab, C, V), _tile(smem, ab, C, V), _tile(smem, ab, C, V)
-        sQKg, sAg = _tile(smem, ab, C, C), _tile(smem, ab, C, C)
+        tile = _mma.swizzled_tile
+        sQ, sK = tile(smem, ab, C, K), tile(smem, ab, C, K)  # the operands, rounded
+        sSb = tile(smem, ab, K, V)  # the state at the chunk's start, rounded
+        sX, sVn, sVd = tile(smem, ab, C, V), tile(smem, ab, C, V), tile(smem, ab, C, V)  # sVd: v's rows first
+        sQKg, sAg = tile(smem, ab, C, C), tile(smem, ab, C, C)
+        sA = _tile(smem, Float32, C, C)  # A0's rows
         sG, sBeta, sEG, sDec = _vector(smem, C), _vector(smem, C), _vector(smem, C), _vector(smem, C)
         sRstd = _vector(smem, 2 * C)
+        copy_k, copy_v, copy_a = _copy_rows(ab, K), _copy_rows(ab, V), _copy_rows(Float32, C)
 
-        mma = _mma.tiled_mma(ab, WARPS_MN)
+        mma = _mma.tiled_mma(ab, WARPS_MN, ldmatrix=True)
         thr = mma.get_slice(tidx)
-        # the B operands stored [rows, V] seen as (V, rows): S (rows = K), X, v_new, decayed v_new (rows = C)
-        opS = _mma.view(sSb, (V, K), (1, V))
-        opX, opVn, opVd = (_mma.view(t, (V, C), (1, V)) for t in (sX, sVn, sVd))
-        opKt = _mma.view(sK, (K, C), (1, K))  # K^T as the A operand of the state update
-        ops_qk, ops_ks, ops_qs = (_mma.operands(mma, tidx, sQ, sK), _mma.operands(mma, tidx, sK, opS),
-                                  _mma.operands(mma, tidx, sQ, opS))
-        ops_vn, ops_o, ops_u = (_mma.operands(mma, tidx, sAg, opX), _mma.operands(mma, tidx, sQKg, opVn),
-                                _mma.operands(mma, tidx, opKt, opVd))
+        # the B operands stored [rows, V], read transposed: S (rows = K), X, v_new, decayed v_new (rows = C);
+        # K^T, the A operand of the state update, likewise
+        opS, opX, opVn, opVd, opKt = (_mma.transposed(t) for t in (sSb, sX, sVn, sVd, sK))
+        ops = _mma.ldmatrix_operands
+        ops_qk, ops_ks, ops_qs = (ops(mma, tidx, sQ, sK, False, False), ops(mma, tidx, sK, opS, False, True),
+                                  ops(mma, tidx, sQ, opS, False, True))
+        ops_vn, ops_o, ops_u = (ops(mma, tidx, sAg, opX, False, True), ops(mma, tidx, sQKg, opVn, False, True),
+                                ops(mma, tidx, opKt, opVd, True, True))
+        gemm = _mma.gemm_ldmatrix
         cCC, cCV, cKV = (_mma.coordinates(mma, tidx, (C, C)), _mma.coordinates(mma, tidx, (C, V)),
                          _mma.coordinates(mma, tidx, (K, V)))
 
@@ -165,9 +199,13 @@ class FusedForwardHead(chunk.ChainKernel):
             start = mChunks[i_c, 1]
             rows = mChunks[i_c, 2] - start
 
-            # 1. q, k rows (zeros past the chunk's end), g and beta; the state rounded for k S and q S
-            _load_rows(tidx, mQ, sQ, start, rows, i_h)
-            _load_rows(tidx, mK, sK, start, rows, i_h)
+            # 1. q, k, v and A0 rows (zeros past the chunk's end) by cp.async; meanwhile g and beta, and
+            #    the state rounded for k S and q S
+            _start_rows(copy_k, tidx, mQ, sQ, start, rows, i_h)
+            _start_rows(copy_k, tidx, mK, sK, start, rows, i_h)
+            _start_rows(copy_v, tidx, mV, sVd, start, rows, i_hv)
+            _start_rows(copy_a, tidx, mA, sA, start, rows, i_hv)
+            cute.arch.cp_async_commit_group()
             if tidx < C:
                 gv, bv = Float32(0.0), Float32(0.0)
                 if tidx < rows:
@@ -176,6 +214,7 @@ class FusedForwardHead(chunk.ChainKernel):
                 sG[tidx] = gv
                 sBeta[tidx] = bv
             cute.autovec_copy(_mma.rounded(acc_s, ab), thr.partition_C(sSb))
+            cute.arch.cp_async_wait_group(0)
             cute.arch.sync_threads()
 
             # 2. the rows' L2-norm scales; G = cumsum(g) (warp 0, after its rows)
@@ -185,7 +224,7 @@ class FusedForwardHead(chunk.ChainKernel):
                 _cumulative_gate(lane, sG)
             cute.arch.sync_threads()
 
-            # 3. normalised, rounded q and k; the gate vectors; round(A0 * Gamma) from memory
+            # 3. normalised, rounded q and k; the gate vectors; round(A0 * Gamma)
             if const_expr(self.l2norm):
                 for item in cutlass.range(C * K // THREADS, unroll=4):
                     r, c = chunk.cell(tidx, item, K, THREADS)
@@ -197,17 +236,17 @@ class FusedForwardHead(chunk.ChainKernel):
             for item in cutlass.range(C * C // THREADS, unroll=4):
                 i, j = chunk.cell(tidx, item, C, THREADS)
                 gated = Float32(0.0)
-                if j <= i and i < rows:
-                    gated = mA[start + i, i_hv, j] * cute.math.exp(sG[i] - sG[j])
+                if j <= i:
+                    gated = sA[i, j] * cute.math.exp(sG[i] - sG[j])
                 sAg[i, j] = gated.to(ab)
             cute.arch.sync_threads()
 
             # 4. q k^T and k S on the tensor cores; then, in registers, round((q k^T) * Gamma) and
             #    round(X), X = beta (v - exp(G) k S), into shared memory
             acc_f = _mma.accumulator(mma, tidx, (C, C))
-            _mma.gemm(mma, acc_f, ops_qk)
+            gemm(mma, acc_f, ops_qk)
             acc_p = _mma.accumulator(mma, tidx, (C, V))
-            _mma.gemm(mma, acc_p, ops_ks)
+            gemm(mma, acc_p, ops_ks)
             for i in cutlass.range_constexpr(cute.size(acc_f)):
                 r, c = cCC[i][0], cCC[i][1]
                 qk = Float32(0.0)
@@ -216,17 +255,14 @@ class FusedForwardHead(chunk.ChainKernel):
                 acc_f[i] = qk
             for i in cutlass.range_constexpr(cute.size(acc_p)):
                 r, c = cCV[i][0], cCV[i][1]
-                vv = Float32(0.0)
-                if r < rows:
-                    vv = mV[start + r, i_hv, c].to(Float32)
-                acc_p[i] = sBeta[r] * (vv - sEG[r] * acc_p[i])
+                acc_p[i] = sBeta[r] * (sVd[r, c].to(Float32) - sEG[r] * acc_p[i])
             cute.autovec_copy(_mma.rounded(acc_f, ab), thr.partition_C(sQKg))
             cute.autovec_copy(_mma.rounded(acc_p, ab), thr.partition_C(sX))
             cute.arch.sync_threads()
 
             # 5. v_new = round(A0 * Gamma) round(X); stored rounded, and decayed to the chunk's end
             acc_vn = _mma.accumulator(mma, tidx, (C, V))
-            _mma.gemm(mma, acc_vn, ops_vn)
+            gemm(mma, acc_vn, ops_vn)
             cute.autovec_copy(_mma.rounded(acc_vn, ab), thr.partition_C(sVn))
             for i in cutlass.range_constexpr(cute.size(acc_vn)):
                 acc_vn[i] = acc_vn[i] * sDec[cCV[i][0]]
@@ -237,10 +273,10 @@ class FusedForwardHead(chunk.ChainKernel):
             #    (q S made here, not kept from step 4: fewer registers live across steps 5 and 6);
             #    S = exp(G_last) S + K^T round(Vd) (G is flat past the chunk's end: G_last is the last real G)
             acc_o = _mma.accumulator(mma, tidx, (C, V))
-            _mma.gemm(mma, acc_o, ops_qs)
+            gemm(mma, acc_o, ops_qs)
             for i in cutlass.range_constexpr(cute.size(acc_o)):
                 acc_o[i] = sEG[cCV[i][0]] * acc_o[i]
-            _mma.gemm(mma, acc_o, ops_o)
+            gemm(mma, acc_o, ops_o)
             for i in cutlass.range_constexpr(cute.size(acc_o)):
                 r, c = cCV[i][0], cCV[i][1]
                 if r < rows:
@@ -248,7 +284,7 @@ class FusedForwardHead(chunk.ChainKernel):
             last = sEG[C - 1]
             for i in cutlass.range_constexpr(cute.size(acc_s)):
                 acc_s[i] = last * acc_s[i]
-            _mma.gemm(mma, acc_s, ops_u)
+            gemm(mma, acc_s, ops_u)
             cute.arch.sync_threads()
 
         for i in cutlass.range_constexpr(cute.size(acc_s)):

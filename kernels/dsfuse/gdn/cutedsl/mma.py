@@ -27,11 +27,16 @@ WARPS_MN = (2, 2)  # warps over M and N: a product needs M % 32 == 0, N % 16 == 
 THREADS = 32 * WARPS_MN[0] * WARPS_MN[1]
 
 
-def tiled_mma(ab_dtype, warps_mn: tuple[int, int] = WARPS_MN):
+def tiled_mma(ab_dtype, warps_mn: tuple[int, int] = WARPS_MN, ldmatrix: bool = False):
     """The product of ``ab_dtype`` (``cutlass.BFloat16`` or ``cutlass.Float16``) operands with fp32
     accumulators on ``warps_mn`` warps (over M and N: a product needs M a multiple of 16 times the
-    first, N of 8 times the second, K of 16)."""
+    first, N of 8 times the second, K of 16). With ``ldmatrix``, each warp takes 16 columns of N per
+    tile (N a multiple of 16 times the second), the 16 x 16 blocks an ``ldmatrix.x4`` fills
+    (`ldmatrix_operands`)."""
     op = cute.nvgpu.warp.MmaF16BF16Op(ab_dtype, Float32, (16, 8, 16))
+    if ldmatrix:
+        return cute.make_tiled_mma(op, atom_layout_mnk=(*warps_mn, 1),
+                                   permutation_mnk=(16 * warps_mn[0], 16 * warps_mn[1], 16))
     return cute.make_tiled_mma(op, atom_layout_mnk=(*warps_mn, 1))
 
 
@@ -58,6 +63,48 @@ def gemm(mma, acc, ops):
         cute.autovec_copy(tCsA[None, None, kb], tCrA)
         cute.autovec_copy(tCsB[None, None, kb], tCrB)
         cute.gemm(mma, acc, tCrA, tCrB, acc)
+
+
+def swizzled_tile(smem, dtype, rows: int, cols: int):
+    """A ``[rows, cols]`` 16-bit shared-memory tile, row-major in 8-row atoms 64 (or 32) wide whose
+    16-byte chunks are permuted by row (``Swizzle<3, 3, 3>``, or ``<2, 3, 3>``): the 8 rows an
+    ``ldmatrix`` reads, or a row of 16-byte ``cp.async`` writes, fall in distinct banks."""
+    width = 64 if cols % 64 == 0 else 32
+    atom = cute.make_composed_layout(cute.make_swizzle(3 if width == 64 else 2, 3, 3), 0,
+                                     cute.make_layout((8, width), stride=(width, 1)))
+    return smem.allocate_tensor(dtype, cute.tile_to_shape(atom, (rows, cols), (0, 1)), byte_alignment=1024)
+
+
+def transposed(tile):
+    """The ``(cols, rows)`` view of a ``[rows, cols]`` tile (any layout, swizzled too)."""
+    rows, cols = cute.size(tile, mode=[0]), cute.size(tile, mode=[1])
+    return cute.composition(tile, cute.make_layout((cols, rows), stride=(rows, 1)))
+
+
+def ldmatrix_operands(mma, tidx, sA, sB, a_transposed: bool, b_transposed: bool):
+    """`operands` for a `tiled_mma` made with ``ldmatrix``: ``sA`` ``(M, K)`` and ``sB`` ``(N, K)``
+    views, the fragments filled by ``ldmatrix.x4`` (``.trans`` for an operand stored M- or
+    N-contiguous, a `transposed` view). Run with `gemm_ldmatrix`."""
+    thr = mma.get_slice(tidx)
+    ab = sA.element_type
+    copies = []
+    for tile, trans, make, frag in ((sA, a_transposed, cute.make_tiled_copy_A, thr.make_fragment_A),
+                                    (sB, b_transposed, cute.make_tiled_copy_B, thr.make_fragment_B)):
+        atom = cute.make_copy_atom(cute.nvgpu.warp.LdMatrix8x8x16bOp(transpose=trans, num_matrices=4), ab)
+        tiled = make(atom, mma)
+        part = tiled.get_slice(tidx)
+        regs = frag(thr.partition_A(tile) if make is cute.make_tiled_copy_A else thr.partition_B(tile))
+        copies.append((tiled, part.partition_S(tile), part.retile(regs), regs))
+    return copies
+
+
+def gemm_ldmatrix(mma, acc, ops):
+    """``acc += A B^T`` of `ldmatrix_operands` ``ops``, one 16-wide block of K at a time."""
+    (copy_a, tAs, tAr, tCrA), (copy_b, tBs, tBr, tCrB) = ops
+    for kb in range(cute.size(tCrA, mode=[2])):  # static: unrolled as the kernel is traced
+        cute.copy(copy_a, tAs[None, None, kb], tAr[None, None, kb])
+        cute.copy(copy_b, tBs[None, None, kb], tBr[None, None, kb])
+        cute.gemm(mma, acc, tCrA[None, None, kb], tCrB[None, None, kb], acc)
 
 
 def store(mma, tidx, acc, sC):

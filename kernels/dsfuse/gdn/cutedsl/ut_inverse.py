@@ -13,12 +13,16 @@ written as row ``i`` of the chunk at token ``start + i``: ``a`` fp32 ``[T, HV, 6
 ``Gamma_ij = exp(G_i - G_j)`` (``dsfuse.gdn.reference.ut_transform`` with ``g_cum`` zero is this
 ``A``).
 
-One CTA of 128 threads per (chunk, value head): the chunk's k rows staged in shared memory as fp32,
-the strictly lower Gram matrix by fp32 dot products (fixed order), then forward substitution, one
-thread per column (a column of ``A`` depends only on itself and ``M``). No atomics, no
-tensor cores: a plain reference-grade kernel that the fused kernel's inverse is checked against.
-Padded rows of a partial chunk are zero (``beta`` = 0), so their rows of ``A`` are those of ``I``
-and are not written.
+One CTA of 128 threads per (chunk, qk head), for all the value heads of that qk head: the chunk's k
+rows staged once in shared memory, their Gram matrix ``k k^T`` once (on ``mma.sync`` with fp32
+accumulation for bf16 / fp16 keys, whose products are exact in fp32; fp32 dot products in a fixed
+order for fp32 keys), then per value head ``M`` from it with that head's beta (and the rows' L2-norm
+scales, applied to the Gram matrix: ``k`` itself is never rounded after normalising) and forward
+substitution, one warp per value head (up to four at once), lane ``l`` solving columns ``l`` and
+``63 - l`` (a column of ``A`` depends only on itself and ``M``; the pair evens out the columns'
+lengths), each column's sums in two interleaved partial sums added at the end. No atomics: a fixed
+order everywhere, so a call is bitwise reproducible. Padded rows of a partial chunk are zero
+(``beta`` = 0), so their rows of ``A`` are those of ``I`` and are not written.
 """
 
 from __future__ import annotations
@@ -30,7 +34,10 @@ from dsfuse._common import cutedsl as _cd
 cutlass, cute = _cd.require()
 from cutlass import Float32, Int32, const_expr
 
+from dsfuse.gdn.cutedsl import mma as _mma
 from dsfuse.gdn.cutedsl.chunk import CHUNK, DTYPES, L2NORM_EPS, THREADS, cell
+
+HEADS_AT_ONCE = THREADS // 32  # value heads solved together: a warp each
 
 
 def shape_reasons(dtype: torch.dtype, heads: int, value_heads: int, dim_k: int) -> list[str]:
@@ -54,82 +61,112 @@ class _UtInverse:
 
     @cute.jit
     def __call__(self, mK: cute.Tensor, mBeta: cute.Tensor, mChunks: cute.Tensor, mA: cute.Tensor, stream):
-        self.kernel(mK, mBeta, mChunks, mA).launch(grid=[mChunks.shape[0], self.value_heads, 1],
+        self.kernel(mK, mBeta, mChunks, mA).launch(grid=[mChunks.shape[0], self.heads, 1],
                                                    block=[THREADS, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(self, mK: cute.Tensor, mBeta: cute.Tensor, mChunks: cute.Tensor, mA: cute.Tensor):
         K, C, GROUP = self.dim_k, CHUNK, self.value_heads // self.heads
         tidx, _, _ = cute.arch.thread_idx()
-        i_c, i_hv, _ = cute.arch.block_idx()
-        i_h = i_hv // GROUP
+        i_c, i_h, _ = cute.arch.block_idx()
+        warp, lane = tidx // 32, tidx % 32
         start = mChunks[i_c, 1]
         rows = mChunks[i_c, 2] - start
+        tensor_cores = const_expr(self.dtype is not Float32)
+        kt = self.dtype
 
         smem = cutlass.memory.SmemAllocator()
-        # +1: a row pitch of K + 1 words, so the dot products' column reads hit distinct banks
-        sK = smem.allocate_tensor(Float32, cute.make_layout((C, K), stride=(K + 1, 1)), byte_alignment=16)
-        sM = smem.allocate_tensor(Float32, cute.make_layout((C, C), stride=(C + 1, 1)), byte_alignment=16)
-        sA = smem.allocate_tensor(Float32, cute.make_layout((C, C), stride=(C + 1, 1)), byte_alignment=16)
-        sRow = smem.allocate_tensor(Float32, cute.make_layout((C,)), byte_alignment=16)  # beta_i * rstd_i
+        # fp32 keys: a row pitch of K + 1 words, so the dot products' column reads hit distinct banks
+        pitch = K if tensor_cores else K + 1
+        sK = smem.allocate_tensor(kt, cute.make_layout((C, K), stride=(pitch, 1)), byte_alignment=16)
+        sG = smem.allocate_tensor(Float32, cute.make_layout((C, C), stride=(C + 1, 1)), byte_alignment=16)
+        sA = smem.allocate_tensor(Float32, cute.make_layout((HEADS_AT_ONCE, C, C), stride=(C * (C + 1), C + 1, 1)),
+                                  byte_alignment=16)
+        sRow = smem.allocate_tensor(Float32, cute.make_layout((HEADS_AT_ONCE, C)), byte_alignment=16)
         sRstd = smem.allocate_tensor(Float32, cute.make_layout((C,)), byte_alignment=16)
 
-        # 1. the chunk's k rows (zeros past its end) as fp32
-        for item in cutlass.range(C * K // THREADS, unroll_full=True):
+        # 1. the chunk's k rows (zeros past its end) in k's dtype
+        for item in cutlass.range(C * K // THREADS, unroll=8):
             r, col = cell(tidx, item, K)
-            value = Float32(0.0)
+            value = kt(0.0)
             if r < rows:
-                value = mK[start + r, i_h, col].to(Float32)
+                value = mK[start + r, i_h, col]
             sK[r, col] = value
         cute.arch.sync_threads()
 
-        # 2. per row: rstd (1 without the L2 norm) and beta * rstd (0 past the chunk's end)
-        if tidx < C:
+        # 2. the Gram matrix k k^T; the rows' rstd (1 without the L2 norm): a warp per row at a time,
+        #    then a butterfly sum (the same bits on every lane)
+        if const_expr(tensor_cores):
+            mma = _mma.tiled_mma(kt)
+            acc = _mma.accumulator(mma, tidx, (C, C))
+            _mma.gemm(mma, acc, _mma.operands(mma, tidx, sK, sK))
+            _mma.store(mma, tidx, acc, sG)
+        else:
+            for item in cutlass.range(C * C // THREADS):
+                i, j = cell(tidx, item, C)
+                dot = Float32(0.0)
+                if j < i:
+                    for col in cutlass.range(K):
+                        dot = dot + sK[i, col] * sK[j, col]
+                sG[i, j] = dot
+        for rr in cutlass.range_constexpr(C // HEADS_AT_ONCE):
+            r = warp * (C // HEADS_AT_ONCE) + rr
             rstd = Float32(1.0)
             if const_expr(self.l2norm):
                 total = Float32(0.0)
-                for col in cutlass.range(K):
-                    total = total + sK[tidx, col] * sK[tidx, col]
+                for j in cutlass.range_constexpr(K // 32):
+                    x = sK[r, lane + 32 * j].to(Float32)
+                    total = total + x * x
+                total = cute.arch.warp_reduction(total, lambda a, b: a + b)
                 rstd = cute.math.rsqrt(total + Float32(L2NORM_EPS))
-            scaled = Float32(0.0)
-            if tidx < rows:
-                scaled = mBeta[start + tidx, i_hv].to(Float32) * rstd
-            sRstd[tidx] = rstd
-            sRow[tidx] = scaled
+            if lane == 0:
+                sRstd[r] = rstd
         cute.arch.sync_threads()
 
-        # 3. M = diag(beta) strictly_lower(k k^T), normalised rows: beta_i rstd_i rstd_j (k_i . k_j)
-        for item in cutlass.range(C * C // THREADS):
-            i, j = cell(tidx, item, C)
-            m = Float32(0.0)
-            if j < i:
-                dot = Float32(0.0)
-                for col in cutlass.range(K):
-                    dot = dot + sK[i, col] * sK[j, col]
-                m = sRow[i] * (dot * sRstd[j])
-            sM[i, j] = m
-        cute.arch.sync_threads()
+        for base in cutlass.range_constexpr(0, GROUP, HEADS_AT_ONCE):
+            i_hv = i_h * GROUP + base + warp
+            active = base + warp < GROUP
+            # 3. per value head (a warp each): beta * rstd of each row, 0 past the chunk's end
+            for rr in cutlass.range_constexpr(C // 32):
+                r = lane + 32 * rr
+                scaled = Float32(0.0)
+                if active and r < rows:
+                    scaled = mBeta[start + r, i_hv].to(Float32) * sRstd[r]
+                sRow[warp, r] = scaled
+            cute.arch.sync_warp()
 
-        # 4. A = (I + M)^-1 by forward substitution, thread c solving column c (rows c .. 63)
-        if tidx < C:
-            c = tidx
-            for i in cutlass.range(C):
-                a = Float32(0.0)
-                if i == c:
-                    a = Float32(1.0)
-                elif i > c:
-                    total = Float32(0.0)
-                    for j in cutlass.range(c, i):
-                        total = total + sM[i, j] * sA[j, c]
-                    a = -total
-                sA[i, c] = a
-        cute.arch.sync_threads()
+            # 4. A = (I + M)^-1, M_ij = beta_i rstd_i rstd_j (k_i . k_j) for j < i: lane l solves
+            #    columns l and C - 1 - l, each A_ic = -sum_{c <= j < i} M_ij A_jc (even and odd j apart)
+            if active:
+                for half in cutlass.range_constexpr(2):
+                    c = lane
+                    if const_expr(half == 1):
+                        c = C - 1 - lane
+                    for i in cutlass.range(C):
+                        a = Float32(0.0)
+                        if i == c:
+                            a = Float32(1.0)
+                        elif i > c:
+                            even, odd = Float32(0.0), Float32(0.0)
+                            j = c
+                            while j + 1 < i:
+                                even = even + sG[i, j] * sRstd[j] * sA[warp, j, c]
+                                odd = odd + sG[i, j + 1] * sRstd[j + 1] * sA[warp, j + 1, c]
+                                j = j + 2
+                            if j < i:
+                                even = even + sG[i, j] * sRstd[j] * sA[warp, j, c]
+                            a = -(sRow[warp, i] * (even + odd))
+                        sA[warp, i, c] = a
+            cute.arch.sync_threads()
 
-        # 5. the chunk's rows
-        for item in cutlass.range_constexpr(C * C // THREADS):
-            i, col = cell(tidx, item, C)
-            if i < rows:
-                mA[start + i, i_hv, col] = sA[i, col]
+            # 5. the chunk's rows of each value head solved in this pass
+            for h in cutlass.range_constexpr(HEADS_AT_ONCE):
+                if const_expr(base + h < GROUP):
+                    for item in cutlass.range_constexpr(C * C // THREADS):
+                        i, col = cell(tidx, item, C)
+                        if i < rows:
+                            mA[start + i, i_h * GROUP + base + h, col] = sA[h, i, col]
+            cute.arch.sync_threads()
 
 
 CACHE = _cd.KernelCache()  # (dtype, H, HV, K, l2norm, arch) -> compiled function
