@@ -35,7 +35,7 @@ FLUSH_BYTES = 256 << 20
 
 def case_rows(case, timer: Timer, samples: int, device: torch.device, only: set[str] | None = None) -> list[dict]:
     from dsfuse.gdn import chunk_gdn
-    from dsfuse.gdn.cutedsl.fused_fwd import CHUNK, FORMS, launch_fused_forward
+    from dsfuse.gdn.cutedsl.fused_fwd import CHUNK, FORMS, document_order, launch_fused_forward
     from dsfuse.gdn.cutedsl.ut_inverse import launch_ut_inverse
     from dsfuse.gdn.reference import prepare_chunk_indices, prepare_chunk_offsets
 
@@ -46,6 +46,7 @@ def case_rows(case, timer: Timer, samples: int, device: torch.device, only: set[
     bounds, l2 = p["bounds"], p["l2norm"]
     ci = prepare_chunk_indices(bounds).to(device=device, dtype=torch.int32).contiguous()
     co = prepare_chunk_offsets(bounds).to(device=device, dtype=torch.int32).contiguous()
+    order = torch.tensor(document_order(bounds), device=device, dtype=torch.int32)
     tokens, hv, dv = v.shape
     a = torch.empty(tokens, hv, CHUNK, device=device)
     ht = torch.empty_like(h0)
@@ -56,7 +57,7 @@ def case_rows(case, timer: Timer, samples: int, device: torch.device, only: set[
         launch_ut_inverse(k, beta, ci, a, use_qk_l2norm=l2)
 
     def fused(form):
-        return lambda: launch_fused_forward(q, k, v, g, beta, a, ci, co, h0, ht, o, scale, use_qk_l2norm=l2,
+        return lambda: launch_fused_forward(q, k, v, g, beta, a, ci, co, order, h0, ht, o, scale, use_qk_l2norm=l2,
                                             form=form)
 
     def both(form):

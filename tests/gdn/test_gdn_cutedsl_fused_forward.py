@@ -217,7 +217,18 @@ def test_the_per_head_form_refuses_rows_it_cannot_copy_in_16_bytes():
     assert len(aligned_reasons(s=shifted)) == 1
     g, beta = torch.zeros(t, h), torch.zeros(t, h, dtype=torch.bfloat16)
     a, o = torch.zeros(t, h, 64), torch.zeros(t, h, d, dtype=torch.bfloat16)
-    ci, co = torch.zeros(2, 3, dtype=torch.int32), torch.zeros(2, dtype=torch.int32)
+    ci, co, order = torch.zeros(2, 3, dtype=torch.int32), torch.zeros(2, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
     h0 = torch.zeros(1, h, d, d)
     with pytest.raises(ValueError, match="q needs a 16-byte aligned base"):
-        launch_fused_forward(q, k, v, g, beta, a, ci, co, h0, h0.clone(), o, 1.0, form="head")
+        launch_fused_forward(q, k, v, g, beta, a, ci, co, order, h0, h0.clone(), o, 1.0, form="head")
+
+
+def test_documents_start_longest_first():
+    """The CTAs' document order: by chunk count, longest first, ties in document order (not by tokens:
+    65 and 128 tokens are both two chunks)."""
+    cutedsl_or_skip()
+    from dsfuse.gdn.cutedsl.fused_fwd import document_order
+
+    assert document_order([0, 8847, 11796, 22937, 28836, 32768]) == [2, 0, 3, 4, 1]
+    assert document_order([0, 65, 193, 193, 194]) == [0, 1, 3, 2]
+    assert document_order([0, 0]) == [0]

@@ -22,9 +22,10 @@ DTYPES = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16, torc
 
 
 class ChainKernel:
-    """A fused forward ``(q, k, v, g, beta, a, chunk_indices, chunk_offsets, h0, ht, o, scale)`` that
-    writes ``o`` and ``ht``: grid (V / block_v, HV, N) of ``threads`` threads (``BV`` and ``THREADS``
-    unless a subclass says otherwise); a subclass defines ``kernel``."""
+    """A fused forward ``(q, k, v, g, beta, a, chunk_indices, chunk_offsets, order, h0, ht, o, scale)``
+    that writes ``o`` and ``ht``: grid (V / block_v, HV, N) of ``threads`` threads (``BV`` and
+    ``THREADS`` unless a subclass says otherwise), CTA ``(.., .., z)`` walking document ``order[z]``
+    (longest first: `dsfuse.gdn.cutedsl.fused_fwd.document_order`); a subclass defines ``kernel``."""
 
     threads = THREADS
 
@@ -35,10 +36,10 @@ class ChainKernel:
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mG: cute.Tensor, mBeta: cute.Tensor,
-                 mA: cute.Tensor, mChunks: cute.Tensor, mOffsets: cute.Tensor, mH0: cute.Tensor, mHt: cute.Tensor,
-                 mO: cute.Tensor, scale: Float32, stream):
+                 mA: cute.Tensor, mChunks: cute.Tensor, mOffsets: cute.Tensor, mOrder: cute.Tensor, mH0: cute.Tensor,
+                 mHt: cute.Tensor, mO: cute.Tensor, scale: Float32, stream):
         grid = [self.dim_v // self.block_v, self.value_heads, mOffsets.shape[0] - 1]
-        self.kernel(mQ, mK, mV, mG, mBeta, mA, mChunks, mOffsets, mH0, mHt, mO, scale).launch(
+        self.kernel(mQ, mK, mV, mG, mBeta, mA, mChunks, mOffsets, mOrder, mH0, mHt, mO, scale).launch(
             grid=grid, block=[self.threads, 1, 1], stream=stream)
 
 

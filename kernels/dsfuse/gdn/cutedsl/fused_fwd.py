@@ -79,12 +79,13 @@ class _FusedForward(chunk.ChainKernel):
 
     @cute.kernel
     def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mG: cute.Tensor, mBeta: cute.Tensor,
-               mA: cute.Tensor, mChunks: cute.Tensor, mOffsets: cute.Tensor, mH0: cute.Tensor, mHt: cute.Tensor,
-               mO: cute.Tensor, scale: Float32):
+               mA: cute.Tensor, mChunks: cute.Tensor, mOffsets: cute.Tensor, mOrder: cute.Tensor, mH0: cute.Tensor,
+               mHt: cute.Tensor, mO: cute.Tensor, scale: Float32):
         K, C, GROUP = self.dim_k, CHUNK, self.value_heads // self.heads
         TILE_ROWS, STATE_ROWS = C // ROWS, K // ROWS  # a thread's rows of a [C, BV] tile / of the state
         tidx, _, _ = cute.arch.thread_idx()
-        i_v, i_hv, i_n = cute.arch.block_idx()
+        i_v, i_hv, i_z = cute.arch.block_idx()
+        i_n = mOrder[i_z]
         i_h = i_hv // GROUP
         row0 = tidx // BV
         col = tidx - row0 * BV
@@ -215,18 +216,19 @@ def _fake_tensors(dtype: torch.dtype, heads: int, value_heads: int, dim_k: int, 
                                       assumed_align=align)
     table = cute.runtime.make_fake_tensor(Int32, (chunks, 3), (3, 1))
     offsets = cute.runtime.make_fake_tensor(Int32, (docs1,), (1,))
+    order = cute.runtime.make_fake_tensor(Int32, (docs,), (1,))
     state = (value_heads * dim_k * dim_v, dim_k * dim_v, dim_v, 1)
     h0 = cute.runtime.make_fake_tensor(Float32, (docs, value_heads, dim_k, dim_v), state)
     ht = cute.runtime.make_fake_tensor(Float32, (docs, value_heads, dim_k, dim_v), state)
     o = cute.runtime.make_fake_tensor(cdt, (tokens, value_heads, dim_v), (value_heads * dim_v, dim_v, 1))
-    return q, k, v, g, beta, a, table, offsets, h0, ht, o
+    return q, k, v, g, beta, a, table, offsets, order, h0, ht, o
 
 
 def compile_fused_forward(dtype: torch.dtype, heads: int, value_heads: int, dim_k: int, dim_v: int, l2norm: bool,
                           arch: str, *, form: str = "cuda_core", keep_ptx: bool = False, dump_dir: str | None = None):
     """The kernel of one `FORMS` entry for one configuration, compiled for ``arch`` (``sm_90a``,
     ``sm_100a``; no GPU needed). Called as ``fn(q, k, v, g, beta, a, chunk_indices, chunk_offsets,
-    h0, ht, o, scale)``."""
+    order, h0, ht, o, scale)``."""
     if reasons := shape_reasons(dtype, heads, value_heads, dim_k, dim_v, form):
         raise ValueError("the CuTe DSL fused forward cannot compile this: " + "; ".join(reasons))
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
@@ -237,14 +239,23 @@ def compile_fused_forward(dtype: torch.dtype, heads: int, value_heads: int, dim_
                        keep_ptx=keep_ptx, dump_dir=dump_dir)
 
 
-def launch_fused_forward(q, k, v, g, beta, a, chunk_indices, chunk_offsets, h0, ht, o, scale: float,
+def document_order(bounds: list[int]) -> list[int]:
+    """The documents longest first (by chunk count; ties in document order): the order the CTAs of a
+    fused forward start their chains in, so the longest chains do not start last. A rule on the
+    document lengths alone; each chain's results do not depend on it."""
+    chunks = [-(-(end - start) // CHUNK) for start, end in zip(bounds, bounds[1:])]
+    return sorted(range(len(chunks)), key=lambda n: (-chunks[n], n))
+
+
+def launch_fused_forward(q, k, v, g, beta, a, chunk_indices, chunk_offsets, order, h0, ht, o, scale: float,
                          *, use_qk_l2norm: bool = False, form: str = "cuda_core") -> torch.Tensor:
     """Write ``o`` ``[T, HV, V]`` (the chunks' tokens; others untouched) and ``ht`` fp32 ``[N, HV, K, V]``.
 
     ``q``, ``k`` ``[T, H, K]``, ``v`` ``[T, HV, V]`` and ``beta`` ``[T, HV]`` in one dtype, unit
     channel stride; ``g`` fp32 ``[T, HV]`` (per-token log decay); ``a`` fp32 ``[T, HV, 64]`` from
     `dsfuse.gdn.cutedsl.ut_inverse.launch_ut_inverse` with the same k, beta and L2 norm;
-    ``chunk_indices`` int32 ``[NC, 3]``, ``chunk_offsets`` int32 ``[N + 1]``; ``h0`` fp32 (zeros for
+    ``chunk_indices`` int32 ``[NC, 3]``, ``chunk_offsets`` int32 ``[N + 1]``, ``order`` int32 ``[N]``
+    (`document_order`, any permutation of the documents); ``h0`` fp32 (zeros for
     none), ``ht``, ``o`` contiguous. ``form``: one of `FORMS` (the tensor-core ones take bf16 / fp16)."""
     heads, dim_k = k.shape[1:]
     value_heads, dim_v = v.shape[1:]
@@ -252,6 +263,8 @@ def launch_fused_forward(q, k, v, g, beta, a, chunk_indices, chunk_offsets, h0, 
         raise ValueError("launch_fused_forward: q, k, v, beta in one dtype; g and a fp32")
     if any(x.stride(-1) != 1 for x in (q, k, v)) or not all(x.is_contiguous() for x in (a, h0, ht, o)):
         raise ValueError("launch_fused_forward: q, k, v need unit channel stride; a, h0, ht, o contiguous")
+    if order.dtype != torch.int32 or order.shape != (chunk_offsets.shape[0] - 1,):
+        raise ValueError("launch_fused_forward: order int32 [N], one entry per document (document_order)")
     if form == "head" and (reasons := fused_fwd_head.aligned_reasons(q=q, k=k, v=v, a=a)):
         raise ValueError("launch_fused_forward: " + "; ".join(reasons))
     arch = _cd.arch_of(k.device)
@@ -259,7 +272,7 @@ def launch_fused_forward(q, k, v, g, beta, a, chunk_indices, chunk_offsets, h0, 
                    lambda: compile_fused_forward(k.dtype, heads, value_heads, dim_k, dim_v, use_qk_l2norm, arch,
                                                  form=form))
     if chunk_offsets.shape[0] > 1:
-        fn(q, k, v, g, beta, a, chunk_indices, chunk_offsets, h0, ht, o, float(scale))
+        fn(q, k, v, g, beta, a, chunk_indices, chunk_offsets, order, h0, ht, o, float(scale))
     return o
 
 
@@ -284,7 +297,8 @@ def fused_forward(q, k, v, g, beta, scale=None, initial_state=None, cu_seqlens=N
           else initial_state.float().contiguous())
     ht = torch.empty_like(h0)
     o = torch.zeros(tokens, value_heads, dim_v, device=dev, dtype=v.dtype)
-    launch_fused_forward(q, k, v, g.float(), beta, a, ci, co, h0, ht, o, dim_k**-0.5 if scale is None else scale,
+    order = torch.tensor(document_order(bounds), device=dev, dtype=torch.int32)
+    launch_fused_forward(q, k, v, g.float(), beta, a, ci, co, order, h0, ht, o, dim_k**-0.5 if scale is None else scale,
                          use_qk_l2norm=use_qk_l2norm, form=form)
     return o, ht, a
 

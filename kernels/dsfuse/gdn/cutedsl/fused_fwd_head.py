@@ -158,11 +158,12 @@ class FusedForwardHead(chunk.ChainKernel):
 
     @cute.kernel
     def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mG: cute.Tensor, mBeta: cute.Tensor,
-               mA: cute.Tensor, mChunks: cute.Tensor, mOffsets: cute.Tensor, mH0: cute.Tensor, mHt: cute.Tensor,
-               mO: cute.Tensor, scale: Float32):
+               mA: cute.Tensor, mChunks: cute.Tensor, mOffsets: cute.Tensor, mOrder: cute.Tensor, mH0: cute.Tensor,
+               mHt: cute.Tensor, mO: cute.Tensor, scale: Float32):
         K, V, C, ab = self.dim_k, self.dim_v, CHUNK, self.dtype
         tidx, _, _ = cute.arch.thread_idx()
-        _, i_hv, i_n = cute.arch.block_idx()
+        _, i_hv, i_z = cute.arch.block_idx()
+        i_n = mOrder[i_z]
         i_h = i_hv // (self.value_heads // self.heads)
         warp, lane = tidx // 32, tidx % 32
 

@@ -50,11 +50,12 @@ class FusedForwardTC(chunk.ChainKernel):
 
     @cute.kernel
     def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mG: cute.Tensor, mBeta: cute.Tensor,
-               mA: cute.Tensor, mChunks: cute.Tensor, mOffsets: cute.Tensor, mH0: cute.Tensor, mHt: cute.Tensor,
-               mO: cute.Tensor, scale: Float32):
+               mA: cute.Tensor, mChunks: cute.Tensor, mOffsets: cute.Tensor, mOrder: cute.Tensor, mH0: cute.Tensor,
+               mHt: cute.Tensor, mO: cute.Tensor, scale: Float32):
         K, C, GROUP, ab = self.dim_k, CHUNK, self.value_heads // self.heads, self.dtype
         tidx, _, _ = cute.arch.thread_idx()
-        i_v, i_hv, i_n = cute.arch.block_idx()
+        i_v, i_hv, i_z = cute.arch.block_idx()
+        i_n = mOrder[i_z]
         i_h = i_hv // GROUP
         v0 = i_v * BV
 

@@ -18,7 +18,8 @@ rows staged once in shared memory, their Gram matrix ``k k^T`` once (on ``mma.sy
 accumulation for bf16 / fp16 keys, whose products are exact in fp32; fp32 dot products in a fixed
 order for fp32 keys), then per value head ``M`` from it with that head's beta (and the rows' L2-norm
 scales, applied to the Gram matrix: ``k`` itself is never rounded after normalising) and forward
-substitution, one warp per value head (up to four at once), lane ``l`` solving columns ``l`` and
+substitution, one warp per value head (up to four at once; the Gram matrix's columns scaled by
+the rows' L2-norm scales once for all of them), lane ``l`` solving columns ``l`` and
 ``63 - l`` (a column of ``A`` depends only on itself and ``M``; the pair evens out the columns'
 lengths), each column's sums in two interleaved partial sums added at the end. No atomics: a fixed
 order everywhere, so a call is bitwise reproducible. Padded rows of a partial chunk are zero
@@ -76,17 +77,19 @@ class _UtInverse:
         kt = self.dtype
 
         smem = cutlass.memory.SmemAllocator()
-        # fp32 keys: a row pitch of K + 1 words, so the dot products' column reads hit distinct banks
-        pitch = K if tensor_cores else K + 1
-        sK = smem.allocate_tensor(kt, cute.make_layout((C, K), stride=(pitch, 1)), byte_alignment=16)
+        if const_expr(tensor_cores):  # swizzled for ldmatrix
+            sK = _mma.swizzled_tile(smem, kt, C, K)
+        else:  # fp32 keys: a row pitch of K + 1 words, so the dot products' column reads hit distinct banks
+            sK = smem.allocate_tensor(kt, cute.make_layout((C, K), stride=(K + 1, 1)), byte_alignment=16)
         sG = smem.allocate_tensor(Float32, cute.make_layout((C, C), stride=(C + 1, 1)), byte_alignment=16)
-        sA = smem.allocate_tensor(Float32, cute.make_layout((HEADS_AT_ONCE, C, C), stride=(C * (C + 1), C + 1, 1)),
+        at_once = min(GROUP, HEADS_AT_ONCE)
+        sA = smem.allocate_tensor(Float32, cute.make_layout((at_once, C, C), stride=(C * (C + 1), C + 1, 1)),
                                   byte_alignment=16)
-        sRow = smem.allocate_tensor(Float32, cute.make_layout((HEADS_AT_ONCE, C)), byte_alignment=16)
+        sRow = smem.allocate_tensor(Float32, cute.make_layout((at_once, C)), byte_alignment=16)
         sRstd = smem.allocate_tensor(Float32, cute.make_layout((C,)), byte_alignment=16)
 
         # 1. the chunk's k rows (zeros past its end) in k's dtype
-        for item in cutlass.range(C * K // THREADS, unroll=8):
+        for item in cutlass.range(C * K // THREADS, unroll_full=True):  # all loads in flight at once
             r, col = cell(tidx, item, K)
             value = kt(0.0)
             if r < rows:
@@ -97,9 +100,9 @@ class _UtInverse:
         # 2. the Gram matrix k k^T; the rows' rstd (1 without the L2 norm): a warp per row at a time,
         #    then a butterfly sum (the same bits on every lane)
         if const_expr(tensor_cores):
-            mma = _mma.tiled_mma(kt)
+            mma = _mma.tiled_mma(kt, ldmatrix=True)
             acc = _mma.accumulator(mma, tidx, (C, C))
-            _mma.gemm(mma, acc, _mma.operands(mma, tidx, sK, sK))
+            _mma.gemm_ldmatrix(mma, acc, _mma.ldmatrix_operands(mma, tidx, sK, sK, False, False))
             _mma.store(mma, tidx, acc, sG)
         else:
             for item in cutlass.range(C * C // THREADS):
@@ -122,17 +125,24 @@ class _UtInverse:
             if lane == 0:
                 sRstd[r] = rstd
         cute.arch.sync_threads()
+        # the Gram matrix's columns scaled by rstd_j once, for every value head: G_ij rstd_j, j < i
+        for item in cutlass.range(C * C // THREADS, unroll=4):
+            i, j = cell(tidx, item, C)
+            if j < i:
+                sG[i, j] = sG[i, j] * sRstd[j]
+        cute.arch.sync_threads()
 
-        for base in cutlass.range_constexpr(0, GROUP, HEADS_AT_ONCE):
+        for base in cutlass.range_constexpr(0, GROUP, at_once):
             i_hv = i_h * GROUP + base + warp
-            active = base + warp < GROUP
+            active = warp < at_once and base + warp < GROUP
             # 3. per value head (a warp each): beta * rstd of each row, 0 past the chunk's end
-            for rr in cutlass.range_constexpr(C // 32):
-                r = lane + 32 * rr
-                scaled = Float32(0.0)
-                if active and r < rows:
-                    scaled = mBeta[start + r, i_hv].to(Float32) * sRstd[r]
-                sRow[warp, r] = scaled
+            if active:
+                for rr in cutlass.range_constexpr(C // 32):
+                    r = lane + 32 * rr
+                    scaled = Float32(0.0)
+                    if r < rows:
+                        scaled = mBeta[start + r, i_hv].to(Float32) * sRstd[r]
+                    sRow[warp, r] = scaled
             cute.arch.sync_warp()
 
             # 4. A = (I + M)^-1, M_ij = beta_i rstd_i rstd_j (k_i . k_j) for j < i: lane l solves
@@ -150,17 +160,17 @@ class _UtInverse:
                             even, odd = Float32(0.0), Float32(0.0)
                             j = c
                             while j + 1 < i:
-                                even = even + sG[i, j] * sRstd[j] * sA[warp, j, c]
-                                odd = odd + sG[i, j + 1] * sRstd[j + 1] * sA[warp, j + 1, c]
+                                even = even + sG[i, j] * sA[warp, j, c]
+                                odd = odd + sG[i, j + 1] * sA[warp, j + 1, c]
                                 j = j + 2
                             if j < i:
-                                even = even + sG[i, j] * sRstd[j] * sA[warp, j, c]
+                                even = even + sG[i, j] * sA[warp, j, c]
                             a = -(sRow[warp, i] * (even + odd))
                         sA[warp, i, c] = a
             cute.arch.sync_threads()
 
             # 5. the chunk's rows of each value head solved in this pass
-            for h in cutlass.range_constexpr(HEADS_AT_ONCE):
+            for h in cutlass.range_constexpr(at_once):
                 if const_expr(base + h < GROUP):
                     for item in cutlass.range_constexpr(C * C // THREADS):
                         i, col = cell(tidx, item, C)
