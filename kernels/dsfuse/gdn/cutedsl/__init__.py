@@ -5,7 +5,7 @@
 op's contract tests (which run on the backends that serve a call) do not run them. The modules:
 
 * ``ut_inverse``: the ungated UT inverse ``(I + diag(beta) strictly_lower(k k^T))^-1`` of every
-  chunk and value head (the first step of the fused forward planned on the GDN page); checked
+  chunk and value head (one CTA per chunk and qk head, ``k k^T`` once on tensor cores) (the first step of the fused forward planned on the GDN page); checked
   against the reference on a GPU by ``tests/gdn/test_gdn_cutedsl_ut_inverse.py``.
 * ``fused_fwd``: the fused chunked forward, one CTA per (document, value head, value tile) walking
   its chunks with the fp32 state on chip, from ``ut_inverse``'s ``A`` (fp32 CUDA-core arithmetic:
