@@ -1,11 +1,12 @@
-"""The split of long documents inside one GPU, forward state pass (``dsfuse.gdn.split``): segments as
-extra chunk offsets, the ``E`` and ``M`` passes and the fp64 merge, against the float64 reference
-stages and against the unsplit pass, on every backend with a state pass (Triton's interpreter on the
-CPU)."""
+"""The split of long documents inside one GPU (``dsfuse.gdn.split``): segments as extra chunk
+offsets; the forward state pass (the ``E`` and ``M`` passes and the fp64 merge) against the float64
+reference stages and against the unsplit pass; the backward (the ``D`` pass and the reverse merge)
+against the unsplit backward; on every backend with a state pass (Triton's interpreter on the CPU)."""
 
 import pytest
 import torch
 from dsfuse.gdn import schedule
+from dsfuse.gdn.schedule import Gradients
 from dsfuse.gdn.split import segment_offsets, split_state_pass
 from helpers import assert_bitwise, assert_rel_rms
 from test_gdn_stages_state_output import DTYPES, Prepared, assert_tail_zero, make_inputs
@@ -62,3 +63,62 @@ def test_the_schedule_runs_the_split_state_pass(device, forward_stages):
     split = schedule.forward(forward_stages, **args, **kwargs, segment_chunks=1)
     assert_rel_rms(split.o, whole.o, 1e-5, "o")
     assert_rel_rms(split.final_state, whole.final_state, 1e-5, "final state")
+
+
+# (segment chunks, layout, dtype): segments of one chunk and of two, one document and several
+# (an empty one, one shorter than a chunk), fp32 and bf16
+BACKWARD_CASES = [(1, "docs_1_45_0_130_tail4", "fp32"), (2, "one_seq_T150", "fp32"), (1, "docs_1_45_0_130_tail4", "bf16")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("segment_chunks", "layout", "dtype"), BACKWARD_CASES, ids=["-".join(map(str, c)) for c in BACKWARD_CASES])
+def test_split_backward_matches_the_unsplit_backward(segment_chunks, layout, dtype, device, forward_stages,
+                                                     backward_stages):
+    """`schedule.backward` with ``segment_chunks`` (the state recompute and the reverse state pass
+    split, ``dS_in = D + M^T dS_out`` merged in reverse segment order): every gradient, the initial
+    state's included, with a final-state gradient given, close to the unsplit backward's (the stage
+    tests' tolerance: 1e-5 for fp32, 1e-2 for bf16, relative RMS), and a second run bitwise equal."""
+    inputs = make_inputs(layout, (2, 6), l2=True, with_h0=True, gates="model", dtype=DTYPES[dtype], seed=11)
+    p = Prepared(inputs, True, device, DTYPES[dtype])
+    args = {name: inputs[name].to(DTYPES[dtype]).to(device) for name in ("q", "k", "v", "beta")}
+    g, h0 = inputs["g"].float().to(device), inputs["initial_state"].to(device)
+    kwargs = {"scale": p.scale, "initial_state": h0, "cu_seqlens": inputs["cu_seqlens"], "use_qk_l2norm": True}
+    gen = torch.Generator().manual_seed(3)
+    do = torch.randn(args["v"].shape, generator=gen).to(DTYPES[dtype]).to(device)
+    dht = torch.randn(h0.shape, generator=gen).to(device)
+
+    def run(segments):
+        fwd = schedule.forward(forward_stages, args["q"], args["k"], args["v"], g, args["beta"],
+                               output_final_state=True, segment_chunks=segments, **kwargs)
+        return schedule.backward(backward_stages, args["q"], args["k"], args["v"], args["beta"], fwd.g_cum, fwd.A,
+                                 do, dht, segment_chunks=segments, **kwargs)
+
+    def in_documents(grads):  # the tail's tokens (in no document) get no gradient from either
+        return [x if name == "dh0" else x[:, : p.tail] for name, x in zip(grads._fields, grads)]
+
+    whole, split = in_documents(run(None)), in_documents(run(segment_chunks))
+    tol = p.tol()
+    for name, a, b in zip(Gradients._fields, split, whole):
+        assert_rel_rms(a, b, tol, f"{name} against the unsplit backward")
+    for name, a, b in zip(Gradients._fields, split, in_documents(run(segment_chunks))):
+        assert_bitwise(a, b, f"{name}: second run")
+
+
+def test_split_backward_makes_its_own_maps_when_run_alone(device, forward_stages, backward_stages):
+    """Context parallelism runs only the stages ``dh0`` needs (no recompute of h, which leaves the
+    segments' maps behind): the split reverse pass then makes ``M`` itself, with the same bits."""
+    inputs = make_inputs("one_seq_T150", (2, 6), l2=True, with_h0=True, gates="model", dtype=torch.float32, seed=4)
+    args = {name: inputs[name].to(device) for name in ("q", "k", "v", "g", "beta")}
+    kwargs = {"scale": inputs["q"].shape[-1] ** -0.5, "initial_state": inputs["initial_state"].to(device),
+              "cu_seqlens": inputs["cu_seqlens"], "use_qk_l2norm": True}
+    fwd = schedule.forward(forward_stages, **args, output_final_state=True, segment_chunks=1, **kwargs)
+    do = torch.randn(args["v"].shape, generator=torch.Generator().manual_seed(5)).to(device)
+    common = (backward_stages, args["q"], args["k"], args["v"], args["beta"], fwd.g_cum, fwd.A, do, None)
+    calls, grads = schedule.backward_calls(*common, segment_chunks=1, **kwargs)
+    for _, launch in calls:
+        launch()
+    alone, alone_grads = schedule.backward_calls(*common, segment_chunks=1, **kwargs)
+    for name, launch in alone:
+        if name in schedule.DH0_STAGES:
+            launch()
+    assert_bitwise(alone_grads.dh0, grads.dh0, "dh0 with the maps made by the reverse pass")

@@ -35,7 +35,7 @@ from typing import NamedTuple
 import torch
 
 from dsfuse.gdn.reference import CHUNK_SIZE, packed_cu_seqlens, prepare_chunk_indices, prepare_chunk_offsets
-from dsfuse.gdn.split import split_state_pass
+from dsfuse.gdn.split import Segments, segment_maps, split_state_backward, split_state_pass
 
 
 @dataclass(frozen=True)
@@ -183,19 +183,22 @@ DH0_STAGES = ("recompute w, u", "dv_local", "state backward")
 
 
 def backward_calls(stages: BackwardStages, q, k, v, beta, g_cum, A, do, dht, *, scale: float, initial_state,
-                   cu_seqlens, use_qk_l2norm: bool, dq=None, dk=None, dv=None):
+                   cu_seqlens, use_qk_l2norm: bool, dq=None, dk=None, dv=None, segment_chunks: int | None = None):
     """The backward of a forward's inputs as ``(calls, Gradients)`` (see `stage_calls`).
 
     ``g_cum``, ``A``: the forward's (`ForwardOutputs`); ``do`` ``[B, T, HV, V]`` (unit
     channel stride); ``dht`` fp32 ``[N, HV, K, V]`` or None (the final state's gradient);
     ``dh0`` is computed when ``initial_state`` is given. ``dq``, ``dk``, ``dv`` may be given
-    (e.g. head views of one packed gradient row) and are then written in place."""
+    (e.g. head views of one packed gradient row) and are then written in place.
+    ``segment_chunks``: run both state passes split into segments of that many chunks
+    (`dsfuse.gdn.split`; the forward's ``segment_chunks``, so the recomputed h has its bits)."""
     batch, tokens, heads_v, dim_v = v.shape
     heads, dim_k = k.shape[2], k.shape[3]
     n = batch * tokens
     q_, k_, v_, do_ = (t.reshape(n, *t.shape[2:]) for t in (q, k, v, do))
     beta_ = beta.reshape(n, heads_v)
-    table = chunk_table(packed_cu_seqlens(cu_seqlens, batch, tokens), v.device)
+    bounds = packed_cu_seqlens(cu_seqlens, batch, tokens)
+    table = chunk_table(bounds, v.device)
     chunks = table.indices.shape[0]
     new = functools.partial(torch.empty, device=v.device)
     w, u = new((n, heads_v, dim_k), dtype=k.dtype), new((n, heads_v, dim_v), dtype=v.dtype)
@@ -213,12 +216,31 @@ def backward_calls(stages: BackwardStages, q, k, v, beta, g_cum, A, do, dht, *, 
     dg_, dbeta_ = dg.view(n, heads_v), dbeta.view(n, heads_v)
     ci, co = table.indices, table.offsets
     l2 = dict(use_qk_l2norm=use_qk_l2norm)
+    if segment_chunks is None:
+        def recompute_h():
+            stages.state(k_, w, u, g_cum, ci, co, initial_state, h, v_new, None, **l2)
+
+        def state_backward():
+            stages.state_backward(q_, k_, w, do_, dv_local, g_cum, ci, co, dht, dh, dv_new, dh0, scale, **l2)
+    else:
+        offsets = prepare_chunk_offsets(bounds, CHUNK_SIZE).tolist()
+        maps = {}  # the segments' M from the recompute of h, for the reverse merge
+
+        def recompute_h():
+            split_state_pass(stages.state, k_, w, u, g_cum, ci, offsets, segment_chunks, initial_state, h, v_new,
+                             None, maps=maps, **l2)
+
+        def state_backward():  # context parallelism runs DH0_STAGES only: then M is made here
+            m = maps.pop("m", None)
+            if m is None:
+                m = segment_maps(stages.state, k_, w, g_cum, ci, Segments.of(offsets, segment_chunks, v.device), **l2)
+            split_state_backward(stages.state_backward, q_, k_, w, do_, dv_local, g_cum, ci, offsets, segment_chunks,
+                                 m, dht, dh, dv_new, dh0, scale, **l2)
     calls = [
         ("recompute w, u", lambda: stages.w_u(k_, v_, beta_, g_cum, ci, A, w, u, **l2)),
-        ("recompute h", lambda: stages.state(k_, w, u, g_cum, ci, co, initial_state, h, v_new, None, **l2)),
+        ("recompute h", recompute_h),
         ("dv_local", lambda: stages.dv_local(q_, k_, do_, g_cum, ci, scale, dv_local, **l2)),
-        ("state backward", lambda: stages.state_backward(q_, k_, w, do_, dv_local, g_cum, ci, co, dht, dh, dv_new,
-                                                         dh0, scale, **l2)),
+        ("state backward", state_backward),
         ("dqkwg", lambda: stages.dqkwg(q_, k_, v_new, h, dh, do_, dv_new, g_cum, ci, scale, dq_hv, dk_hv, dw,
                                        dg_cum, **l2)),
         ("wy backward", lambda: stages.wy_backward(k_, v_, beta_, A, g_cum, dw, dv_new, dg_cum, ci, dk_hv, dv_,

@@ -1,27 +1,41 @@
-"""The exact split of long documents inside one GPU, for the forward's state pass: a first stage of
-the design in ``experiments/gdn/notes/long-document-split.md`` (forward only, opt-in through
-``segment_chunks`` of `dsfuse.gdn.schedule.stage_calls`; no rule picks it yet, `chunk_gdn` never
-does).
+"""The exact split of long documents inside one GPU, for the state passes of the forward and the
+backward: stages of the design in ``experiments/gdn/notes/long-document-split.md`` (opt-in through
+``segment_chunks`` of `dsfuse.gdn.schedule.stage_calls` and `dsfuse.gdn.schedule.backward_calls`;
+no rule picks it yet, `chunk_gdn` never does).
 
 Each document's chunks are cut into segments of at most ``segment_chunks`` chunks: more chunk
 offsets over the same chunk table, so every other stage is unchanged. Per value head a segment maps
-the state at its start to the state at its end as ``S_out = M S_in + E`` (`dsfuse.gdn.cp`'s algebra):
+the state at its start to the state at its end as ``S_out = M S_in + E`` (`dsfuse.gdn.cp`'s algebra).
+
+Forward (`split_state_pass`):
 
 1. ``E``: the state pass over the segments, from the document's initial state for its first segment
    and from zero for the others (their final states);
-2. ``M``: the same pass with ``u = 0`` from the identity, a ``[K, K]`` state;
+2. ``M``: the same pass with ``u = 0`` from the identity, a ``[K, K]`` state (`segment_maps`);
 3. the merge in segment order, in fp64, each step rounded once to fp32: ``S_in`` of every segment;
 4. the state pass over the segments from ``S_in``: ``h``, ``v_new`` and, from each document's last
    segment, its final state.
 
-Three passes instead of one, each with ``segments x HV`` independent chains. Deterministic: fixed
-segments (from the lengths and ``segment_chunks`` alone) and a fixed merge order. Each call copies
-its small segment tables to the device, so it cannot be captured in a CUDA Graph yet."""
+Backward (`split_state_backward`), mirrored: ``dS_in = D + M^T dS_out`` per segment:
+
+1. ``D``: the reverse state pass over the segments, from the final state's gradient for each
+   document's last segment and from zero for the others (their initial-state gradients);
+2. the merge in reverse segment order, in fp64, each step rounded once to fp32: ``dS_out`` of every
+   segment (a segment's ``dS_out`` is the next one's ``dS_in``);
+3. the reverse state pass over the segments from ``dS_out``: ``dh``, ``dv_new`` and, from each
+   document's first segment, its initial state's gradient.
+
+With the true ``S_in`` and ``dS_out`` of every segment, a segment's passes are exactly the
+document's, chunk for chunk. Three passes instead of one each way, each with ``segments x HV``
+independent chains. Deterministic: fixed segments (from the lengths and ``segment_chunks`` alone)
+and a fixed merge order. Each call copies its small segment tables to the device, so it cannot be
+captured in a CUDA Graph yet."""
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -41,44 +55,107 @@ def segment_offsets(offsets: list[int], segment_chunks: int) -> tuple[list[int],
     return bounds, docs
 
 
+@dataclass(frozen=True)
+class Segments:
+    """The segments of a call: chunk ``offsets`` on the device ``[S + 1]``, the document of each
+    (``docs``), and which segments open and close their document."""
+
+    offsets: torch.Tensor
+    docs: list[int]
+    first: list[bool]
+    last: list[bool]
+
+    @classmethod
+    def of(cls, chunk_offsets: list[int], segment_chunks: int, device: torch.device) -> "Segments":
+        bounds, docs = segment_offsets(chunk_offsets, segment_chunks)
+        n = len(docs)
+        return cls(torch.tensor(bounds, dtype=torch.int32, device=device), docs,
+                   [j == 0 or docs[j] != docs[j - 1] for j in range(n)],
+                   [j + 1 == n or docs[j + 1] != docs[j] for j in range(n)])
+
+    def index(self, which: list[bool]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(segments, their documents)`` where ``which`` holds, as index tensors on the device."""
+        picked = [j for j, yes in enumerate(which) if yes]
+        dev = self.offsets.device
+        return (torch.tensor(picked, dtype=torch.long, device=dev),
+                torch.tensor([self.docs[j] for j in picked], dtype=torch.long, device=dev))
+
+
+def segment_maps(state: Callable, k, w, g_cum, chunk_indices, segs: Segments, *, use_qk_l2norm: bool) -> torch.Tensor:
+    """``M`` fp32 ``[S, HV, K, K]``: each segment's linear map of its initial state to its final
+    state, the state pass with ``u = 0`` from the identity."""
+    segments, heads_v, dim_k = len(segs.docs), w.shape[1], w.shape[2]
+    dev = w.device
+    eye = torch.eye(dim_k, device=dev).expand(segments, heads_v, dim_k, dim_k).contiguous()
+    m = torch.empty(segments, heads_v, dim_k, dim_k, device=dev)
+    u0 = torch.zeros(w.shape[0], heads_v, dim_k, dtype=w.dtype, device=dev)
+    scratch_h = torch.empty(chunk_indices.shape[0], heads_v, dim_k, dim_k, dtype=w.dtype, device=dev)
+    state(k, w, u0, g_cum, chunk_indices, segs.offsets, eye, scratch_h, torch.empty_like(u0), m,
+          use_qk_l2norm=use_qk_l2norm)
+    return m
+
+
 def split_state_pass(state: Callable, k, w, u, g_cum, chunk_indices, offsets: list[int], segment_chunks: int,
-                     initial_state, h, v_new, final_state, *, use_qk_l2norm: bool) -> None:
+                     initial_state, h, v_new, final_state, *, use_qk_l2norm: bool,
+                     maps: dict | None = None) -> None:
     """A backend's state pass (``ForwardStages.state``) over documents with chunk offsets
     ``offsets`` (python ints), run segment-wise as the module docstring says; writes ``h``,
-    ``v_new`` and ``final_state`` (if given) as the unsplit pass does."""
-    bounds, docs = segment_offsets(offsets, segment_chunks)
-    segments, heads_v, dim_k, dim_v = len(docs), u.shape[1], w.shape[2], u.shape[2]
-    dev = u.device
-    new = functools.partial(torch.empty, device=dev)
-    seg_co = torch.tensor(bounds, dtype=torch.int32, device=dev)
-    first = [j == 0 or docs[j] != docs[j - 1] for j in range(segments)]
-    doc_of = torch.tensor(docs, dtype=torch.long, device=dev)
+    ``v_new`` and ``final_state`` (if given) as the unsplit pass does. ``maps``: a dict that
+    receives the segments' ``M`` under ``"m"`` (the backward's merge reads it)."""
+    segs = Segments.of(offsets, segment_chunks, u.device)
+    segments, heads_v, dim_k, dim_v = len(segs.docs), u.shape[1], w.shape[2], u.shape[2]
+    new = functools.partial(torch.empty, device=u.device)
     l2 = {"use_qk_l2norm": use_qk_l2norm}
 
-    h0 = torch.zeros(segments, heads_v, dim_k, dim_v, device=dev)
+    h0 = torch.zeros(segments, heads_v, dim_k, dim_v, device=u.device)
     if initial_state is not None:
-        starts = torch.tensor([j for j in range(segments) if first[j]], dtype=torch.long, device=dev)
-        h0[starts] = initial_state[doc_of[starts]].float()
+        starts, docs = segs.index(segs.first)
+        h0[starts] = initial_state[docs].float()
     e = new((segments, heads_v, dim_k, dim_v), dtype=torch.float32)
-    state(k, w, u, g_cum, chunk_indices, seg_co, h0, h, v_new, e, **l2)
-
-    eye = torch.eye(dim_k, device=dev).expand(segments, heads_v, dim_k, dim_k).contiguous()
-    m = new((segments, heads_v, dim_k, dim_k), dtype=torch.float32)
-    u0 = torch.zeros(u.shape[0], heads_v, dim_k, dtype=u.dtype, device=dev)
-    state(k, w, u0, g_cum, chunk_indices, seg_co, eye, new((h.shape[0], heads_v, dim_k, dim_k), dtype=h.dtype),
-          torch.empty_like(u0), m, **l2)
+    state(k, w, u, g_cum, chunk_indices, segs.offsets, h0, h, v_new, e, **l2)
+    m = segment_maps(state, k, w, g_cum, chunk_indices, segs, **l2)
+    if maps is not None:
+        maps["m"] = m
 
     s_in = h0.clone()
     for j in range(1, segments):  # in segment order; a document's first segment keeps its h0
-        if not first[j]:
+        if not segs.first[j]:
             carried = e[j - 1].double()
-            if not first[j - 1]:
+            if not segs.first[j - 1]:
                 carried = carried + m[j - 1].double() @ s_in[j - 1].double()
             s_in[j] = carried.float()
 
     ht = None if final_state is None else new((segments, heads_v, dim_k, dim_v), dtype=torch.float32)
-    state(k, w, u, g_cum, chunk_indices, seg_co, s_in, h, v_new, ht, **l2)
+    state(k, w, u, g_cum, chunk_indices, segs.offsets, s_in, h, v_new, ht, **l2)
     if final_state is not None:
-        lasts = [j for j in range(segments) if j + 1 == segments or docs[j + 1] != docs[j]]
-        lasts = torch.tensor(lasts, dtype=torch.long, device=dev)
-        final_state.copy_(ht[lasts])
+        final_state.copy_(ht[segs.index(segs.last)[0]])
+
+
+def split_state_backward(state_backward: Callable, q, k, w, do, dv_local, g_cum, chunk_indices, offsets: list[int],
+                         segment_chunks: int, m: torch.Tensor, dht, dh, dv_new, dh0, scale: float, *,
+                         use_qk_l2norm: bool) -> None:
+    """A backend's reverse state pass (``BackwardStages.state_backward``) over documents with chunk
+    offsets ``offsets``, run segment-wise as the module docstring says, with ``m`` the segments'
+    maps (`segment_maps`, or the forward split's); writes ``dh``, ``dv_new`` and ``dh0`` (if given)
+    as the unsplit pass does."""
+    segs = Segments.of(offsets, segment_chunks, dv_new.device)
+    segments, heads_v, dim_k, dim_v = len(segs.docs), dv_new.shape[1], w.shape[2], dv_new.shape[2]
+    l2 = {"use_qk_l2norm": use_qk_l2norm}
+
+    d_out = torch.zeros(segments, heads_v, dim_k, dim_v, device=dv_new.device)
+    if dht is not None:
+        ends, docs = segs.index(segs.last)
+        d_out[ends] = dht[docs].float()
+    d_in = torch.empty_like(d_out)
+    state_backward(q, k, w, do, dv_local, g_cum, chunk_indices, segs.offsets, d_out, dh, dv_new, d_in, scale, **l2)
+
+    for j in range(segments - 2, -1, -1):  # in reverse segment order; a document's last segment keeps its dht
+        if not segs.last[j]:
+            d_out[j] = d_in[j + 1]
+            d_in[j] = (d_in[j].double() + m[j].double().transpose(-1, -2) @ d_out[j].double()).float()
+
+    seg_dh0 = None if dh0 is None else torch.empty_like(d_out)
+    state_backward(q, k, w, do, dv_local, g_cum, chunk_indices, segs.offsets, d_out, dh, dv_new, seg_dh0, scale,
+                   **l2)
+    if dh0 is not None:
+        dh0.copy_(seg_dh0[segs.index(segs.first)[0]])
