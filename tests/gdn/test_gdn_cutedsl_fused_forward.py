@@ -164,7 +164,7 @@ def _run_on_gpu(dtype, l2, dims, form):
     return o.to(F64).cpu(), ht.to(F64).cpu(), o_ref[0], ht_ref, cu
 
 
-DIMS = [(2, 6, 64, 64), (16, 48, 128, 128), (4, 4, 128, 96)]
+DIMS = [(2, 6, 64, 64), (16, 48, 128, 128), (4, 4, 128, 96), (2, 6, 64, 128)]
 
 
 @pytest.mark.gpu

@@ -50,6 +50,8 @@ def test_refuses_what_it_cannot_compile():
     assert module.shape_reasons(torch.bfloat16, 16, 48, 128) == []
     reasons = module.shape_reasons(torch.int8, 16, 40, 96)
     assert len(reasons) == 3 and "dtype" in reasons[0] and "multiple" in reasons[1] and "K = 96" in reasons[2]
+    # K = 16: the rows' scales sum 32 channels a warp step and ldmatrix reads 32-wide tiles
+    assert module.shape_reasons(torch.bfloat16, 2, 6, 16) == ["head dim K = 16 is not one of (32, 64, 128)"]
     with pytest.raises(ValueError, match="cannot compile this"):
         module.compile_ut_inverse(torch.bfloat16, 16, 40, 128, False, "sm_90a")
 
@@ -69,7 +71,7 @@ def test_serves_no_call_yet():
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("l2", [True, False])
-@pytest.mark.parametrize("dims", [(2, 6, 64), (16, 48, 128)])
+@pytest.mark.parametrize("dims", [(2, 6, 64), (16, 48, 128), (1, 6, 32), (4, 4, 128)])  # value heads per qk head: 3, 6, 1
 def test_rows_match_the_float64_reference(dtype, l2, dims):
     """Documents of 1, 63, 64, 65 and 200 tokens (partial chunks, one-token chunks) and a tail of
     tokens in no chunk: every row of every chunk against the float64 ungated inverse (relative RMS

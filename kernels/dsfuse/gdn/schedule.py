@@ -230,10 +230,11 @@ def backward_calls(stages: BackwardStages, q, k, v, beta, g_cum, A, do, dht, *, 
             split_state_pass(stages.state, k_, w, u, g_cum, ci, offsets, segment_chunks, initial_state, h, v_new,
                              None, maps=maps, **l2)
 
-        def state_backward():  # context parallelism runs DH0_STAGES only: then M is made here
-            m = maps.pop("m", None)
-            if m is None:
-                m = segment_maps(stages.state, k_, w, g_cum, ci, Segments.of(offsets, segment_chunks, v.device), **l2)
+        def state_backward():  # M from the recompute of h; made here when that did not run (DH0_STAGES only)
+            if "m" not in maps:
+                maps["m"] = segment_maps(stages.state, k_, w, g_cum, ci, Segments.of(offsets, segment_chunks, v.device),
+                                         **l2)
+            m = maps["m"]
             split_state_backward(stages.state_backward, q_, k_, w, do_, dv_local, g_cum, ci, offsets, segment_chunks,
                                  m, dht, dh, dv_new, dh0, scale, **l2)
     calls = [

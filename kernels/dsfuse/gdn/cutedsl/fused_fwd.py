@@ -189,7 +189,7 @@ class _FusedForward(chunk.ChainKernel):
             mHt[i_n, i_hv, kk, v_col] = sS[kk, col]
 
 
-CACHE = _cd.KernelCache()  # (dtype, H, HV, K, V, l2norm, arch) -> compiled function
+CACHE = _cd.KernelCache()  # (dtype, H, HV, K, V, l2norm, form, arch) -> compiled function
 
 
 def _fake_tensors(dtype: torch.dtype, heads: int, value_heads: int, dim_k: int, dim_v: int,
@@ -263,8 +263,9 @@ def launch_fused_forward(q, k, v, g, beta, a, chunk_indices, chunk_offsets, orde
         raise ValueError("launch_fused_forward: q, k, v, beta in one dtype; g and a fp32")
     if any(x.stride(-1) != 1 for x in (q, k, v)) or not all(x.is_contiguous() for x in (a, h0, ht, o)):
         raise ValueError("launch_fused_forward: q, k, v need unit channel stride; a, h0, ht, o contiguous")
-    if order.dtype != torch.int32 or order.shape != (chunk_offsets.shape[0] - 1,):
-        raise ValueError("launch_fused_forward: order int32 [N], one entry per document (document_order)")
+    if order.dtype != torch.int32 or order.shape != (chunk_offsets.shape[0] - 1,) or order.device != o.device:
+        raise ValueError("launch_fused_forward: order int32 [N] on o's device, a permutation of the documents "
+                         "(document_order; its values are not checked: that would read them back)")
     if form == "head" and (reasons := fused_fwd_head.aligned_reasons(q=q, k=k, v=v, a=a)):
         raise ValueError("launch_fused_forward: " + "; ".join(reasons))
     arch = _cd.arch_of(k.device)

@@ -1,7 +1,10 @@
 """The fused chunked forward with one CTA per (document, value head), all value channels: the fourth
-step of the fused forward planned on the GDN page. Same chains, formulas, roundings and outputs as
-the tensor-core form (`dsfuse.gdn.cutedsl.fused_fwd_tc`), with what that form repeats per 32 value
-channels done once per value head, and the products' results kept in registers:
+step of the fused forward planned on the GDN page. Same chains, formulas, operand roundings and
+outputs as the tensor-core form (`dsfuse.gdn.cutedsl.fused_fwd_tc`), with what that form repeats
+per 32 value channels done once per value head, and the products' results kept in registers (so two
+sums differ in order: the state update accumulates ``K^T round(Vd)`` onto ``exp(G_last) S`` inside
+the product, and o the intra-chunk product onto ``exp(G) q S``, where that form adds separate
+products):
 
 - 8 warps (2 x 4 over N and M of each ``mma.sync`` product), one CTA per chain: the q and k rows,
   their L2-norm scales, ``q k^T`` and the gated ``A0`` are made once per value head and chunk (the
@@ -11,14 +14,14 @@ channels done once per value head, and the products' results kept in registers:
   rounded copy goes to shared memory, as the B operand of ``k S`` and ``q S``.
 - Elementwise work runs on the accumulators where they are, by their coordinates
   (`dsfuse.gdn.cutedsl.mma.coordinates`): the mask and decays of ``q k^T``, ``X = beta (v - exp(G) k S)``
-  with v read straight from memory, the decay of ``v_new``, ``o`` written straight to memory.
+  with v's rows from shared memory, the decay of ``v_new``, ``o`` written straight to memory.
 - The L2-norm scales by warp reductions (a row per warp and pass, lanes over the row's channels), the
   cumulative gate by a warp scan; both in a fixed order.
 - The chunk's q, k, v rows and ``A0`` rows arrive by 16-byte ``cp.async`` copies into swizzled tiles,
   and every product's operands by ``ldmatrix`` (``.trans`` where the operand is stored transposed:
   the state, X, ``v_new`` and ``k^T``); so q, k and v need 16-byte aligned rows (`aligned_reasons`).
 
-Per chunk, 6 barriers: (1) q, k, g, beta loaded and the rounded state stored; (2) scales and the
+Per chunk, 6 barriers: (1) q, k, v, A0 rows, g, beta loaded and the rounded state stored; (2) scales and the
 cumulative gate; (3) normalised q, k, the gate vectors, ``round(A0 * Gamma)``; (4) ``q k^T`` and ``k S``,
 then ``round((q k^T) * Gamma)`` and ``round(X)`` stored; (5) ``v_new`` and its decayed copy stored,
 rounded; (6) the output (``q S``, scaled by ``exp(G)`` in the accumulator, then the intra-chunk

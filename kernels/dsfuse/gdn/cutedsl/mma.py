@@ -5,13 +5,18 @@ sm_90a and sm_100a; the wgmma and tcgen05 forms come with the pipelined kernel).
 
 Either operand may be a transposed view of a stored tile (``cute.make_tensor`` over the tile's
 iterator with swapped strides): ``K^T`` for the state update, ``S`` stored ``[K, BV]`` as the B
-operand of ``k S``. The register fragments are filled by element-wise copies from those views, so
-any strides work; the pipelined kernel replaces them with ``ldmatrix`` and swizzled layouts.
+operand of ``k S``. With `operands` the register fragments are filled by element-wise copies from
+those views, so any strides work; with `ldmatrix_operands` (the per-head form and the UT inverse)
+by ``ldmatrix`` from swizzled tiles. The GPU test below checks the element-wise path.
 
-`tiled_mma` builds the product of 4 warps (2 x 2 over M and N); `operands` partitions a product's
-tiles for the calling thread, `gemm` runs it; `store` writes the fp32 accumulator into a shared (or
+`tiled_mma` builds the product of 4 warps (2 x 2 over M and N, or as many as asked); `operands`
+partitions a product's tiles for the calling thread, `gemm` runs it with element-wise operand
+copies; `ldmatrix_operands` and `gemm_ldmatrix` do the same with ``ldmatrix`` from `swizzled_tile`s
+(`transposed` views for the operands stored transposed); `coordinates` and `rounded` serve
+elementwise work on accumulators in registers; `store` writes the fp32 accumulator into a shared (or
 global) tile. The GPU test (``tests/gdn/test_gdn_cutedsl_mma.py``) checks the three operand layouts
-the fused forward needs against float64 products of the same bf16 / fp16 values.
+the fused forward needs against float64 products of the same bf16 / fp16 values; the ``ldmatrix``
+path is checked through the kernels that use it (their float64 tests).
 """
 
 from __future__ import annotations

@@ -39,6 +39,7 @@ from dsfuse.gdn.cutedsl import mma as _mma
 from dsfuse.gdn.cutedsl.chunk import CHUNK, DTYPES, L2NORM_EPS, THREADS, cell
 
 HEADS_AT_ONCE = THREADS // 32  # value heads solved together: a warp each
+HEAD_DIMS = (32, 64, 128)
 
 
 def shape_reasons(dtype: torch.dtype, heads: int, value_heads: int, dim_k: int) -> list[str]:
@@ -48,8 +49,8 @@ def shape_reasons(dtype: torch.dtype, heads: int, value_heads: int, dim_k: int) 
         reasons.append(f"dtype {dtype} is not one of {sorted(map(str, DTYPES))}")
     if heads < 1 or value_heads % heads:
         reasons.append(f"value heads ({value_heads}) must be a multiple of the qk heads ({heads})")
-    if dim_k not in (16, 32, 64, 128):
-        reasons.append(f"head dim K = {dim_k} is not one of (16, 32, 64, 128)")
+    if dim_k not in HEAD_DIMS:  # the rows' scales are warp sums over 32 channels; ldmatrix reads 32-wide tiles
+        reasons.append(f"head dim K = {dim_k} is not one of {HEAD_DIMS}")
     return reasons
 
 
