@@ -71,6 +71,15 @@ def load_chunk(tidx: Int32, mQ: cute.Tensor, mK: cute.Tensor, mA: cute.Tensor, m
         if r < rows:
             av = mA[start + r, i_hv, c]
         sA[r, c] = av
+    load_gates(tidx, mG, mBeta, sG, sBeta, start, rows, i_hv)
+
+
+@cute.jit
+def load_gates(tidx: Int32, mG: cute.Tensor, mBeta: cute.Tensor, sG: cute.Tensor, sBeta: cute.Tensor, start: Int32,
+               rows: Int32, i_hv: Int32):
+    """g and beta (fp32) of rows ``start ..`` of value head ``i_hv`` into ``sG``/``sBeta`` by threads
+    ``0 .. C-1``: zeros past the chunk's ``rows``."""
+    C = cute.size(sG)
     if tidx < C:
         gv, bv = Float32(0.0), Float32(0.0)
         if tidx < rows:

@@ -210,13 +210,7 @@ class FusedForwardHead(chunk.ChainKernel):
             _start_rows(copy_v, tidx, mV, sVd, start, rows, i_hv)
             _start_rows(copy_a, tidx, mA, sA, start, rows, i_hv)
             cute.arch.cp_async_commit_group()
-            if tidx < C:
-                gv, bv = Float32(0.0), Float32(0.0)
-                if tidx < rows:
-                    gv = mG[start + tidx, i_hv]
-                    bv = mBeta[start + tidx, i_hv].to(Float32)
-                sG[tidx] = gv
-                sBeta[tidx] = bv
+            chunk.load_gates(tidx, mG, mBeta, sG, sBeta, start, rows, i_hv)
             cute.autovec_copy(_mma.rounded(acc_s, ab), thr.partition_C(sSb))
             cute.arch.cp_async_wait_group(0)
             cute.arch.sync_threads()
