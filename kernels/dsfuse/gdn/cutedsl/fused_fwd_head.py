@@ -51,8 +51,6 @@ WARPS_MN = (4, 2)  # 4 warps over M (the chunk's 64 rows, or K), 2 over N
 THREADS = 32 * WARPS_MN[0] * WARPS_MN[1]
 WARPS = THREADS // 32
 MAX_DIM = 128  # K and V: the state's accumulators (K V / 256 registers a thread) and shared memory
-
-
 ALIGN = 16  # bytes: the cp.async vectors
 
 
