@@ -7,7 +7,7 @@ import pytest
 import torch
 from dsfuse.gdn import schedule
 from dsfuse.gdn.schedule import Gradients
-from dsfuse.gdn.split import segment_offsets, split_state_pass
+from dsfuse.gdn.split import Segments, segment_offsets, split_state_pass
 from helpers import assert_bitwise, assert_rel_rms
 from test_gdn_stages_state_output import DTYPES, Prepared, assert_tail_zero, make_inputs
 
@@ -19,6 +19,18 @@ def test_segments_follow_the_documents_chunks():
     assert segment_offsets([0, 5, 5, 6, 10], 64) == ([0, 5, 5, 6, 10], [0, 1, 2, 3])  # none split
     with pytest.raises(ValueError, match="segment_chunks"):
         segment_offsets([0, 3], 0)
+
+
+def test_segments_are_cached_per_documents_and_segment_size():
+    """The device tables of a split are made once per (documents, segment size, device) and reused
+    (what lets a split call be captured in a CUDA Graph after a first call)."""
+    cpu = torch.device("cpu")
+    segs = Segments.of([0, 5, 5, 6, 10], 2, cpu)
+    assert Segments.of([0, 5, 5, 6, 10], 2, cpu) is segs
+    assert Segments.of([0, 5, 5, 6, 10], 3, cpu) is not segs
+    assert segs.offsets.tolist() == [0, 2, 4, 5, 5, 6, 8, 10] and segs.offsets.dtype == torch.int32
+    assert segs.firsts.tolist() == [0, 3, 4, 5] and segs.first_docs.tolist() == [0, 1, 2, 3]
+    assert segs.lasts.tolist() == [2, 3, 4, 6] and segs.last_docs.tolist() == [0, 1, 2, 3]
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES), ids=list(DTYPES))
@@ -122,3 +134,38 @@ def test_split_backward_makes_its_own_maps_when_run_alone(device, forward_stages
         if name in schedule.DH0_STAGES:
             launch()
     assert_bitwise(alone_grads.dh0, grads.dh0, "dh0 with the maps made by the reverse pass")
+
+
+@pytest.mark.gpu
+def test_a_split_forward_and_backward_replay_from_a_cuda_graph(forward_stages, backward_stages):
+    """After a first eager call (which puts the segment tables on the GPU), a split forward and
+    backward captured in a CUDA Graph replay bitwise equal to the eager call; a first call under
+    capture is refused by name."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    dev = torch.device("cuda")
+    inputs = make_inputs("docs_1_45_0_130_tail4", (2, 6), l2=True, with_h0=True, gates="model", dtype=torch.bfloat16,
+                         seed=8)
+    args = [inputs[name].to(dev) for name in ("q", "k", "v", "g", "beta")]
+    kwargs = {"scale": inputs["q"].shape[-1] ** -0.5, "initial_state": inputs["initial_state"].to(dev),
+              "cu_seqlens": inputs["cu_seqlens"], "use_qk_l2norm": True}
+    do = torch.randn(args[2].shape, device=dev).to(torch.bfloat16)
+
+    def step(segments):
+        fwd = schedule.forward(forward_stages, *args, output_final_state=True, segment_chunks=segments, **kwargs)
+        grads = schedule.backward(backward_stages, args[0], args[1], args[2], args[4], fwd.g_cum, fwd.A, do, None,
+                                  segment_chunks=segments, **kwargs)
+        return (fwd.o, fwd.final_state, *grads)
+
+    eager = step(1)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step(1)
+    graph.replay()
+    torch.cuda.synchronize()
+    for name, a, b in zip(("o", "final_state", *Gradients._fields), captured, eager):
+        assert_bitwise(a, b, f"{name}: graph replay against eager")
+    with pytest.raises(RuntimeError, match="segments are not on the GPU yet"):
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            step(3)

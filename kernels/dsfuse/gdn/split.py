@@ -28,12 +28,14 @@ Backward (`split_state_backward`), mirrored: ``dS_in = D + M^T dS_out`` per segm
 With the true ``S_in`` and ``dS_out`` of every segment, a segment's passes are exactly the
 document's, chunk for chunk. Three passes instead of one each way, each with ``segments x HV``
 independent chains. Deterministic: fixed segments (from the lengths and ``segment_chunks`` alone)
-and a fixed merge order. Each call copies its small segment tables to the device, so it cannot be
-captured in a CUDA Graph yet."""
+and a fixed merge order. The segment tables are cached on the device like the chunk table
+(`Segments.of`), so a call can be captured in a CUDA Graph after a first call with the same
+documents."""
 
 from __future__ import annotations
 
 import functools
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -55,30 +57,57 @@ def segment_offsets(offsets: list[int], segment_chunks: int) -> tuple[list[int],
     return bounds, docs
 
 
+CACHE_SIZE = 64
+_cache: OrderedDict[tuple, "Segments"] = OrderedDict()
+
+
 @dataclass(frozen=True)
 class Segments:
-    """The segments of a call: chunk ``offsets`` on the device ``[S + 1]``, the document of each
-    (``docs``), and which segments open and close their document."""
+    """The segments of a call on the device: chunk ``offsets`` ``[S + 1]`` (int32), each segment's
+    document (``docs``, python ints), which segments open and close their document (``first``,
+    ``last``, python bools), and as index tensors the opening segments and their documents
+    (``firsts``, ``first_docs``) and the closing ones (``lasts``, ``last_docs``)."""
 
     offsets: torch.Tensor
     docs: list[int]
     first: list[bool]
     last: list[bool]
+    firsts: torch.Tensor
+    first_docs: torch.Tensor
+    lasts: torch.Tensor
+    last_docs: torch.Tensor
 
     @classmethod
     def of(cls, chunk_offsets: list[int], segment_chunks: int, device: torch.device) -> "Segments":
+        """The segments of documents with chunk offsets ``chunk_offsets``, on ``device``. Cached as
+        `dsfuse.gdn.schedule.chunk_table` is (least recently used, ``CACHE_SIZE`` entries; the first
+        call copies and waits, later ones copy nothing), so a split call can be captured in a CUDA
+        Graph once the same documents were called before; a first call under capture is refused."""
+        key = (tuple(chunk_offsets), segment_chunks, str(device))
+        if (hit := _cache.get(key)) is not None:
+            _cache.move_to_end(key)
+            return hit
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("gdn: these documents' segments are not on the GPU yet, and they cannot be copied "
+                               "while a CUDA Graph is captured; make the same call once before capturing")
         bounds, docs = segment_offsets(chunk_offsets, segment_chunks)
         n = len(docs)
-        return cls(torch.tensor(bounds, dtype=torch.int32, device=device), docs,
-                   [j == 0 or docs[j] != docs[j - 1] for j in range(n)],
-                   [j + 1 == n or docs[j + 1] != docs[j] for j in range(n)])
+        first = [j == 0 or docs[j] != docs[j - 1] for j in range(n)]
+        last = [j + 1 == n or docs[j + 1] != docs[j] for j in range(n)]
+        opening, closing = [j for j in range(n) if first[j]], [j for j in range(n) if last[j]]
 
-    def index(self, which: list[bool]) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(segments, their documents)`` where ``which`` holds, as index tensors on the device."""
-        picked = [j for j, yes in enumerate(which) if yes]
-        dev = self.offsets.device
-        return (torch.tensor(picked, dtype=torch.long, device=dev),
-                torch.tensor([self.docs[j] for j in picked], dtype=torch.long, device=dev))
+        def on_device(values):
+            return torch.tensor(values, dtype=torch.long, device=device)
+
+        segs = cls(torch.tensor(bounds, dtype=torch.int32, device=device), docs, first, last,
+                   on_device(opening), on_device([docs[j] for j in opening]),
+                   on_device(closing), on_device([docs[j] for j in closing]))
+        if device.type == "cuda":
+            torch.cuda.current_stream(device).synchronize()
+        _cache[key] = segs
+        if len(_cache) > CACHE_SIZE:
+            _cache.popitem(last=False)
+        return segs
 
 
 def segment_maps(state: Callable, k, w, g_cum, chunk_indices, segs: Segments, *, use_qk_l2norm: bool) -> torch.Tensor:
@@ -109,8 +138,7 @@ def split_state_pass(state: Callable, k, w, u, g_cum, chunk_indices, offsets: li
 
     h0 = torch.zeros(segments, heads_v, dim_k, dim_v, device=u.device)
     if initial_state is not None:
-        starts, docs = segs.index(segs.first)
-        h0[starts] = initial_state[docs].float()
+        h0[segs.firsts] = initial_state[segs.first_docs].float()
     e = new((segments, heads_v, dim_k, dim_v), dtype=torch.float32)
     state(k, w, u, g_cum, chunk_indices, segs.offsets, h0, h, v_new, e, **l2)
     m = segment_maps(state, k, w, g_cum, chunk_indices, segs, **l2)
@@ -128,7 +156,7 @@ def split_state_pass(state: Callable, k, w, u, g_cum, chunk_indices, offsets: li
     ht = None if final_state is None else new((segments, heads_v, dim_k, dim_v), dtype=torch.float32)
     state(k, w, u, g_cum, chunk_indices, segs.offsets, s_in, h, v_new, ht, **l2)
     if final_state is not None:
-        final_state.copy_(ht[segs.index(segs.last)[0]])
+        final_state.copy_(ht[segs.lasts])
 
 
 def split_state_backward(state_backward: Callable, q, k, w, do, dv_local, g_cum, chunk_indices, offsets: list[int],
@@ -144,8 +172,7 @@ def split_state_backward(state_backward: Callable, q, k, w, do, dv_local, g_cum,
 
     d_out = torch.zeros(segments, heads_v, dim_k, dim_v, device=dv_new.device)
     if dht is not None:
-        ends, docs = segs.index(segs.last)
-        d_out[ends] = dht[docs].float()
+        d_out[segs.lasts] = dht[segs.last_docs].float()
     d_in = torch.empty_like(d_out)
     state_backward(q, k, w, do, dv_local, g_cum, chunk_indices, segs.offsets, d_out, dh, dv_new, d_in, scale, **l2)
 
@@ -158,4 +185,4 @@ def split_state_backward(state_backward: Callable, q, k, w, do, dv_local, g_cum,
     state_backward(q, k, w, do, dv_local, g_cum, chunk_indices, segs.offsets, d_out, dh, dv_new, seg_dh0, scale,
                    **l2)
     if dh0 is not None:
-        dh0.copy_(seg_dh0[segs.index(segs.first)[0]])
+        dh0.copy_(seg_dh0[segs.firsts])
