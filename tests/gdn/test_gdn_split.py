@@ -141,8 +141,6 @@ def test_a_split_forward_and_backward_replay_from_a_cuda_graph(forward_stages, b
     """After a first eager call (which puts the segment tables on the GPU), a split forward and
     backward captured in a CUDA Graph replay bitwise equal to the eager call; a first call under
     capture is refused by name."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
     dev = torch.device("cuda")
     inputs = make_inputs("docs_1_45_0_130_tail4", (2, 6), l2=True, with_h0=True, gates="model", dtype=torch.bfloat16,
                          seed=8)
