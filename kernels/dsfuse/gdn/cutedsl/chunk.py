@@ -43,6 +43,26 @@ class ChainKernel:
             grid=grid, block=[self.threads, 1, 1], stream=stream)
 
 
+def tile(smem, dtype, rows: int, cols: int):
+    """A row-major ``[rows, cols]`` shared-memory tile."""
+    return smem.allocate_tensor(dtype, cute.make_layout((rows, cols), stride=(cols, 1)), byte_alignment=16)
+
+
+def vector(smem, length: int):
+    """An fp32 shared-memory vector."""
+    return smem.allocate_tensor(Float32, cute.make_layout((length,)), byte_alignment=16)
+
+
+def lane_sum_squares(sX: cute.Tensor, r, lane):
+    """Lane ``lane``'s part of row ``r``'s sum of squares (channels ``lane, lane + 32, ..``, in fp32):
+    a warp's butterfly sum of it (``cute.arch.warp_reduction``) is the row's, the same on every lane."""
+    total = Float32(0.0)
+    for j in range(cute.size(sX, mode=[1]) // 32):  # unrolled as the kernel is traced
+        x = sX[r, lane + 32 * j].to(Float32)
+        total = total + x * x
+    return total
+
+
 def cell(tidx, item, width: int, threads: int = THREADS):
     """Row and column of element ``tidx + item * threads`` of a row-major tile ``width`` wide."""
     idx = tidx + item * threads

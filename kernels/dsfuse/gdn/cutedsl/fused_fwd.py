@@ -296,7 +296,7 @@ def fused_forward(q, k, v, g, beta, scale=None, initial_state=None, cu_seqlens=N
         launch_ut_inverse(k, beta, ci, a, use_qk_l2norm=use_qk_l2norm)
     h0 = (torch.zeros(n, value_heads, dim_k, dim_v, device=dev) if initial_state is None
           else initial_state.float().contiguous())
-    ht = torch.empty_like(h0)
+    ht = torch.full_like(h0, float("nan"))  # an unwritten final state shows as NaN
     o = torch.zeros(tokens, value_heads, dim_v, device=dev, dtype=v.dtype)
     order = torch.tensor(document_order(bounds), device=dev, dtype=torch.int32)
     launch_fused_forward(q, k, v, g.float(), beta, a, ci, co, order, h0, ht, o, dim_k**-0.5 if scale is None else scale,

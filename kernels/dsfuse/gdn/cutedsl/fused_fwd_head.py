@@ -97,12 +97,7 @@ def _start_rows(copy: cute.TiledCopy, tidx: Int32, mX: cute.Tensor, sX: cute.Ten
             tXs[None, m, None].fill(0)
 
 
-def _tile(smem, dtype, rows: int, cols: int):
-    return smem.allocate_tensor(dtype, cute.make_layout((rows, cols), stride=(cols, 1)), byte_alignment=16)
-
-
-def _vector(smem, length: int):
-    return smem.allocate_tensor(Float32, cute.make_layout((length,)), byte_alignment=16)
+_tile, _vector = chunk.tile, chunk.vector
 
 
 @cute.jit
@@ -110,20 +105,16 @@ def _row_scales(warp: Int32, lane: Int32, sQ: cute.Tensor, sK: cute.Tensor, sRst
     """``sRstd``: ``rsqrt(sum(x^2) + eps)`` of the q rows (``[0, C)``, warps 0-3) and the k rows
     (``[C, 2C)``, warps 4-7): each warp a row at a time, lane ``l`` summing channels ``l, l + 32, ..``,
     then a butterfly sum (the same bits on every lane)."""
-    C, K = cute.size(sQ, mode=[0]), cute.size(sQ, mode=[1])
+    C = cute.size(sQ, mode=[0])
     half = WARPS // 2
     per_warp = C // half
     for rr in cutlass.range_constexpr(per_warp):
         r = (warp % half) * per_warp + rr
         total = Float32(0.0)
         if warp < half:
-            for j in cutlass.range_constexpr(K // 32):
-                x = sQ[r, lane + 32 * j].to(Float32)
-                total = total + x * x
+            total = chunk.lane_sum_squares(sQ, r, lane)
         else:
-            for j in cutlass.range_constexpr(K // 32):
-                x = sK[r, lane + 32 * j].to(Float32)
-                total = total + x * x
+            total = chunk.lane_sum_squares(sK, r, lane)
         total = cute.arch.warp_reduction(total, lambda a, b: a + b)
         if lane == 0:
             sRstd[(warp // half) * C + r] = cute.math.rsqrt(total + Float32(L2NORM_EPS))

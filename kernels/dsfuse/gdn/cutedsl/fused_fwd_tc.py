@@ -36,13 +36,7 @@ assert THREADS == _mma.THREADS  # the 2 x 2 warps of every product are the CTA
 TC_DTYPES = (torch.bfloat16, torch.float16)
 
 
-def _tile(smem, dtype, rows: int, cols: int):
-    """A row-major ``[rows, cols]`` shared-memory tile."""
-    return smem.allocate_tensor(dtype, cute.make_layout((rows, cols), stride=(cols, 1)), byte_alignment=16)
-
-
-def _vector(smem, length: int):
-    return smem.allocate_tensor(Float32, cute.make_layout((length,)), byte_alignment=16)
+_tile, _vector = chunk.tile, chunk.vector
 
 
 class FusedForwardTC(chunk.ChainKernel):

@@ -36,7 +36,7 @@ cutlass, cute = _cd.require()
 from cutlass import Float32, Int32, const_expr
 
 from dsfuse.gdn.cutedsl import mma as _mma
-from dsfuse.gdn.cutedsl.chunk import CHUNK, DTYPES, L2NORM_EPS, THREADS, cell
+from dsfuse.gdn.cutedsl.chunk import CHUNK, DTYPES, L2NORM_EPS, THREADS, cell, lane_sum_squares
 
 HEADS_AT_ONCE = THREADS // 32  # value heads solved together: a warp each
 HEAD_DIMS = (32, 64, 128)
@@ -117,11 +117,7 @@ class _UtInverse:
             r = warp * (C // HEADS_AT_ONCE) + rr
             rstd = Float32(1.0)
             if const_expr(self.l2norm):
-                total = Float32(0.0)
-                for j in cutlass.range_constexpr(K // 32):
-                    x = sK[r, lane + 32 * j].to(Float32)
-                    total = total + x * x
-                total = cute.arch.warp_reduction(total, lambda a, b: a + b)
+                total = cute.arch.warp_reduction(lane_sum_squares(sK, r, lane), lambda a, b: a + b)
                 rstd = cute.math.rsqrt(total + Float32(L2NORM_EPS))
             if lane == 0:
                 sRstd[r] = rstd
