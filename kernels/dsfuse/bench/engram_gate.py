@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 import yaml
 
-from dsfuse.bench.harness import Case, Provider, select_providers
+from dsfuse.bench.harness import Case, Provider, cpu_draws, select_providers
 from dsfuse.bench.paths import repo_path
 from dsfuse.engram_gate import engram_gate, engram_gate_reference
 
@@ -304,10 +304,7 @@ def fingerprint_cases() -> dict:
     def outputs(device: torch.device) -> dict[str, torch.Tensor]:
         from dsfuse.engram_gate import EngramGatePlan, engram_gate, engram_gate_backward, engram_gate_forward
 
-        gen = torch.Generator().manual_seed(3)
-
-        def randn(shape, dtype):
-            return torch.randn(shape, generator=gen, dtype=torch.float32).to(dtype).to(device)
+        gen, randn = cpu_draws(3, device)
 
         n, streams, dim, eps = 4096, 4, 5120, 1e-20
         x = randn((n, streams, dim), torch.bfloat16)

@@ -146,6 +146,17 @@ def bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(view)
 
 
+def cpu_draws(seed: int, device: torch.device) -> tuple[torch.Generator, Callable[..., torch.Tensor]]:
+    """A CPU generator seeded with ``seed`` and ``randn(shape, dtype)``: standard normal values drawn from
+    it in fp32 (so every device sees the same inputs), rounded to ``dtype`` and moved to ``device``."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def randn(shape, dtype: torch.dtype) -> torch.Tensor:
+        return torch.randn(shape, generator=gen, dtype=torch.float32).to(dtype).to(device)
+
+    return gen, randn
+
+
 def select_providers(table: dict[str, Callable[[], Provider]], config: dict) -> list[Provider]:
     """The providers a config names (``providers:``), built from an op's table.
 

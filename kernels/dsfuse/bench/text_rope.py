@@ -19,7 +19,7 @@ import functools
 import torch
 import yaml
 
-from dsfuse.bench.harness import Case, Provider, select_providers
+from dsfuse.bench.harness import Case, Provider, cpu_draws, select_providers
 from dsfuse.bench.paths import repo_path
 from dsfuse.text_rope import apply_rope, rope_angles, rope_reference, rope_reference_inplace, yarn_inv_freq
 
@@ -255,10 +255,7 @@ def fingerprint_cases() -> dict:
     def outputs(device: torch.device) -> dict[str, torch.Tensor]:
         from dsfuse.text_rope import apply_rope, rope_angles, yarn_inv_freq
 
-        gen = torch.Generator().manual_seed(1)
-
-        def randn(shape, dtype):
-            return torch.randn(shape, generator=gen, dtype=torch.float32).to(dtype).to(device)
+        gen, randn = cpu_draws(1, device)
 
         inv_freq = yarn_inv_freq(64, 160000.0, factor=16.0, original_max_position=65536)
         pos = torch.randint(0, 1_000_000, (1, 4096), generator=gen)

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 import yaml
 
-from dsfuse.bench.harness import Case, Provider, select_providers
+from dsfuse.bench.harness import Case, Provider, cpu_draws, select_providers
 from dsfuse.bench.paths import raw_file, repo_path
 from dsfuse.models.vision_geometry import ProcessorConfig, patch_grid
 from dsfuse.vision_rope import (
@@ -293,10 +293,7 @@ def fingerprint_cases() -> dict:
     def outputs(device: torch.device) -> dict[str, torch.Tensor]:
         from dsfuse.vision_rope import vision_cos_sin, vision_rope_attention_front, vision_rope_backward
 
-        gen = torch.Generator().manual_seed(2)
-
-        def randn(shape, dtype):
-            return torch.randn(shape, generator=gen, dtype=torch.float32).to(dtype).to(device)
+        _, randn = cpu_draws(2, device)
 
         heads, dim, tokens = 16, 64, 8649
         cos, sin = vision_cos_sin(93, 93, dim // 2, 10000.0, device=device)

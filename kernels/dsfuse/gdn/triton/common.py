@@ -22,6 +22,20 @@
 * `model_tensors`: meta tensors of the model's shapes, the example arguments from which each stage
   records its ``AOT_SPECS`` (`record_variants`, through `dsfuse._common.aot.record_specs`).
 
+The kernels' tensor arguments are named by what they hold, and each name has one layout (any token
+and head strides, passed as ``s_<x>t, s_<x>h``, and a unit channel stride, unless said otherwise):
+
+* ``q``, ``k``: ``[T, H, K]``; ``w``, ``dw``: ``[T, HV, K]``; ``v``, ``u``, ``v_new`` (``vn``), ``o``,
+  ``do`` and their gradients (``du``, ``dv``, ``dv_local``, ``dv_new``): ``[T, HV, V]``; the stages'
+  fp32 gradients of q and k by value head (``dq_hv``, ``dk_hv``): ``[T, HV, K]``.
+* ``g``, ``g_cum`` (the chunk-local cumulative log decay), ``beta``, ``dg``, ``dbeta``: ``[T, HV]``,
+  fp32 for g, ``g_cum`` and ``dg``; ``A``: fp32 ``[T, HV, BT]``, unit column stride.
+* ``chunk_indices`` (``ci``): int32 ``[NC, 3]`` (sequence, start, end), contiguous;
+  ``chunk_offsets`` (``co``): int32 ``[N + 1]``.
+* ``h``, ``dh``: ``[NC, HV, K, V]`` contiguous, input dtype (the state at each chunk's start, the
+  gradient of the state after each chunk); ``h0``, ``ht``, ``dht``, ``dh0``: fp32 ``[N, HV, K, V]``
+  contiguous, or None (zeros when read, not written when written).
+
 The device helpers are inlined where they are called: a stage built from them compiles to the code
 it had with the same expressions written out.
 """

@@ -28,12 +28,10 @@ CONFIG = common.LaunchConfig(num_warps=4)  # every GPU family (no sweep recorded
 
 @triton.jit
 def _chunk_cumsum_kernel(
-    g_ptr,  # g fp32 [T, HV], any strides
-    gc_ptr,  # g_cum fp32 [T, HV], any strides
-    ci_ptr,  # chunk_indices int32 [NC, 3] (sequence, start, end), contiguous
+    g_ptr, gc_ptr,  # g and g_cum, fp32, any strides
+    ci_ptr,
     n_heads,  # HV
-    s_gt, s_gh,
-    s_ct, s_ch,
+    s_gt, s_gh, s_ct, s_ch,
     BT: tl.constexpr,  # chunk size
     BH: tl.constexpr,  # value heads per program
 ):

@@ -172,34 +172,12 @@ def _store_plus_product(b_acc, b_a, x_ptr, s_xt, out_ptr, s_ot, o_t, m_t, o_k, D
 
 @triton.jit
 def _dqkwg_kernel(
-    q_ptr,  # [T, H, K], unit channel stride
-    k_ptr,  # [T, H, K]
-    vn_ptr,  # v_new [T, HV, V]
-    h_ptr,  # [NC, HV, K, V] contiguous: state at each chunk's start
-    dh_ptr,  # [NC, HV, K, V] contiguous: gradient of the state after each chunk
-    do_ptr,  # [T, HV, V]
-    dv_ptr,  # dv_new [T, HV, V]
-    g_ptr,  # g_cum fp32 [T, HV]
-    ci_ptr,  # chunk_indices int32 [NC, 3] (sequence, start, end), contiguous
-    dq_ptr,  # fp32 [T, HV, K] (out)
-    dk_ptr,  # fp32 [T, HV, K] (out)
-    dw_ptr,  # [T, HV, K] input dtype (out)
-    dg_ptr,  # fp32 [T, HV] (out)
+    q_ptr, k_ptr, vn_ptr, h_ptr, dh_ptr, do_ptr, dv_ptr, g_ptr, ci_ptr,  # dv: dv_new
+    dq_ptr, dk_ptr, dw_ptr, dg_ptr,  # out: dq and dk fp32 [T, HV, K], dw input dtype, dg fp32
     scale,  # fp32
-    s_qt, s_qh,
-    s_kt, s_kh,
-    s_vt, s_vh,
-    s_ot, s_oh,
-    s_dvt, s_dvh,
-    s_gt, s_gh,
-    s_dqt, s_dqh,
-    s_dkt, s_dkh,
-    s_dwt, s_dwh,
-    s_dgt, s_dgh,
-    # common.stage (S), BK and BV (key and value channels per block)
-    S,  # common.Stage: HV, GROUP, K, V, BT, USE_QK_L2NORM, DOT_PRECISION, EMULATE_BF16
-    BK: tl.constexpr,
-    BV: tl.constexpr,
+    s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_ot, s_oh, s_dvt, s_dvh, s_gt, s_gh,
+    s_dqt, s_dqh, s_dkt, s_dkh, s_dwt, s_dwh, s_dgt, s_dgh,
+    S, BK: tl.constexpr, BV: tl.constexpr,  # common.Stage; key and value channels per block
 ):
     pid = tl.program_id(0)
     i_c = (pid // S.HV).to(tl.int64)  # value head fastest (module docstring: grid)

@@ -85,19 +85,10 @@ def _finalize_tile(
 
 @triton.jit(do_not_specialize=["T"])
 def _qk_finalize_kernel(
-    q_ptr,  # [T, H, K], unit channel stride
-    k_ptr,  # [T, H, K]
-    dqhv_ptr,  # dq_hv fp32 [T, HV, K]
-    dkhv_ptr,  # dk_hv fp32 [T, HV, K]
-    dq_ptr,  # dq [T, H, K] (out)
-    dk_ptr,  # dk [T, H, K] (out)
+    q_ptr, k_ptr, dqhv_ptr, dkhv_ptr,  # dq_hv and dk_hv fp32 [T, HV, K]
+    dq_ptr, dk_ptr,  # out: [T, H, K]
     T,  # tokens
-    s_qt, s_qh,
-    s_kt, s_kh,
-    s_at, s_ah,  # dq_hv
-    s_bt, s_bh,  # dk_hv
-    s_dqt, s_dqh,
-    s_dkt, s_dkh,
+    s_qt, s_qh, s_kt, s_kh, s_at, s_ah, s_bt, s_bh, s_dqt, s_dqh, s_dkt, s_dkh,  # a: dq_hv, b: dk_hv
     GROUP: tl.constexpr,  # HV // H: value heads per qk head
     K: tl.constexpr,
     BT: tl.constexpr,

@@ -46,24 +46,12 @@ CONFIG = common.LaunchConfig(block_v=128, num_warps=4, num_stages=2)
 
 @triton.jit(do_not_specialize=["T", "NC"])
 def _output_kernel(
-    q_ptr,  # [T, H, K], unit channel stride
-    k_ptr,  # [T, H, K]
-    vn_ptr,  # v_new [T, HV, V]
-    h_ptr,  # [NC, HV, K, V] contiguous: state at each chunk's start
-    g_ptr,  # g_cum fp32 [T, HV]
-    ci_ptr,  # chunk_indices int32 [NC, 3] (sequence, start, end)
-    o_ptr,  # [T, HV, V]
+    q_ptr, k_ptr, vn_ptr, h_ptr, g_ptr, ci_ptr,
+    o_ptr,  # out
     scale,  # fp32
-    T,
-    NC,
-    s_qt, s_qh,
-    s_kt, s_kh,
-    s_vt, s_vh,
-    s_gt, s_gh,
-    s_ot, s_oh,
-    # common.stage (S) and BV (value channels per program)
-    S,  # common.Stage: HV, GROUP, K, V, BT, USE_QK_L2NORM, DOT_PRECISION, EMULATE_BF16
-    BV: tl.constexpr,
+    T, NC,
+    s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_gt, s_gh, s_ot, s_oh,
+    S, BV: tl.constexpr,  # common.Stage; value channels per program
 ):
     # i_c in [0, NC]; NC: the tail of tokens in no chunk
     i_c, i_hv, i_h, o_k, o_v, o_i = common.value_block_program(S.HV, S.GROUP, S.V, BV, S.K, S.BT)

@@ -97,28 +97,12 @@ def _state_step(b_h, i_c, k_ptr, w_ptr, u_ptr, g_ptr, ci_ptr, h_ptr, vn_ptr, s_k
 
 @triton.jit(do_not_specialize=["T", "N"])
 def _state_pass_kernel(
-    k_ptr,  # [T, H, K], unit channel stride
-    w_ptr,  # [T, HV, K]
-    u_ptr,  # [T, HV, V]
-    g_ptr,  # g_cum fp32 [T, HV] chunk-local cumulative log decay
-    ci_ptr,  # chunk_indices int32 [NC, 3] (sequence, start, end)
-    co_ptr,  # chunk_offsets int32 [N + 1]
-    h0_ptr,  # initial_state fp32 [N, HV, K, V] contiguous, or None (zeros)
-    h_ptr,  # h [NC, HV, K, V] contiguous, input dtype
-    vn_ptr,  # v_new [T, HV, V]
-    ht_ptr,  # final_state fp32 [N, HV, K, V] contiguous, or None (not written)
-    T,  # tokens
-    N,  # sequences
-    s_kt, s_kh,
-    s_wt, s_wh,
-    s_ut, s_uh,
-    s_gt, s_gh,
-    s_vt, s_vh,
-    # common.stage (S), BV (value channels per program), common.sequential_pass's loop
-    S,  # common.Stage: HV, GROUP, K, V, BT, USE_QK_L2NORM, DOT_PRECISION, EMULATE_BF16
-    BV: tl.constexpr,
-    PIPELINED: tl.constexpr,
-    NUM_STAGES_LOOP: tl.constexpr,
+    k_ptr, w_ptr, u_ptr, g_ptr, ci_ptr, co_ptr, h0_ptr,
+    h_ptr, vn_ptr, ht_ptr,  # out; ht may be None (not written)
+    T, N,  # tokens, sequences
+    s_kt, s_kh, s_wt, s_wh, s_ut, s_uh, s_gt, s_gh, s_vt, s_vh,
+    S, BV: tl.constexpr,  # common.Stage; value channels per program
+    PIPELINED: tl.constexpr, NUM_STAGES_LOOP: tl.constexpr,  # common.sequential_pass's loop
 ):
     # i_n in [0, N]; N: the tail of tokens in no chunk
     i_n, i_hv, i_h, o_k, o_v, o_i = common.value_block_program(S.HV, S.GROUP, S.V, BV, S.K, S.BT)

@@ -99,21 +99,11 @@ MAX_BLOCK_K = 64
 
 @triton.jit
 def _dv_local_kernel(
-    q_ptr,  # [T, H, K], unit channel stride
-    k_ptr,  # [T, H, K]
-    do_ptr,  # [T, HV, V]
-    g_ptr,  # g_cum fp32 [T, HV]
-    ci_ptr,  # chunk_indices int32 [NC, 3] (sequence, start, end)
-    dv_ptr,  # dv_local [T, HV, V] (out), do's dtype
+    q_ptr, k_ptr, do_ptr, g_ptr, ci_ptr,
+    dv_ptr,  # out: dv_local, do's dtype
     scale,  # fp32
-    s_qt, s_qh,
-    s_kt, s_kh,
-    s_dot, s_doh,
-    s_gt, s_gh,
-    s_dvt, s_dvh,
-    # common.stage (S) and BV (value channels per program)
-    S,  # common.Stage: HV, GROUP, K, V, BT, USE_QK_L2NORM, DOT_PRECISION, EMULATE_BF16
-    BV: tl.constexpr,
+    s_qt, s_qh, s_kt, s_kh, s_dot, s_doh, s_gt, s_gh, s_dvt, s_dvh,
+    S, BV: tl.constexpr,  # common.Stage; value channels per program
 ):
     i_c, i_hv, i_h, o_k, o_v, o_i = common.value_block_program(S.HV, S.GROUP, S.V, BV, S.K, S.BT)  # i_c in [0, NC)
     dtype = q_ptr.dtype.element_ty
@@ -243,33 +233,15 @@ def _state_backward_step(b_dh1, b_dh2, i_c, q_ptr, k_ptr, w_ptr, do_ptr, dvl_ptr
 
 @triton.jit(do_not_specialize=["N"])
 def _state_backward_kernel(
-    q_ptr,  # [T, H, K], unit channel stride
-    k_ptr,  # [T, H, K]
-    w_ptr,  # [T, HV, K]
-    do_ptr,  # [T, HV, V]
-    dvl_ptr,  # dv_local [T, HV, V]
-    g_ptr,  # g_cum fp32 [T, HV] chunk-local cumulative log decay
-    ci_ptr,  # chunk_indices int32 [NC, 3] (sequence, start, end)
-    co_ptr,  # chunk_offsets int32 [N + 1]
-    dht_ptr,  # dht fp32 [N, HV, K, V] contiguous, or None (zeros)
-    dh_ptr,  # dh [NC, HV, K, V] contiguous, input dtype (out)
-    dvn_ptr,  # dv_new [T, HV, V] (out)
-    dh0_ptr,  # dh0 fp32 [N, HV, K, V] contiguous, or None (not written)
+    q_ptr, k_ptr, w_ptr, do_ptr, dvl_ptr, g_ptr, ci_ptr, co_ptr, dht_ptr,  # dvl: dv_local (s_l)
+    dh_ptr, dvn_ptr, dh0_ptr,  # out: dh, dv_new (s_v); dh0 may be None (not written)
     scale,  # fp32
     N,  # sequences
-    s_qt, s_qh,
-    s_kt, s_kh,
-    s_wt, s_wh,
-    s_dot, s_doh,
-    s_lt, s_lh,
-    s_gt, s_gh,
-    s_vt, s_vh,
-    # common.stage (S), BK, BV (value channels per program), common.sequential_pass's loop
-    S,  # common.Stage: HV, GROUP, K, V, BT, USE_QK_L2NORM, DOT_PRECISION, EMULATE_BF16
+    s_qt, s_qh, s_kt, s_kh, s_wt, s_wh, s_dot, s_doh, s_lt, s_lh, s_gt, s_gh, s_vt, s_vh,
+    S,  # common.Stage
     BK: tl.constexpr,  # rows of K per block: K, or K / 2 (two blocks, b_dh1 and b_dh2)
-    BV: tl.constexpr,
-    PIPELINED: tl.constexpr,
-    NUM_STAGES_LOOP: tl.constexpr,
+    BV: tl.constexpr,  # value channels per program
+    PIPELINED: tl.constexpr, NUM_STAGES_LOOP: tl.constexpr,  # common.sequential_pass's loop
 ):
     tl.static_assert(S.K == BK or S.K == 2 * BK)
     # i_n in [0, N); o_k: rows of the first K block, the second's are BK + o_k

@@ -63,15 +63,9 @@ WY_CONFIG = common.LaunchConfig(num_warps=4)
 
 @triton.jit
 def _ut_kernel(
-    k_ptr,  # k [T, H, K], unit channel stride
-    beta_ptr,  # beta [T, HV]
-    gc_ptr,  # g_cum fp32 [T, HV]
-    ci_ptr,  # chunk_indices int32 [NC, 3] (sequence, start, end), contiguous
-    a_ptr,  # A fp32 [T, HV, BT] (out), unit column stride
-    s_kt, s_kh,
-    s_bt, s_bh,
-    s_gt, s_gh,
-    s_at, s_ah,
+    k_ptr, beta_ptr, gc_ptr, ci_ptr,
+    a_ptr,  # out
+    s_kt, s_kh, s_bt, s_bh, s_gt, s_gh, s_at, s_ah,
     kv_group,  # HV // H
     K: tl.constexpr,
     BT: tl.constexpr,
@@ -180,27 +174,11 @@ def _store_a_times_rows(b_a, p_x, p_y, b_s, m_t, N: tl.constexpr, BN: tl.constex
 
 @triton.jit
 def _wy_kernel(
-    k_ptr,  # k [T, H, K], unit channel stride
-    v_ptr,  # v [T, HV, V], unit channel stride
-    beta_ptr,  # beta [T, HV]
-    gc_ptr,  # g_cum fp32 [T, HV]
-    ci_ptr,  # chunk_indices int32 [NC, 3], contiguous
-    a_ptr,  # A fp32 [T, HV, BT], unit column stride
-    w_ptr,  # w [T, HV, K] (out), unit channel stride
-    u_ptr,  # u [T, HV, V] (out), unit channel stride
-    s_kt, s_kh,
-    s_vt, s_vh,
-    s_bt, s_bh,
-    s_gt, s_gh,
-    s_at, s_ah,
-    s_wt, s_wh,
-    s_ut, s_uh,
+    k_ptr, v_ptr, beta_ptr, gc_ptr, ci_ptr, a_ptr,
+    w_ptr, u_ptr,  # out
+    s_kt, s_kh, s_vt, s_vh, s_bt, s_bh, s_gt, s_gh, s_at, s_ah, s_wt, s_wh, s_ut, s_uh,
     kv_group,  # HV // H
-    K: tl.constexpr,
-    V: tl.constexpr,
-    BT: tl.constexpr,
-    BK: tl.constexpr,
-    BV: tl.constexpr,
+    K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     USE_QK_L2NORM: tl.constexpr,
     WY_PRECISION: tl.constexpr,  # input precision of the A products (see wy_precision)
 ):

@@ -171,37 +171,13 @@ def _vec(ptr, stride, n, BT: tl.constexpr):
 
 @triton.jit
 def _wy_bwd_kernel(
-    k_ptr,  # k [T, H, K], unit channel stride
-    v_ptr,  # v [T, HV, V]
-    beta_ptr,  # beta [T, HV]
-    a_ptr,  # A fp32 [T, HV, BT], unit column stride
-    gc_ptr,  # g_cum fp32 [T, HV]
-    dw_ptr,  # dw [T, HV, K]
-    du_ptr,  # du = dv_new [T, HV, V]
-    dgi_ptr,  # dg_in fp32 [T, HV] (may be dg_ptr)
-    ci_ptr,  # chunk_indices int32 [NC, 3] (sequence, start, end), contiguous
-    dk_ptr,  # dk fp32 [T, HV, K] (in/out: dk_wy added)
-    dv_ptr,  # dv [T, HV, V] (out, v's dtype)
-    db_ptr,  # dbeta [T, HV] (out, beta's dtype)
-    dg_ptr,  # dg fp32 [T, HV] (out)
-    s_kt, s_kh,
-    s_vt, s_vh,
-    s_bt, s_bh,
-    s_at, s_ah,
-    s_gt, s_gh,
-    s_dwt, s_dwh,
-    s_dut, s_duh,
-    s_git, s_gih,
-    s_dkt, s_dkh,
-    s_dvt, s_dvh,
-    s_dbt, s_dbh,
-    s_dgt, s_dgh,
+    k_ptr, v_ptr, beta_ptr, a_ptr, gc_ptr, dw_ptr, du_ptr, dgi_ptr, ci_ptr,  # du: dv_new; dgi: dg_in (may be dg)
+    dk_ptr,  # in and out: dk_wy added
+    dv_ptr, db_ptr, dg_ptr,  # out: dv in v's dtype, dbeta in beta's dtype, dg fp32
+    s_kt, s_kh, s_vt, s_vh, s_bt, s_bh, s_at, s_ah, s_gt, s_gh, s_dwt, s_dwh, s_dut, s_duh,
+    s_git, s_gih, s_dkt, s_dkh, s_dvt, s_dvh, s_dbt, s_dbh, s_dgt, s_dgh,
     kv_group,  # HV // H
-    K: tl.constexpr,
-    V: tl.constexpr,
-    BT: tl.constexpr,
-    BK: tl.constexpr,
-    BV: tl.constexpr,
+    K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     USE_QK_L2NORM: tl.constexpr,
     DOT_PRECISION: tl.constexpr,  # products of two input-data tiles: "ieee" for fp32 inputs
     MMA_BF16: tl.constexpr,  # bf16 inputs: fp32 values rounded once to bf16 where they enter a product
