@@ -144,7 +144,8 @@ def test_a_split_forward_and_backward_replay_from_a_cuda_graph(forward_stages, b
     dev = torch.device("cuda")
     inputs = make_inputs("docs_1_45_0_130_tail4", (2, 6), l2=True, with_h0=True, gates="model", dtype=torch.bfloat16,
                          seed=8)
-    args = [inputs[name].to(dev) for name in ("q", "k", "v", "g", "beta")]
+    args = [inputs[name].to(torch.float32 if name == "g" else torch.bfloat16).to(dev)  # the data bf16, g fp32
+            for name in ("q", "k", "v", "g", "beta")]
     kwargs = {"scale": inputs["q"].shape[-1] ** -0.5, "initial_state": inputs["initial_state"].to(dev),
               "cu_seqlens": inputs["cu_seqlens"], "use_qk_l2norm": True}
     do = torch.randn(args[2].shape, device=dev).to(torch.bfloat16)
