@@ -196,7 +196,7 @@ def _fake_tensors(dtype: torch.dtype, heads: int, value_heads: int, dim_k: int, 
                   aligned: bool = False) -> tuple:
     """Fake tensors of the compiled signature: symbolic tokens, chunks and documents; q, k, v, g and beta
     with any token and head strides (packed views; with ``aligned``, q, k, v with 16-byte aligned
-    bases and strides, and ``a`` 16-byte aligned), the rest contiguous."""
+    bases and strides, and ``a`` and ``o`` 16-byte aligned), the rest contiguous."""
     cdt = DTYPES[dtype]
     tokens, chunks, docs, docs1 = cute.sym_int(), cute.sym_int(), cute.sym_int(), cute.sym_int()
     vector = 16 // dtype.itemsize if aligned else 1
@@ -220,7 +220,8 @@ def _fake_tensors(dtype: torch.dtype, heads: int, value_heads: int, dim_k: int, 
     state = (value_heads * dim_k * dim_v, dim_k * dim_v, dim_v, 1)
     h0 = cute.runtime.make_fake_tensor(Float32, (docs, value_heads, dim_k, dim_v), state)
     ht = cute.runtime.make_fake_tensor(Float32, (docs, value_heads, dim_k, dim_v), state)
-    o = cute.runtime.make_fake_tensor(cdt, (tokens, value_heads, dim_v), (value_heads * dim_v, dim_v, 1))
+    o = cute.runtime.make_fake_tensor(cdt, (tokens, value_heads, dim_v), (value_heads * dim_v, dim_v, 1),
+                                      assumed_align=align)
     return q, k, v, g, beta, a, table, offsets, order, h0, ht, o
 
 
@@ -266,7 +267,7 @@ def launch_fused_forward(q, k, v, g, beta, a, chunk_indices, chunk_offsets, orde
     if order.dtype != torch.int32 or order.shape != (chunk_offsets.shape[0] - 1,) or order.device != o.device:
         raise ValueError("launch_fused_forward: order int32 [N] on o's device, a permutation of the documents "
                          "(document_order; its values are not checked: that would read them back)")
-    if form == "head" and (reasons := fused_fwd_head.aligned_reasons(q=q, k=k, v=v, a=a)):
+    if form == "head" and (reasons := fused_fwd_head.aligned_reasons(q=q, k=k, v=v, a=a, o=o)):
         raise ValueError("launch_fused_forward: " + "; ".join(reasons))
     arch = _cd.arch_of(k.device)
     fn = CACHE.get((k.dtype, heads, value_heads, dim_k, dim_v, use_qk_l2norm, form, arch),

@@ -1,10 +1,12 @@
 """The fused chunked forward with one CTA per (document, value head), all value channels: the fourth
-step of the fused forward planned on the GDN page. Same chains, formulas, operand roundings and
-outputs as the tensor-core form (`dsfuse.gdn.cutedsl.fused_fwd_tc`), with what that form repeats
-per 32 value channels done once per value head, and the products' results kept in registers (so two
-sums differ in order: the state update accumulates ``K^T round(Vd)`` onto ``exp(G_last) S`` inside
-the product, and o the intra-chunk product onto ``exp(G) q S``, where that form adds separate
-products):
+step of the fused forward planned on the GDN page. Same chains and formulas as the tensor-core form
+(`dsfuse.gdn.cutedsl.fused_fwd_tc`), with what that form repeats per 32 value channels done once per
+value head, and the products' results kept in registers. Its sums and roundings differ in three
+places: the state update accumulates ``K^T round(Vd)`` onto ``exp(G_last) S`` inside the product, and
+o the intra-chunk product onto ``exp(G) q S``, where that form adds separate products; and the L2
+norm's scales multiply the products' rows and columns (``rstd_q``, ``rstd_k``) and the decayed
+``v_new``'s rows (``rstd_k``, before its rounding), so q and k enter the products as read, unrounded
+twice:
 
 - 8 warps (2 x 4 over N and M of each ``mma.sync`` product), one CTA per chain: the q and k rows,
   their L2-norm scales, ``q k^T`` and the gated ``A0`` are made once per value head and chunk (the
@@ -19,17 +21,18 @@ products):
   cumulative gate by a warp scan; both in a fixed order.
 - The chunk's q, k, v rows and ``A0`` rows arrive by 16-byte ``cp.async`` copies into swizzled tiles,
   and every product's operands by ``ldmatrix`` (``.trans`` where the operand is stored transposed:
-  the state, X, ``v_new`` and ``k^T``); so q, k and v need 16-byte aligned rows (`aligned_reasons`).
+  the state, X, ``v_new`` and ``k^T``); o leaves through shared memory in 16-byte stores. So q, k, v
+  and o need 16-byte aligned rows (`aligned_reasons`).
 
 Per chunk, 6 barriers: (1) q, k, v, A0 rows, g, beta loaded and the rounded state stored; (2) scales and the
-cumulative gate; (3) normalised q, k, the gate vectors, ``round(A0 * Gamma)``; (4) ``q k^T`` and ``k S``,
+cumulative gate; (3) the rows' factors, ``round(A0 * Gamma)``; (4) ``q k^T`` and ``k S``,
 then ``round((q k^T) * Gamma)`` and ``round(X)`` stored; (5) ``v_new`` and its decayed copy stored,
-rounded; (6) the output (``q S``, scaled by ``exp(G)`` in the accumulator, then the intra-chunk
-product added to it) and the state update. Not pipelined and not warp-specialised: the
-loads and the products still follow each other (the next step).
+rounded; (6) the output (``q S``, scaled by ``exp(G) rstd_q`` in the accumulator, then the intra-chunk
+product added to it) stored rounded, and the state update; o's rows then go to memory. Not pipelined
+and not warp-specialised: the loads and the products still follow each other (the next step).
 
-Shared memory at K = V = 128, bf16: q, k 16 KiB each, the rounded state 32 KiB, X, ``v_new`` and its
-decayed copy (v's rows before that) 16 KiB each, the two gated 64 x 64 tiles 8 KiB each, ``A0``'s
+Shared memory at K = V = 128, bf16: q, k 16 KiB each, the rounded state 32 KiB, X (o after it),
+``v_new`` and its decayed copy (v's rows before that) 16 KiB each, the two gated 64 x 64 tiles 8 KiB each, ``A0``'s
 rows 16 KiB in fp32: about 145 KiB, one CTA per SM.
 """
 
@@ -61,7 +64,7 @@ def shape_reasons(dim_k: int, dim_v: int) -> list[str]:
 
 
 def aligned_reasons(**tensors: torch.Tensor) -> list[str]:
-    """Why the per-head form cannot read these ``[T, heads, D]`` tensors with 16-byte copies (empty
+    """Why the per-head form cannot read or write these ``[T, heads, D]`` tensors with 16-byte copies (empty
     when it can): a base address or a token or head stride that is not a multiple of 16 bytes."""
     return [f"{name} needs a 16-byte aligned base and token and head strides (got address "
             f"{x.data_ptr()} and strides {tuple(x.stride())} in {x.element_size()}-byte elements)"
@@ -69,13 +72,14 @@ def aligned_reasons(**tensors: torch.Tensor) -> list[str]:
             if x.data_ptr() % ALIGN or any(s * x.element_size() % ALIGN for s in x.stride()[:2])]
 
 
-def _copy_rows(dtype, width: int):
-    """The tiled 16-byte ``cp.async`` of a ``[rows, width]`` tile by the CTA: ``width / vector``
-    threads a row, each row a contiguous run of ``width`` elements in memory."""
+def _copy_rows(dtype, width: int, store: bool = False):
+    """The tiled 16-byte copy of a ``[rows, width]`` tile by the CTA, ``width / vector`` threads a
+    row, each row a contiguous run of ``width`` elements in memory: ``cp.async`` into shared memory,
+    or (``store``) plain 16-byte stores from shared memory to memory."""
     vector = 128 // dtype.width
     per_row = width // vector
-    atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), dtype,
-                               num_bits_per_copy=128)
+    op = cute.nvgpu.CopyUniversalOp() if store else cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL)
+    atom = cute.make_copy_atom(op, dtype, num_bits_per_copy=128)
     return cute.make_tiled_copy_tv(atom, cute.make_layout((THREADS // per_row, per_row), stride=(per_row, 1)),
                                    cute.make_layout((1, vector)))
 
@@ -95,6 +99,20 @@ def _start_rows(copy: cute.TiledCopy, tidx: Int32, mX: cute.Tensor, sX: cute.Ten
             cute.copy(copy, tXg[None, m, None], tXs[None, m, None])
         else:
             tXs[None, m, None].fill(0)
+
+
+@cute.jit
+def _store_rows(copy: cute.TiledCopy, tidx: Int32, sX: cute.Tensor, mX: cute.Tensor, start: Int32, rows: Int32,
+                head: Int32):
+    """Rows ``0 .. rows - 1`` of ``sX`` into rows ``start ..`` of ``mX[:, head, :]``, 16 bytes a store."""
+    shape = (cute.size(sX, mode=[0]), cute.size(sX, mode=[1]))
+    gX = cute.local_tile(cute.domain_offset((start, 0), mX[None, head, None]), shape, (0, 0))
+    part = copy.get_slice(tidx)
+    tXs, tXg = part.partition_S(sX), part.partition_D(gX)
+    tXc = part.partition_S(cute.make_identity_tensor(shape))
+    for m in cutlass.range_constexpr(cute.size(tXs, mode=[1])):
+        if tXc[0, m, 0][0] < rows:
+            cute.copy(copy, tXs[None, m, None], tXg[None, m, None])
 
 
 _tile, _vector = chunk.tile, chunk.vector
@@ -163,12 +181,16 @@ class FusedForwardHead(chunk.ChainKernel):
         tile = _mma.swizzled_tile
         sQ, sK = tile(smem, ab, C, K), tile(smem, ab, C, K)  # the operands, rounded
         sSb = tile(smem, ab, K, V)  # the state at the chunk's start, rounded
-        sX, sVn, sVd = tile(smem, ab, C, V), tile(smem, ab, C, V), tile(smem, ab, C, V)  # sVd: v's rows first
+        # sX: then o, rounded; sVd: v's rows first
+        sX, sVn, sVd = tile(smem, ab, C, V), tile(smem, ab, C, V), tile(smem, ab, C, V)
         sQKg, sAg = tile(smem, ab, C, C), tile(smem, ab, C, C)
         sA = _tile(smem, Float32, C, C)  # A0's rows
-        sG, sBeta, sEG, sDec = _vector(smem, C), _vector(smem, C), _vector(smem, C), _vector(smem, C)
+        sG, sBeta = _vector(smem, C), _vector(smem, C)
+        # the rows' factors: exp(G) rstd_q (o), exp(G) rstd_k (X), exp(G_last - G) rstd_k (the state update)
+        sEGq, sEGk, sDec = _vector(smem, C), _vector(smem, C), _vector(smem, C)
         sRstd = _vector(smem, 2 * C)
         copy_k, copy_v, copy_a = _copy_rows(ab, K), _copy_rows(ab, V), _copy_rows(Float32, C)
+        store_o = _copy_rows(ab, V, store=True)
 
         mma = _mma.tiled_mma(ab, WARPS_MN, ldmatrix=True)
         thr = mma.get_slice(tidx)
@@ -211,15 +233,13 @@ class FusedForwardHead(chunk.ChainKernel):
                 _cumulative_gate(lane, sG)
             cute.arch.sync_threads()
 
-            # 3. normalised, rounded q and k; the gate vectors; round(A0 * Gamma)
-            if const_expr(self.l2norm):
-                for item in cutlass.range(C * K // THREADS, unroll=4):
-                    r, c = chunk.cell(tidx, item, K, THREADS)
-                    sQ[r, c] = (sQ[r, c].to(Float32) * sRstd[r]).to(ab)
-                    sK[r, c] = (sK[r, c].to(Float32) * sRstd[C + r]).to(ab)
+            # 3. the rows' factors (the L2 norm's scales folded in: q and k stay as read); round(A0 * Gamma)
             if tidx < C:
-                sEG[tidx] = cute.math.exp(sG[tidx])
-                sDec[tidx] = cute.math.exp(sG[C - 1] - sG[tidx])
+                eg, dec = cute.math.exp(sG[tidx]), cute.math.exp(sG[C - 1] - sG[tidx])
+                rq, rk = Float32(1.0), Float32(1.0)
+                if const_expr(self.l2norm):
+                    rq, rk = sRstd[tidx], sRstd[C + tidx]
+                sEGq[tidx], sEGk[tidx], sDec[tidx] = eg * rq, eg * rk, dec * rk
             for item in cutlass.range(C * C // THREADS, unroll=4):
                 i, j = chunk.cell(tidx, item, C, THREADS)
                 gated = Float32(0.0)
@@ -229,7 +249,7 @@ class FusedForwardHead(chunk.ChainKernel):
             cute.arch.sync_threads()
 
             # 4. q k^T and k S on the tensor cores; then, in registers, round((q k^T) * Gamma) and
-            #    round(X), X = beta (v - exp(G) k S), into shared memory
+            #    round(X), X = beta (v - exp(G) k S), into shared memory (q, k: the normalised rows)
             acc_f = _mma.accumulator(mma, tidx, (C, C))
             gemm(mma, acc_f, ops_qk)
             acc_p = _mma.accumulator(mma, tidx, (C, V))
@@ -239,15 +259,18 @@ class FusedForwardHead(chunk.ChainKernel):
                 qk = Float32(0.0)
                 if c <= r:
                     qk = acc_f[i] * cute.math.exp(sG[r] - sG[c])
+                    if const_expr(self.l2norm):
+                        qk = qk * (sRstd[r] * sRstd[C + c])
                 acc_f[i] = qk
             for i in cutlass.range_constexpr(cute.size(acc_p)):
                 r, c = cCV[i][0], cCV[i][1]
-                acc_p[i] = sBeta[r] * (sVd[r, c].to(Float32) - sEG[r] * acc_p[i])
+                acc_p[i] = sBeta[r] * (sVd[r, c].to(Float32) - sEGk[r] * acc_p[i])
             cute.autovec_copy(_mma.rounded(acc_f, ab), thr.partition_C(sQKg))
             cute.autovec_copy(_mma.rounded(acc_p, ab), thr.partition_C(sX))
             cute.arch.sync_threads()
 
-            # 5. v_new = round(A0 * Gamma) round(X); stored rounded, and decayed to the chunk's end
+            # 5. v_new = round(A0 * Gamma) round(X); stored rounded, and decayed to the chunk's end (times
+            #    rstd_k: the state update's K^T is then the raw k's)
             acc_vn = _mma.accumulator(mma, tidx, (C, V))
             gemm(mma, acc_vn, ops_vn)
             cute.autovec_copy(_mma.rounded(acc_vn, ab), thr.partition_C(sVn))
@@ -256,23 +279,24 @@ class FusedForwardHead(chunk.ChainKernel):
             cute.autovec_copy(_mma.rounded(acc_vn, ab), thr.partition_C(sVd))
             cute.arch.sync_threads()
 
-            # 6. o = scale (exp(G) q S + round((q k^T) * Gamma) round(v_new)) of the chunk's real rows
-            #    (q S made here, not kept from step 4: fewer registers live across steps 5 and 6);
+            # 6. o = scale (exp(G) q S + round((q k^T) * Gamma) round(v_new)), rounded into sX (free since
+            #    step 5), its real rows then stored 16 bytes at a time (q S made here, not kept from step
+            #    4: fewer registers live across steps 5 and 6);
             #    S = exp(G_last) S + K^T round(Vd) (G is flat past the chunk's end: G_last is the last real G)
             acc_o = _mma.accumulator(mma, tidx, (C, V))
             gemm(mma, acc_o, ops_qs)
             for i in cutlass.range_constexpr(cute.size(acc_o)):
-                acc_o[i] = sEG[cCV[i][0]] * acc_o[i]
+                acc_o[i] = sEGq[cCV[i][0]] * acc_o[i]
             gemm(mma, acc_o, ops_o)
             for i in cutlass.range_constexpr(cute.size(acc_o)):
-                r, c = cCV[i][0], cCV[i][1]
-                if r < rows:
-                    mO[start + r, i_hv, c] = (scale * acc_o[i]).to(mO.element_type)
-            last = sEG[C - 1]
+                acc_o[i] = scale * acc_o[i]
+            cute.autovec_copy(_mma.rounded(acc_o, ab), thr.partition_C(sX))
+            last = cute.math.exp(sG[C - 1])
             for i in cutlass.range_constexpr(cute.size(acc_s)):
                 acc_s[i] = last * acc_s[i]
             gemm(mma, acc_s, ops_u)
             cute.arch.sync_threads()
+            _store_rows(store_o, tidx, sX, mO, start, rows, i_hv)  # sX is next written in step 4
 
         for i in cutlass.range_constexpr(cute.size(acc_s)):
             mHt[i_n, i_hv, cKV[i][0], cKV[i][1]] = acc_s[i]
