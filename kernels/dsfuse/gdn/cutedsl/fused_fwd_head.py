@@ -17,8 +17,10 @@ twice:
 - Elementwise work runs on the accumulators where they are, by their coordinates
   (`dsfuse.gdn.cutedsl.mma.coordinates`): the mask and decays of ``q k^T``, ``X = beta (v - exp(G) k S)``
   with v's rows from shared memory, the decay of ``v_new``, ``o`` written straight to memory.
-- The L2-norm scales by warp reductions (a row per warp and pass, lanes over the row's channels), the
-  cumulative gate by a warp scan; both in a fixed order.
+- The L2-norm scales by all threads, each summing the squares of its 16-byte pieces of the q and k
+  rows (those its ``cp.async`` copied), then the row's threads adding theirs by shuffles; the
+  cumulative gate by a warp scan; both in a fixed order. ``round(A0 * Gamma)`` likewise in 16-byte
+  pieces of a row.
 - The chunk's q, k, v rows and ``A0`` rows arrive by 16-byte ``cp.async`` copies into swizzled tiles,
   and every product's operands by ``ldmatrix`` (``.trans`` where the operand is stored transposed:
   the state, X, ``v_new`` and ``k^T``); o leaves through shared memory in 16-byte stores. So q, k, v
@@ -119,23 +121,44 @@ _tile, _vector = chunk.tile, chunk.vector
 
 
 @cute.jit
-def _row_scales(warp: Int32, lane: Int32, sQ: cute.Tensor, sK: cute.Tensor, sRstd: cute.Tensor):
-    """``sRstd``: ``rsqrt(sum(x^2) + eps)`` of the q rows (``[0, C)``, warps 0-3) and the k rows
-    (``[C, 2C)``, warps 4-7): each warp a row at a time, lane ``l`` summing channels ``l, l + 32, ..``,
-    then a butterfly sum (the same bits on every lane)."""
-    C = cute.size(sQ, mode=[0])
-    half = WARPS // 2
-    per_warp = C // half
-    for rr in cutlass.range_constexpr(per_warp):
-        r = (warp % half) * per_warp + rr
+def _row_scales(copy: cute.TiledCopy, tidx: Int32, sX: cute.Tensor, sRstd: cute.Tensor, first: cutlass.Constexpr):
+    """``sRstd[first + r]``: ``rsqrt(sum(x^2) + eps)`` of each row ``r`` of ``sX``, by the threads of the
+    rows' copy (`_copy_rows`): each squares and sums its 16-byte pieces of a row in fp32, then the
+    row's threads add their sums by butterfly shuffles (a fixed order: the same bits every call)."""
+    part = copy.get_slice(tidx)
+    tXs = part.partition_D(sX)
+    tXc = part.partition_D(cute.make_identity_tensor((cute.size(sX, mode=[0]), cute.size(sX, mode=[1]))))
+    per_row = cute.size(sX, mode=[1]) // cute.size(tXs, mode=[0])
+    for m in cutlass.range_constexpr(cute.size(tXs, mode=[1])):
+        piece = cute.make_fragment_like(tXs[None, m, 0])
+        cute.autovec_copy(tXs[None, m, 0], piece)
         total = Float32(0.0)
-        if warp < half:
-            total = chunk.lane_sum_squares(sQ, r, lane)
-        else:
-            total = chunk.lane_sum_squares(sK, r, lane)
-        total = cute.arch.warp_reduction(total, lambda a, b: a + b)
-        if lane == 0:
-            sRstd[(warp // half) * C + r] = cute.math.rsqrt(total + Float32(L2NORM_EPS))
+        for e in cutlass.range_constexpr(cute.size(piece)):
+            x = piece[e].to(Float32)
+            total = total + x * x
+        total = cute.arch.warp_reduction(total, lambda a, b: a + b, threads_in_group=per_row)
+        if tidx % per_row == 0:
+            sRstd[first + tXc[0, m, 0][0]] = cute.math.rsqrt(total + Float32(L2NORM_EPS))
+
+
+@cute.jit
+def _gated_rows(copy: cute.TiledCopy, tidx: Int32, sA: cute.Tensor, sG: cute.Tensor, sAg: cute.Tensor):
+    """``sAg = round(A0 * Gamma)``, ``Gamma[i, j] = exp(G[i] - G[j])`` on and below the diagonal (zeros
+    above), by the threads of a copy of ``sAg``'s rows: 16-byte pieces of a row, stored whole."""
+    part = copy.get_slice(tidx)
+    tOs = part.partition_D(sAg)
+    tOc = part.partition_D(cute.make_identity_tensor((cute.size(sAg, mode=[0]), cute.size(sAg, mode=[1]))))
+    for m in cutlass.range(cute.size(tOs, mode=[1]), unroll=1):  # one piece at a time: fewer live registers
+        piece = cute.make_fragment_like(tOs[None, m, 0])
+        i = tOc[0, m, 0][0]
+        g_i = sG[i]
+        for e in cutlass.range_constexpr(cute.size(piece)):
+            j = tOc[e, m, 0][1]
+            gated = Float32(0.0)
+            if j <= i:
+                gated = sA[i, j] * cute.math.exp(g_i - sG[j])
+            piece[e] = gated.to(sAg.element_type)
+        cute.autovec_copy(piece, tOs[None, m, 0])
 
 
 @cute.jit
@@ -191,6 +214,7 @@ class FusedForwardHead(chunk.ChainKernel):
         sRstd = _vector(smem, 2 * C)
         copy_k, copy_v, copy_a = _copy_rows(ab, K), _copy_rows(ab, V), _copy_rows(Float32, C)
         store_o = _copy_rows(ab, V, store=True)
+        copy_c = _copy_rows(ab, C)  # its partition only: the threads' 16-byte pieces of round(A0 * Gamma)
 
         mma = _mma.tiled_mma(ab, WARPS_MN, ldmatrix=True)
         thr = mma.get_slice(tidx)
@@ -228,7 +252,8 @@ class FusedForwardHead(chunk.ChainKernel):
 
             # 2. the rows' L2-norm scales; G = cumsum(g) (warp 0, after its rows)
             if const_expr(self.l2norm):
-                _row_scales(warp, lane, sQ, sK, sRstd)
+                _row_scales(copy_k, tidx, sQ, sRstd, 0)
+                _row_scales(copy_k, tidx, sK, sRstd, C)
             if warp == 0:
                 _cumulative_gate(lane, sG)
             cute.arch.sync_threads()
@@ -240,12 +265,7 @@ class FusedForwardHead(chunk.ChainKernel):
                 if const_expr(self.l2norm):
                     rq, rk = sRstd[tidx], sRstd[C + tidx]
                 sEGq[tidx], sEGk[tidx], sDec[tidx] = eg * rq, eg * rk, dec * rk
-            for item in cutlass.range(C * C // THREADS, unroll=4):
-                i, j = chunk.cell(tidx, item, C, THREADS)
-                gated = Float32(0.0)
-                if j <= i:
-                    gated = sA[i, j] * cute.math.exp(sG[i] - sG[j])
-                sAg[i, j] = gated.to(ab)
+            _gated_rows(copy_c, tidx, sA, sG, sAg)
             cute.arch.sync_threads()
 
             # 4. q k^T and k S on the tensor cores; then, in registers, round((q k^T) * Gamma) and
