@@ -10,6 +10,7 @@ import pytest
 import torch
 from conftest import cutedsl_or_skip
 from dsfuse.gdn.reference import (
+    L2NORM_EPS,
     chunk_gdn_reference,
     decay_matrix,
     l2norm,
@@ -55,18 +56,23 @@ def _to_bf16(x):
     return x.to(torch.bfloat16).to(x.dtype)
 
 
-def _fused_in_float64(q, k, v, g, beta, scale, h0, cu, l2, rnd=_exact):
+def _fused_in_float64(q, k, v, g, beta, scale, h0, cu, l2, rnd=_exact, fold=False):
     """The kernels' per-chunk formulas, written with torch in float64 (their arithmetic order aside).
-    ``rnd`` is applied where the tensor-core form rounds an operand to the input dtype (`_to_bf16`
-    emulates it; the identity gives the first form's exact formulas)."""
+    ``rnd`` is applied where the tensor-core forms round an operand to the input dtype (`_to_bf16`
+    emulates it; the identity gives the first form's exact formulas). With the L2 norm, the
+    tensor-core form normalises q and k and rounds them; the per-head form (``fold``) keeps them as
+    read and multiplies the products' rows and columns (and the decayed ``v_new``) by the scales."""
     group = v.shape[1] // q.shape[1]
-    if l2:
+    rq = rk = torch.ones_like(q[..., :1])  # the scales the products take (exactly 1: no effect)
+    if l2 and fold:
+        rq, rk = (((x * x).sum(-1, keepdim=True) + L2NORM_EPS).rsqrt() for x in (q, k))
+    elif l2:
         q, k = rnd(l2norm(q)), rnd(l2norm(k))
-    q, k = q.repeat_interleave(group, 1), k.repeat_interleave(group, 1)
+    q, k, rq, rk = (x.repeat_interleave(group, 1) for x in (q, k, rq, rk))
     ci = prepare_chunk_indices(cu)
-    qc, kc, vc, gc, bc = (to_chunks(x, ci) for x in (q, k, v, g, beta))
+    qc, kc, vc, gc, bc, rqc, rkc = (to_chunks(x, ci) for x in (q, k, v, g, beta, rq, rk))
     G = gc.cumsum(-1)  # [NC, HV, C]
-    a0 = ut_transform(kc, bc, torch.zeros_like(G))
+    a0 = ut_transform(kc * rkc, bc, torch.zeros_like(G))  # the inverse normalises k itself
     gamma = decay_matrix(G, include_diagonal=True)
     states = list(h0.unbind(0))
     o = torch.zeros_like(v)
@@ -74,43 +80,47 @@ def _fused_in_float64(q, k, v, g, beta, scale, h0, cu, l2, rnd=_exact):
         s = states[n]  # [HV, K, V]
         s_op = rnd(s)
         e = G[c].exp()[..., None]  # [HV, C, 1]
-        x = rnd(bc[c][..., None] * (vc[c] - e * (kc[c] @ s_op)))
+        x = rnd(bc[c][..., None] * (vc[c] - e * rkc[c] * (kc[c] @ s_op)))
         v_new = rnd(a0[c] * gamma[c]) @ x
-        intra = rnd((qc[c] @ kc[c].transpose(-1, -2)) * gamma[c]) @ rnd(v_new)
-        oc = scale * (e * (qc[c] @ s_op) + intra)
+        qk = (qc[c] @ kc[c].transpose(-1, -2)) * rqc[c] * rkc[c].transpose(-1, -2)
+        intra = rnd(qk * gamma[c]) @ rnd(v_new)
+        oc = scale * (e * rqc[c] * (qc[c] @ s_op) + intra)
         o[start:end] = oc[:, : end - start].transpose(0, 1)
         last = G[c][:, -1]
         dec = (last[:, None] - G[c]).exp()[..., None]
-        states[n] = last.exp()[:, None, None] * s + kc[c].transpose(-1, -2) @ rnd(dec * v_new)
+        states[n] = last.exp()[:, None, None] * s + kc[c].transpose(-1, -2) @ rnd(dec * rkc[c] * v_new)
     return o, torch.stack(states)
 
 
-@pytest.mark.parametrize("l2", [True, False])
-def test_the_formulas_match_the_chunked_reference(l2):
-    """The ungated inverse times the decays, ``X = beta (v - e^G k S)`` and the rest (float64, CPU)."""
+@pytest.mark.parametrize(("l2", "fold"), [(True, False), (True, True), (False, False)])
+def test_the_formulas_match_the_chunked_reference(l2, fold):
+    """The ungated inverse times the decays, ``X = beta (v - e^G k S)`` and the rest, the L2 norm's
+    scales applied to q and k or to the products (float64, CPU)."""
     t, h, hv, dk, dv = _bounds()[-1] + 5, 2, 4, 32, 16
     q, k, v, g, beta, h0 = (x.to(F64) for x in _inputs(t, h, hv, dk, dv, F64, "cpu", l2=l2))
     cu = _bounds()
-    o, ht = _fused_in_float64(q, k, v, g, beta, dk**-0.5, h0, cu, l2)
+    o, ht = _fused_in_float64(q, k, v, g, beta, dk**-0.5, h0, cu, l2, fold=fold)
     o_ref, ht_ref = chunk_gdn_reference(q[None], k[None], v[None], g[None], beta[None], initial_state=h0,
                                         output_final_state=True, cu_seqlens=cu, use_qk_l2norm_in_kernel=l2)
     torch.testing.assert_close(o, o_ref[0], rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(ht, ht_ref, rtol=1e-10, atol=1e-10)
 
 
-@pytest.mark.parametrize("l2", [True, False])
-def test_the_tensor_core_forms_roundings_keep_the_contract(l2):
-    """Where the tensor-core form rounds operands to bf16 (emulated in float64 at the GPU test's
+@pytest.mark.parametrize(("l2", "fold"), [(True, False), (True, True), (False, False)])
+def test_the_tensor_core_forms_roundings_keep_the_contract(l2, fold):
+    """Where the tensor-core forms round operands to bf16 (emulated in float64 at the GPU test's
     largest shape, bf16 inputs): o (rounded to bf16) and the final states within the op's contract,
-    0.005 relative RMS against float64 (about 0.004 and 0.0024 with the L2 norm; o's own rounding
-    alone is about 0.0017), the bound the GPU test applies to the kernel."""
+    0.005 relative RMS against float64 (with the L2 norm about 0.004 and 0.0024 where q and k are
+    normalised and rounded, the tensor-core form; about 0.0033 and 0.0020 where the scales go to the
+    products, the per-head form; o's own rounding alone is about 0.0017), the bound the GPU test
+    applies to the kernels."""
     from dsfuse.bench.gdn import TOLERANCES
 
     cu = _bounds()
     t, h, hv, dk, dv = cu[-1] + 7, 16, 48, 128, 128
     q, k, v, g, beta, h0 = _inputs(t, h, hv, dk, dv, torch.bfloat16, "cpu", seed=1, l2=l2)
     q, k, v, g, beta = (x.to(F64) for x in (q, k, v, g, beta))
-    o, ht = _fused_in_float64(q, k, v, g, beta, dk**-0.5, h0.to(F64), cu, l2, rnd=_to_bf16)
+    o, ht = _fused_in_float64(q, k, v, g, beta, dk**-0.5, h0.to(F64), cu, l2, rnd=_to_bf16, fold=fold)
     o_ref, ht_ref = chunk_gdn_reference(q[None], k[None], v[None], g[None], beta[None], initial_state=h0.to(F64),
                                         output_final_state=True, cu_seqlens=cu, use_qk_l2norm_in_kernel=l2)
     assert_rel_rms(_to_bf16(o), o_ref[0], TOLERANCES["o"], "o")
