@@ -145,6 +145,11 @@ def test_refuses_what_it_cannot_compile():
     reasons = module.shape_reasons(torch.bfloat16, 16, 48, 32, 160, form="head")
     assert len(reasons) == 2 and "K = 64 or 128, not 32" in reasons[0] and "V = 64 or 128, not 160" in reasons[1]
     assert "V = 64 or 128, not 96" in module.shape_reasons(torch.bfloat16, 4, 4, 128, 96, form="head")[0]
+    assert module.shape_reasons(torch.float16, 16, 48, 128, 128, form="head") == []
+    assert "fp16 only without the L2 norm" in module.shape_reasons(torch.float16, 16, 48, 128, 128, form="head",
+                                                                   use_qk_l2norm=True)[0]
+    with pytest.raises(ValueError, match="fp16 only without the L2 norm"):
+        module.compile_fused_forward(torch.float16, 16, 48, 128, 128, True, "sm_90a", form="head")
     with pytest.raises(ValueError, match="form is one of"):
         module.shape_reasons(torch.bfloat16, 16, 48, 128, 128, form="tc")
 
@@ -205,6 +210,10 @@ def test_tensor_core_forms_match_the_float64_reference(form, dtype, l2, dims):
 
     if form == "head" and dims[3] not in (64, 128):
         pytest.skip("the per-head form takes V = 64 or 128 (test_refuses_what_it_cannot_compile)")
+    if form == "head" and dtype == torch.float16 and l2:
+        with pytest.raises(ValueError, match="fp16 only without the L2 norm"):  # refused before any launch
+            _run_on_gpu(dtype, l2, dims, form)
+        return
     o, ht, o_ref, ht_ref, _ = _run_on_gpu(dtype, l2, dims, form)
     assert_rel_rms(o, o_ref, TOLERANCES["o"], "o")
     assert_rel_rms(ht, ht_ref, TOLERANCES["final_state"], "final state")
@@ -231,6 +240,9 @@ def test_the_per_head_form_refuses_rows_it_cannot_copy_in_16_bytes():
     h0 = torch.zeros(1, h, d, d)
     with pytest.raises(ValueError, match="q needs a 16-byte aligned base"):
         launch_fused_forward(q, k, v, g, beta, a, ci, co, order, h0, h0.clone(), o, 1.0, form="head")
+    for bad in (o.float(), o[:-1]):  # o in another dtype or shape than v: refused before the alignment
+        with pytest.raises(ValueError, match=r"o must be \[T, HV, V\] in v's dtype"):
+            launch_fused_forward(q, k, v, g, beta, a, ci, co, order, h0, h0.clone(), bad, 1.0, form="head")
 
 
 def test_documents_start_longest_first():

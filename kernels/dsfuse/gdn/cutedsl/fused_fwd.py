@@ -50,9 +50,10 @@ document and value head, results in registers)."""
 
 
 def shape_reasons(dtype: torch.dtype, heads: int, value_heads: int, dim_k: int, dim_v: int,
-                  form: str = "cuda_core") -> list[str]:
+                  form: str = "cuda_core", use_qk_l2norm: bool = False) -> list[str]:
     """Why the kernel cannot be compiled for these sizes (empty when it can): the inverse's, V's, and
-    for the tensor-core forms a 16-bit dtype (and the per-head form's head dims)."""
+    for the tensor-core forms a 16-bit dtype (and the per-head form's head dims, and fp16 with the L2
+    norm)."""
     if form not in FORMS:
         raise ValueError(f"the fused forward's form is one of {FORMS}, not {form!r}")
     reasons = _inverse_reasons(dtype, heads, value_heads, dim_k)
@@ -61,7 +62,7 @@ def shape_reasons(dtype: torch.dtype, heads: int, value_heads: int, dim_k: int, 
     if form != "cuda_core" and dtype in DTYPES and dtype not in TC_DTYPES:
         reasons.append(f"the {form} form takes {' or '.join(map(str, TC_DTYPES))} inputs, not {dtype}")
     if form == "head":
-        reasons += fused_fwd_head.shape_reasons(dim_k, dim_v)
+        reasons += fused_fwd_head.shape_reasons(dim_k, dim_v, dtype, use_qk_l2norm)
     return reasons
 
 
@@ -230,7 +231,7 @@ def compile_fused_forward(dtype: torch.dtype, heads: int, value_heads: int, dim_
     """The kernel of one `FORMS` entry for one configuration, compiled for ``arch`` (``sm_90a``,
     ``sm_100a``; no GPU needed). Called as ``fn(q, k, v, g, beta, a, chunk_indices, chunk_offsets,
     order, h0, ht, o, scale)``."""
-    if reasons := shape_reasons(dtype, heads, value_heads, dim_k, dim_v, form):
+    if reasons := shape_reasons(dtype, heads, value_heads, dim_k, dim_v, form, l2norm):
         raise ValueError("the CuTe DSL fused forward cannot compile this: " + "; ".join(reasons))
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     kernel = {"cuda_core": _FusedForward, "tensor_core": FusedForwardTC, "head": FusedForwardHead}[form]
@@ -257,11 +258,15 @@ def launch_fused_forward(q, k, v, g, beta, a, chunk_indices, chunk_offsets, orde
     `dsfuse.gdn.cutedsl.ut_inverse.launch_ut_inverse` with the same k, beta and L2 norm;
     ``chunk_indices`` int32 ``[NC, 3]``, ``chunk_offsets`` int32 ``[N + 1]``, ``order`` int32 ``[N]``
     (`document_order`, any permutation of the documents); ``h0`` fp32 (zeros for
-    none), ``ht``, ``o`` contiguous. ``form``: one of `FORMS` (the tensor-core ones take bf16 / fp16)."""
+    none), ``ht``, ``o`` contiguous (``o`` ``[T, HV, V]`` in v's dtype; 16-byte aligned for the per-head
+    form). ``form``: one of `FORMS` (the tensor-core ones take bf16 / fp16)."""
     heads, dim_k = k.shape[1:]
     value_heads, dim_v = v.shape[1:]
     if not (q.dtype == k.dtype == v.dtype == beta.dtype and g.dtype == a.dtype == torch.float32):
         raise ValueError("launch_fused_forward: q, k, v, beta in one dtype; g and a fp32")
+    if o.dtype != v.dtype or o.shape != v.shape:
+        raise ValueError(f"launch_fused_forward: o must be [T, HV, V] in v's dtype {tuple(v.shape)} {v.dtype}, "
+                         f"got {tuple(o.shape)} {o.dtype}")
     if any(x.stride(-1) != 1 for x in (q, k, v)) or not all(x.is_contiguous() for x in (a, h0, ht, o)):
         raise ValueError("launch_fused_forward: q, k, v need unit channel stride; a, h0, ht, o contiguous")
     if order.dtype != torch.int32 or order.shape != (chunk_offsets.shape[0] - 1,) or order.device != o.device:

@@ -15,8 +15,8 @@ twice:
   thread at K = V = 128): ``S = exp(G_last) S + K^T round(Vd)`` accumulates into it, and only its
   rounded copy goes to shared memory, as the B operand of ``k S`` and ``q S``.
 - Elementwise work runs on the accumulators where they are, by their coordinates
-  (`dsfuse.gdn.cutedsl.mma.coordinates`): the mask and decays of ``q k^T``, ``X = beta (v - exp(G) k S)``
-  with v's rows from shared memory, the decay of ``v_new``, ``o`` written straight to memory.
+  (`dsfuse.gdn.cutedsl.mma.coordinates`): the mask, decays and L2-norm scales of ``q k^T``,
+  ``X = beta (v - exp(G) k S)`` with v's rows from shared memory, the decay of ``v_new``, o's scale.
 - The L2-norm scales by all threads, each summing the squares of its 16-byte pieces of the q and k
   rows (those its ``cp.async`` copied), then the row's threads adding theirs by shuffles; the
   cumulative gate by a warp scan; both in a fixed order. ``round(A0 * Gamma)`` likewise in 16-byte
@@ -59,10 +59,14 @@ MAX_DIM = 128  # K and V: the state's accumulators (K V / 256 registers a thread
 ALIGN = 16  # bytes: the cp.async vectors
 
 
-def shape_reasons(dim_k: int, dim_v: int) -> list[str]:
-    """Why this form cannot take these head dims (empty when it can)."""
-    return [f"the per-head form takes {name} = 64 or {MAX_DIM}, not {dim}"  # whole swizzle atoms and copy passes
-            for name, dim in (("K", dim_k), ("V", dim_v)) if dim not in (64, MAX_DIM)]
+def shape_reasons(dim_k: int, dim_v: int, dtype: torch.dtype = torch.bfloat16, l2norm: bool = False) -> list[str]:
+    """Why this form cannot take these head dims, or this dtype with the L2 norm (empty when it can)."""
+    reasons = [f"the per-head form takes {name} = 64 or {MAX_DIM}, not {dim}"  # whole swizzle atoms and copy passes
+               for name, dim in (("K", dim_k), ("V", dim_v)) if dim not in (64, MAX_DIM)]
+    if dtype == torch.float16 and l2norm:  # bf16 has the range; fp16 tops out at 65504
+        reasons.append("the per-head form takes fp16 only without the L2 norm: it scales the decayed v_new by "
+                       "1 / |k| before rounding it to the input dtype, which overflows fp16 for keys of small norm")
+    return reasons
 
 
 def aligned_reasons(**tensors: torch.Tensor) -> list[str]:
@@ -202,7 +206,7 @@ class FusedForwardHead(chunk.ChainKernel):
 
         smem = cutlass.memory.SmemAllocator()
         tile = _mma.swizzled_tile
-        sQ, sK = tile(smem, ab, C, K), tile(smem, ab, C, K)  # the operands, rounded
+        sQ, sK = tile(smem, ab, C, K), tile(smem, ab, C, K)  # the rows as read (the L2 norm goes to the products)
         sSb = tile(smem, ab, K, V)  # the state at the chunk's start, rounded
         # sX: then o, rounded; sVd: v's rows first
         sX, sVn, sVd = tile(smem, ab, C, V), tile(smem, ab, C, V), tile(smem, ab, C, V)
@@ -269,7 +273,7 @@ class FusedForwardHead(chunk.ChainKernel):
             cute.arch.sync_threads()
 
             # 4. q k^T and k S on the tensor cores; then, in registers, round((q k^T) * Gamma) and
-            #    round(X), X = beta (v - exp(G) k S), into shared memory (q, k: the normalised rows)
+            #    round(X), X = beta (v - exp(G) k S), into shared memory (the L2 norm's scales on the results)
             acc_f = _mma.accumulator(mma, tidx, (C, C))
             gemm(mma, acc_f, ops_qk)
             acc_p = _mma.accumulator(mma, tidx, (C, V))

@@ -23,7 +23,8 @@
   records its ``AOT_SPECS`` (`record_variants`, through `dsfuse._common.aot.record_specs`).
 
 The kernels' tensor arguments are named by what they hold, and each name has one layout (any token
-and head strides, passed as ``s_<x>t, s_<x>h``, and a unit channel stride, unless said otherwise):
+and head strides, passed as ``s_<x>t, s_<x>h`` where a kernel's comments name no other letters, and a
+unit channel stride, unless said otherwise):
 
 * ``q``, ``k``: ``[T, H, K]``; ``w``, ``dw``: ``[T, HV, K]``; ``v``, ``u``, ``v_new`` (``vn``), ``o``,
   ``do`` and their gradients (``du``, ``dv``, ``dv_local``, ``dv_new``): ``[T, HV, V]``; the stages'
