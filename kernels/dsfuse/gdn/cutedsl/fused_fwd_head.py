@@ -90,16 +90,22 @@ def _copy_rows(dtype, width: int, store: bool = False):
                                    cute.make_layout((1, vector)))
 
 
+def _row_pieces(copy: cute.TiledCopy, tidx, mX: cute.Tensor, sX: cute.Tensor, start, head, store: bool):
+    """This thread's pieces of a row copy between rows ``start ..`` of ``mX[:, head, :]`` and ``sX``:
+    ``(source, destination, coordinates)``, memory to ``sX`` or (``store``) back."""
+    shape = (cute.size(sX, mode=[0]), cute.size(sX, mode=[1]))
+    gX = cute.local_tile(cute.domain_offset((start, 0), mX[None, head, None]), shape, (0, 0))
+    part = copy.get_slice(tidx)
+    src, dst = (sX, gX) if store else (gX, sX)
+    return part.partition_S(src), part.partition_D(dst), part.partition_S(cute.make_identity_tensor(shape))
+
+
 @cute.jit
 def _start_rows(copy: cute.TiledCopy, tidx: Int32, mX: cute.Tensor, sX: cute.Tensor, start: Int32, rows: Int32,
                 head: Int32):
     """Start the copy of rows ``start ..`` of ``mX[:, head, :]`` into ``sX``; zeros past the chunk's
     ``rows`` (written now; the copies land by the caller's ``cp_async_wait_group``)."""
-    shape = (cute.size(sX, mode=[0]), cute.size(sX, mode=[1]))
-    gX = cute.local_tile(cute.domain_offset((start, 0), mX[None, head, None]), shape, (0, 0))
-    part = copy.get_slice(tidx)
-    tXg, tXs = part.partition_S(gX), part.partition_D(sX)
-    tXc = part.partition_S(cute.make_identity_tensor(shape))
+    tXg, tXs, tXc = _row_pieces(copy, tidx, mX, sX, start, head, False)
     for m in cutlass.range_constexpr(cute.size(tXs, mode=[1])):
         if tXc[0, m, 0][0] < rows:
             cute.copy(copy, tXg[None, m, None], tXs[None, m, None])
@@ -111,11 +117,7 @@ def _start_rows(copy: cute.TiledCopy, tidx: Int32, mX: cute.Tensor, sX: cute.Ten
 def _store_rows(copy: cute.TiledCopy, tidx: Int32, sX: cute.Tensor, mX: cute.Tensor, start: Int32, rows: Int32,
                 head: Int32):
     """Rows ``0 .. rows - 1`` of ``sX`` into rows ``start ..`` of ``mX[:, head, :]``, 16 bytes a store."""
-    shape = (cute.size(sX, mode=[0]), cute.size(sX, mode=[1]))
-    gX = cute.local_tile(cute.domain_offset((start, 0), mX[None, head, None]), shape, (0, 0))
-    part = copy.get_slice(tidx)
-    tXs, tXg = part.partition_S(sX), part.partition_D(gX)
-    tXc = part.partition_S(cute.make_identity_tensor(shape))
+    tXs, tXg, tXc = _row_pieces(copy, tidx, mX, sX, start, head, True)
     for m in cutlass.range_constexpr(cute.size(tXs, mode=[1])):
         if tXc[0, m, 0][0] < rows:
             cute.copy(copy, tXs[None, m, None], tXg[None, m, None])
