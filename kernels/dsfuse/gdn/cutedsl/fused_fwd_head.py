@@ -5,8 +5,8 @@ value head, and the products' results kept in registers. Its sums and roundings 
 places: the state update accumulates ``K^T round(Vd)`` onto ``exp(G_last) S`` inside the product, and
 o the intra-chunk product onto ``exp(G) q S``, where that form adds separate products; and the L2
 norm's scales multiply the products' rows and columns (``rstd_q``, ``rstd_k``) and the decayed
-``v_new``'s rows (``rstd_k``, before its rounding), so q and k enter the products as read, unrounded
-twice:
+``v_new``'s rows (``rstd_k``, before its rounding), so q and k enter the products as read, with no
+second rounding:
 
 - 8 warps (2 x 4 over N and M of each ``mma.sync`` product), one CTA per chain: the q and k rows,
   their L2-norm scales, ``q k^T`` and the gated ``A0`` are made once per value head and chunk (the
@@ -34,8 +34,8 @@ product added to it) stored rounded, and the state update; o's rows then go to m
 and not warp-specialised: the loads and the products still follow each other (the next step).
 
 Shared memory at K = V = 128, bf16: q, k 16 KiB each, the rounded state 32 KiB, X (o after it),
-``v_new`` and its decayed copy (v's rows before that) 16 KiB each, the two gated 64 x 64 tiles 8 KiB each, ``A0``'s
-rows 16 KiB in fp32: about 145 KiB, one CTA per SM.
+``v_new`` and its decayed copy (v's rows before that) 16 KiB each, the two gated 64 x 64 tiles 8 KiB
+each, ``A0``'s rows 16 KiB in fp32: about 145 KiB, one CTA per SM.
 """
 
 from __future__ import annotations
