@@ -41,7 +41,8 @@ def read(path: Path) -> pd.DataFrame:
 
 def _top_stalls(group: pd.DataFrame, n: int = 3) -> str:
     sums = group[[c for c in group.columns if c.startswith("stall_") and "Not Issued" not in c]].sum()
-    return ", ".join(f"{name[6:]} {value / max(sums.sum(), 1):.0%}" for name, value in sums.nlargest(n).items() if value)
+    total = max(sums.sum(), 1)
+    return ", ".join(f"{name[6:]} {value / total:.0%}" for name, value in sums.nlargest(n).items() if value)
 
 
 def summary(df: pd.DataFrame, top: int = 15) -> str:
@@ -57,7 +58,8 @@ def summary(df: pd.DataFrame, top: int = 15) -> str:
     by_op = df.groupby("opcode")
     for op in by_op[SAMPLES].sum().nlargest(top).index:
         g = by_op.get_group(op)
-        out.append(f"| {op} | {g[SAMPLES].sum() / samples:.1%} | {g[EXECUTED].sum() / executed:.1%} | {_top_stalls(g)} |")
+        shares = f"{g[SAMPLES].sum() / samples:.1%} | {g[EXECUTED].sum() / executed:.1%}"
+        out.append(f"| {op} | {shares} | {_top_stalls(g)} |")
     return "\n".join(out)
 
 
@@ -65,7 +67,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("csv", type=Path, help="the SASS page of an ncu report, as CSV (.csv or .csv.gz)")
     parser.add_argument("--top", type=int, default=15, help="opcodes listed (default 15)")
-    print(summary(read(parser.parse_args().csv), parser.parse_args().top))
+    args = parser.parse_args()
+    print(summary(read(args.csv), args.top))
 
 
 if __name__ == "__main__":
