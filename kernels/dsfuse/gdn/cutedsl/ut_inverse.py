@@ -38,7 +38,9 @@ from cutlass import Float32, Int32, const_expr
 from dsfuse.gdn.cutedsl import mma as _mma
 from dsfuse.gdn.cutedsl.chunk import CHUNK, DTYPES, L2NORM_EPS, THREADS, cell, lane_sum_squares
 
-HEADS_AT_ONCE = THREADS // 32  # value heads solved together: a warp each
+HEADS_AT_ONCE = THREADS // CHUNK  # value heads solved together: a column of A a thread
+BLOCK = 16  # the diagonal blocks of the blocked inverse
+PITCH = CHUNK + 4  # fp32 row pitch of the Gram matrix and A: 16-byte aligned rows, banks shifted 4 a row
 HEAD_DIMS = (32, 64, 128)
 
 
@@ -82,9 +84,9 @@ class _UtInverse:
             sK = _mma.swizzled_tile(smem, kt, C, K)
         else:  # fp32 keys: a row pitch of K + 1 words, so the dot products' column reads hit distinct banks
             sK = smem.allocate_tensor(kt, cute.make_layout((C, K), stride=(K + 1, 1)), byte_alignment=16)
-        sG = smem.allocate_tensor(Float32, cute.make_layout((C, C), stride=(C + 1, 1)), byte_alignment=16)
+        sG = smem.allocate_tensor(Float32, cute.make_layout((C, C), stride=(PITCH, 1)), byte_alignment=16)
         at_once = min(GROUP, HEADS_AT_ONCE)
-        sA = smem.allocate_tensor(Float32, cute.make_layout((at_once, C, C), stride=(C * (C + 1), C + 1, 1)),
+        sA = smem.allocate_tensor(Float32, cute.make_layout((at_once, C, C), stride=(C * PITCH, PITCH, 1)),
                                   byte_alignment=16)
         sRow = smem.allocate_tensor(Float32, cute.make_layout((at_once, C)), byte_alignment=16)
         sRstd = smem.allocate_tensor(Float32, cute.make_layout((C,)), byte_alignment=16)
@@ -129,51 +131,80 @@ class _UtInverse:
                 sG[i, j] = sG[i, j] * sRstd[j]
         cute.arch.sync_threads()
 
+        slot, col = tidx // C, tidx % C  # a value head of the pass, a column of its A
         for base in cutlass.range_constexpr(0, GROUP, at_once):
-            i_hv = i_h * GROUP + base + warp
-            active = warp < at_once and base + warp < GROUP
-            # 3. per value head (a warp each): beta * rstd of each row, 0 past the chunk's end
+            i_hv = i_h * GROUP + base + slot
+            active = slot < at_once and base + slot < GROUP
+            if const_expr(base > 0):  # the last pass's reads of sRow and sA are done
+                cute.arch.sync_threads()
+            # 3. per value head: m_r = beta_r rstd_r of row r = col, 0 past the chunk's end
             if active:
-                for rr in cutlass.range_constexpr(C // 32):
-                    r = lane + 32 * rr
-                    scaled = Float32(0.0)
-                    if r < rows:
-                        scaled = mBeta[start + r, i_hv].to(Float32) * sRstd[r]
-                    sRow[warp, r] = scaled
-            cute.arch.sync_warp()
-
-            # 4. A = (I + M)^-1, M_ij = beta_i rstd_i rstd_j (k_i . k_j) for j < i: lane l solves
-            #    columns l and C - 1 - l, each A_ic = -sum_{c <= j < i} M_ij A_jc (even and odd j apart)
+                scaled = Float32(0.0)
+                if col < rows:
+                    scaled = mBeta[start + col, i_hv].to(Float32) * sRstd[col]
+                sRow[slot, col] = scaled
+            cute.arch.sync_threads()
+            # 4. A = (I + M)^-1, M_ij = m_i G_ij rstd_j for j < i, by blocks of 16: each thread its
+            #    column's diagonal block, then (after the barrier) its rows below it, a block at a time
             if active:
-                for half in cutlass.range_constexpr(2):
-                    c = lane
-                    if const_expr(half == 1):
-                        c = C - 1 - lane
-                    for i in cutlass.range(C):
-                        a = Float32(0.0)
-                        if i == c:
-                            a = Float32(1.0)
-                        elif i > c:
-                            even, odd = Float32(0.0), Float32(0.0)
-                            j = c
-                            while j + 1 < i:
-                                even = even + sG[i, j] * sA[warp, j, c]
-                                odd = odd + sG[i, j + 1] * sA[warp, j + 1, c]
-                                j = j + 2
-                            if j < i:
-                                even = even + sG[i, j] * sA[warp, j, c]
-                            a = -(sRow[warp, i] * (even + odd))
-                        sA[warp, i, c] = a
+                _diagonal_block(sG, sRow[slot, None], sA[slot, None, None], col)
             cute.arch.sync_threads()
+            if active:
+                for blk in cutlass.range_constexpr(1, C // BLOCK):
+                    _block_row(sG, sRow[slot, None], sA[slot, None, None], col, blk)
+                # 5. the column's rows of the chunk (its own column: no barrier)
+                for i in cutlass.range(rows, unroll=8):
+                    mA[start + i, i_hv, col] = sA[slot, i, col]
 
-            # 5. the chunk's rows of each value head solved in this pass
-            for h in cutlass.range_constexpr(at_once):
-                if const_expr(base + h < GROUP):
-                    for item in cutlass.range_constexpr(C * C // THREADS):
-                        i, col = cell(tidx, item, C)
-                        if i < rows:
-                            mA[start + i, i_h * GROUP + base + h, col] = sA[h, i, col]
-            cute.arch.sync_threads()
+
+@cute.jit
+def _diagonal_block(sG: cute.Tensor, sM: cute.Tensor, sA: cute.Tensor, col: Int32):
+    """Column ``col`` of the inverse of the diagonal block holding it, ``(I + M_bb)^-1``, by forward
+    substitution in registers, into ``sA`` with zeros above the diagonal (and in the first block's
+    rows when the column lies right of it). ``sM``: the rows' factors ``m``."""
+    b0 = col - col % BLOCK  # first row and column of the block
+    local = col - b0
+    x = []
+    for i in cutlass.range_constexpr(BLOCK):
+        r = b0 + i
+        total = Float32(0.0)  # the sum over j < i; the column's x_j are zero above its diagonal
+        for j in cutlass.range_constexpr(i):
+            total = total + sG[r, b0 + j] * x[j]
+        xi = -(sM[r] * total)
+        if i == local:
+            xi = Float32(1.0)
+        elif i < local:
+            xi = Float32(0.0)
+        x.append(xi)
+        sA[r, col] = xi
+    if b0 > 0:  # the first block's rows (`_block_row` writes the zeros of the other blocks above)
+        for r in cutlass.range_constexpr(BLOCK):
+            sA[r, col] = Float32(0.0)
+
+
+@cute.jit
+def _block_row(sG: cute.Tensor, sM: cute.Tensor, sA: cute.Tensor, col: Int32, blk: cutlass.Constexpr):
+    """The rows of block ``blk`` in column ``col`` when the column lies left of the block:
+    ``X = -(I + M_aa)^-1 Y``, ``Y_r = m_r sum_{k < 16 blk} G_rk A_k,col`` (the rows above from this
+    thread's earlier steps, the diagonal block's inverse from the threads that solved it). Columns
+    right of the block get zeros; the block's own columns are left as solved."""
+    r0 = blk * BLOCK
+    above = [sA[k, col] for k in range(r0)]  # this thread's own column
+    y = []
+    for r in cutlass.range_constexpr(BLOCK):
+        total = Float32(0.0)
+        for k in cutlass.range_constexpr(r0):
+            total = total + sG[r0 + r, k] * above[k]
+        y.append(sM[r0 + r] * total)
+    here = col - col % BLOCK
+    for r in cutlass.range_constexpr(BLOCK):
+        total = y[r]
+        for j in cutlass.range_constexpr(r):  # the unit lower triangular inverse of the diagonal block
+            total = total + sA[r0 + r, r0 + j] * y[j]
+        if here < r0:
+            sA[r0 + r, col] = -total
+        elif here > r0:
+            sA[r0 + r, col] = Float32(0.0)
 
 
 CACHE = _cd.KernelCache()  # (dtype, H, HV, K, l2norm, arch) -> compiled function
