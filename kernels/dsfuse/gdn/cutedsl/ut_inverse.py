@@ -39,6 +39,7 @@ from dsfuse.gdn.cutedsl import mma as _mma
 from dsfuse.gdn.cutedsl.chunk import CHUNK, DTYPES, L2NORM_EPS, THREADS, cell, lane_sum_squares
 
 HEADS_AT_ONCE = THREADS // CHUNK  # value heads solved together: a column of A a thread
+WARPS = THREADS // 32
 BLOCK = 16  # the diagonal blocks of the blocked inverse
 PITCH = CHUNK + 4  # fp32 row pitch of the Gram matrix and A: 16-byte aligned rows, banks shifted 4 a row
 HEAD_DIMS = (32, 64, 128)
@@ -115,8 +116,8 @@ class _UtInverse:
                     for col in cutlass.range(K):
                         dot = dot + sK[i, col] * sK[j, col]
                 sG[i, j] = dot
-        for rr in cutlass.range_constexpr(C // HEADS_AT_ONCE):
-            r = warp * (C // HEADS_AT_ONCE) + rr
+        for rr in cutlass.range_constexpr(C // WARPS):
+            r = warp * (C // WARPS) + rr
             rstd = Float32(1.0)
             if const_expr(self.l2norm):
                 total = cute.arch.warp_reduction(lane_sum_squares(sK, r, lane), lambda a, b: a + b)
