@@ -38,8 +38,8 @@ from cutlass import Float32, Int32, const_expr
 from dsfuse.gdn.cutedsl import mma as _mma
 from dsfuse.gdn.cutedsl.chunk import CHUNK, DTYPES, L2NORM_EPS, THREADS, cell, lane_sum_squares
 
-HEADS_AT_ONCE = THREADS // CHUNK  # value heads solved together: a column of A a thread
-WARPS = THREADS // 32
+MAX_HEADS_AT_ONCE = 4  # value heads solved together, a column of A a thread: at most 256 threads
+WARPS = THREADS // 32  # the warps that load k and make its Gram matrix
 BLOCK = 16  # the diagonal blocks of the blocked inverse
 PITCH = CHUNK + 4  # fp32 row pitch of the Gram matrix and A: 16-byte aligned rows, banks shifted 4 a row
 HEAD_DIMS = (32, 64, 128)
@@ -57,21 +57,30 @@ def shape_reasons(dtype: torch.dtype, heads: int, value_heads: int, dim_k: int) 
     return reasons
 
 
+def heads_per_pass(group: int) -> int:
+    """Value heads solved at once (64 threads each): all of a qk head's when they are at most
+    `MAX_HEADS_AT_ONCE`, else as few passes as that allows, evenly filled."""
+    passes = -(-group // MAX_HEADS_AT_ONCE)
+    return -(-group // passes)
+
+
 class _UtInverse:
     """``(k [T, H, K], beta [T, HV], chunk_indices int32 [NC, 3]) -> a fp32 [T, HV, 64]``."""
 
     def __init__(self, dtype: torch.dtype, heads: int, value_heads: int, dim_k: int, l2norm: bool):
         self.dtype, self.heads, self.value_heads, self.dim_k, self.l2norm = (
             DTYPES[dtype], heads, value_heads, dim_k, l2norm)
+        self.slots = heads_per_pass(value_heads // heads)
+        self.threads = max(THREADS, CHUNK * self.slots)
 
     @cute.jit
     def __call__(self, mK: cute.Tensor, mBeta: cute.Tensor, mChunks: cute.Tensor, mA: cute.Tensor, stream):
         self.kernel(mK, mBeta, mChunks, mA).launch(grid=[mChunks.shape[0], self.heads, 1],
-                                                   block=[THREADS, 1, 1], stream=stream)
+                                                   block=[self.threads, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(self, mK: cute.Tensor, mBeta: cute.Tensor, mChunks: cute.Tensor, mA: cute.Tensor):
-        K, C, GROUP = self.dim_k, CHUNK, self.value_heads // self.heads
+        K, C, GROUP, SLOTS = self.dim_k, CHUNK, self.value_heads // self.heads, self.slots
         tidx, _, _ = cute.arch.thread_idx()
         i_c, i_h, _ = cute.arch.block_idx()
         warp, lane = tidx // 32, tidx % 32
@@ -86,64 +95,68 @@ class _UtInverse:
         else:  # fp32 keys: a row pitch of K + 1 words, so the dot products' column reads hit distinct banks
             sK = smem.allocate_tensor(kt, cute.make_layout((C, K), stride=(K + 1, 1)), byte_alignment=16)
         sG = smem.allocate_tensor(Float32, cute.make_layout((C, C), stride=(PITCH, 1)), byte_alignment=16)
-        at_once = min(GROUP, HEADS_AT_ONCE)
-        sA = smem.allocate_tensor(Float32, cute.make_layout((at_once, C, C), stride=(C * PITCH, PITCH, 1)),
+        sA = smem.allocate_tensor(Float32, cute.make_layout((SLOTS, C, C), stride=(C * PITCH, PITCH, 1)),
                                   byte_alignment=16)
-        sRow = smem.allocate_tensor(Float32, cute.make_layout((at_once, C)), byte_alignment=16)
+        sRow = smem.allocate_tensor(Float32, cute.make_layout((SLOTS, C)), byte_alignment=16)
         sRstd = smem.allocate_tensor(Float32, cute.make_layout((C,)), byte_alignment=16)
 
-        # 1. the chunk's k rows (zeros past its end) in k's dtype
-        for item in cutlass.range(C * K // THREADS, unroll_full=True):  # all loads in flight at once
-            r, col = cell(tidx, item, K)
-            value = kt(0.0)
-            if r < rows:
-                value = mK[start + r, i_h, col]
-            sK[r, col] = value
-        cute.arch.sync_threads()
+        # the first pass's beta of row `col` of value head `slot`, read while k arrives
+        slot, col = tidx // C, tidx % C
+        beta = Float32(0.0)
+        if slot < SLOTS and col < rows:
+            beta = mBeta[start + col, i_h * GROUP + slot].to(Float32)
 
-        # 2. the Gram matrix k k^T; the rows' rstd (1 without the L2 norm): a warp per row at a time,
-        #    then a butterfly sum (the same bits on every lane)
-        if const_expr(tensor_cores):
-            mma = _mma.tiled_mma(kt, ldmatrix=True)
-            acc = _mma.accumulator(mma, tidx, (C, C))
-            _mma.gemm_ldmatrix(mma, acc, _mma.ldmatrix_operands(mma, tidx, sK, sK, False, False))
-            _mma.store(mma, tidx, acc, sG)
-        else:
-            for item in cutlass.range(C * C // THREADS):
+        # 1.-2. by the first 4 warps: the chunk's k rows (zeros past its end) in k's dtype, their Gram
+        #    matrix k k^T, the rows' rstd (1 without the L2 norm: a warp per row at a time, then a
+        #    butterfly sum, the same bits on every lane), the Gram matrix's columns scaled by rstd_j
+        if tidx < THREADS:
+            for item in cutlass.range(C * K // THREADS, unroll_full=True):  # all loads in flight at once
+                r, c = cell(tidx, item, K)
+                value = kt(0.0)
+                if r < rows:
+                    value = mK[start + r, i_h, c]
+                sK[r, c] = value
+        cute.arch.sync_threads()
+        if tidx < THREADS:
+            if const_expr(tensor_cores):
+                mma = _mma.tiled_mma(kt, ldmatrix=True)
+                acc = _mma.accumulator(mma, tidx, (C, C))
+                _mma.gemm_ldmatrix(mma, acc, _mma.ldmatrix_operands(mma, tidx, sK, sK, False, False))
+                _mma.store(mma, tidx, acc, sG)
+            else:
+                for item in cutlass.range(C * C // THREADS):
+                    i, j = cell(tidx, item, C)
+                    dot = Float32(0.0)
+                    if j < i:
+                        for c in cutlass.range(K):
+                            dot = dot + sK[i, c] * sK[j, c]
+                    sG[i, j] = dot
+            for rr in cutlass.range_constexpr(C // WARPS):
+                r = warp * (C // WARPS) + rr
+                rstd = Float32(1.0)
+                if const_expr(self.l2norm):
+                    total = cute.arch.warp_reduction(lane_sum_squares(sK, r, lane), lambda a, b: a + b)
+                    rstd = cute.math.rsqrt(total + Float32(L2NORM_EPS))
+                if lane == 0:
+                    sRstd[r] = rstd
+        cute.arch.sync_threads()
+        if tidx < THREADS:  # G_ij rstd_j, j < i, once for every value head
+            for item in cutlass.range(C * C // THREADS, unroll=4):
                 i, j = cell(tidx, item, C)
-                dot = Float32(0.0)
                 if j < i:
-                    for col in cutlass.range(K):
-                        dot = dot + sK[i, col] * sK[j, col]
-                sG[i, j] = dot
-        for rr in cutlass.range_constexpr(C // WARPS):
-            r = warp * (C // WARPS) + rr
-            rstd = Float32(1.0)
-            if const_expr(self.l2norm):
-                total = cute.arch.warp_reduction(lane_sum_squares(sK, r, lane), lambda a, b: a + b)
-                rstd = cute.math.rsqrt(total + Float32(L2NORM_EPS))
-            if lane == 0:
-                sRstd[r] = rstd
-        cute.arch.sync_threads()
-        # the Gram matrix's columns scaled by rstd_j once, for every value head: G_ij rstd_j, j < i
-        for item in cutlass.range(C * C // THREADS, unroll=4):
-            i, j = cell(tidx, item, C)
-            if j < i:
-                sG[i, j] = sG[i, j] * sRstd[j]
-        cute.arch.sync_threads()
+                    sG[i, j] = sG[i, j] * sRstd[j]
 
-        slot, col = tidx // C, tidx % C  # a value head of the pass, a column of its A
-        for base in cutlass.range_constexpr(0, GROUP, at_once):
+        for base in cutlass.range_constexpr(0, GROUP, SLOTS):
             i_hv = i_h * GROUP + base + slot
-            active = slot < at_once and base + slot < GROUP
-            if const_expr(base > 0):  # the last pass's reads of sRow and sA are done
+            active = slot < SLOTS and base + slot < GROUP
+            if const_expr(base > 0):  # the last pass's reads of sRow and sA are done; this pass's beta
                 cute.arch.sync_threads()
+                beta = Float32(0.0)
+                if active and col < rows:
+                    beta = mBeta[start + col, i_hv].to(Float32)
             # 3. per value head: m_r = beta_r rstd_r of row r = col, 0 past the chunk's end
             if active:
-                scaled = Float32(0.0)
-                if col < rows:
-                    scaled = mBeta[start + col, i_hv].to(Float32) * sRstd[col]
-                sRow[slot, col] = scaled
+                sRow[slot, col] = beta * sRstd[col]
             cute.arch.sync_threads()
             # 4. A = (I + M)^-1, M_ij = m_i G_ij rstd_j for j < i, by blocks of 16: each thread its
             #    column's diagonal block, then (after the barrier) its rows below it, a block at a time
@@ -190,21 +203,22 @@ def _block_row(sG: cute.Tensor, sM: cute.Tensor, sA: cute.Tensor, col: Int32, bl
     thread's earlier steps, the diagonal block's inverse from the threads that solved it). Columns
     right of the block get zeros; the block's own columns are left as solved."""
     r0 = blk * BLOCK
-    above = [sA[k, col] for k in range(r0)]  # this thread's own column
-    y = []
-    for r in cutlass.range_constexpr(BLOCK):
-        total = Float32(0.0)
-        for k in cutlass.range_constexpr(r0):
-            total = total + sG[r0 + r, k] * above[k]
-        y.append(sM[r0 + r] * total)
     here = col - col % BLOCK
-    for r in cutlass.range_constexpr(BLOCK):
-        total = y[r]
-        for j in cutlass.range_constexpr(r):  # the unit lower triangular inverse of the diagonal block
-            total = total + sA[r0 + r, r0 + j] * y[j]
-        if here < r0:
+    if here < r0:
+        above = [sA[k, col] for k in range(r0)]  # this thread's own column
+        y = []
+        for r in cutlass.range_constexpr(BLOCK):
+            total = Float32(0.0)
+            for k in cutlass.range_constexpr(r0):
+                total = total + sG[r0 + r, k] * above[k]
+            y.append(sM[r0 + r] * total)
+        for r in cutlass.range_constexpr(BLOCK):
+            total = y[r]
+            for j in cutlass.range_constexpr(r):  # the unit lower triangular inverse of the diagonal block
+                total = total + sA[r0 + r, r0 + j] * y[j]
             sA[r0 + r, col] = -total
-        elif here > r0:
+    elif here > r0:
+        for r in cutlass.range_constexpr(BLOCK):
             sA[r0 + r, col] = Float32(0.0)
 
 
