@@ -7,7 +7,8 @@ import pytest
 import torch
 from dsfuse.gdn import schedule
 from dsfuse.gdn.schedule import Gradients
-from dsfuse.gdn.split import Segments, segment_offsets, split_state_pass
+from dsfuse.gdn import split as split_mod
+from dsfuse.gdn.split import RULE, Segments, SplitRule, segment_offsets, split_for, split_state_pass
 from helpers import assert_bitwise, assert_rel_rms
 from test_gdn_stages_state_output import DTYPES, Prepared, assert_tail_zero, make_inputs
 
@@ -19,6 +20,23 @@ def test_segments_follow_the_documents_chunks():
     assert segment_offsets([0, 5, 5, 6, 10], 64) == ([0, 5, 5, 6, 10], [0, 1, 2, 3])  # none split
     with pytest.raises(ValueError, match="segment_chunks"):
         segment_offsets([0, 3], 0)
+
+
+def test_the_rule_splits_only_documents_over_its_threshold():
+    """A rule cuts a document of more than ``above`` chunks and leaves the others whole (their bits
+    then do not depend on the other documents); a call with none over it runs the unsplit passes."""
+    rule = SplitRule(2, above=4)  # documents of 5, 0, 1 and 4 chunks: only the first is cut
+    assert segment_offsets([0, 5, 5, 6, 10], rule) == ([0, 2, 4, 5, 5, 6, 10], [0, 0, 0, 1, 2, 3])
+    assert split_for((0, 64 * 4, 64 * 4 + 1), rule, 64) is None  # 4 chunks and 1: none over 4
+    assert split_for((0, 64 * 4 + 1), rule, 64) == (rule, [0, 5])
+    with pytest.raises(ValueError, match="segment_chunks"):
+        SplitRule(4, above=-1)
+    # the rule chunk_gdn applies: 8,192-token segments of documents over 16,384 tokens
+    five = (0, 11141, 17651, 23779, 28432, 32768)  # the five-document experiment: no document cut
+    assert (RULE.segment * 64, RULE.above * 64) == (8192, 16384) and split_for(five, RULE, 64) is None
+    for tokens, segments in ((16384, 1), (16385, 3), (32768, 4), (131072, 16)):
+        found = split_for((0, tokens), RULE, 64)
+        assert len(segment_offsets(found[1], RULE)[1] if found else [0]) == segments
 
 
 def test_segments_are_cached_per_documents_and_segment_size():
@@ -168,3 +186,66 @@ def test_a_split_forward_and_backward_replay_from_a_cuda_graph(forward_stages, b
     with pytest.raises(RuntimeError, match="segments are not on the GPU yet"):
         with torch.cuda.graph(torch.cuda.CUDAGraph()):
             step(3)
+
+
+def _chunk_gdn_case(device, dtype=torch.float32):
+    """Documents of 1, 330 (6 chunks) and 130 tokens with an initial state, K = V = 16."""
+    from dsfuse.gdn import gdn_gates
+
+    gen = torch.Generator().manual_seed(21)
+    t, h, hv, d = 461, 2, 6, 16
+    randn = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
+    g, beta = gdn_gates(randn(1, t, hv), randn(1, t, hv), torch.rand(hv, generator=gen) * 3, randn(hv))
+    x = {"q": randn(1, t, h, d), "k": randn(1, t, h, d), "v": randn(1, t, hv, d), "beta": beta}
+    x = {name: a.to(device=device, dtype=dtype) for name, a in x.items()}
+    x["g"] = g.float().to(device)
+    x["cu_seqlens"] = torch.tensor([0, 1, 331, 461], dtype=torch.int32)
+    x["initial_state"] = torch.randn(3, hv, d, d, generator=gen).to(device)
+    return x
+
+
+@pytest.mark.slow
+def test_chunk_gdn_splits_by_the_rule(device, backend, monkeypatch):
+    """`chunk_gdn` applies `split.RULE` (here 2-chunk segments of documents over 3 chunks, so the
+    6-chunk document is cut and the others stay whole): o, the final states and every gradient close
+    to the unsplit call's, the whole documents' o and final states bitwise equal to it, the forward
+    bitwise equal with and without autograd, and a second run bitwise equal."""
+    from dsfuse.gdn import chunk_gdn
+
+    x = _chunk_gdn_case(device)
+
+    def run(rule, grad):
+        monkeypatch.setattr(split_mod, "RULE", rule)
+        inputs = {name: a.clone().requires_grad_(grad and a.is_floating_point()) for name, a in x.items()}
+        with torch.set_grad_enabled(grad):
+            o, ht = chunk_gdn(**inputs, output_final_state=True, use_qk_l2norm_in_kernel=True, backend=backend)
+        if not grad:
+            return o, ht, None
+        gen = torch.Generator().manual_seed(8)
+        (o * torch.randn(o.shape, generator=gen).to(device)).sum().backward(
+            inputs=[inputs[n] for n in ("q", "k", "v", "g", "beta", "initial_state")])
+        return o.detach(), ht.detach(), [inputs[n].grad for n in ("q", "k", "v", "g", "beta", "initial_state")]
+
+    never = SplitRule(10**6)
+    rule = SplitRule(2, above=3)
+    passes = []  # the split passes the schedule ran: their rules
+    real = schedule.split_state_pass
+    monkeypatch.setattr(schedule, "split_state_pass", lambda *a, **k: passes.append(a[7]) or real(*a, **k))
+    whole = run(never, True)
+    assert passes == []
+    split = run(rule, True)
+    assert passes == [rule, rule]  # the forward's state pass and the backward's recompute of h
+    assert_rel_rms(split[0], whole[0], 1e-5, "o against the unsplit call")
+    assert_rel_rms(split[1], whole[1], 1e-5, "final states against the unsplit call")
+    for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), split[2], whole[2]):
+        assert_rel_rms(a, b, 1e-5, f"{name} against the unsplit call")
+    for doc, (t0, t1) in ((0, (0, 1)), (2, (331, 461))):  # documents under the threshold: unsplit, bit for bit
+        assert_bitwise(split[0][:, t0:t1], whole[0][:, t0:t1], f"o of document {doc}")
+        assert_bitwise(split[1][doc], whole[1][doc], f"final state of document {doc}")
+    no_grad = run(rule, False)
+    assert_bitwise(no_grad[0], split[0], "o without autograd")
+    assert_bitwise(no_grad[1], split[1], "final states without autograd")
+    again = run(rule, True)
+    for name, a, b in zip(("o", "final states", *("dq", "dk", "dv", "dg", "dbeta", "dh0")),
+                          (again[0], again[1], *again[2]), (split[0], split[1], *split[2])):
+        assert_bitwise(a, b, f"{name}: second run")

@@ -34,8 +34,19 @@ from typing import NamedTuple
 
 import torch
 
-from dsfuse.gdn.reference import CHUNK_SIZE, packed_cu_seqlens, prepare_chunk_indices, prepare_chunk_offsets
-from dsfuse.gdn.split import Segments, segment_maps, split_state_backward, split_state_pass
+from dsfuse.gdn import split as _split
+from dsfuse.gdn.reference import (
+    CHUNK_SIZE,
+    packed_cu_seqlens,
+    prepare_chunk_indices,
+    prepare_chunk_offsets,
+)
+from dsfuse.gdn.split import (
+    Segments,
+    segment_maps,
+    split_state_backward,
+    split_state_pass,
+)
 
 
 @dataclass(frozen=True)
@@ -125,14 +136,23 @@ def chunk_table(bounds: list[int], device: torch.device) -> ChunkTable:
     return table
 
 
+def _split_of(bounds: list[int], segment_chunks):
+    """``(rule, chunk offsets)`` of the split a call runs, or None (`dsfuse.gdn.split.split_for`)."""
+    if segment_chunks is None:
+        return None
+    rule = _split.RULE if segment_chunks is _split.BY_RULE else segment_chunks
+    return _split.split_for(tuple(bounds), rule, CHUNK_SIZE)
+
+
 def stage_calls(stages: ForwardStages, q, k, v, g, beta, *, scale: float, initial_state, output_final_state: bool,
-                cu_seqlens, use_qk_l2norm: bool, segment_chunks: int | None = None):
+                cu_seqlens, use_qk_l2norm: bool, segment_chunks=_split.BY_RULE):
     """The forward of validated inputs as ``(calls, ForwardOutputs)``: ``calls`` lists
     ``(stage name, zero-argument launch)`` in order over buffers allocated here, once; running
     them fills the outputs. ``cu_seqlens``: the document bounds (python ints) or None (``B``
     sequences of ``T``). Experiments time the calls one by one; `forward` runs them.
-    ``segment_chunks``: run the state pass split into segments of that many chunks
-    (`dsfuse.gdn.split`; not yet reachable from `chunk_gdn`)."""
+    ``segment_chunks``: how the state pass splits long documents (`dsfuse.gdn.split`): by default
+    `dsfuse.gdn.split.RULE`, or another `SplitRule`, a number of chunks (every document cut), or None
+    (no split)."""
     batch, tokens, heads_v, dim_v = v.shape
     dim_k = k.shape[-1]
     n = batch * tokens
@@ -150,15 +170,15 @@ def stage_calls(stages: ForwardStages, q, k, v, g, beta, *, scale: float, initia
     final_state = new((table.num_seqs, heads_v, dim_k, dim_v), dtype=torch.float32) if output_final_state else None
     l2 = dict(use_qk_l2norm=use_qk_l2norm)
     state_args = (k_, w, u, g_cum, table.indices)
-    if segment_chunks is None:
+    split = _split_of(bounds, segment_chunks)
+    if split is None:
         def state():
             stages.state(*state_args, table.offsets, initial_state, h, v_new, final_state, **l2)
     else:
-        offsets = prepare_chunk_offsets(bounds, CHUNK_SIZE).tolist()
+        rule, offsets = split
 
         def state():
-            split_state_pass(stages.state, *state_args, offsets, segment_chunks, initial_state, h, v_new, final_state,
-                             **l2)
+            split_state_pass(stages.state, *state_args, offsets, rule, initial_state, h, v_new, final_state, **l2)
     calls = [
         ("cumsum", lambda: stages.cumsum(g_, table.indices, g_cum)),
         ("wy", lambda: stages.wy(k_, v_, beta_, g_cum, table.indices, a, w, u, **l2)),
@@ -183,15 +203,15 @@ DH0_STAGES = ("recompute w, u", "dv_local", "state backward")
 
 
 def backward_calls(stages: BackwardStages, q, k, v, beta, g_cum, A, do, dht, *, scale: float, initial_state,
-                   cu_seqlens, use_qk_l2norm: bool, dq=None, dk=None, dv=None, segment_chunks: int | None = None):
+                   cu_seqlens, use_qk_l2norm: bool, dq=None, dk=None, dv=None, segment_chunks=_split.BY_RULE):
     """The backward of a forward's inputs as ``(calls, Gradients)`` (see `stage_calls`).
 
     ``g_cum``, ``A``: the forward's (`ForwardOutputs`); ``do`` ``[B, T, HV, V]`` (unit
     channel stride); ``dht`` fp32 ``[N, HV, K, V]`` or None (the final state's gradient);
     ``dh0`` is computed when ``initial_state`` is given. ``dq``, ``dk``, ``dv`` may be given
     (e.g. head views of one packed gradient row) and are then written in place.
-    ``segment_chunks``: run both state passes split into segments of that many chunks
-    (`dsfuse.gdn.split`; the forward's ``segment_chunks``, so the recomputed h has its bits)."""
+    ``segment_chunks``: how both state passes split long documents, as `stage_calls` (the
+    forward's, so the recomputed h has its bits)."""
     batch, tokens, heads_v, dim_v = v.shape
     heads, dim_k = k.shape[2], k.shape[3]
     n = batch * tokens
@@ -216,27 +236,26 @@ def backward_calls(stages: BackwardStages, q, k, v, beta, g_cum, A, do, dht, *, 
     dg_, dbeta_ = dg.view(n, heads_v), dbeta.view(n, heads_v)
     ci, co = table.indices, table.offsets
     l2 = dict(use_qk_l2norm=use_qk_l2norm)
-    if segment_chunks is None:
+    split = _split_of(bounds, segment_chunks)
+    if split is None:
         def recompute_h():
             stages.state(k_, w, u, g_cum, ci, co, initial_state, h, v_new, None, **l2)
 
         def state_backward():
             stages.state_backward(q_, k_, w, do_, dv_local, g_cum, ci, co, dht, dh, dv_new, dh0, scale, **l2)
     else:
-        offsets = prepare_chunk_offsets(bounds, CHUNK_SIZE).tolist()
+        rule, offsets = split
         maps = {}  # the segments' M from the recompute of h, for the reverse merge
 
         def recompute_h():
-            split_state_pass(stages.state, k_, w, u, g_cum, ci, offsets, segment_chunks, initial_state, h, v_new,
-                             None, maps=maps, **l2)
+            split_state_pass(stages.state, k_, w, u, g_cum, ci, offsets, rule, initial_state, h, v_new, None,
+                             maps=maps, **l2)
 
         def state_backward():  # M from the recompute of h; made here when that did not run (DH0_STAGES only)
             if "m" not in maps:
-                maps["m"] = segment_maps(stages.state, k_, w, g_cum, ci, Segments.of(offsets, segment_chunks, v.device),
-                                         **l2)
-            m = maps["m"]
-            split_state_backward(stages.state_backward, q_, k_, w, do_, dv_local, g_cum, ci, offsets, segment_chunks,
-                                 m, dht, dh, dv_new, dh0, scale, **l2)
+                maps["m"] = segment_maps(stages.state, k_, w, g_cum, ci, Segments.of(offsets, rule, v.device), **l2)
+            split_state_backward(stages.state_backward, q_, k_, w, do_, dv_local, g_cum, ci, offsets, rule,
+                                 maps["m"], dht, dh, dv_new, dh0, scale, **l2)
     calls = [
         ("recompute w, u", lambda: stages.w_u(k_, v_, beta_, g_cum, ci, A, w, u, **l2)),
         ("recompute h", recompute_h),

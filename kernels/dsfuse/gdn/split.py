@@ -1,10 +1,12 @@
 """The exact split of long documents inside one GPU, for the state passes of the forward and the
-backward: stages of the design in ``experiments/gdn/notes/long-document-split.md`` (opt-in through
-``segment_chunks`` of `dsfuse.gdn.schedule.stage_calls` and `dsfuse.gdn.schedule.backward_calls`;
-no rule picks it yet, `chunk_gdn` never does).
+backward, as designed in ``experiments/gdn/notes/long-document-split.md``. `chunk_gdn` applies
+`RULE` (through `dsfuse.gdn.schedule.stage_calls` and `dsfuse.gdn.schedule.backward_calls`, whose
+``segment_chunks`` may name another rule, a number of chunks, or None for no split).
 
-Each document's chunks are cut into segments of at most ``segment_chunks`` chunks: more chunk
-offsets over the same chunk table, so every other stage is unchanged. Per value head a segment maps
+A rule (`SplitRule`) reads the documents' lengths alone: a document of more than ``above`` chunks
+is cut into segments of ``segment`` chunks, the others stay whole (a call with no document over
+the threshold runs the unsplit passes). Segments are more chunk offsets over the same chunk table,
+so every other stage is unchanged. Per value head a segment maps
 the state at its start to the state at its end as ``S_out = M S_in + E`` (`dsfuse.gdn.cp`'s algebra).
 
 Forward (`split_state_pass`):
@@ -27,7 +29,8 @@ Backward (`split_state_backward`), mirrored: ``dS_in = D + M^T dS_out`` per segm
 
 With the true ``S_in`` and ``dS_out`` of every segment, a segment's passes are exactly the
 document's, chunk for chunk. Three passes instead of one each way, each with ``segments x HV``
-independent chains. Deterministic: fixed segments (from the lengths and ``segment_chunks`` alone)
+independent chains. Deterministic: fixed segments (from the lengths and the rule alone, not the SM
+count or grad mode)
 and a fixed merge order. The segment tables are cached on the device like the chunk table
 (`Segments.of`), so a call can be captured in a CUDA Graph after a first call with the same
 documents."""
@@ -35,6 +38,7 @@ documents."""
 from __future__ import annotations
 
 import functools
+import itertools
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -42,23 +46,61 @@ from dataclasses import dataclass
 import torch
 
 
-def segment_offsets(offsets: list[int], segment_chunks: int) -> tuple[list[int], list[int]]:
+@dataclass(frozen=True)
+class SplitRule:
+    """Which documents are split, from their lengths alone: one of more than ``above`` chunks is cut
+    into runs of ``segment`` chunks (the last one shorter); the others stay whole, so their bits do
+    not depend on the other documents of the call."""
+
+    segment: int
+    above: int = 0
+
+    def __post_init__(self):
+        if self.segment < 1 or self.above < 0:
+            raise ValueError(f"segment_chunks: expected a positive number of chunks (and a threshold of at least 0), "
+                             f"got {self.segment} (above {self.above})")
+
+
+# The rule `chunk_gdn` applies: documents of more than 16,384 tokens in segments of 8,192 (the
+# constants of experiments/gdn/notes/long-document-split.md, to be measured).
+RULE = SplitRule(segment=128, above=256)
+BY_RULE = object()  # the default of the schedule's ``segment_chunks``: `RULE`, read at call time
+
+
+def as_rule(split: int | SplitRule) -> SplitRule:
+    """``split`` as a rule: a number of chunks cuts every document."""
+    return split if isinstance(split, SplitRule) else SplitRule(split)
+
+
+def segment_offsets(offsets: list[int], split: int | SplitRule) -> tuple[list[int], list[int]]:
     """``(segment chunk offsets [S + 1], document of each segment [S])`` of documents' chunk offsets
-    ``[N + 1]``: each document's chunks in runs of at most ``segment_chunks``, an empty document one
-    empty segment (its final state is its initial state)."""
-    if segment_chunks < 1:
-        raise ValueError(f"segment_chunks: expected a positive number of chunks, got {segment_chunks}")
+    ``[N + 1]``: each document the rule splits in runs of its ``segment`` chunks, the others (and an
+    empty document: its final state is its initial state) one segment each."""
+    rule = as_rule(split)
     bounds, docs = [offsets[0]], []
     for n in range(len(offsets) - 1):
         c0, c1 = offsets[n], offsets[n + 1]
-        for start in range(c0, max(c1, c0 + 1), segment_chunks):
-            bounds.append(min(start + segment_chunks, c1))
+        step = rule.segment if c1 - c0 > rule.above else max(c1 - c0, 1)
+        for start in range(c0, max(c1, c0 + 1), step):
+            bounds.append(min(start + step, c1))
             docs.append(n)
     return bounds, docs
 
 
+@functools.lru_cache(maxsize=256)
+def split_for(bounds: tuple[int, ...], split: int | SplitRule, chunk: int) -> tuple[SplitRule, list[int]] | None:
+    """``(rule, chunk offsets)`` when ``split`` cuts some document of token ``bounds`` (chunks of
+    ``chunk`` tokens), else None: every document whole, the unsplit passes."""
+    rule = as_rule(split)
+    offsets = [0]
+    for a, b in itertools.pairwise(bounds):
+        offsets.append(offsets[-1] + -(-(b - a) // chunk))
+    cut = any(c1 - c0 > max(rule.above, rule.segment) for c0, c1 in itertools.pairwise(offsets))
+    return (rule, offsets) if cut else None
+
+
 CACHE_SIZE = 64
-_cache: OrderedDict[tuple, "Segments"] = OrderedDict()
+_cache: OrderedDict[tuple, Segments] = OrderedDict()
 
 
 @dataclass(frozen=True)
@@ -78,12 +120,12 @@ class Segments:
     last_docs: torch.Tensor
 
     @classmethod
-    def of(cls, chunk_offsets: list[int], segment_chunks: int, device: torch.device) -> "Segments":
+    def of(cls, chunk_offsets: list[int], segment_chunks: int | SplitRule, device: torch.device) -> Segments:
         """The segments of documents with chunk offsets ``chunk_offsets``, on ``device``. Cached as
         `dsfuse.gdn.schedule.chunk_table` is (least recently used, ``CACHE_SIZE`` entries; the first
         call copies and waits, later ones copy nothing), so a split call can be captured in a CUDA
         Graph once the same documents were called before; a first call under capture is refused."""
-        key = (tuple(chunk_offsets), segment_chunks, str(device))
+        key = (tuple(chunk_offsets), as_rule(segment_chunks), str(device))
         if (hit := _cache.get(key)) is not None:
             _cache.move_to_end(key)
             return hit
@@ -124,9 +166,9 @@ def segment_maps(state: Callable, k, w, g_cum, chunk_indices, segs: Segments, *,
     return m
 
 
-def split_state_pass(state: Callable, k, w, u, g_cum, chunk_indices, offsets: list[int], segment_chunks: int,
-                     initial_state, h, v_new, final_state, *, use_qk_l2norm: bool,
-                     maps: dict | None = None) -> None:
+def split_state_pass(state: Callable, k, w, u, g_cum, chunk_indices, offsets: list[int],
+                     segment_chunks: int | SplitRule, initial_state, h, v_new, final_state, *,
+                     use_qk_l2norm: bool, maps: dict | None = None) -> None:
     """A backend's state pass (``ForwardStages.state``) over documents with chunk offsets
     ``offsets`` (python ints), run segment-wise as the module docstring says; writes ``h``,
     ``v_new`` and ``final_state`` (if given) as the unsplit pass does. ``maps``: a dict that
@@ -160,7 +202,7 @@ def split_state_pass(state: Callable, k, w, u, g_cum, chunk_indices, offsets: li
 
 
 def split_state_backward(state_backward: Callable, q, k, w, do, dv_local, g_cum, chunk_indices, offsets: list[int],
-                         segment_chunks: int, m: torch.Tensor, dht, dh, dv_new, dh0, scale: float, *,
+                         segment_chunks: int | SplitRule, m: torch.Tensor, dht, dh, dv_new, dh0, scale: float, *,
                          use_qk_l2norm: bool) -> None:
     """A backend's reverse state pass (``BackwardStages.state_backward``) over documents with chunk
     offsets ``offsets``, run segment-wise as the module docstring says, with ``m`` the segments'
