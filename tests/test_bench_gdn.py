@@ -146,3 +146,31 @@ def test_smoke_config_on_cpu(tmp_path):
     text = (tmp_path / "results" / "cpu" / "gdn.md").read_text()
     assert "SMOKE RUN" in text  # and report_extra's sections, one level down under the GPU's heading:
     assert "\n#### Packed views against plain split views\n" in text and "\n#### FLOPs\n" in text
+
+
+def test_the_long_document_config():
+    """``h200-long.yaml``: one document and five of 32,768 and of 131,072 tokens (a single document may
+    be a whole number of chunks), named by their count; its runs go to ``raw/long/``, apart from the
+    runs the tables read; chunk_gdn's split rule cuts the one-document cases, not the five documents
+    of 32,768 tokens."""
+    from dsfuse.bench.__main__ import raw_root
+    from dsfuse.gdn.split import RULE, split_for
+
+    config = harness.load_config(CONFIGS / "h200-long.yaml")
+    cases = gdn.cases(config)
+    assert [c.name for c in cases if c.mode == "fwd" and c.params["value_heads"] == 48] == [
+        "T32768_n1_l2_fwd", "T32768_n5_l2_fwd", "T131072_n1_l2_fwd", "T131072_n5_l2_fwd"]
+    bounds = {c.name: c.params["bounds"] for c in cases}
+    assert bounds["T32768_n1_l2_fwd"] == [0, 32768] and bounds["T131072_n1_l2_fwd"] == [0, 131072]
+    assert bounds["T32768_n5_l2_fwd"] == gdn.document_bounds(32768, 5)
+    split = {name: split_for(tuple(b), RULE, 64) is not None for name, b in bounds.items()}
+    assert split["T32768_n1_l2_fwd"] and split["T131072_n1_l2_fwd"] and split["T131072_n5_l2_fwd"]
+    assert not split["T32768_n5_l2_fwd"]
+    assert raw_root(REPO / "raw", config) == REPO / "raw" / "long"
+    assert raw_root(REPO / "raw", {}) == REPO / "raw"
+    with pytest.raises(ValueError, match="raw_subdir"):
+        raw_root(REPO / "raw", {"raw_subdir": "../elsewhere"})
+    with pytest.raises(ValueError, match="document_counts"):
+        gdn.cases(config | {"documents": 5})
+    with pytest.raises(ValueError, match="multiple of 64"):  # several documents still end in a partial chunk
+        gdn.document_bounds(128, [64, 64])

@@ -102,6 +102,17 @@ def select_mode(smoke: bool | None) -> bool:
     return smoke
 
 
+def raw_root(raw: Path, config: dict) -> Path:
+    """Where a run of ``config`` writes: the op's raw folder, or its ``raw_subdir`` (a config apart
+    from the op's tables, e.g. the long-document one: the report reads only the folder's own runs)."""
+    sub = config.get("raw_subdir")
+    if sub is None:
+        return raw
+    if not isinstance(sub, str) or not sub.isidentifier():
+        raise ValueError(f"raw_subdir: expected a folder name (letters, digits, _), got {sub!r}")
+    return raw / sub
+
+
 def run(op: str, config_path: str | None, smoke: bool | None) -> Path:
     import torch
 
@@ -118,7 +129,7 @@ def run(op: str, config_path: str | None, smoke: bool | None) -> Path:
     print(f"{op}: config {relative(chosen)}" + ("" if smoke else f" for the {gpu_name}"))
     experiment = importlib.import_module(experiments()[op])
     device = torch.device("cpu" if smoke else "cuda")
-    run_dir = run_experiment(experiment, config, paths["raw"], device)
+    run_dir = run_experiment(experiment, config, raw_root(paths["raw"], config), device)
     if hasattr(experiment, "after_run"):  # op-specific whole-model checks that belong to the run
         experiment.after_run(config, run_dir, device)
     print(f"{'SMOKE RUN (CPU, interpreter; not a measurement): ' if smoke else ''}raw data in {run_dir}")

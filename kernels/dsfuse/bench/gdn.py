@@ -148,7 +148,8 @@ def model_config(config: dict) -> dict:
 
 
 def document_bounds(tokens: int, documents: int | list[int]) -> list[int]:
-    """Documents of unequal lengths filling ``tokens``, none a multiple of the chunk (64): ``cu_seqlens``
+    """Documents of unequal lengths filling ``tokens``, none a multiple of the chunk (64) unless there
+    is only one: ``cu_seqlens``
     as python ints. ``documents``: their lengths (summing to ``tokens``), or their number: then lengths
     ``DOC_WEIGHTS`` (cycled) of ``tokens``, all but the last made odd, the last taking the rest (two
     tokens move to the first if the rest is a multiple of 64)."""
@@ -164,7 +165,8 @@ def document_bounds(tokens: int, documents: int | list[int]) -> list[int]:
         lengths.append(tokens - sum(lengths))
         if documents > 1 and lengths[-1] % CHUNK == 0:
             lengths[0], lengths[-1] = lengths[0] + 2, lengths[-1] - 2
-    if any(n <= 0 or n % CHUNK == 0 for n in lengths):
+    # several documents: none a multiple of the chunk (each ends in a partial chunk); one may be any length
+    if any(n <= 0 for n in lengths) or (len(lengths) > 1 and any(n % CHUNK == 0 for n in lengths)):
         raise ValueError(f"tokens = {tokens} in documents of {lengths} tokens: each must be > 0 and not a multiple "
                          f"of {CHUNK}; use more tokens or fewer documents")
     bounds = [0]
@@ -205,10 +207,26 @@ def floors(p: dict) -> dict[str, tuple[int, int]]:
             "layer": (proj_fwd + fwd + bwd + proj_bwd, f_fwd + f_bwd + 3 * gemm)}
 
 
+def geometries(config: dict) -> list[tuple[int, list[int], str]]:
+    """``(tokens, bounds, name tag)`` of each token count (``tokens``: a number or a list) and, with
+    ``document_counts`` (a list, in place of ``documents``), each number of documents; the tag names
+    the count (``_n1``) only then, so the other configs keep their case names."""
+    tokens_list = config["tokens"] if isinstance(config["tokens"], list) else [config["tokens"]]
+    counts = config.get("document_counts")
+    if counts is not None and "documents" in config:
+        raise ValueError("documents and document_counts: give one (document_counts lists numbers of documents)")
+    if counts is not None and (not isinstance(counts, list) or not all(isinstance(n, int) for n in counts)):
+        raise ValueError(f"document_counts: expected a list of numbers of documents, got {counts!r}")
+    out = []
+    for tokens in map(int, tokens_list):
+        for documents in counts if counts is not None else [config.get("documents", 5)]:
+            tag = "" if counts is None else f"_n{documents}"
+            out.append((tokens, document_bounds(tokens, documents), tag))
+    return out
+
+
 def cases(config: dict) -> list[Case]:
     model = model_config(config)
-    tokens = int(config["tokens"])
-    bounds = document_bounds(tokens, config.get("documents", 5))
     dtype = config.get("dtype", "bfloat16")
     if dtype not in DTYPES:
         raise ValueError(f"dtype: expected one of {sorted(DTYPES)}, got {dtype!r}")
@@ -218,18 +236,19 @@ def cases(config: dict) -> list[Case]:
         if not isinstance(hv, int) or hv <= 0 or hv % heads:
             raise ValueError(f"value_heads: expected positive multiples of the {heads} qk heads, got {hv!r}")
     out = []
-    for hv in value_heads:
-        tag = "" if hv == model_hv else f"_hv{hv}"  # the model's geometry keeps the plain name
-        for l2 in config.get("l2norm", [True]):
-            for mode in config["modes"]:
-                if mode not in MODES:
-                    raise ValueError(f"modes: expected some of {MODES}, got {mode!r}")
-                params = dict(tokens=tokens, documents=len(bounds) - 1, bounds=bounds, heads=heads,
-                              value_heads=hv, head_dim=model["head_dim"], hidden=model["hidden_size"],
-                              dtype=dtype, l2norm=bool(l2), backend=config.get("backend", "triton"))
-                nbytes, flops = floors(params)[mode]
-                name = f"T{tokens}{tag}_{'l2' if l2 else 'nol2'}_{mode}"
-                out.append(Case(name, mode, params, bytes=nbytes, flops=flops))
+    for tokens, bounds, doc_tag in geometries(config):
+        for hv in value_heads:
+            tag = doc_tag + ("" if hv == model_hv else f"_hv{hv}")  # the model's geometry keeps the plain name
+            for l2 in config.get("l2norm", [True]):
+                for mode in config["modes"]:
+                    if mode not in MODES:
+                        raise ValueError(f"modes: expected some of {MODES}, got {mode!r}")
+                    params = dict(tokens=tokens, documents=len(bounds) - 1, bounds=bounds, heads=heads,
+                                  value_heads=hv, head_dim=model["head_dim"], hidden=model["hidden_size"],
+                                  dtype=dtype, l2norm=bool(l2), backend=config.get("backend", "triton"))
+                    nbytes, flops = floors(params)[mode]
+                    name = f"T{tokens}{tag}_{'l2' if l2 else 'nol2'}_{mode}"
+                    out.append(Case(name, mode, params, bytes=nbytes, flops=flops))
     return out
 
 
