@@ -71,7 +71,9 @@ def test_serves_no_call_yet():
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("l2", [True, False])
-@pytest.mark.parametrize("dims", [(2, 6, 64), (16, 48, 128), (1, 6, 32), (4, 4, 128)])  # value heads per qk head: 3, 6, 1
+# value heads per qk head: 3, 3, 6 (two passes of 3), 1, 5 (a pass of 3, then one of 2), 8 (4 a pass)
+@pytest.mark.parametrize("dims", [(2, 6, 64), (16, 48, 128), (1, 6, 32), (4, 4, 128), (1, 5, 64),
+                                  (2, 16, 128)])
 def test_rows_match_the_float64_reference(dtype, l2, dims):
     """Documents of 1, 63, 64, 65 and 200 tokens (partial chunks, one-token chunks) and a tail of
     tokens in no chunk: every row of every chunk against the float64 ungated inverse (relative RMS

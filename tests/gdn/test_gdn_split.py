@@ -28,15 +28,19 @@ def test_the_rule_splits_only_documents_over_its_threshold():
     rule = SplitRule(2, above=4)  # documents of 5, 0, 1 and 4 chunks: only the first is cut
     assert segment_offsets([0, 5, 5, 6, 10], rule) == ([0, 2, 4, 5, 5, 6, 10], [0, 0, 0, 1, 2, 3])
     assert split_for((0, 64 * 4, 64 * 4 + 1), rule, 64) is None  # 4 chunks and 1: none over 4
-    assert split_for((0, 64 * 4 + 1), rule, 64) == (rule, [0, 5])
+    assert split_for((0, 64 * 4 + 1), rule, 64) == (rule, (0, 5))
     with pytest.raises(ValueError, match="segment_chunks"):
         SplitRule(4, above=-1)
     # the rule chunk_gdn applies: 8,192-token segments of documents over 16,384 tokens
     five = (0, 11141, 17651, 23779, 28432, 32768)  # the five-document experiment: no document cut
     assert (RULE.segment * 64, RULE.above * 64) == (8192, 16384) and split_for(five, RULE, 64) is None
-    for tokens, segments in ((16384, 1), (16385, 3), (32768, 4), (131072, 16)):
+    assert split_for((0, 16384), RULE, 64) is None  # 256 chunks: not over the threshold
+    for tokens, segments in ((16385, 3), (32768, 4), (131072, 16)):
         found = split_for((0, tokens), RULE, 64)
-        assert len(segment_offsets(found[1], RULE)[1] if found else [0]) == segments
+        assert len(segment_offsets(found[1], RULE)[1]) == segments
+    # a threshold below the segment: a document over it but within one segment is still whole
+    assert split_for((0, 64 * 5), SplitRule(10, above=3), 64) is None
+    assert split_for((0, 64 * 11), SplitRule(10, above=3), 64) is not None
 
 
 def test_segments_are_cached_per_documents_and_segment_size():
@@ -185,7 +189,7 @@ def test_a_split_forward_and_backward_replay_from_a_cuda_graph(forward_stages, b
         assert_bitwise(a, b, f"{name}: graph replay against eager")
     with pytest.raises(RuntimeError, match="segments are not on the GPU yet"):
         with torch.cuda.graph(torch.cuda.CUDAGraph()):
-            step(3)
+            step(2)  # cuts the 3-chunk document: segments not made before (3 would cut none: no split)
 
 
 def _chunk_gdn_case(device, dtype=torch.float32):
@@ -228,13 +232,16 @@ def test_chunk_gdn_splits_by_the_rule(device, backend, monkeypatch):
 
     never = SplitRule(10**6)
     rule = SplitRule(2, above=3)
-    passes = []  # the split passes the schedule ran: their rules
-    real = schedule.split_state_pass
-    monkeypatch.setattr(schedule, "split_state_pass", lambda *a, **k: passes.append(a[7]) or real(*a, **k))
+    passes = []  # the split passes the schedule ran, with their rules
+    real, real_back = schedule.split_state_pass, schedule.split_state_backward
+    monkeypatch.setattr(schedule, "split_state_pass", lambda *a, **k: passes.append(("state", a[7])) or real(*a, **k))
+    monkeypatch.setattr(schedule, "split_state_backward",
+                        lambda *a, **k: passes.append(("reverse", a[9])) or real_back(*a, **k))
     whole = run(never, True)
     assert passes == []
     split = run(rule, True)
-    assert passes == [rule, rule]  # the forward's state pass and the backward's recompute of h
+    # the forward's state pass, the backward's recompute of h and its reverse pass
+    assert passes == [("state", rule), ("state", rule), ("reverse", rule)]
     assert_rel_rms(split[0], whole[0], 1e-5, "o against the unsplit call")
     assert_rel_rms(split[1], whole[1], 1e-5, "final states against the unsplit call")
     for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), split[2], whole[2]):

@@ -151,8 +151,10 @@ def stage_calls(stages: ForwardStages, q, k, v, g, beta, *, scale: float, initia
     them fills the outputs. ``cu_seqlens``: the document bounds (python ints) or None (``B``
     sequences of ``T``). Experiments time the calls one by one; `forward` runs them.
     ``segment_chunks``: how the state pass splits long documents (`dsfuse.gdn.split`): by default
-    `dsfuse.gdn.split.RULE`, or another `SplitRule`, a number of chunks (every document cut), or None
-    (no split)."""
+    `dsfuse.gdn.split.RULE` (read at each call: the backward reads it again, so it must not change
+    between a forward and its backward), or another `SplitRule`, a number of chunks ``n`` (documents
+    of more than ``n`` chunks cut into runs of ``n``; with none that long, no split), or None (no
+    split)."""
     batch, tokens, heads_v, dim_v = v.shape
     dim_k = k.shape[-1]
     n = batch * tokens

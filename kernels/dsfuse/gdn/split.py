@@ -4,8 +4,8 @@ backward, as designed in ``experiments/gdn/notes/long-document-split.md``. `chun
 ``segment_chunks`` may name another rule, a number of chunks, or None for no split).
 
 A rule (`SplitRule`) reads the documents' lengths alone: a document of more than ``above`` chunks
-is cut into segments of ``segment`` chunks, the others stay whole (a call with no document over
-the threshold runs the unsplit passes). Segments are more chunk offsets over the same chunk table,
+is cut into segments of ``segment`` chunks, the others stay whole (a call with no document of more
+than ``max(above, segment)`` chunks runs the unsplit passes). Segments are more chunk offsets over the same chunk table,
 so every other stage is unchanged. Per value head a segment maps
 the state at its start to the state at its end as ``S_out = M S_in + E`` (`dsfuse.gdn.cp`'s algebra).
 
@@ -68,7 +68,8 @@ BY_RULE = object()  # the default of the schedule's ``segment_chunks``: `RULE`, 
 
 
 def as_rule(split: int | SplitRule) -> SplitRule:
-    """``split`` as a rule: a number of chunks cuts every document."""
+    """``split`` as a rule: a number of chunks ``n`` cuts every document of more than ``n`` chunks
+    into runs of ``n`` (``SplitRule(n)``)."""
     return split if isinstance(split, SplitRule) else SplitRule(split)
 
 
@@ -88,15 +89,16 @@ def segment_offsets(offsets: list[int], split: int | SplitRule) -> tuple[list[in
 
 
 @functools.lru_cache(maxsize=256)
-def split_for(bounds: tuple[int, ...], split: int | SplitRule, chunk: int) -> tuple[SplitRule, list[int]] | None:
+def split_for(bounds: tuple[int, ...], split: int | SplitRule, chunk: int) -> tuple[SplitRule, tuple[int, ...]] | None:
     """``(rule, chunk offsets)`` when ``split`` cuts some document of token ``bounds`` (chunks of
-    ``chunk`` tokens), else None: every document whole, the unsplit passes."""
+    ``chunk`` tokens: one of more than ``max(above, segment)`` chunks), else None: every document
+    whole, the unsplit passes. Cached: the offsets are a tuple, shared by every caller."""
     rule = as_rule(split)
     offsets = [0]
     for a, b in itertools.pairwise(bounds):
         offsets.append(offsets[-1] + -(-(b - a) // chunk))
     cut = any(c1 - c0 > max(rule.above, rule.segment) for c0, c1 in itertools.pairwise(offsets))
-    return (rule, offsets) if cut else None
+    return (rule, tuple(offsets)) if cut else None
 
 
 CACHE_SIZE = 64

@@ -13,17 +13,23 @@ written as row ``i`` of the chunk at token ``start + i``: ``a`` fp32 ``[T, HV, 6
 ``Gamma_ij = exp(G_i - G_j)`` (``dsfuse.gdn.reference.ut_transform`` with ``g_cum`` zero is this
 ``A``).
 
-One CTA of 128 threads per (chunk, qk head), for all the value heads of that qk head: the chunk's k
-rows staged once in shared memory, their Gram matrix ``k k^T`` once (on ``mma.sync`` with fp32
-accumulation for bf16 / fp16 keys, whose products are exact in fp32; fp32 dot products in a fixed
-order for fp32 keys), then per value head ``M`` from it with that head's beta (and the rows' L2-norm
-scales, applied to the Gram matrix: ``k`` itself is never rounded after normalising) and forward
-substitution, one warp per value head (up to four at once; the Gram matrix's columns scaled by
-the rows' L2-norm scales once for all of them), lane ``l`` solving columns ``l`` and
-``63 - l`` (a column of ``A`` depends only on itself and ``M``; the pair evens out the columns'
-lengths), each column's sums in two interleaved partial sums added at the end. No atomics: a fixed
-order everywhere, so a call is bitwise reproducible. Padded rows of a partial chunk are zero
-(``beta`` = 0), so their rows of ``A`` are those of ``I`` and are not written.
+One CTA per (chunk, qk head), for all the value heads of that qk head (64 threads a head, up to 4
+heads a pass, `heads_per_pass`: 192 threads at 3 heads). The first 4 warps stage the chunk's k rows
+in shared memory, the rows' L2-norm scales (a warp per row at a time, then a butterfly sum: the same
+bits on every lane) and the Gram matrix ``k k^T`` once (``mma.sync`` with fp32 accumulation for
+bf16 / fp16 keys, whose products are exact in fp32; fp32 dot products in a fixed order for fp32
+keys), its columns times the scales (``k`` itself is never rounded after normalising). Then per
+value head, with ``m_i = beta_i rstd_i`` and ``G`` the column-scaled Gram matrix
+(``M_ij = m_i G_ij``), the inverse by blocks of 16, thread ``c`` owning column ``c``:
+
+1. the diagonal blocks ``D_b = (I + M_bb)^-1`` by forward substitution in registers, each thread its
+   column of the block holding it;
+2. after a barrier, the rows of block ``a`` left of it, ``X_ab = -D_a m_a sum_{c < a} G_ac X_cb``,
+   a block at a time (the rows above from the thread's own column, ``D_a`` from the threads of
+   block ``a``; columns right of the block get zeros).
+
+No atomics: a fixed order everywhere, so a call is bitwise reproducible. Padded rows of a partial
+chunk are zero (``beta`` = 0), so their rows of ``A`` are those of ``I`` and are not written.
 """
 
 from __future__ import annotations
