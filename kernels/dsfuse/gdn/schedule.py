@@ -35,18 +35,8 @@ from typing import NamedTuple
 import torch
 
 from dsfuse.gdn import split as _split
-from dsfuse.gdn.reference import (
-    CHUNK_SIZE,
-    packed_cu_seqlens,
-    prepare_chunk_indices,
-    prepare_chunk_offsets,
-)
-from dsfuse.gdn.split import (
-    Segments,
-    segment_maps,
-    split_state_backward,
-    split_state_pass,
-)
+from dsfuse.gdn.reference import CHUNK_SIZE, packed_cu_seqlens, prepare_chunk_indices, prepare_chunk_offsets
+from dsfuse.gdn.split import Segments, segment_maps, split_state_backward, split_state_pass
 
 
 @dataclass(frozen=True)

@@ -5,9 +5,9 @@ backward, as designed in ``experiments/gdn/notes/long-document-split.md``. `chun
 
 A rule (`SplitRule`) reads the documents' lengths alone: a document of more than ``above`` chunks
 is cut into segments of ``segment`` chunks, the others stay whole (a call with no document of more
-than ``max(above, segment)`` chunks runs the unsplit passes). Segments are more chunk offsets over the same chunk table,
-so every other stage is unchanged. Per value head a segment maps
-the state at its start to the state at its end as ``S_out = M S_in + E`` (`dsfuse.gdn.cp`'s algebra).
+than ``max(above, segment)`` chunks runs the unsplit passes). Segments are more chunk offsets over
+the same chunk table, so every other stage is unchanged. Per value head a segment maps the state
+at its start to the state at its end as ``S_out = M S_in + E`` (`dsfuse.gdn.cp`'s algebra).
 
 Forward (`split_state_pass`):
 
@@ -28,10 +28,9 @@ Backward (`split_state_backward`), mirrored: ``dS_in = D + M^T dS_out`` per segm
    document's first segment, its initial state's gradient.
 
 With the true ``S_in`` and ``dS_out`` of every segment, a segment's passes are exactly the
-document's, chunk for chunk. Three passes instead of one each way, each with ``segments x HV``
+document's, chunk for chunk. Three passes instead of one forward (two in reverse), each with ``segments x HV``
 independent chains. Deterministic: fixed segments (from the lengths and the rule alone, not the SM
-count or grad mode)
-and a fixed merge order. The segment tables are cached on the device like the chunk table
+count or grad mode) and a fixed merge order. The segment tables are cached on the device like the chunk table
 (`Segments.of`), so a call can be captured in a CUDA Graph after a first call with the same
 documents."""
 
@@ -89,7 +88,8 @@ def segment_offsets(offsets: list[int], split: int | SplitRule) -> tuple[list[in
 
 
 @functools.lru_cache(maxsize=256)
-def split_for(bounds: tuple[int, ...], split: int | SplitRule, chunk: int) -> tuple[SplitRule, tuple[int, ...]] | None:
+def split_for(bounds: tuple[int, ...], split: int | SplitRule,
+              chunk: int) -> tuple[SplitRule, tuple[int, ...]] | None:
     """``(rule, chunk offsets)`` when ``split`` cuts some document of token ``bounds`` (chunks of
     ``chunk`` tokens: one of more than ``max(above, segment)`` chunks), else None: every document
     whole, the unsplit passes. Cached: the offsets are a tuple, shared by every caller."""
