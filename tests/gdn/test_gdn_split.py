@@ -32,7 +32,7 @@ def test_the_rule_splits_only_documents_over_its_threshold():
     with pytest.raises(ValueError, match="segment_chunks"):
         SplitRule(4, above=-1)
     # the rule chunk_gdn applies: 8,192-token segments of documents over 16,384 tokens
-    five = (0, 11141, 17651, 23779, 28432, 32768)  # the five-document experiment: no document cut
+    five = (0, 8847, 11796, 22937, 28836, 32768)  # the five-document experiment's documents: none cut
     assert (RULE.segment * 64, RULE.above * 64) == (8192, 16384) and split_for(five, RULE, 64) is None
     assert split_for((0, 16384), RULE, 64) is None  # 256 chunks: not over the threshold
     for tokens, segments in ((16385, 3), (32768, 4), (131072, 16)):

@@ -148,11 +148,11 @@ def model_config(config: dict) -> dict:
 
 
 def document_bounds(tokens: int, documents: int | list[int]) -> list[int]:
-    """Documents of unequal lengths filling ``tokens``, none a multiple of the chunk (64) unless there
-    is only one: ``cu_seqlens``
-    as python ints. ``documents``: their lengths (summing to ``tokens``), or their number: then lengths
-    ``DOC_WEIGHTS`` (cycled) of ``tokens``, all but the last made odd, the last taking the rest (two
-    tokens move to the first if the rest is a multiple of 64)."""
+    """Documents of unequal lengths filling ``tokens``, none a multiple of the chunk (64) when there are
+    several (one document may be any length): ``cu_seqlens`` as python ints. ``documents``: their
+    lengths (summing to ``tokens``), or their number: then lengths ``DOC_WEIGHTS`` (cycled) of
+    ``tokens``, all but the last made odd, the last taking the rest (two tokens move to the first if
+    the rest is a multiple of 64)."""
     if isinstance(documents, (list, tuple)):
         lengths = [int(n) for n in documents]
         if sum(lengths) != tokens:
