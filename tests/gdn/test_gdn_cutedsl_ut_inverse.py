@@ -77,7 +77,7 @@ def test_serves_no_call_yet():
 def test_rows_match_the_float64_reference(dtype, l2, dims):
     """Documents of 1, 63, 64, 65 and 200 tokens (partial chunks, one-token chunks) and a tail of
     tokens in no chunk: every row of every chunk against the float64 ungated inverse (relative RMS
-    per chunk and head <= 1e-5; fp32 forward substitution), the tail left as poisoned, and a second
+    per chunk and head <= 1e-5; fp32 blocked substitution), the tail left as poisoned, and a second
     launch bitwise equal."""
     cutedsl_or_skip()
     from dsfuse.gdn.cutedsl.ut_inverse import launch_ut_inverse
@@ -111,3 +111,41 @@ def test_rows_match_the_float64_reference(dtype, l2, dims):
         rows = end - start
         for i_hv in range(hv):
             assert_rel_rms(got[start:end, i_hv], expected[c, i_hv, :rows], 1e-5, f"chunk {c}, value head {i_hv}")
+
+
+def test_unaligned_keys_compile_for_their_own_reads():
+    """k rows not 16-byte aligned take element-by-element reads: that variant compiles too (CPU)."""
+    cutedsl_or_skip()
+    from dsfuse.gdn.cutedsl.ut_inverse import compile_ut_inverse, vector_reads
+
+    compile_ut_inverse(torch.bfloat16, 2, 6, 64, True, "sm_90a", aligned=False)
+    rows = torch.zeros(10, 2, 3 * 64, dtype=torch.bfloat16)
+    assert vector_reads(rows[:, :, 64:128]) and not vector_reads(rows[:, :, 65:129])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("l2", [True, False])
+@pytest.mark.parametrize("dims", [(2, 6, 64), (16, 48, 128)])
+def test_unaligned_keys_give_the_same_bits(l2, dims):
+    """The same key values read by 16-byte copies (aligned rows) and element by element (rows one
+    element off 16 bytes): bitwise equal rows of A."""
+    cutedsl_or_skip()
+    from dsfuse.gdn.cutedsl.ut_inverse import launch_ut_inverse, vector_reads
+
+    h, hv, d = dims
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    cu = [0, 1, 63, 64, 65, 200]
+    t = cu[-1]
+    values = torch.randn(t, h, d, device="cuda", generator=gen).bfloat16()
+    k_aligned = torch.zeros(t, h, 3 * d, device="cuda", dtype=torch.bfloat16)[:, :, d:2 * d]
+    k_off = torch.zeros(t, h, 3 * d, device="cuda", dtype=torch.bfloat16)[:, :, d + 1:2 * d + 1]
+    k_aligned.copy_(values)
+    k_off.copy_(values)
+    assert vector_reads(k_aligned) and not vector_reads(k_off)
+    beta = torch.rand(t, hv, device="cuda", generator=gen).bfloat16()
+    ci = prepare_chunk_indices(cu).to(device="cuda", dtype=torch.int32).contiguous()
+    a, b = (torch.full((t, hv, 64), float("nan"), device="cuda") for _ in range(2))
+    launch_ut_inverse(k_aligned, beta, ci, a, use_qk_l2norm=l2)
+    launch_ut_inverse(k_off, beta, ci, b, use_qk_l2norm=l2)
+    torch.cuda.synchronize()
+    assert not a.isnan().any() and torch.equal(a, b)

@@ -46,11 +46,10 @@ from dsfuse._common import cutedsl as _cd
 
 cutlass, cute = _cd.require()
 from cutlass import Float32, Int32, const_expr
-from cutlass.cute.nvgpu import cpasync
 
 from dsfuse.gdn.cutedsl import chunk
 from dsfuse.gdn.cutedsl import mma as _mma
-from dsfuse.gdn.cutedsl.chunk import CHUNK, L2NORM_EPS
+from dsfuse.gdn.cutedsl.chunk import CHUNK
 
 WARPS_MN = (4, 2)  # 4 warps over M (the chunk's 64 rows, or K), 2 over N
 THREADS = 32 * WARPS_MN[0] * WARPS_MN[1]
@@ -78,73 +77,13 @@ def aligned_reasons(**tensors: torch.Tensor) -> list[str]:
             if x.data_ptr() % ALIGN or any(s * x.element_size() % ALIGN for s in x.stride()[:2])]
 
 
-def _copy_rows(dtype, width: int, store: bool = False):
-    """The tiled 16-byte copy of a ``[rows, width]`` tile by the CTA, ``width / vector`` threads a
-    row, each row a contiguous run of ``width`` elements in memory: ``cp.async`` into shared memory,
-    or (``store``) plain 16-byte stores from shared memory to memory."""
-    vector = 128 // dtype.width
-    per_row = width // vector
-    op = cute.nvgpu.CopyUniversalOp() if store else cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL)
-    atom = cute.make_copy_atom(op, dtype, num_bits_per_copy=128)
-    return cute.make_tiled_copy_tv(atom, cute.make_layout((THREADS // per_row, per_row), stride=(per_row, 1)),
-                                   cute.make_layout((1, vector)))
-
-
-def _row_pieces(copy: cute.TiledCopy, tidx, mX: cute.Tensor, sX: cute.Tensor, start, head, store: bool):
-    """This thread's pieces of a row copy between rows ``start ..`` of ``mX[:, head, :]`` and ``sX``:
-    ``(source, destination, coordinates)``, memory to ``sX`` or (``store``) back."""
-    shape = (cute.size(sX, mode=[0]), cute.size(sX, mode=[1]))
-    gX = cute.local_tile(cute.domain_offset((start, 0), mX[None, head, None]), shape, (0, 0))
-    part = copy.get_slice(tidx)
-    src, dst = (sX, gX) if store else (gX, sX)
-    return part.partition_S(src), part.partition_D(dst), part.partition_S(cute.make_identity_tensor(shape))
-
-
-@cute.jit
-def _start_rows(copy: cute.TiledCopy, tidx: Int32, mX: cute.Tensor, sX: cute.Tensor, start: Int32, rows: Int32,
-                head: Int32):
-    """Start the copy of rows ``start ..`` of ``mX[:, head, :]`` into ``sX``; zeros past the chunk's
-    ``rows`` (written now; the copies land by the caller's ``cp_async_wait_group``)."""
-    tXg, tXs, tXc = _row_pieces(copy, tidx, mX, sX, start, head, False)
-    for m in cutlass.range_constexpr(cute.size(tXs, mode=[1])):
-        if tXc[0, m, 0][0] < rows:
-            cute.copy(copy, tXg[None, m, None], tXs[None, m, None])
-        else:
-            tXs[None, m, None].fill(0)
-
-
-@cute.jit
-def _store_rows(copy: cute.TiledCopy, tidx: Int32, sX: cute.Tensor, mX: cute.Tensor, start: Int32, rows: Int32,
-                head: Int32):
-    """Rows ``0 .. rows - 1`` of ``sX`` into rows ``start ..`` of ``mX[:, head, :]``, 16 bytes a store."""
-    tXs, tXg, tXc = _row_pieces(copy, tidx, mX, sX, start, head, True)
-    for m in cutlass.range_constexpr(cute.size(tXs, mode=[1])):
-        if tXc[0, m, 0][0] < rows:
-            cute.copy(copy, tXs[None, m, None], tXg[None, m, None])
-
-
 _tile, _vector = chunk.tile, chunk.vector
+_start_rows, _store_rows, _row_scales = chunk.start_rows, chunk.store_rows, chunk.row_scales
 
 
-@cute.jit
-def _row_scales(copy: cute.TiledCopy, tidx: Int32, sX: cute.Tensor, sRstd: cute.Tensor, first: cutlass.Constexpr):
-    """``sRstd[first + r]``: ``rsqrt(sum(x^2) + eps)`` of each row ``r`` of ``sX``, by the threads of the
-    rows' copy (`_copy_rows`): each squares and sums its 16-byte pieces of a row in fp32, then the
-    row's threads add their sums by butterfly shuffles (a fixed order: the same bits every call)."""
-    part = copy.get_slice(tidx)
-    tXs = part.partition_D(sX)
-    tXc = part.partition_D(cute.make_identity_tensor((cute.size(sX, mode=[0]), cute.size(sX, mode=[1]))))
-    per_row = cute.size(sX, mode=[1]) // cute.size(tXs, mode=[0])
-    for m in cutlass.range_constexpr(cute.size(tXs, mode=[1])):
-        piece = cute.make_fragment_like(tXs[None, m, 0])
-        cute.autovec_copy(tXs[None, m, 0], piece)
-        total = Float32(0.0)
-        for e in cutlass.range_constexpr(cute.size(piece)):
-            x = piece[e].to(Float32)
-            total = total + x * x
-        total = cute.arch.warp_reduction(total, lambda a, b: a + b, threads_in_group=per_row)
-        if tidx % per_row == 0:
-            sRstd[first + tXc[0, m, 0][0]] = cute.math.rsqrt(total + Float32(L2NORM_EPS))
+def _copy_rows(dtype, width: int, store: bool = False):
+    """`dsfuse.gdn.cutedsl.chunk.copy_rows` by this form's threads."""
+    return chunk.copy_rows(dtype, width, THREADS, store)
 
 
 @cute.jit

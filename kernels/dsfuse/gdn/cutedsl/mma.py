@@ -70,14 +70,19 @@ def gemm(mma, acc, ops):
         cute.gemm(mma, acc, tCrA, tCrB, acc)
 
 
+def swizzled_layout(rows: int, cols: int):
+    """The layout of a ``[rows, cols]`` 16-bit `swizzled_tile` (1024-byte aligned storage)."""
+    width = 64 if cols % 64 == 0 else 32
+    atom = cute.make_composed_layout(cute.make_swizzle(3 if width == 64 else 2, 3, 3), 0,
+                                     cute.make_layout((8, width), stride=(width, 1)))
+    return cute.tile_to_shape(atom, (rows, cols), (0, 1))
+
+
 def swizzled_tile(smem, dtype, rows: int, cols: int):
     """A ``[rows, cols]`` 16-bit shared-memory tile, row-major in 8-row atoms 64 (or 32) wide whose
     16-byte chunks are permuted by row (``Swizzle<3, 3, 3>``, or ``<2, 3, 3>``): the 8 rows an
     ``ldmatrix`` reads, or a row of 16-byte ``cp.async`` writes, fall in distinct banks."""
-    width = 64 if cols % 64 == 0 else 32
-    atom = cute.make_composed_layout(cute.make_swizzle(3 if width == 64 else 2, 3, 3), 0,
-                                     cute.make_layout((8, width), stride=(width, 1)))
-    return smem.allocate_tensor(dtype, cute.tile_to_shape(atom, (rows, cols), (0, 1)), byte_alignment=1024)
+    return smem.allocate_tensor(dtype, swizzled_layout(rows, cols), byte_alignment=1024)
 
 
 def transposed(tile):

@@ -15,12 +15,12 @@ written as row ``i`` of the chunk at token ``start + i``: ``a`` fp32 ``[T, HV, 6
 
 One CTA per (chunk, qk head), for all the value heads of that qk head (64 threads a head, up to 4
 heads a pass, `heads_per_pass`: 192 threads at 3 heads). The first 4 warps stage the chunk's k rows
-in shared memory, the rows' L2-norm scales (a warp per row at a time, then a butterfly sum: the same
-bits on every lane) and the Gram matrix ``k k^T`` once (``mma.sync`` with fp32 accumulation for
-bf16 / fp16 keys, whose products are exact in fp32; fp32 dot products in a fixed order for fp32
-keys), its columns times the scales (``k`` itself is never rounded after normalising). Then per
-value head, with ``m_i = beta_i rstd_i`` and ``G`` the column-scaled Gram matrix
-(``M_ij = m_i G_ij``), the inverse by blocks of 16, thread ``c`` owning column ``c``:
+in shared memory (16-byte ``cp.async`` when k's rows are 16-byte aligned, `vector_reads`), the rows'
+L2-norm scales and the Gram matrix ``k k^T`` once (``mma.sync`` with fp32 accumulation for bf16 /
+fp16 keys, whose products are exact in fp32; fp32 dot products in a fixed order for fp32 keys), its
+columns times the scales (``k`` itself is never rounded after normalising). Then per value head,
+with ``m_i = beta_i rstd_i`` and ``G`` the column-scaled Gram matrix (``M_ij = m_i G_ij``), the
+inverse by blocks of 16, thread ``c`` owning column ``c``:
 
 1. the diagonal blocks ``D_b = (I + M_bb)^-1`` by forward substitution in registers, each thread its
    column of the block holding it;
@@ -28,8 +28,10 @@ value head, with ``m_i = beta_i rstd_i`` and ``G`` the column-scaled Gram matrix
    a block at a time (the rows above from the thread's own column, ``D_a`` from the threads of
    block ``a``; columns right of the block get zeros).
 
-No atomics: a fixed order everywhere, so a call is bitwise reproducible. Padded rows of a partial
-chunk are zero (``beta`` = 0), so their rows of ``A`` are those of ``I`` and are not written.
+k's rows share the storage of ``A`` (k is read only before the barrier ahead of A's first write),
+so three CTAs fit an SM. No atomics: a fixed order everywhere, so a call is bitwise reproducible.
+Padded rows of a partial chunk are zero (``beta`` = 0), so their rows of ``A`` are those of ``I``
+and are not written.
 """
 
 from __future__ import annotations
@@ -41,8 +43,16 @@ from dsfuse._common import cutedsl as _cd
 cutlass, cute = _cd.require()
 from cutlass import Float32, Int32, const_expr
 
+from dsfuse.gdn.cutedsl import chunk
 from dsfuse.gdn.cutedsl import mma as _mma
-from dsfuse.gdn.cutedsl.chunk import CHUNK, DTYPES, L2NORM_EPS, THREADS, cell, lane_sum_squares
+from dsfuse.gdn.cutedsl.chunk import (
+    CHUNK,
+    DTYPES,
+    L2NORM_EPS,
+    THREADS,
+    cell,
+    lane_sum_squares,
+)
 
 MAX_HEADS_AT_ONCE = 4  # value heads solved together, a column of A a thread: at most 256 threads
 WARPS = THREADS // 32  # the warps that load k and make its Gram matrix
@@ -73,9 +83,10 @@ def heads_per_pass(group: int) -> int:
 class _UtInverse:
     """``(k [T, H, K], beta [T, HV], chunk_indices int32 [NC, 3]) -> a fp32 [T, HV, 64]``."""
 
-    def __init__(self, dtype: torch.dtype, heads: int, value_heads: int, dim_k: int, l2norm: bool):
+    def __init__(self, dtype: torch.dtype, heads: int, value_heads: int, dim_k: int, l2norm: bool, aligned: bool):
         self.dtype, self.heads, self.value_heads, self.dim_k, self.l2norm = (
             DTYPES[dtype], heads, value_heads, dim_k, l2norm)
+        self.vector_rows = aligned and dtype != torch.float32  # k's rows by 16-byte cp.async
         self.slots = heads_per_pass(value_heads // heads)
         self.threads = max(THREADS, CHUNK * self.slots)
 
@@ -96,13 +107,17 @@ class _UtInverse:
         kt = self.dtype
 
         smem = cutlass.memory.SmemAllocator()
-        if const_expr(tensor_cores):  # swizzled for ldmatrix
-            sK = _mma.swizzled_tile(smem, kt, C, K)
-        else:  # fp32 keys: a row pitch of K + 1 words, so the dot products' column reads hit distinct banks
-            sK = smem.allocate_tensor(kt, cute.make_layout((C, K), stride=(K + 1, 1)), byte_alignment=16)
         sG = smem.allocate_tensor(Float32, cute.make_layout((C, C), stride=(PITCH, 1)), byte_alignment=16)
-        sA = smem.allocate_tensor(Float32, cute.make_layout((SLOTS, C, C), stride=(C * PITCH, PITCH, 1)),
-                                  byte_alignment=16)
+        # k's rows share A's storage: k is read only before the barrier that precedes A's first write
+        # (so three CTAs fit an SM)
+        a_layout = cute.make_layout((SLOTS, C, C), stride=(C * PITCH, PITCH, 1))
+        if const_expr(tensor_cores):  # swizzled for ldmatrix
+            k_layout, k_bytes = _mma.swizzled_layout(C, K), C * K * kt.width // 8
+        else:  # fp32 keys: a row pitch of K + 1 words, so the dot products' column reads hit distinct banks
+            k_layout, k_bytes = cute.make_layout((C, K), stride=(K + 1, 1)), C * (K + 1) * 4
+        shared = smem.allocate(max(SLOTS * C * PITCH * 4, k_bytes), 1024)
+        sA = cute.make_tensor(cute.recast_ptr(shared, dtype=Float32), a_layout)
+        sK = cute.make_tensor(cute.recast_ptr(shared, dtype=kt), k_layout)
         sRow = smem.allocate_tensor(Float32, cute.make_layout((SLOTS, C)), byte_alignment=16)
         sRstd = smem.allocate_tensor(Float32, cute.make_layout((C,)), byte_alignment=16)
 
@@ -112,22 +127,43 @@ class _UtInverse:
         if slot < SLOTS and col < rows:
             beta = mBeta[start + col, i_h * GROUP + slot].to(Float32)
 
-        # 1.-2. by the first 4 warps: the chunk's k rows (zeros past its end) in k's dtype, their Gram
-        #    matrix k k^T, the rows' rstd (1 without the L2 norm: a warp per row at a time, then a
-        #    butterfly sum, the same bits on every lane), the Gram matrix's columns scaled by rstd_j
+        # 1.-2. by the first 4 warps: the chunk's k rows (zeros past its end) in k's dtype, the rows'
+        #    rstd (1 without the L2 norm), their Gram matrix k k^T with its columns scaled by rstd_j
+        #    (G_ij rstd_j: once for every value head). Aligned 16-bit rows come by 16-byte cp.async,
+        #    and each thread sums the squares of the pieces it copied (`chunk.row_scales`); otherwise
+        #    element by element, then a warp per row and a butterfly sum (the same bits on every lane).
+        if const_expr(self.vector_rows):
+            copy_k = chunk.copy_rows(kt, K, THREADS)
         if tidx < THREADS:
-            for item in cutlass.range(C * K // THREADS, unroll_full=True):  # all loads in flight at once
-                r, c = cell(tidx, item, K)
-                value = kt(0.0)
-                if r < rows:
-                    value = mK[start + r, i_h, c]
-                sK[r, c] = value
+            if const_expr(self.vector_rows):
+                chunk.start_rows(copy_k, tidx, mK, sK, start, rows, i_h)
+                cute.arch.cp_async_commit_group()
+                cute.arch.cp_async_wait_group(0)
+                if const_expr(self.l2norm):  # this thread's own pieces: no barrier before
+                    chunk.row_scales(copy_k, tidx, sK, sRstd, 0)
+            else:
+                for item in cutlass.range(C * K // THREADS, unroll_full=True):  # all loads in flight at once
+                    r, c = cell(tidx, item, K)
+                    value = kt(0.0)
+                    if r < rows:
+                        value = mK[start + r, i_h, c]
+                    sK[r, c] = value
         cute.arch.sync_threads()
         if tidx < THREADS:
+            if const_expr(self.l2norm and not self.vector_rows):
+                for rr in cutlass.range_constexpr(C // WARPS):
+                    r = warp * (C // WARPS) + rr
+                    total = cute.arch.warp_reduction(lane_sum_squares(sK, r, lane), lambda a, b: a + b)
+                    if lane == 0:
+                        sRstd[r] = cute.math.rsqrt(total + Float32(L2NORM_EPS))
             if const_expr(tensor_cores):
                 mma = _mma.tiled_mma(kt, ldmatrix=True)
                 acc = _mma.accumulator(mma, tidx, (C, C))
                 _mma.gemm_ldmatrix(mma, acc, _mma.ldmatrix_operands(mma, tidx, sK, sK, False, False))
+                if const_expr(self.l2norm and self.vector_rows):  # the scales are in: scale the columns here
+                    coords = _mma.coordinates(mma, tidx, (C, C))
+                    for e in cutlass.range_constexpr(cute.size(acc)):
+                        acc[e] = acc[e] * sRstd[coords[e][1]]
                 _mma.store(mma, tidx, acc, sG)
             else:
                 for item in cutlass.range(C * C // THREADS):
@@ -137,20 +173,13 @@ class _UtInverse:
                         for c in cutlass.range(K):
                             dot = dot + sK[i, c] * sK[j, c]
                     sG[i, j] = dot
-            for rr in cutlass.range_constexpr(C // WARPS):
-                r = warp * (C // WARPS) + rr
-                rstd = Float32(1.0)
-                if const_expr(self.l2norm):
-                    total = cute.arch.warp_reduction(lane_sum_squares(sK, r, lane), lambda a, b: a + b)
-                    rstd = cute.math.rsqrt(total + Float32(L2NORM_EPS))
-                if lane == 0:
-                    sRstd[r] = rstd
-        cute.arch.sync_threads()
-        if tidx < THREADS:  # G_ij rstd_j, j < i, once for every value head
-            for item in cutlass.range(C * C // THREADS, unroll=4):
-                i, j = cell(tidx, item, C)
-                if j < i:
-                    sG[i, j] = sG[i, j] * sRstd[j]
+        if const_expr(self.l2norm and not self.vector_rows):
+            cute.arch.sync_threads()
+            if tidx < THREADS:
+                for item in cutlass.range(C * C // THREADS, unroll=4):
+                    i, j = cell(tidx, item, C)
+                    if j < i:
+                        sG[i, j] = sG[i, j] * sRstd[j]
 
         for base in cutlass.range_constexpr(0, GROUP, SLOTS):
             i_hv = i_h * GROUP + base + slot
@@ -162,7 +191,10 @@ class _UtInverse:
                     beta = mBeta[start + col, i_hv].to(Float32)
             # 3. per value head: m_r = beta_r rstd_r of row r = col, 0 past the chunk's end
             if active:
-                sRow[slot, col] = beta * sRstd[col]
+                if const_expr(self.l2norm):
+                    sRow[slot, col] = beta * sRstd[col]
+                else:
+                    sRow[slot, col] = beta
             cute.arch.sync_threads()
             # 4. A = (I + M)^-1, M_ij = m_i G_ij rstd_j for j < i, by blocks of 16: each thread its
             #    column's diagonal block, then (after the barrier) its rows below it, a block at a time
@@ -228,14 +260,18 @@ def _block_row(sG: cute.Tensor, sM: cute.Tensor, sA: cute.Tensor, col: Int32, bl
             sA[r0 + r, col] = Float32(0.0)
 
 
-CACHE = _cd.KernelCache()  # (dtype, H, HV, K, l2norm, arch) -> compiled function
+CACHE = _cd.KernelCache()  # (dtype, H, HV, K, l2norm, aligned, arch) -> compiled function
 
 
-def _fake_tensors(dtype: torch.dtype, heads: int, value_heads: int, dim_k: int) -> tuple:
-    """Fake tensors of the compiled signature: symbolic tokens and chunks, any token and head strides."""
+def _fake_tensors(dtype: torch.dtype, heads: int, value_heads: int, dim_k: int, aligned: bool) -> tuple:
+    """Fake tensors of the compiled signature: symbolic tokens and chunks, any token and head strides
+    (with ``aligned``, k's base and strides 16-byte aligned)."""
     cdt = DTYPES[dtype]
     tokens, chunks = cute.sym_int(), cute.sym_int()
-    k = cute.runtime.make_fake_tensor(cdt, (tokens, heads, dim_k), (cute.sym_int64(), cute.sym_int64(), 1))
+    vector = 16 // dtype.itemsize if aligned else 1
+    k = cute.runtime.make_fake_tensor(cdt, (tokens, heads, dim_k), (cute.sym_int64(divisibility=vector),
+                                                                    cute.sym_int64(divisibility=vector), 1),
+                                      assumed_align=16 if aligned else None)
     beta = cute.runtime.make_fake_tensor(cdt, (tokens, value_heads), (cute.sym_int64(), cute.sym_int64()))
     table = cute.runtime.make_fake_tensor(Int32, (chunks, 3), (3, 1))
     a = cute.runtime.make_fake_tensor(Float32, (tokens, value_heads, CHUNK), (value_heads * CHUNK, CHUNK, 1))
@@ -243,15 +279,22 @@ def _fake_tensors(dtype: torch.dtype, heads: int, value_heads: int, dim_k: int) 
 
 
 def compile_ut_inverse(dtype: torch.dtype, heads: int, value_heads: int, dim_k: int, l2norm: bool, arch: str, *,
-                       keep_ptx: bool = False, dump_dir: str | None = None):
+                       aligned: bool = True, keep_ptx: bool = False, dump_dir: str | None = None):
     """The kernel for one configuration, compiled for ``arch`` (``sm_90a``, ``sm_100a``; no GPU needed).
-    Called as ``fn(k, beta, chunk_indices, a)`` with torch tensors, on the current torch stream."""
+    Called as ``fn(k, beta, chunk_indices, a)`` with torch tensors, on the current torch stream;
+    ``aligned``: for a ``k`` whose base and token and head strides are multiples of 16 bytes
+    (`vector_reads`), read by 16-byte copies (the same values as element by element)."""
     if reasons := shape_reasons(dtype, heads, value_heads, dim_k):
         raise ValueError("the CuTe DSL UT inverse cannot compile this: " + "; ".join(reasons))
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-    return _cd.compile(_UtInverse(dtype, heads, value_heads, dim_k, l2norm),
-                       *_fake_tensors(dtype, heads, value_heads, dim_k), stream, arch=arch, keep_ptx=keep_ptx,
-                       dump_dir=dump_dir)
+    return _cd.compile(_UtInverse(dtype, heads, value_heads, dim_k, l2norm, aligned),
+                       *_fake_tensors(dtype, heads, value_heads, dim_k, aligned), stream, arch=arch,
+                       keep_ptx=keep_ptx, dump_dir=dump_dir)
+
+
+def vector_reads(k: torch.Tensor) -> bool:
+    """Whether ``k``'s base and token and head strides are multiples of 16 bytes (the 16-byte reads)."""
+    return k.data_ptr() % 16 == 0 and all(s * k.element_size() % 16 == 0 for s in k.stride()[:2])
 
 
 def launch_ut_inverse(k: torch.Tensor, beta: torch.Tensor, chunk_indices: torch.Tensor, a: torch.Tensor, *,
@@ -261,15 +304,16 @@ def launch_ut_inverse(k: torch.Tensor, beta: torch.Tensor, chunk_indices: torch.
     ``k`` ``[T, H, K]`` (unit channel stride), ``beta`` ``[T, HV]`` in k's dtype, ``chunk_indices``
     int32 ``[NC, 3]`` contiguous (`dsfuse.gdn.reference.prepare_chunk_indices`). Rows of ``a`` at
     tokens in no chunk are not written."""
-    tokens, heads, dim_k = k.shape
+    _, heads, dim_k = k.shape
     value_heads = beta.shape[1]
     if k.stride(-1) != 1 or beta.dtype != k.dtype or not a.is_contiguous() or a.dtype != torch.float32:
         raise ValueError("launch_ut_inverse: k needs unit channel stride, beta k's dtype, a contiguous fp32")
     if chunk_indices.shape[0] == 0:
         return a
-    fn = CACHE.get((k.dtype, heads, value_heads, dim_k, use_qk_l2norm, _cd.arch_of(k.device)),
+    vector = vector_reads(k)
+    fn = CACHE.get((k.dtype, heads, value_heads, dim_k, use_qk_l2norm, vector, _cd.arch_of(k.device)),
                    lambda: compile_ut_inverse(k.dtype, heads, value_heads, dim_k, use_qk_l2norm,
-                                              _cd.arch_of(k.device)))
+                                              _cd.arch_of(k.device), aligned=vector))
     fn(k, beta, chunk_indices, a)
     return a
 
