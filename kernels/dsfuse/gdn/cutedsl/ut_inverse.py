@@ -131,7 +131,8 @@ class _UtInverse:
         #    rstd (1 without the L2 norm), their Gram matrix k k^T with its columns scaled by rstd_j
         #    (G_ij rstd_j: once for every value head). Aligned 16-bit rows come by 16-byte cp.async,
         #    and each thread sums the squares of the pieces it copied (`chunk.row_scales`); otherwise
-        #    element by element, then a warp per row and a butterfly sum (the same bits on every lane).
+        #    element by element, and after the barrier the same sums in the same order (fp32 keys: a
+        #    warp per row and a butterfly sum, the same bits on every lane).
         if const_expr(self.vector_rows):
             copy_k = chunk.copy_rows(kt, K, THREADS)
         if tidx < THREADS:
@@ -151,11 +152,14 @@ class _UtInverse:
         cute.arch.sync_threads()
         if tidx < THREADS:
             if const_expr(self.l2norm and not self.vector_rows):
-                for rr in cutlass.range_constexpr(C // WARPS):
-                    r = warp * (C // WARPS) + rr
-                    total = cute.arch.warp_reduction(lane_sum_squares(sK, r, lane), lambda a, b: a + b)
-                    if lane == 0:
-                        sRstd[r] = cute.math.rsqrt(total + Float32(L2NORM_EPS))
+                if const_expr(tensor_cores):  # the 16-byte path's sums, in its order: the same bits
+                    chunk.row_scales(chunk.copy_rows(kt, K, THREADS), tidx, sK, sRstd, 0)
+                else:
+                    for rr in cutlass.range_constexpr(C // WARPS):
+                        r = warp * (C // WARPS) + rr
+                        total = cute.arch.warp_reduction(lane_sum_squares(sK, r, lane), lambda a, b: a + b)
+                        if lane == 0:
+                            sRstd[r] = cute.math.rsqrt(total + Float32(L2NORM_EPS))
             if const_expr(tensor_cores):
                 mma = _mma.tiled_mma(kt, ldmatrix=True)
                 acc = _mma.accumulator(mma, tidx, (C, C))
