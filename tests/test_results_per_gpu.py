@@ -67,6 +67,30 @@ def test_a_b200_run_renders_into_its_own_folder_and_leaves_the_h200_files_alone(
     assert _files(results / "h200") == {k: v for k, v in h200_before.items() if not k.startswith("plots/")}
 
 
+def test_runs_of_a_config_kept_apart_render_under_their_own_stem(tmp_path):
+    """A run under ``raw/<sub>/`` whose config names ``raw_subdir: <sub>`` (GDN's long documents) gets
+    ``<op>_<sub>.md``, ``_runs.md``, ``.json``, plots in ``plots/<gpu>/<sub>/`` and its own index; the
+    op's own tables read only the op's own runs. A folder of runs without that config line is not
+    rendered."""
+    raw, results, plots = tmp_path / "raw", tmp_path / "results", tmp_path / "plots"
+    shutil.copytree(H200_RUN, raw / H200_RUN.name)
+    apart = raw / "long" / H200_RUN.name.replace("20261129", "20261130")
+    shutil.copytree(H200_RUN, apart)
+    config = yaml.safe_load((apart / "config.yaml").read_text()) | {"raw_subdir": "long"}
+    (apart / "config.yaml").write_text(yaml.safe_dump(config))
+    shutil.copytree(H200_RUN, raw / "other" / H200_RUN.name)  # no raw_subdir: not a config kept apart
+    report.render("text_rope", raw, results, plots)
+    assert report.apart_folders(raw) == ["long"]
+    assert json.loads((results / "h200" / "text_rope_long.json").read_text())["newest"] == apart.name
+    assert json.loads((results / "h200" / "text_rope.json").read_text())["newest"] == H200_RUN.name
+    assert f"long/{apart.name}" in (results / "h200" / "text_rope_long.md").read_text()
+    assert (results / "h200" / "text_rope_long_runs.md").exists() and (plots / "h200" / "long" / "text_rope_fwd.png").exists()
+    index = (results / "text_rope_long_all_gpus.md").read_text()
+    assert "h200/text_rope_long.md" in index and "h200/text_rope_long_runs.md" in index
+    assert "text_rope_long" not in (results / "text_rope_all_gpus.md").read_text()
+    assert not (results / "h200" / "text_rope_other.md").exists()
+
+
 def test_committed_runs_link_their_raw_folder_on_the_repository():
     from dsfuse.bench.paths import raw_url
 
