@@ -4,6 +4,7 @@ import json
 import types
 
 import pandas as pd
+import pytest
 import torch
 
 from dsfuse.bench import harness, report
@@ -101,6 +102,26 @@ def test_run_records_failures_and_never_baselines_them(tmp_path):
     summary = report.summarize(report.load_run(run_dir))[1]
     assert set(summary["control"]) == {"control"}  # the faster-looking "bad" is never the baseline
     assert any(p.suffix == ".png" for p in written)
+
+
+def test_a_run_stopped_midway_keeps_its_finished_cases_and_says_so(tmp_path):
+    """A run cut by a time limit (here: an exception in its second case) leaves the first case's
+    samples, checks and case row, and an UNFINISHED marker that the report turns into a line; a run
+    that ends removes the marker."""
+    fake = _fake_experiment()
+    two = [Case("tiny_fwd", "fwd", {"n": 64}, bytes=512), Case("stops_fwd", "fwd", {"n": -1}, bytes=512)]
+    stopping = types.SimpleNamespace(**(vars(fake) | {"cases": lambda config: two}))
+    config = {"timing": {"blocks": 2, "samples": 2}}
+    with pytest.raises(RuntimeError):  # a negative size: torch.randn refuses it, as a killed run stops
+        harness.run_experiment(stopping, config, tmp_path, torch.device("cpu"), run_id="cut")
+    run_dir = tmp_path / "cut"
+    assert (run_dir / harness.UNFINISHED).read_text().startswith("2 cases")
+    assert set(pd.read_csv(run_dir / "samples.csv")["case"]) == {"copy", "tiny_fwd"}
+    assert list(pd.read_csv(run_dir / "cases.csv")["case"]) == ["copy", "tiny_fwd"]
+    report.render("fake", tmp_path, tmp_path / "results", tmp_path / "plots", smoke=True)
+    assert "stopped before its end" in (tmp_path / "results" / "cpu" / "fake.md").read_text()
+    done = harness.run_experiment(fake, config, tmp_path, torch.device("cpu"), run_id="done")
+    assert not (done / harness.UNFINISHED).exists()
 
 
 def test_ratio_uses_fastest_valid_control_per_block():

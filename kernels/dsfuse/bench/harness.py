@@ -345,6 +345,9 @@ def new_run_id(env: dict, smoke: bool = False) -> str:
     return f"{stamp}-{env_mod.gpu_key(env.get('gpu_name'))}" + ("-smoke" if smoke else "")
 
 
+UNFINISHED = "UNFINISHED"  # in a run folder while its cases run; left there when the run was stopped
+
+
 def run_experiment(experiment, config: dict, raw_root: Path, device: torch.device, run_id: str | None = None) -> Path:
     """Check and time every provider of ``experiment`` on every case; write the raw data.
 
@@ -369,16 +372,22 @@ def run_experiment(experiment, config: dict, raw_root: Path, device: torch.devic
 
     cases = experiment.cases(config)
     providers = experiment.providers(config)
+    unfinished = run_dir / UNFINISHED  # until the last case is written: a run cut short says so
+    unfinished.write_text(f"{len(cases)} cases in the config; cases.csv lists those finished\n")
     for case in tqdm(cases, desc=f"{experiment.OP} cases", unit="case"):
         case_rows.append(dict(case=case.name, mode=case.mode, bytes=case.bytes, flops=case.flops,
                               params=json.dumps(case.params, sort_keys=True)))
         samples += _run_case(experiment, case, providers, settings, timer, device, validation)
         if device.type == "cuda":
             torch.cuda.empty_cache()
-
-    write_csv(run_dir / "samples.csv", samples)
+        # after every case, so a run stopped by a time limit keeps the cases it finished
+        write_csv(run_dir / "samples.csv", samples)
+        write_csv(run_dir / "validation.csv", validation)
+        write_csv(run_dir / "cases.csv", case_rows)
+    write_csv(run_dir / "samples.csv", samples)  # a config without cases still leaves its copy samples
     write_csv(run_dir / "validation.csv", validation)
     write_csv(run_dir / "cases.csv", case_rows)
+    unfinished.unlink()
     return run_dir
 
 

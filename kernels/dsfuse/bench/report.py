@@ -338,6 +338,9 @@ def header_lines(op: str, run_dir: Path, run: dict, copy_bw: dict[str, float], s
              f'<a id="{anchor(run["run_id"])}"></a>', "", f"### {gpu_title(run['env'])}", ""]
     if smoke:
         lines += [SMOKE_BANNER, ""]
+    if (run_dir / "UNFINISHED").exists():  # dsfuse.bench.harness.UNFINISHED
+        lines += [f"**This run stopped before its end** (a time limit): only the cases below finished, of "
+                  f"{(run_dir / 'UNFINISHED').read_text().split()[0]} in its config.", ""]
     if state is not None:
         lines += state_lines(state)
     return lines + [markdown(run_table(run["run_id"], run["env"], run_dir), disable_numparse=True), "",
