@@ -365,12 +365,15 @@ def define_env(env):
     @env.macro
     def raw_median_us(run: str, **match) -> str:
         """The median ``us`` of the rows of ``<run>/samples.csv`` (a raw folder relative to the repository
-        root) whose columns equal ``match`` (compared as text): a probe's figure, formatted as the tables
-        format it. No matching row raises."""
+        root; its compacted ``samples.csv.gz`` where only that exists) whose columns equal ``match``
+        (compared as text): a probe's figure, formatted as the tables format it. No matching row raises."""
         import csv
+        import gzip
         import statistics
 
-        with open(root / run / "samples.csv", newline="") as fh:
+        path = root / run / "samples.csv"
+        opener = open if path.exists() or not path.with_suffix(".csv.gz").exists() else gzip.open
+        with opener(path if opener is open else path.with_suffix(".csv.gz"), "rt", newline="") as fh:
             values = [float(row["us"]) for row in csv.DictReader(fh)
                       if all(row.get(key) == str(want) for key, want in match.items())]
         if not values:
