@@ -362,20 +362,31 @@ def define_env(env):
         """The figures of ``op`` on ``gpu`` (a folder under results/): the newest run, or ``run``."""
         return Figures(root, op, gpu, run)
 
-    @env.macro
-    def raw_median_us(run: str, **match) -> str:
-        """The median ``us`` of the rows of ``<run>/samples.csv`` (a raw folder relative to the repository
-        root; its compacted ``samples.csv.gz`` where only that exists) whose columns equal ``match``
-        (compared as text): a probe's figure, formatted as the tables format it. No matching row raises."""
+    def _raw_median(run: str, match: dict) -> float:
+        """The median ``us`` of the rows of ``<run>/samples.csv`` (or its compacted ``.gz``,
+        `dsfuse.bench.paths.raw_file`) whose columns equal ``match`` (compared as text); none raises."""
         import csv
         import gzip
         import statistics
 
-        path = root / run / "samples.csv"
-        opener = open if path.exists() or not path.with_suffix(".csv.gz").exists() else gzip.open
-        with opener(path if opener is open else path.with_suffix(".csv.gz"), "rt", newline="") as fh:
+        from dsfuse.bench.paths import raw_file
+
+        path = raw_file(root / run, "samples.csv")
+        with (gzip.open if path.suffix == ".gz" else open)(path, "rt", newline="") as fh:
             values = [float(row["us"]) for row in csv.DictReader(fh)
                       if all(row.get(key) == str(want) for key, want in match.items())]
         if not values:
             raise ValueError(f"no row of {run}/samples.csv matches {match}")
-        return _us(statistics.median(values))
+        return statistics.median(values)
+
+    @env.macro
+    def raw_median_us(run: str, **match) -> str:
+        """The median ``us`` of a raw folder's samples (relative to the repository root) whose columns
+        equal ``match``: a probe's or a run's figure, formatted as the tables format it."""
+        return _us(_raw_median(run, match))
+
+    @env.macro
+    def raw_median_ratio(top: dict, bottom: dict) -> str:
+        """The ratio of two such medians, each given as ``dict(run=<raw folder>, <column>=<value>, ..)``."""
+        top, bottom = dict(top), dict(bottom)
+        return _x(_raw_median(top.pop("run"), top) / _raw_median(bottom.pop("run"), bottom))

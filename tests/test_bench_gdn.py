@@ -170,6 +170,8 @@ def test_the_long_document_config():
     assert raw_root(REPO / "raw", {}) == REPO / "raw"
     with pytest.raises(ValueError, match="raw_subdir"):
         raw_root(REPO / "raw", {"raw_subdir": "../elsewhere"})
+    with pytest.raises(ValueError, match="own result files"):  # results/<gpu>/<op>_tuning.md is the op's
+        raw_root(REPO / "raw", {"raw_subdir": "tuning"})
     with pytest.raises(ValueError, match="document_counts"):
         gdn.cases(config | {"documents": 5})
     with pytest.raises(ValueError, match="multiple of 64"):  # several documents still end in a partial chunk

@@ -120,6 +120,7 @@ def test_a_run_stopped_midway_keeps_its_finished_cases_and_says_so(tmp_path):
     assert list(pd.read_csv(run_dir / "cases.csv")["case"]) == ["copy", "tiny_fwd"]
     report.render("fake", tmp_path, tmp_path / "results", tmp_path / "plots", smoke=True)
     assert "stopped before its end" in (tmp_path / "results" / "cpu" / "fake.md").read_text()
+    assert not list(run_dir.glob(".*.partial"))  # each file renamed into place whole
     done = harness.run_experiment(fake, config, tmp_path, torch.device("cpu"), run_id="done")
     assert not (done / harness.UNFINISHED).exists()
 

@@ -83,7 +83,9 @@ def test_runs_of_a_config_kept_apart_render_under_their_own_stem(tmp_path):
     assert report.apart_folders(raw) == ["long"]
     assert json.loads((results / "h200" / "text_rope_long.json").read_text())["newest"] == apart.name
     assert json.loads((results / "h200" / "text_rope.json").read_text())["newest"] == H200_RUN.name
-    assert f"long/{apart.name}" in (results / "h200" / "text_rope_long.md").read_text()
+    apart_table = (results / "h200" / "text_rope_long.md").read_text()
+    assert f"long/{apart.name}" in apart_table
+    assert "\n#### NVIDIA H200" in apart_table  # one level below the op's own: it sits inside a page section
     assert (results / "h200" / "text_rope_long_runs.md").exists() and (plots / "h200" / "long" / "text_rope_fwd.png").exists()
     index = (results / "text_rope_long_all_gpus.md").read_text()
     assert "h200/text_rope_long.md" in index and "h200/text_rope_long_runs.md" in index

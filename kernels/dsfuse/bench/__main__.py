@@ -102,6 +102,9 @@ def select_mode(smoke: bool | None) -> bool:
     return smoke
 
 
+RESERVED_SUBDIRS = {"runs", "host_time", "tuning", "stages", "cp", "ncu", "all_gpus", "tuning_all_gpus"}
+
+
 def raw_root(raw: Path, config: dict) -> Path:
     """Where a run of ``config`` writes: the op's raw folder, or its ``raw_subdir`` (a config apart
     from the op's tables, e.g. the long-document one: the report reads only the folder's own runs)."""
@@ -110,6 +113,8 @@ def raw_root(raw: Path, config: dict) -> Path:
         return raw
     if not isinstance(sub, str) or not sub.isidentifier():
         raise ValueError(f"raw_subdir: expected a folder name (letters, digits, _), got {sub!r}")
+    if sub in RESERVED_SUBDIRS:  # its tables, <op>_<sub>.md, would overwrite the op's own files of that name
+        raise ValueError(f"raw_subdir: {sub!r} names one of the op's own result files; choose another name")
     return raw / sub
 
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 import csv
 import datetime as dt
 import json
+import os
 import time
 import traceback
 from collections.abc import Callable
@@ -380,15 +381,19 @@ def run_experiment(experiment, config: dict, raw_root: Path, device: torch.devic
         samples += _run_case(experiment, case, providers, settings, timer, device, validation)
         if device.type == "cuda":
             torch.cuda.empty_cache()
-        # after every case, so a run stopped by a time limit keeps the cases it finished
-        write_csv(run_dir / "samples.csv", samples)
-        write_csv(run_dir / "validation.csv", validation)
-        write_csv(run_dir / "cases.csv", case_rows)
-    write_csv(run_dir / "samples.csv", samples)  # a config without cases still leaves its copy samples
-    write_csv(run_dir / "validation.csv", validation)
-    write_csv(run_dir / "cases.csv", case_rows)
+        _write_run(run_dir, samples, validation, case_rows)  # after every case: a stopped run keeps those it finished
+    _write_run(run_dir, samples, validation, case_rows)  # a config without cases still leaves its copy samples
     unfinished.unlink()
     return run_dir
+
+
+def _write_run(run_dir: Path, samples: list[dict], validation: list[dict], case_rows: list[dict]) -> None:
+    """The run's three CSVs, each written whole to a temporary file and then renamed over the last one
+    (a run killed mid-write leaves the previous case's files, never a truncated one)."""
+    for name, rows in (("samples.csv", samples), ("validation.csv", validation), ("cases.csv", case_rows)):
+        partial = run_dir / f".{name}.partial"
+        write_csv(partial, rows)
+        os.replace(partial, run_dir / name)
 
 
 def _run_case(experiment, case: Case, providers: list[Provider], settings: RunSettings, timer: Timer,

@@ -295,9 +295,12 @@ def render_gpu(op: str, gpu: str, runs: list[Path], results_dir: Path, plots_dir
         lines += junit_section(newest, op)
         lines += [demote(line) for line in extra_section(op, newest)]
         lines += checks_section(run["validation"])
+        index = runs_index(op, runs).split("\n")
+        if stem != op:  # included inside a section of the op's page: every heading one level down
+            lines, index = ([("#" + line if line.startswith("#") else line) for line in text] for text in (lines, index))
         written.append(_write(results_dir / f"{stem}.md", "\n".join(lines)))
         written += plots
-        written.append(_write(results_dir / f"{stem}_runs.md", runs_index(op, runs)))
+        written.append(_write(results_dir / f"{stem}_runs.md", "\n".join(index)))
         figures.update(gpu_name=run["env"].get("gpu_name"), newest=newest.name)
         for run_dir in runs:
             figures["runs"][run_dir.name] = run_figures(op, run_dir)
@@ -338,9 +341,10 @@ def header_lines(op: str, run_dir: Path, run: dict, copy_bw: dict[str, float], s
              f'<a id="{anchor(run["run_id"])}"></a>', "", f"### {gpu_title(run['env'])}", ""]
     if smoke:
         lines += [SMOKE_BANNER, ""]
-    if (run_dir / "UNFINISHED").exists():  # dsfuse.bench.harness.UNFINISHED
-        lines += [f"**This run stopped before its end** (a time limit): only the cases below finished, of "
-                  f"{(run_dir / 'UNFINISHED').read_text().split()[0]} in its config.", ""]
+    if (run_dir / "UNFINISHED").exists():  # dsfuse.bench.harness.UNFINISHED: "<n> cases in the config; .."
+        total = ((run_dir / "UNFINISHED").read_text().split() or ["?"])[0]
+        lines += [f"**This run stopped before its end** (a time limit or an error): only the cases below "
+                  f"finished, of {total} in its config.", ""]
     if state is not None:
         lines += state_lines(state)
     return lines + [markdown(run_table(run["run_id"], run["env"], run_dir), disable_numparse=True), "",
