@@ -51,7 +51,7 @@ from dsfuse.gdn.cutedsl import chunk
 from dsfuse.gdn.cutedsl import mma as _mma
 from dsfuse.gdn.cutedsl.chunk import CHUNK
 
-WARPS_MN = (4, 2)  # 4 warps over M (the chunk's 64 rows, or K), 2 over N
+WARPS_MN = (4, 4)  # 4 warps over M (the chunk's 64 rows, or K), 4 over N
 THREADS = 32 * WARPS_MN[0] * WARPS_MN[1]
 WARPS = THREADS // 32
 MAX_DIM = 128  # K and V: the state's accumulators (K V / 256 registers a thread) and shared memory
