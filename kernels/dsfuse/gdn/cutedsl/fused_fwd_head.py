@@ -8,10 +8,14 @@ norm's scales multiply the products' rows and columns (``rstd_q``, ``rstd_k``) a
 ``v_new``'s rows (``rstd_k``, before its rounding), so q and k enter the products as read, with no
 second rounding:
 
-- 8 warps (2 x 4 over N and M of each ``mma.sync`` product), one CTA per chain: the q and k rows,
-  their L2-norm scales, ``q k^T`` and the gated ``A0`` are made once per value head and chunk (the
+- 16 warps (4 x 4 over M and N of each ``mma.sync`` product), one CTA per chain, at most 128
+  registers a thread (ptxas spills 24 bytes with the L2 norm): the kernel waits on latency (loads,
+  barriers, ``ldmatrix``), and 16 warps hide more of it than 8 with twice the registers (about 6 %
+  faster at (16, 48) with the L2 norm on the H200, run
+  ``experiments/gdn/raw/fused-forward/20261202-125600-h200-w16``). The q and k rows, their L2-norm
+  scales, ``q k^T`` and the gated ``A0`` are made once per value head and chunk (the
   tensor-core form made them once per 32 value channels).
-- The fp32 state ``S`` ``[K, V]`` lives in the accumulators of the state update (64 registers a
+- The fp32 state ``S`` ``[K, V]`` lives in the accumulators of the state update (32 registers a
   thread at K = V = 128): ``S = exp(G_last) S + K^T round(Vd)`` accumulates into it, and only its
   rounded copy goes to shared memory, as the B operand of ``k S`` and ``q S``.
 - Elementwise work runs on the accumulators where they are, by their coordinates
@@ -54,7 +58,7 @@ from dsfuse.gdn.cutedsl.chunk import CHUNK
 WARPS_MN = (4, 4)  # 4 warps over M (the chunk's 64 rows, or K), 4 over N
 THREADS = 32 * WARPS_MN[0] * WARPS_MN[1]
 WARPS = THREADS // 32
-MAX_DIM = 128  # K and V: the state's accumulators (K V / 256 registers a thread) and shared memory
+MAX_DIM = 128  # K and V: the state's accumulators (K V / THREADS registers a thread) and shared memory
 ALIGN = 16  # bytes: the cp.async vectors
 
 
@@ -126,7 +130,7 @@ def _cumulative_gate(lane: Int32, sG: cute.Tensor):
 
 
 class FusedForwardHead(chunk.ChainKernel):
-    """The per-head form (module docstring): grid (1, HV, N) of 256 threads."""
+    """The per-head form (module docstring): grid (1, HV, N) of 512 threads."""
 
     threads = THREADS
 
