@@ -167,6 +167,22 @@ def test_state_pass(case, dtype, device, forward_stages):
             assert_bitwise(ht[2], want, "an empty document's final state")
 
 
+@pytest.mark.parametrize("dtype", list(DTYPES), ids=list(DTYPES))
+def test_state_pass_without_h_and_v_new_gives_the_same_final_state(dtype, device, forward_stages):
+    """The pass the long-document split runs for its segments' final states and maps: ``h`` and
+    ``v_new`` None (not written), the final state bitwise that of the full pass (documents with an
+    empty one, a tail past cu_seqlens[-1], an initial state, the L2 norm)."""
+    case = next(c for c in CASES if c[0].startswith("docs") and c[2] and c[3] and c[4])
+    layout, heads, l2, with_h0, _, gates = case
+    inputs = make_inputs(layout, heads, l2=l2, with_h0=with_h0, gates=gates, dtype=DTYPES[dtype], seed=5)
+    p = Prepared(inputs, l2, device, DTYPES[dtype])
+    _, _, want = p.run_state(forward_stages)
+    got = torch.full_like(want, float("nan"))
+    forward_stages.state(p.k, p.w, p.u, p.g_cum, p.chunk_indices, p.chunk_offsets, p.h0, None, None, got,
+                         use_qk_l2norm=l2)
+    assert_bitwise(got, want, "final state with h and v_new not written")
+
+
 # ----------------------------------------------------------------------------- output
 
 

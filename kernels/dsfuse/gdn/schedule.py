@@ -45,7 +45,7 @@ class ForwardStages:
 
     cumsum: Callable  # (g, chunk_indices, g_cum)
     wy: Callable  # (k, v, beta, g_cum, chunk_indices, A, w, u, *, use_qk_l2norm)
-    state: Callable  # (k, w, u, g_cum, chunk_indices, chunk_offsets, h0, h, v_new, ht, *, use_qk_l2norm)
+    state: Callable  # (k, w, u, g_cum, chunk_indices, chunk_offsets, h0, h, v_new, ht, *, use_qk_l2norm); h, v_new, ht may be None
     output: Callable  # (q, k, v_new, h, g_cum, chunk_indices, scale, o, *, use_qk_l2norm)
 
 

@@ -30,6 +30,9 @@ unit channel stride; ``g_cum`` fp32 ``[T, HV]`` (any strides); ``h`` ``[NC, HV, 
 reads key head ``i_hv // (HV // H)``. ``h`` is the largest intermediate of the forward:
 ``NC * HV * K * V`` elements, 0.8 GB in bf16 at T = 32768 (512 chunks), HV = 48, K = V = 128.
 
+``h`` and ``v_new`` may be None: not written, the same states computed (the long-document split's
+passes that want only each segment's final state or map, `dsfuse.gdn.split`).
+
 Tokens in no chunk (past ``cu_seqlens[-1]``) get ``v_new = 0``: one extra program row
 (``i_n == N``) writes them, so every element of ``v_new`` is written without a host sync.
 No atomics: every element is written by one program, in a fixed order. Grid: one axis of
@@ -67,19 +70,21 @@ def _state_step(b_h, i_c, k_ptr, w_ptr, u_ptr, g_ptr, ci_ptr, h_ptr, vn_ptr, s_k
                 s_gt, s_gh, s_vt, s_vh, i_hv, i_h, o_k, o_v, o_i, HV: tl.constexpr, K: tl.constexpr,
                 V: tl.constexpr, USE_QK_L2NORM: tl.constexpr, DOT_PRECISION: tl.constexpr,
                 EMULATE_BF16: tl.constexpr):
-    """One chunk of the state pass: store ``h`` and ``v_new``, return the next state (fp32)."""
+    """One chunk of the state pass: store ``h`` and ``v_new`` (where given), return the next state (fp32)."""
     dtype = w_ptr.dtype.element_ty
     i_c64, eos, o_t, m_t = common.chunk_tokens(ci_ptr, i_c, o_i)  # o_t: [BT] int64 token offsets
 
     # the state at the chunk's start
     b_hc = common.round_to(b_h, dtype, EMULATE_BF16)
-    tl.store(common.state_tile(h_ptr, i_c64, i_hv, HV, K, V, o_k, o_v), b_hc)
+    if h_ptr is not None:
+        tl.store(common.state_tile(h_ptr, i_c64, i_hv, HV, K, V, o_k, o_v), b_hc)
 
     # v_new = u - w @ h
     b_w = common.load_rows(w_ptr, s_wt, s_wh, o_t, m_t, i_hv, o_k)  # [BT, K]
     b_wh = common.dot(b_w, b_hc, None, DOT_PRECISION, EMULATE_BF16)  # [BT, K] @ [K, BV] -> [BT, BV]
     b_v = common.load_rows(u_ptr, s_ut, s_uh, o_t, m_t, i_hv, o_v).to(tl.float32) - b_wh  # [BT, BV]
-    common.store_rows(vn_ptr, s_vt, s_vh, o_t, m_t, i_hv, o_v, b_v, EMULATE_BF16)
+    if vn_ptr is not None:
+        common.store_rows(vn_ptr, s_vt, s_vh, o_t, m_t, i_hv, o_v, b_v, EMULATE_BF16)
 
     # decays: G_last - G_i <= 0 for tokens in the chunk, masked to 0 before exp
     _, b_g_last, b_d = common.chunk_decays(g_ptr, s_gt, s_gh, o_t, m_t, i_hv, eos)
@@ -98,7 +103,7 @@ def _state_step(b_h, i_c, k_ptr, w_ptr, u_ptr, g_ptr, ci_ptr, h_ptr, vn_ptr, s_k
 @triton.jit(do_not_specialize=["T", "N"])
 def _state_pass_kernel(
     k_ptr, w_ptr, u_ptr, g_ptr, ci_ptr, co_ptr, h0_ptr,
-    h_ptr, vn_ptr, ht_ptr,  # out; ht may be None (not written)
+    h_ptr, vn_ptr, ht_ptr,  # out; each may be None (not written: a state map's pass wants ht alone)
     T, N,  # tokens, sequences
     s_kt, s_kh, s_wt, s_wh, s_ut, s_uh, s_gt, s_gh, s_vt, s_vh,
     S, BV: tl.constexpr,  # common.Stage; value channels per program
@@ -129,7 +134,7 @@ def _state_pass_kernel(
 
         if ht_ptr is not None:
             tl.store(ht_ptr + o_state, b_h)
-    else:
+    elif vn_ptr is not None:
         # tokens past the last chunk's end (past cu_seqlens[-1]) belong to no chunk: v_new = 0
         common.store_zero_tail(vn_ptr, ci_ptr, tl.load(co_ptr + N), T, s_vt, s_vh, i_hv, o_v, o_i, S.BT, BV)
 
@@ -142,13 +147,14 @@ def launch_state_pass(
     chunk_indices: torch.Tensor,
     chunk_offsets: torch.Tensor,
     initial_state: torch.Tensor | None,
-    h: torch.Tensor,
-    v_new: torch.Tensor,
+    h: torch.Tensor | None,
+    v_new: torch.Tensor | None,
     final_state: torch.Tensor | None,
     *,
     use_qk_l2norm: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Run the state pass into ``h``, ``v_new`` and (if given) ``final_state``; returns them.
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """Run the state pass into ``h``, ``v_new`` and ``final_state``, each where given (None: not written,
+    the same states computed); returns them.
 
     ``k`` ``[T, H, K]``; ``w`` ``[T, HV, K]``; ``u``, ``v_new`` ``[T, HV, V]`` (unit channel
     stride); ``g_cum`` fp32 ``[T, HV]``; ``chunk_indices`` int32 ``[NC, 3]``;
@@ -163,7 +169,7 @@ def launch_state_pass(
     programs = common.value_block_programs(N + 1, HV, V, BV, "chunk_offsets")
     _state_pass_kernel[(programs,)](
         k, w, u, g_cum, chunk_indices, chunk_offsets, initial_state, h, v_new, final_state, T, N,
-        *common.token_head_strides(k, w, u, g_cum, v_new),
+        *common.token_head_strides(k, w, u, g_cum, u if v_new is None else v_new),
         S=common.stage(H, HV, K, V, w.dtype, use_qk_l2norm), BV=BV, **loop,
     )
     return h, v_new, final_state
@@ -171,8 +177,11 @@ def launch_state_pass(
 
 # The model's specialisations (common.model_tensors: K = V = 128, H = 16, HV = 48, bf16, k a head view of
 # the packed q/k/v row): with and without the in-kernel L2 norm, with and without initial/final state, in
-# each family's launch setting (Blackwell's named _2w).
+# each family's launch setting (Blackwell's named _2w); and the long-document split's pass for final
+# states or maps alone (initial and final state, no h, no v_new: "_ends").
 AOT_SPECS = common.record_variants(
     "gdn_state_pass{l2}{states}_bf16{family}", launch_state_pass, lambda x, state: (
         x.k, x.w, x.u, x.g_cum, x.chunk_indices, x.chunk_offsets, state, x.h, x.v_new, state),
-    states=True, per_family=True)
+    states=True, per_family=True) + common.record_variants(
+    "gdn_state_pass_ends{l2}_bf16{family}", launch_state_pass, lambda x, state: (
+        x.k, x.w, x.u, x.g_cum, x.chunk_indices, x.chunk_offsets, x.state, None, None, x.state), per_family=True)
