@@ -7,7 +7,8 @@ from `chunk_gdn`), beside the Triton forward, at the experiment's shape.
 For each forward case of the config (its tokens, documents, value heads and L2 norm settings; q, k,
 v head views of one packed row, initial and final state): the UT inverse kernel alone
 (``ut_inverse``), the fused kernel alone in each form (``fused`` for the CUDA-core form, ``fused_tc``
-for the tensor-core form, ``fused_head`` for the per-head form), the inverse and a fused kernel
+for the tensor-core form, ``fused_head`` for the per-head form, ``fused_head_wgmma`` for it on
+warpgroup instructions), the inverse and a fused kernel
 (``cutedsl``, ``cutedsl_tc``, ``cutedsl_head``) and the Triton forward (``triton``, `chunk_gdn`),
 each replayed from a CUDA Graph with the L2 overwritten before each call
 (`dsfuse.bench.harness.Timer`, evicted regime). Before timing, every form's ``o`` and final state
@@ -85,7 +86,7 @@ def case_rows(case, timer: Timer, samples: int, device: torch.device, only: set[
               + ", ".join(f"{name} {err:.1e}" for name, err in errors.items()))
 
     rows = []
-    suffix = {"cuda_core": "", "tensor_core": "_tc", "head": "_head"}
+    suffix = {"cuda_core": "", "tensor_core": "_tc", "head": "_head", "head_wgmma": "_head_wgmma"}
     parts = [("ut_inverse", inverse)]
     parts += [(f"{name}{suffix[form]}", make(form)) for form in FORMS for name, make in (("fused", fused),
                                                                                          ("cutedsl", both))]

@@ -17,4 +17,5 @@ def test_aot_specs_compile_in_a_fixed_order(name, arch, tmp_path):
     specs = importlib.import_module(name).AOT_SPECS
     assert specs, f"{name} lists no AOT spec"
     for spec in specs:
-        cute_spec_ptx(spec, arch, tmp_path)
+        if arch in spec.archs:  # an instruction of one architecture (wgmma) compiles for it alone
+            cute_spec_ptx(spec, arch, tmp_path)

@@ -134,7 +134,12 @@ def test_refuses_what_it_cannot_compile():
 
     assert [s.name for s in module.AOT_SPECS] == ["gdn_fused_forward_bf16_l2", "gdn_fused_forward_bf16",
                                                   "gdn_fused_forward_tc_bf16_l2", "gdn_fused_forward_tc_bf16",
-                                                  "gdn_fused_forward_head_bf16_l2", "gdn_fused_forward_head_bf16"]
+                                                  "gdn_fused_forward_head_bf16_l2", "gdn_fused_forward_head_bf16",
+                                                  "gdn_fused_forward_head_wgmma_bf16_l2",
+                                                  "gdn_fused_forward_head_wgmma_bf16"]
+    assert [s.archs for s in module.AOT_SPECS][-2:] == [("sm_90a",)] * 2  # wgmma: Hopper's instruction
+    with pytest.raises(ValueError, match="head_wgmma form compiles for"):
+        module.compile_fused_forward(torch.bfloat16, 16, 48, 128, 128, True, "sm_100a", form="head_wgmma")
     assert module.shape_reasons(torch.bfloat16, 16, 48, 128, 128) == []
     reasons = module.shape_reasons(torch.int8, 16, 40, 96, 48)
     assert len(reasons) == 4 and "V = 48" in reasons[3]
@@ -199,7 +204,7 @@ def test_matches_the_float64_reference(dtype, l2, dims):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("form", ["tensor_core", "head"])
+@pytest.mark.parametrize("form", ["tensor_core", "head", "head_wgmma"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("l2", [True, False])
 @pytest.mark.parametrize("dims", DIMS)
@@ -208,9 +213,11 @@ def test_tensor_core_forms_match_the_float64_reference(form, dtype, l2, dims):
     contract: relative RMS of o and of the final states <= 0.005 (``dsfuse.bench.gdn.TOLERANCES``)."""
     from dsfuse.bench.gdn import TOLERANCES
 
-    if form == "head" and dims[3] not in (64, 128):
+    if form == "head_wgmma" and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("wgmma runs on sm_90 only")
+    if form.startswith("head") and dims[3] not in (64, 128):
         pytest.skip("the per-head form takes V = 64 or 128 (test_refuses_what_it_cannot_compile)")
-    if form == "head" and dtype == torch.float16 and l2:
+    if form.startswith("head") and dtype == torch.float16 and l2:
         with pytest.raises(ValueError, match="fp16 only without the L2 norm"):  # refused before any launch
             _run_on_gpu(dtype, l2, dims, form)
         return

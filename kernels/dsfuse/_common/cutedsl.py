@@ -133,7 +133,9 @@ class KernelCache:
 @dataclass(frozen=True)
 class CuteAotSpec:
     """One specialisation a CuTe DSL module compiles for the AOT tests: ``build(arch, **options)`` compiles
-    it for ``arch`` with its PTX kept (each module's ``AOT_SPECS`` lists the model's shapes)."""
+    it for ``arch`` with its PTX kept (each module's ``AOT_SPECS`` lists the model's shapes), for each of
+    ``archs`` (an instruction of one architecture, such as Hopper's ``wgmma``, names only that one)."""
 
     name: str
     build: Callable[..., Callable]
+    archs: tuple[str, ...] = ("sm_90a", "sm_100a")

@@ -20,13 +20,17 @@ op's contract tests (which run on the backends that serve a call) do not run the
 * ``mma``: tensor-core products of shared-memory tiles (``mma.sync`` 16x8x16, fp32 accumulation,
   operands in any stored orientation), the building block of the fused forward's tensor-core form;
   checked by ``tests/gdn/test_gdn_cutedsl_mma.py``.
+* ``wgmma``: warpgroup tensor-core products (sm_90a), operands read from 128-byte-swizzled shared
+  tiles by descriptor, the building block of the per-head form's next step; compiled by
+  ``tests/gdn/test_gdn_cutedsl_wgmma.py`` (its GPU test not yet run).
 """
 
 from __future__ import annotations
 
 from dsfuse._common.backends import KERNEL_DTYPES, BackendTable
 
-KERNELS = ("dsfuse.gdn.cutedsl.ut_inverse", "dsfuse.gdn.cutedsl.fused_fwd", "dsfuse.gdn.cutedsl.mma")
+KERNELS = ("dsfuse.gdn.cutedsl.ut_inverse", "dsfuse.gdn.cutedsl.fused_fwd", "dsfuse.gdn.cutedsl.mma",
+           "dsfuse.gdn.cutedsl.wgmma")
 
 TABLE = BackendTable("cutedsl", dtypes=KERNEL_DTYPES, calls={}, kernels=KERNELS, load=dict,
                      auto={"sm_90": None, "sm_100": None})

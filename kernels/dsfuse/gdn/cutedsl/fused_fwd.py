@@ -25,6 +25,8 @@ is checked against it.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from dsfuse._common import cutedsl as _cd
@@ -42,11 +44,14 @@ from dsfuse.gdn.cutedsl.ut_inverse import shape_reasons as _inverse_reasons
 ROWS = THREADS // BV  # 4 thread rows: a thread holds CHUNK / ROWS rows of a [C, BV] tile
 
 
-FORMS = ("cuda_core", "tensor_core", "head")
+FORMS = ("cuda_core", "tensor_core", "head", "head_wgmma")
 """The fused forward's forms, each a green step of the plan on the GDN page: ``cuda_core`` (this
 module's fp32 kernel, the reference-grade one), ``tensor_core`` (`dsfuse.gdn.cutedsl.fused_fwd_tc`:
 the same CTAs, products on ``mma.sync``), ``head`` (`dsfuse.gdn.cutedsl.fused_fwd_head`: one CTA per
-document and value head, results in registers)."""
+document and value head, results in registers), ``head_wgmma`` (the same kernel with its products on
+warpgroup instructions, `dsfuse.gdn.cutedsl.wgmma`: sm_90a only; not yet run on a GPU)."""
+HEAD_FORMS = ("head", "head_wgmma")  # one CTA per document and value head, 16-byte row copies
+ARCHS = {"head_wgmma": ("sm_90a",)}  # the forms an architecture lacks the instructions of
 
 
 def shape_reasons(dtype: torch.dtype, heads: int, value_heads: int, dim_k: int, dim_v: int,
@@ -61,7 +66,7 @@ def shape_reasons(dtype: torch.dtype, heads: int, value_heads: int, dim_k: int, 
         reasons.append(f"head dim V = {dim_v} is not a multiple of {BV} up to 256")
     if form != "cuda_core" and dtype in DTYPES and dtype not in TC_DTYPES:
         reasons.append(f"the {form} form takes {' or '.join(map(str, TC_DTYPES))} inputs, not {dtype}")
-    if form == "head":
+    if form in HEAD_FORMS:
         reasons += fused_fwd_head.shape_reasons(dim_k, dim_v, dtype, use_qk_l2norm)
     return reasons
 
@@ -233,10 +238,13 @@ def compile_fused_forward(dtype: torch.dtype, heads: int, value_heads: int, dim_
     order, h0, ht, o, scale)``."""
     if reasons := shape_reasons(dtype, heads, value_heads, dim_k, dim_v, form, l2norm):
         raise ValueError("the CuTe DSL fused forward cannot compile this: " + "; ".join(reasons))
+    if arch not in ARCHS.get(form, (arch,)):
+        raise ValueError(f"the CuTe DSL fused forward's {form} form compiles for {ARCHS[form]} only, not {arch}")
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-    kernel = {"cuda_core": _FusedForward, "tensor_core": FusedForwardTC, "head": FusedForwardHead}[form]
+    kernel = {"cuda_core": _FusedForward, "tensor_core": FusedForwardTC, "head": FusedForwardHead,
+              "head_wgmma": functools.partial(FusedForwardHead, wgmma=True)}[form]
     return _cd.compile(kernel(dtype, heads, value_heads, dim_k, dim_v, l2norm),
-                       *_fake_tensors(dtype, heads, value_heads, dim_k, dim_v, form == "head"), Float32(1.0),
+                       *_fake_tensors(dtype, heads, value_heads, dim_k, dim_v, form in HEAD_FORMS), Float32(1.0),
                        stream, arch=arch,
                        keep_ptx=keep_ptx, dump_dir=dump_dir)
 
@@ -272,7 +280,7 @@ def launch_fused_forward(q, k, v, g, beta, a, chunk_indices, chunk_offsets, orde
     if order.dtype != torch.int32 or order.shape != (chunk_offsets.shape[0] - 1,) or order.device != o.device:
         raise ValueError("launch_fused_forward: order int32 [N] on o's device, a permutation of the documents "
                          "(document_order; its values are not checked: that would read them back)")
-    if form == "head" and (reasons := fused_fwd_head.aligned_reasons(q=q, k=k, v=v, a=a, o=o)):
+    if form in HEAD_FORMS and (reasons := fused_fwd_head.aligned_reasons(q=q, k=k, v=v, a=a, o=o)):
         raise ValueError("launch_fused_forward: " + "; ".join(reasons))
     arch = _cd.arch_of(k.device)
     fn = CACHE.get((k.dtype, heads, value_heads, dim_k, dim_v, use_qk_l2norm, form, arch),
@@ -312,11 +320,11 @@ def fused_forward(q, k, v, g, beta, scale=None, initial_state=None, cu_seqlens=N
 
 def _aot_specs() -> list[_cd.CuteAotSpec]:
     """The model's specialisation: H = 16, HV = 48, K = V = 128, bf16, with and without the L2 norm, every form."""
-    suffix = {"cuda_core": "", "tensor_core": "_tc", "head": "_head"}
+    suffix = {"cuda_core": "", "tensor_core": "_tc", "head": "_head", "head_wgmma": "_head_wgmma"}
     return [_cd.CuteAotSpec(f"gdn_fused_forward{suffix[form]}_bf16{'_l2' if l2 else ''}",
                             lambda arch, dump_dir=None, l2=l2, form=form: compile_fused_forward(
                                 torch.bfloat16, 16, 48, 128, 128, l2, arch, form=form, keep_ptx=True,
-                                dump_dir=dump_dir))
+                                dump_dir=dump_dir), archs=ARCHS.get(form, ("sm_90a", "sm_100a")))
             for form in FORMS for l2 in (True, False)]
 
 

@@ -44,6 +44,8 @@ each, ``A0``'s rows 16 KiB in fp32: about 145 KiB, one CTA per SM.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from dsfuse._common import cutedsl as _cd
@@ -53,6 +55,7 @@ from cutlass import Float32, Int32, const_expr
 
 from dsfuse.gdn.cutedsl import chunk
 from dsfuse.gdn.cutedsl import mma as _mma
+from dsfuse.gdn.cutedsl import wgmma as _wg
 from dsfuse.gdn.cutedsl.chunk import CHUNK
 
 WARPS_MN = (4, 4)  # 4 warps over M (the chunk's 64 rows, or K), 4 over N
@@ -129,14 +132,27 @@ def _cumulative_gate(lane: Int32, sG: cute.Tensor):
     sG[2 * lane + 1] = before + b
 
 
+@cute.jit
+def _barrier(wgmma: cutlass.Constexpr):
+    """A CTA barrier after which products read this step's shared-memory writes: with ``wgmma``, each
+    thread's ordinary writes (``st.shared``, ``cp.async``) fenced first for the tensor cores' reads."""
+    if const_expr(wgmma):
+        _wg.fence_writes()
+    cute.arch.sync_threads()
+
+
 class FusedForwardHead(chunk.ChainKernel):
-    """The per-head form (module docstring): grid (1, HV, N) of 512 threads."""
+    """The per-head form (module docstring): grid (1, HV, N) of 512 threads. With ``wgmma`` (sm_90a
+    only), every product on warpgroup instructions reading its operands from 128-byte-swizzled tiles
+    (`dsfuse.gdn.cutedsl.wgmma`), the four warpgroups splitting each product's M and N; the same
+    steps, barriers and elementwise work (the ``head_wgmma`` form of the fused forward)."""
 
     threads = THREADS
 
-    def __init__(self, *args):
+    def __init__(self, *args, wgmma: bool = False):
         super().__init__(*args)
         self.block_v = self.dim_v
+        self.wgmma = wgmma
 
     @cute.kernel
     def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mG: cute.Tensor, mBeta: cute.Tensor,
@@ -150,7 +166,7 @@ class FusedForwardHead(chunk.ChainKernel):
         warp, lane = tidx // 32, tidx % 32
 
         smem = cutlass.memory.SmemAllocator()
-        tile = _mma.swizzled_tile
+        tile = _wg.tile if const_expr(self.wgmma) else _mma.swizzled_tile
         sQ, sK = tile(smem, ab, C, K), tile(smem, ab, C, K)  # the rows as read (the L2 norm goes to the products)
         sSb = tile(smem, ab, K, V)  # the state at the chunk's start, rounded
         # sX: then o, rounded; sVd: v's rows first
@@ -165,21 +181,31 @@ class FusedForwardHead(chunk.ChainKernel):
         store_o = _copy_rows(ab, V, store=True)
         copy_c = _copy_rows(ab, C)  # its partition only: the threads' 16-byte pieces of round(A0 * Gamma)
 
-        mma = _mma.tiled_mma(ab, WARPS_MN, ldmatrix=True)
-        thr = mma.get_slice(tidx)
         # the B operands stored [rows, V], read transposed: S (rows = K), X, v_new, decayed v_new (rows = C);
-        # K^T, the A operand of the state update, likewise
-        opS, opX, opVn, opVd, opKt = (_mma.transposed(t) for t in (sSb, sX, sVn, sVd, sK))
-        ops = _mma.ldmatrix_operands
-        ops_qk, ops_ks, ops_qs = (ops(mma, tidx, sQ, sK, False, False), ops(mma, tidx, sK, opS, False, True),
-                                  ops(mma, tidx, sQ, opS, False, True))
-        ops_vn, ops_o, ops_u = (ops(mma, tidx, sAg, opX, False, True), ops(mma, tidx, sQKg, opVn, False, True),
-                                ops(mma, tidx, opKt, opVd, True, True))
-        gemm = _mma.gemm_ldmatrix
-        cCC, cCV, cKV = (_mma.coordinates(mma, tidx, (C, C)), _mma.coordinates(mma, tidx, (C, V)),
-                         _mma.coordinates(mma, tidx, (K, V)))
+        # K^T, the A operand of the state update, likewise. Per product shape a tiled product (one for
+        # all with mma.sync): q k^T (C x C), the (C x V) ones, the state update (K x V)
+        if const_expr(self.wgmma):
+            opS, opX, opVn, opVd, opKt = (_wg.transposed(t) for t in (sSb, sX, sVn, sVd, sK))
+            mma_cc, mma_cv = _wg.tiled_mma(ab, C, C, True, True), _wg.tiled_mma(ab, C, V, True, False)
+            mma_kv = _wg.tiled_mma(ab, K, V, False, False)
+            ops_qk, ops_ks, ops_qs = (_wg.operands(mma_cc, tidx, sQ, sK), _wg.operands(mma_cv, tidx, sK, opS),
+                                      _wg.operands(mma_cv, tidx, sQ, opS))
+            ops_vn, ops_o, ops_u = (_wg.operands(mma_cv, tidx, sAg, opX), _wg.operands(mma_cv, tidx, sQKg, opVn),
+                                    _wg.operands(mma_kv, tidx, opKt, opVd))
+            gemm = _wg.gemm
+        else:
+            opS, opX, opVn, opVd, opKt = (_mma.transposed(t) for t in (sSb, sX, sVn, sVd, sK))
+            mma_cc = mma_cv = mma_kv = _mma.tiled_mma(ab, WARPS_MN, ldmatrix=True)
+            ops = functools.partial(_mma.ldmatrix_operands, mma_cc, tidx)
+            ops_qk, ops_ks, ops_qs = ops(sQ, sK, False, False), ops(sK, opS, False, True), ops(sQ, opS, False, True)
+            ops_vn, ops_o, ops_u = ops(sAg, opX, False, True), ops(sQKg, opVn, False, True), ops(opKt, opVd, True, True)
+            gemm = _mma.gemm_ldmatrix
+        thr_cc, thr_cv, thr_kv = (m.get_slice(tidx) for m in (mma_cc, mma_cv, mma_kv))
 
-        acc_s = _mma.accumulator(mma, tidx, (K, V))  # the fp32 state, for the whole chain
+        cCC, cCV, cKV = (_mma.coordinates(mma_cc, tidx, (C, C)), _mma.coordinates(mma_cv, tidx, (C, V)),
+                         _mma.coordinates(mma_kv, tidx, (K, V)))
+
+        acc_s = _mma.accumulator(mma_kv, tidx, (K, V))  # the fp32 state, for the whole chain
         for i in cutlass.range_constexpr(cute.size(acc_s)):
             acc_s[i] = mH0[i_n, i_hv, cKV[i][0], cKV[i][1]]
 
@@ -195,9 +221,9 @@ class FusedForwardHead(chunk.ChainKernel):
             _start_rows(copy_a, tidx, mA, sA, start, rows, i_hv)
             cute.arch.cp_async_commit_group()
             chunk.load_gates(tidx, mG, mBeta, sG, sBeta, start, rows, i_hv)
-            cute.autovec_copy(_mma.rounded(acc_s, ab), thr.partition_C(sSb))
+            cute.autovec_copy(_mma.rounded(acc_s, ab), thr_kv.partition_C(sSb))
             cute.arch.cp_async_wait_group(0)
-            cute.arch.sync_threads()
+            _barrier(self.wgmma)
 
             # 2. the rows' L2-norm scales; G = cumsum(g) (warp 0, after its rows)
             if const_expr(self.l2norm):
@@ -219,10 +245,10 @@ class FusedForwardHead(chunk.ChainKernel):
 
             # 4. q k^T and k S on the tensor cores; then, in registers, round((q k^T) * Gamma) and
             #    round(X), X = beta (v - exp(G) k S), into shared memory (the L2 norm's scales on the results)
-            acc_f = _mma.accumulator(mma, tidx, (C, C))
-            gemm(mma, acc_f, ops_qk)
-            acc_p = _mma.accumulator(mma, tidx, (C, V))
-            gemm(mma, acc_p, ops_ks)
+            acc_f = _mma.accumulator(mma_cc, tidx, (C, C))
+            gemm(mma_cc, acc_f, ops_qk)
+            acc_p = _mma.accumulator(mma_cv, tidx, (C, V))
+            gemm(mma_cv, acc_p, ops_ks)
             for i in cutlass.range_constexpr(cute.size(acc_f)):
                 r, c = cCC[i][0], cCC[i][1]
                 qk = Float32(0.0)
@@ -234,36 +260,36 @@ class FusedForwardHead(chunk.ChainKernel):
             for i in cutlass.range_constexpr(cute.size(acc_p)):
                 r, c = cCV[i][0], cCV[i][1]
                 acc_p[i] = sBeta[r] * (sVd[r, c].to(Float32) - sEGk[r] * acc_p[i])
-            cute.autovec_copy(_mma.rounded(acc_f, ab), thr.partition_C(sQKg))
-            cute.autovec_copy(_mma.rounded(acc_p, ab), thr.partition_C(sX))
-            cute.arch.sync_threads()
+            cute.autovec_copy(_mma.rounded(acc_f, ab), thr_cc.partition_C(sQKg))
+            cute.autovec_copy(_mma.rounded(acc_p, ab), thr_cv.partition_C(sX))
+            _barrier(self.wgmma)
 
             # 5. v_new = round(A0 * Gamma) round(X); stored rounded, and decayed to the chunk's end (times
             #    rstd_k: the state update's K^T is then the raw k's)
-            acc_vn = _mma.accumulator(mma, tidx, (C, V))
-            gemm(mma, acc_vn, ops_vn)
-            cute.autovec_copy(_mma.rounded(acc_vn, ab), thr.partition_C(sVn))
+            acc_vn = _mma.accumulator(mma_cv, tidx, (C, V))
+            gemm(mma_cv, acc_vn, ops_vn)
+            cute.autovec_copy(_mma.rounded(acc_vn, ab), thr_cv.partition_C(sVn))
             for i in cutlass.range_constexpr(cute.size(acc_vn)):
                 acc_vn[i] = acc_vn[i] * sDec[cCV[i][0]]
-            cute.autovec_copy(_mma.rounded(acc_vn, ab), thr.partition_C(sVd))
-            cute.arch.sync_threads()
+            cute.autovec_copy(_mma.rounded(acc_vn, ab), thr_cv.partition_C(sVd))
+            _barrier(self.wgmma)
 
             # 6. o = scale (exp(G) q S + round((q k^T) * Gamma) round(v_new)), rounded into sX (free since
             #    step 5), its real rows then stored 16 bytes at a time (q S made here, not kept from step
             #    4: fewer registers live across steps 5 and 6);
             #    S = exp(G_last) S + K^T round(Vd) (G is flat past the chunk's end: G_last is the last real G)
-            acc_o = _mma.accumulator(mma, tidx, (C, V))
-            gemm(mma, acc_o, ops_qs)
+            acc_o = _mma.accumulator(mma_cv, tidx, (C, V))
+            gemm(mma_cv, acc_o, ops_qs)
             for i in cutlass.range_constexpr(cute.size(acc_o)):
                 acc_o[i] = sEGq[cCV[i][0]] * acc_o[i]
-            gemm(mma, acc_o, ops_o)
+            gemm(mma_cv, acc_o, ops_o)
             for i in cutlass.range_constexpr(cute.size(acc_o)):
                 acc_o[i] = scale * acc_o[i]
-            cute.autovec_copy(_mma.rounded(acc_o, ab), thr.partition_C(sX))
+            cute.autovec_copy(_mma.rounded(acc_o, ab), thr_cv.partition_C(sX))
             last = cute.math.exp(sG[C - 1])
             for i in cutlass.range_constexpr(cute.size(acc_s)):
                 acc_s[i] = last * acc_s[i]
-            gemm(mma, acc_s, ops_u)
+            gemm(mma_kv, acc_s, ops_u)
             cute.arch.sync_threads()
             _store_rows(store_o, tidx, sX, mO, start, rows, i_hv)  # sX is next written in step 4
 

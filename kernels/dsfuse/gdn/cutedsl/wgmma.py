@@ -1,0 +1,174 @@
+"""Warpgroup tensor-core products (``wgmma``, sm_90a only) of shared-memory tiles, the second step of
+the per-head forward's plan on the GDN page: ``C (+)= A B^T`` for bf16/fp16 ``A`` ``(M, K)`` and ``B``
+``(N, K)`` with fp32 accumulators in registers, each operand read by the tensor cores straight from
+shared memory (a descriptor, no ``ldmatrix`` into every warp's registers).
+
+Tiles are the canonical 128-byte-swizzled layouts the instruction reads: `tile` gives a ``[rows,
+cols]`` 16-bit tile stored row-major in 8-row atoms 64 wide, its 16-byte chunks permuted by row (the
+swizzle rides on the pointer). The same storage serves a product three ways:
+
+- as a K-major operand ``(rows, cols)`` = ``(M or N, K)`` (q, k, the gated ``64 x 64`` tiles);
+- through `transposed`, as an M- or N-major operand ``(cols, rows)``: ``k^T`` as the A operand of the
+  state update, and the state, ``X``, ``v_new`` and its decayed copy (stored ``[K or C, V]``) as B
+  operands ``(V, K or C)``;
+- through the ``(rows, cols)`` view itself for everything else: 16-byte ``cp.async`` rows, the
+  accumulators' rounded stores, elementwise reads.
+
+`tiled_mma` spreads a product over warpgroups (4 of them: 512 threads); `operands` and `gemm` run it
+(``wgmma.fence``, the K blocks, commit, wait); `fence_writes` orders a thread's ordinary shared-memory
+writes (``st.shared``, ``cp.async``) before the tensor cores read them (``fence.proxy.async``; call it
+before the barrier that precedes the product). Accumulators, their coordinates and rounded copies
+are `dsfuse.gdn.cutedsl.mma`'s (`accumulator`, `coordinates`, `rounded`): the same calls for any tiled
+product.
+
+Not yet run on a GPU: ``tests/gdn/test_gdn_cutedsl_wgmma.py`` compiles the check kernel below for
+sm_90a on the CPU (one ``wgmma`` per 16-wide block of K and warpgroup tile) and has the GPU test of
+its products against float64, still to run.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dsfuse._common import cutedsl as _cd
+
+cutlass, cute = _cd.require()
+from cutlass import Float32
+from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
+import cutlass.utils.hopper_helpers as sm90
+
+WARPGROUPS = 4
+THREADS = 128 * WARPGROUPS
+ARCHS = ("sm_90a",)  # wgmma is Hopper's; sm_100a has tcgen05 instead
+
+
+def tile(smem, dtype, rows: int, cols: int) -> cute.Tensor:
+    """A ``[rows, cols]`` 16-bit tile (``rows`` a multiple of 8, ``cols`` of 64) in the K-major
+    128-byte-swizzled layout: a K-major operand ``(rows, cols)`` as it stands, an M- or N-major one
+    ``(cols, rows)`` through `transposed` (1024-byte aligned storage)."""
+    layout = cute.tile_to_shape(warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, dtype),
+                                (rows, cols), (0, 1))
+    storage = smem.allocate(rows * cols * dtype.width // 8, 1024)
+    return cute.make_tensor(cute.recast_ptr(storage, layout.inner, dtype=dtype), layout.outer)
+
+
+def transposed(t: cute.Tensor) -> cute.Tensor:
+    """The ``(cols, rows)`` view of a `tile` (same storage and swizzle)."""
+    return cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 0]))
+
+
+def tiled_mma(dtype, m: int, n: int, a_k_major: bool, b_k_major: bool, warpgroups: int = WARPGROUPS):
+    """The product of an ``(m, n)`` tile over ``warpgroups`` warpgroups, fp32 accumulators: the
+    warpgroups split M in 64-row slices first (``m / 64`` of them), then N."""
+    over_m = m // 64
+    over_n = warpgroups // over_m
+    major = {True: OperandMajorMode.K, False: OperandMajorMode.MN}
+    return sm90.make_trivial_tiled_mma(dtype, dtype, major[a_k_major], major[b_k_major], Float32,
+                                       (over_m, over_n, 1), (64, n // over_n))
+
+
+def operands(mma, tidx, sA: cute.Tensor, sB: cute.Tensor):
+    """The operand descriptors of ``sA`` ``(M, K)`` and ``sB`` ``(N, K)`` for this thread's warpgroup."""
+    thr = mma.get_slice(tidx)
+    return mma.make_fragment_A(thr.partition_A(sA)), mma.make_fragment_B(thr.partition_B(sB))
+
+
+def gemm(mma, acc, ops):
+    """``acc += A B^T`` of `operands` ``ops``, every K block issued, then waited for (the accumulator
+    is the thread's to read or change again when this returns)."""
+    tCrA, tCrB = ops
+    mma.set(warpgroup.Field.ACCUMULATE, True)
+    warpgroup.fence()
+    for kb in range(cute.size(tCrA, mode=[2])):  # static: unrolled as the kernel is traced
+        cute.gemm(mma, acc, tCrA[None, None, kb], tCrB[None, None, kb], acc)
+    warpgroup.commit_group()
+    warpgroup.wait_group(0)
+
+
+def fence_writes():
+    """Order this thread's ordinary shared-memory writes before later tensor-core reads of them."""
+    cute.arch.fence_proxy("async.shared", space="cta")
+
+
+# -- the check of the building block ---------------------------------------------------------------
+
+# The per-head forward's products, as (name, M, N, K, A stored transposed, B stored transposed), with
+# a "stored transposed" operand held [K, M] or [K, N] and read through `transposed`:
+# q k^T (both stored [tokens, K]); k S, and alike A X and (q k^T) v_new (S stored [K, V]);
+# k^T v_new, the state update (k stored [tokens, K], v_new [tokens, V]).
+FORMS = {"qkT": (64, 64, 128, False, False), "kS": (64, 128, 128, False, True), "kTv": (128, 128, 64, True, True)}
+
+
+class _Check:
+    """``c = a b^T`` with ``a`` stored ``[M, K]`` (or ``[K, M]``) and ``b`` ``[N, K]`` (or ``[K, N]``), all contiguous."""
+
+    def __init__(self, dtype: torch.dtype, form: str):
+        self.dtype = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16}[dtype]
+        self.m, self.n, self.k, self.a_t, self.b_t = FORMS[form]
+
+    @cute.jit
+    def __call__(self, mA: cute.Tensor, mB: cute.Tensor, mC: cute.Tensor, stream):
+        self.kernel(mA, mB, mC).launch(grid=[1, 1, 1], block=[THREADS, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, mA: cute.Tensor, mB: cute.Tensor, mC: cute.Tensor):
+        from dsfuse.gdn.cutedsl import mma as _mma
+
+        M, N, K = self.m, self.n, self.k
+        tidx, _, _ = cute.arch.thread_idx()
+        smem = cutlass.memory.SmemAllocator()
+        a_shape = (K, M) if self.a_t else (M, K)
+        b_shape = (K, N) if self.b_t else (N, K)
+        sA, sB = tile(smem, self.dtype, *a_shape), tile(smem, self.dtype, *b_shape)
+        for i in cutlass.range(M * K // THREADS):
+            idx = tidx + i * THREADS
+            r = idx // a_shape[1]
+            sA[r, idx - r * a_shape[1]] = mA[r, idx - r * a_shape[1]]
+        for i in cutlass.range(N * K // THREADS):
+            idx = tidx + i * THREADS
+            r = idx // b_shape[1]
+            sB[r, idx - r * b_shape[1]] = mB[r, idx - r * b_shape[1]]
+        fence_writes()
+        cute.arch.sync_threads()
+
+        mma = tiled_mma(self.dtype, M, N, not self.a_t, not self.b_t)
+        acc = _mma.accumulator(mma, tidx, (M, N))
+        gemm(mma, acc, operands(mma, tidx, transposed(sA) if self.a_t else sA, transposed(sB) if self.b_t else sB))
+        cute.autovec_copy(acc, mma.get_slice(tidx).partition_C(mC))
+
+
+CACHE = _cd.KernelCache()  # (dtype, form, arch) -> compiled function
+
+
+def compile_check(dtype: torch.dtype, form: str, arch: str, *, keep_ptx: bool = False, dump_dir: str | None = None):
+    """The check kernel of one operand form, compiled for ``arch`` (sm_90a; no GPU needed)."""
+    if arch not in ARCHS:
+        raise ValueError(f"wgmma products compile for {ARCHS} only, not {arch}")
+    kernel = _Check(dtype, form)
+    m, n, k, a_t, b_t = FORMS[form]
+    a_shape, b_shape = ((k, m) if a_t else (m, k)), ((k, n) if b_t else (n, k))
+    fake = [cute.runtime.make_fake_compact_tensor(kernel.dtype, a_shape, stride_order=(1, 0), assumed_align=16),
+            cute.runtime.make_fake_compact_tensor(kernel.dtype, b_shape, stride_order=(1, 0), assumed_align=16),
+            cute.runtime.make_fake_compact_tensor(Float32, (m, n), stride_order=(1, 0), assumed_align=16)]
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    return _cd.compile(kernel, *fake, stream, arch=arch, keep_ptx=keep_ptx, dump_dir=dump_dir)
+
+
+def check(a: torch.Tensor, b: torch.Tensor, form: str) -> torch.Tensor:
+    """``c`` fp32 ``[M, N]`` of the form's stored operands (contiguous, on an sm_90 GPU)."""
+    m, n, _, _, _ = FORMS[form]
+    c = torch.empty(m, n, device=a.device, dtype=torch.float32)
+    fn = CACHE.get((a.dtype, form, _cd.arch_of(a.device)), lambda: compile_check(a.dtype, form, _cd.arch_of(a.device)))
+    fn(a, b, c)
+    return c
+
+
+def _aot_specs() -> list[_cd.CuteAotSpec]:
+    return [_cd.CuteAotSpec(f"gdn_wgmma_check_{form}",
+                            lambda arch, dump_dir=None, form=form: compile_check(torch.bfloat16, form, arch,
+                                                                                 keep_ptx=True, dump_dir=dump_dir),
+                            archs=ARCHS)
+            for form in FORMS]
+
+
+AOT_SPECS = _aot_specs()
