@@ -147,12 +147,46 @@ def view(tile, shape, stride):
 FORMS = {"qkT": (64, 64, 128, False, False), "kS": (64, 32, 128, False, True), "kTv": (128, 32, 64, True, True)}
 
 
-class _Check:
-    """``c = a b^T`` with ``a`` stored ``[M, K]`` (or ``[K, M]``) and ``b`` ``[N, K]`` (or ``[K, N]``), all contiguous."""
+@cute.jit
+def fill(tidx, threads: cutlass.Constexpr, mX: cute.Tensor, sX: cute.Tensor):
+    """``sX = mX`` element by element, an ``(rows, cols)`` tile by ``threads`` threads."""
+    cols = cute.size(sX, mode=[1])
+    for i in cutlass.range(cute.size(sX) // threads):
+        idx = tidx + i * threads
+        r = idx // cols
+        sX[r, idx - r * cols] = mX[r, idx - r * cols]
 
-    def __init__(self, dtype: torch.dtype, form: str):
+
+class ProductCheck:
+    """A check kernel of one product form ``(M, N, K, A stored transposed, B stored transposed)`` of
+    ``forms``: ``c = a b^T`` with ``a`` stored ``[M, K]`` (or ``[K, M]``) and ``b`` ``[N, K]`` (or
+    ``[K, N]``), all contiguous; a subclass defines ``__call__`` and ``kernel``, `compile` and `run`
+    are shared."""
+
+    def __init__(self, dtype: torch.dtype, form: str, forms: dict):
         self.dtype = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16}[dtype]
-        self.m, self.n, self.k, self.a_t, self.b_t = FORMS[form]
+        self.m, self.n, self.k, self.a_t, self.b_t = forms[form]
+        self.a_shape = (self.k, self.m) if self.a_t else (self.m, self.k)
+        self.b_shape = (self.k, self.n) if self.b_t else (self.n, self.k)
+
+    def compile(self, arch: str, *, keep_ptx: bool = False, dump_dir: str | None = None):
+        """This check compiled for ``arch`` (no GPU needed)."""
+        fake = [cute.runtime.make_fake_compact_tensor(elem, shape, stride_order=(1, 0), assumed_align=16)
+                for elem, shape in ((self.dtype, self.a_shape), (self.dtype, self.b_shape),
+                                    (Float32, (self.m, self.n)))]
+        stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+        return _cd.compile(self, *fake, stream, arch=arch, keep_ptx=keep_ptx, dump_dir=dump_dir)
+
+    @staticmethod
+    def run(fn, a: torch.Tensor, b: torch.Tensor, m: int, n: int) -> torch.Tensor:
+        """``c`` fp32 ``[m, n]`` from the compiled check ``fn`` of the stored operands."""
+        c = torch.empty(m, n, device=a.device, dtype=torch.float32)
+        fn(a, b, c)
+        return c
+
+
+class _Check(ProductCheck):
+    """`ProductCheck` on ``mma.sync`` with element-wise operand copies, 4 warps."""
 
     @cute.jit
     def __call__(self, mA: cute.Tensor, mB: cute.Tensor, mC: cute.Tensor, stream):
@@ -163,19 +197,12 @@ class _Check:
         M, N, K = self.m, self.n, self.k
         tidx, _, _ = cute.arch.thread_idx()
         smem = cutlass.memory.SmemAllocator()
-        a_shape = (K, M) if self.a_t else (M, K)
-        b_shape = (K, N) if self.b_t else (N, K)
+        a_shape, b_shape = self.a_shape, self.b_shape
         sA = smem.allocate_tensor(self.dtype, cute.make_layout(a_shape, stride=(a_shape[1], 1)), byte_alignment=16)
         sB = smem.allocate_tensor(self.dtype, cute.make_layout(b_shape, stride=(b_shape[1], 1)), byte_alignment=16)
         sC = smem.allocate_tensor(Float32, cute.make_layout((M, N), stride=(N, 1)), byte_alignment=16)
-        for i in cutlass.range(M * K // THREADS):
-            idx = tidx + i * THREADS
-            r = idx // a_shape[1]
-            sA[r, idx - r * a_shape[1]] = mA[r, idx - r * a_shape[1]]
-        for i in cutlass.range(N * K // THREADS):
-            idx = tidx + i * THREADS
-            r = idx // b_shape[1]
-            sB[r, idx - r * b_shape[1]] = mB[r, idx - r * b_shape[1]]
+        fill(tidx, THREADS, mA, sA)
+        fill(tidx, THREADS, mB, sB)
         cute.arch.sync_threads()
 
         mma = tiled_mma(self.dtype)
@@ -185,10 +212,7 @@ class _Check:
         gemm(mma, acc, operands(mma, tidx, opA, opB))
         store(mma, tidx, acc, sC)
         cute.arch.sync_threads()
-        for i in cutlass.range(M * N // THREADS):
-            idx = tidx + i * THREADS
-            r = idx // N
-            mC[r, idx - r * N] = sC[r, idx - r * N]
+        fill(tidx, THREADS, sC, mC)
 
 
 CACHE = _cd.KernelCache()  # (dtype, form, arch) -> compiled function
@@ -196,23 +220,13 @@ CACHE = _cd.KernelCache()  # (dtype, form, arch) -> compiled function
 
 def compile_check(dtype: torch.dtype, form: str, arch: str, *, keep_ptx: bool = False, dump_dir: str | None = None):
     """The check kernel of one operand form, compiled for ``arch`` (no GPU needed)."""
-    kernel = _Check(dtype, form)
-    m, n, k, a_t, b_t = FORMS[form]
-    a_shape, b_shape = ((k, m) if a_t else (m, k)), ((k, n) if b_t else (n, k))
-    fake = [cute.runtime.make_fake_compact_tensor(kernel.dtype, a_shape, stride_order=(1, 0), assumed_align=16),
-            cute.runtime.make_fake_compact_tensor(kernel.dtype, b_shape, stride_order=(1, 0), assumed_align=16),
-            cute.runtime.make_fake_compact_tensor(Float32, (m, n), stride_order=(1, 0), assumed_align=16)]
-    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-    return _cd.compile(kernel, *fake, stream, arch=arch, keep_ptx=keep_ptx, dump_dir=dump_dir)
+    return _Check(dtype, form, FORMS).compile(arch, keep_ptx=keep_ptx, dump_dir=dump_dir)
 
 
 def check(a: torch.Tensor, b: torch.Tensor, form: str) -> torch.Tensor:
     """``c`` fp32 ``[M, N]`` of the form's stored operands (contiguous, on a GPU)."""
-    m, n, _, _, _ = FORMS[form]
-    c = torch.empty(m, n, device=a.device, dtype=torch.float32)
     fn = CACHE.get((a.dtype, form, _cd.arch_of(a.device)), lambda: compile_check(a.dtype, form, _cd.arch_of(a.device)))
-    fn(a, b, c)
-    return c
+    return ProductCheck.run(fn, a, b, *FORMS[form][:2])
 
 
 def _aot_specs() -> list[_cd.CuteAotSpec]:

@@ -37,6 +37,8 @@ from cutlass import Float32
 from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
 import cutlass.utils.hopper_helpers as sm90
 
+from dsfuse.gdn.cutedsl import mma as _mma
+
 WARPGROUPS = 4
 THREADS = 128 * WARPGROUPS
 ARCHS = ("sm_90a",)  # wgmma is Hopper's; sm_100a has tcgen05 instead
@@ -99,12 +101,8 @@ def fence_writes():
 FORMS = {"qkT": (64, 64, 128, False, False), "kS": (64, 128, 128, False, True), "kTv": (128, 128, 64, True, True)}
 
 
-class _Check:
-    """``c = a b^T`` with ``a`` stored ``[M, K]`` (or ``[K, M]``) and ``b`` ``[N, K]`` (or ``[K, N]``), all contiguous."""
-
-    def __init__(self, dtype: torch.dtype, form: str):
-        self.dtype = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16}[dtype]
-        self.m, self.n, self.k, self.a_t, self.b_t = FORMS[form]
+class _Check(_mma.ProductCheck):
+    """`dsfuse.gdn.cutedsl.mma.ProductCheck` on ``wgmma``, 4 warpgroups, from `tile`s."""
 
     @cute.jit
     def __call__(self, mA: cute.Tensor, mB: cute.Tensor, mC: cute.Tensor, stream):
@@ -112,22 +110,12 @@ class _Check:
 
     @cute.kernel
     def kernel(self, mA: cute.Tensor, mB: cute.Tensor, mC: cute.Tensor):
-        from dsfuse.gdn.cutedsl import mma as _mma
-
-        M, N, K = self.m, self.n, self.k
+        M, N = self.m, self.n
         tidx, _, _ = cute.arch.thread_idx()
         smem = cutlass.memory.SmemAllocator()
-        a_shape = (K, M) if self.a_t else (M, K)
-        b_shape = (K, N) if self.b_t else (N, K)
-        sA, sB = tile(smem, self.dtype, *a_shape), tile(smem, self.dtype, *b_shape)
-        for i in cutlass.range(M * K // THREADS):
-            idx = tidx + i * THREADS
-            r = idx // a_shape[1]
-            sA[r, idx - r * a_shape[1]] = mA[r, idx - r * a_shape[1]]
-        for i in cutlass.range(N * K // THREADS):
-            idx = tidx + i * THREADS
-            r = idx // b_shape[1]
-            sB[r, idx - r * b_shape[1]] = mB[r, idx - r * b_shape[1]]
+        sA, sB = tile(smem, self.dtype, *self.a_shape), tile(smem, self.dtype, *self.b_shape)
+        _mma.fill(tidx, THREADS, mA, sA)
+        _mma.fill(tidx, THREADS, mB, sB)
         fence_writes()
         cute.arch.sync_threads()
 
@@ -144,23 +132,13 @@ def compile_check(dtype: torch.dtype, form: str, arch: str, *, keep_ptx: bool = 
     """The check kernel of one operand form, compiled for ``arch`` (sm_90a; no GPU needed)."""
     if arch not in ARCHS:
         raise ValueError(f"wgmma products compile for {ARCHS} only, not {arch}")
-    kernel = _Check(dtype, form)
-    m, n, k, a_t, b_t = FORMS[form]
-    a_shape, b_shape = ((k, m) if a_t else (m, k)), ((k, n) if b_t else (n, k))
-    fake = [cute.runtime.make_fake_compact_tensor(kernel.dtype, a_shape, stride_order=(1, 0), assumed_align=16),
-            cute.runtime.make_fake_compact_tensor(kernel.dtype, b_shape, stride_order=(1, 0), assumed_align=16),
-            cute.runtime.make_fake_compact_tensor(Float32, (m, n), stride_order=(1, 0), assumed_align=16)]
-    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-    return _cd.compile(kernel, *fake, stream, arch=arch, keep_ptx=keep_ptx, dump_dir=dump_dir)
+    return _Check(dtype, form, FORMS).compile(arch, keep_ptx=keep_ptx, dump_dir=dump_dir)
 
 
 def check(a: torch.Tensor, b: torch.Tensor, form: str) -> torch.Tensor:
     """``c`` fp32 ``[M, N]`` of the form's stored operands (contiguous, on an sm_90 GPU)."""
-    m, n, _, _, _ = FORMS[form]
-    c = torch.empty(m, n, device=a.device, dtype=torch.float32)
     fn = CACHE.get((a.dtype, form, _cd.arch_of(a.device)), lambda: compile_check(a.dtype, form, _cd.arch_of(a.device)))
-    fn(a, b, c)
-    return c
+    return _mma.ProductCheck.run(fn, a, b, *FORMS[form][:2])
 
 
 def _aot_specs() -> list[_cd.CuteAotSpec]:
