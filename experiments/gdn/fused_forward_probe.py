@@ -9,9 +9,10 @@ v head views of one packed row, initial and final state): the UT inverse kernel 
 (``ut_inverse``), the fused kernel alone in each form (``fused`` for the CUDA-core form, ``fused_tc``
 for the tensor-core form, ``fused_head`` for the per-head form, ``fused_head_wgmma`` for it on
 warpgroup instructions), the inverse and a fused kernel
-(``cutedsl``, ``cutedsl_tc``, ``cutedsl_head``) and the Triton forward (``triton``, `chunk_gdn`),
+(``cutedsl``, ``cutedsl_tc``, ``cutedsl_head``, ``cutedsl_head_wgmma``: the forms the GPU has the
+instructions of) and the Triton forward (``triton``, `chunk_gdn`),
 each replayed from a CUDA Graph with the L2 overwritten before each call
-(`dsfuse.bench.harness.Timer`, evicted regime). Before timing, every form's ``o`` and final state
+(`dsfuse.bench.harness.Timer`, evicted regime). Before timing, every timed form's ``o`` and final state
 (poisoned with NaN before the call) are checked against the Triton forward's (relative RMS <= 1e-2:
 two approximations of one float64 result; the float64 checks are the GPU tests'). Writes ``samples.csv`` (case, tokens, value
 heads, l2norm, part, sample, us) and ``env.json`` under OUT_DIR and prints the medians.
@@ -36,7 +37,8 @@ FLUSH_BYTES = 256 << 20
 
 def case_rows(case, timer: Timer, samples: int, device: torch.device, only: set[str] | None = None) -> list[dict]:
     from dsfuse.gdn import chunk_gdn
-    from dsfuse.gdn.cutedsl.fused_fwd import CHUNK, FORMS, document_order, launch_fused_forward
+    from dsfuse._common import cutedsl as _cd
+    from dsfuse.gdn.cutedsl.fused_fwd import ARCHS, CHUNK, FORMS, document_order, launch_fused_forward
     from dsfuse.gdn.cutedsl.ut_inverse import launch_ut_inverse
     from dsfuse.gdn.reference import prepare_chunk_indices, prepare_chunk_offsets
 
@@ -72,8 +74,13 @@ def case_rows(case, timer: Timer, samples: int, device: torch.device, only: set[
                          output_final_state=True, cu_seqlens=inputs["cu_seqlens"], use_qk_l2norm_in_kernel=l2,
                          backend="triton")
 
+    suffix = {"cuda_core": "", "tensor_core": "_tc", "head": "_head", "head_wgmma": "_head_wgmma"}
+    arch = _cd.arch_of(device)
+    # the forms this GPU has the instructions of, and (with --parts) only those whose parts are timed
+    forms = [f for f in FORMS if arch in ARCHS.get(f, (arch,))
+             and (not only or {f"fused{suffix[f]}", f"cutedsl{suffix[f]}"} & only)]
     o_tri, ht_tri = triton()
-    for form in FORMS:
+    for form in forms:
         o.fill_(float("nan"))
         ht.fill_(float("nan"))
         both(form)()
@@ -86,9 +93,8 @@ def case_rows(case, timer: Timer, samples: int, device: torch.device, only: set[
               + ", ".join(f"{name} {err:.1e}" for name, err in errors.items()))
 
     rows = []
-    suffix = {"cuda_core": "", "tensor_core": "_tc", "head": "_head", "head_wgmma": "_head_wgmma"}
     parts = [("ut_inverse", inverse)]
-    parts += [(f"{name}{suffix[form]}", make(form)) for form in FORMS for name, make in (("fused", fused),
+    parts += [(f"{name}{suffix[form]}", make(form)) for form in forms for name, make in (("fused", fused),
                                                                                          ("cutedsl", both))]
     parts.append(("triton", triton))
     for part, fn in parts:

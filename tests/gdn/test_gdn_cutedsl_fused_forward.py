@@ -159,6 +159,31 @@ def test_refuses_what_it_cannot_compile():
         module.shape_reasons(torch.bfloat16, 16, 48, 128, 128, form="tc")
 
 
+def test_the_wgmma_form_fences_its_writes_before_its_products(tmp_path):
+    """The ``head_wgmma`` form's PTX (sm_90a, CPU): per chunk 8 ``q k^T`` wgmma (m64n16), 24 for the
+    C x V products (m64n32) and 4 for the state update (m64n64), no ``mma.sync`` or ``ldmatrix``, and
+    exactly three ``fence.proxy.async``, each right before a CTA barrier (steps 1, 4 and 5: the
+    writes the next products read); the ``head`` form has neither."""
+    import collections
+    import re
+
+    from helpers import cute_spec_ptx
+
+    cutedsl_or_skip()
+    from dsfuse.gdn.cutedsl import fused_fwd as module
+
+    specs = {spec.name: spec for spec in module.AOT_SPECS}
+    ptx = cute_spec_ptx(specs["gdn_fused_forward_head_wgmma_bf16_l2"], "sm_90a", tmp_path)
+    shapes = collections.Counter(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", ptx))
+    assert shapes == {"m64n16k16": 8, "m64n32k16": 24, "m64n64k16": 4}
+    assert "mma.sync" not in ptx and "ldmatrix" not in ptx
+    lines = [line.strip() for line in ptx.splitlines() if line.strip() and not line.strip().startswith("//")]
+    fences = [i for i, line in enumerate(lines) if line.startswith("fence.proxy.async")]
+    assert len(fences) == 3 and all(lines[i + 1].startswith("bar.sync") for i in fences), [lines[i + 1] for i in fences]
+    head = cute_spec_ptx(specs["gdn_fused_forward_head_bf16_l2"], "sm_90a", tmp_path)
+    assert "fence.proxy.async" not in head and "wgmma" not in head
+
+
 def _run_on_gpu(dtype, l2, dims, form):
     """``(o, ht, o_ref, ht_ref, cu)``: the fused forward on strided head views of one packed row (a
     second call bitwise equal, the tail's o zero, nothing left unwritten) and the float64 reference

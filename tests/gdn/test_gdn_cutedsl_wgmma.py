@@ -37,7 +37,7 @@ def test_refuses_blackwell(wgmma):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("form", ["qkT", "kS", "kTv"])
+@pytest.mark.parametrize("form", ["qkT", "kS", "kTv", "kS64"])
 def test_products_match_float64(wgmma, form, dtype):
     """``A B^T`` with the operands stored as the per-head forward stores them (transposed where the
     form says): relative RMS <= 1e-5 against float64 products of the same values (fp32

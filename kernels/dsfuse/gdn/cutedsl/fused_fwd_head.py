@@ -9,7 +9,7 @@ norm's scales multiply the products' rows and columns (``rstd_q``, ``rstd_k``) a
 second rounding:
 
 - 16 warps (4 x 4 over M and N of each ``mma.sync`` product), one CTA per chain, at most 128
-  registers a thread (ptxas spills 24 bytes with the L2 norm): the kernel waits on latency (loads,
+  registers a thread (ptxas spills 24 bytes with the L2 norm, 16 without): the kernel waits on latency (loads,
   barriers, ``ldmatrix``), and 16 warps hide more of it than 8 with twice the registers (about 6 %
   faster at (16, 48) with the L2 norm on the H200, run
   ``experiments/gdn/raw/fused-forward/20261202-125600-h200-w16``). The q and k rows, their L2-norm
@@ -27,7 +27,7 @@ second rounding:
   pieces of a row.
 - The chunk's q, k, v rows and ``A0`` rows arrive by 16-byte ``cp.async`` copies into swizzled tiles,
   and every product's operands by ``ldmatrix`` (``.trans`` where the operand is stored transposed:
-  the state, X, ``v_new`` and ``k^T``); o leaves through shared memory in 16-byte stores. So q, k, v
+  the state, X, ``v_new`` and ``k^T``; the ``head_wgmma`` form's by descriptor); o leaves through shared memory in 16-byte stores. So q, k, v
   and o need 16-byte aligned rows (`aligned_reasons`).
 
 Per chunk, 6 barriers: (1) q, k, v, A0 rows, g, beta loaded and the rounded state stored; (2) scales and the

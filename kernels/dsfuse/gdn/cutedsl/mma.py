@@ -1,7 +1,7 @@
 """Tensor-core products of shared-memory tiles, the building block of the fused forward's tensor-core
 form: ``C (+)= A B^T`` for bf16/fp16 tiles ``A`` ``(M, K)`` and ``B`` ``(N, K)`` with fp32
 accumulation, on the warp-level ``mma.sync`` 16x8x16 instruction (sm_80 and later: the same code on
-sm_90a and sm_100a; the wgmma and tcgen05 forms come with the pipelined kernel).
+sm_90a and sm_100a; Hopper's warpgroup form is `dsfuse.gdn.cutedsl.wgmma`).
 
 Either operand may be a transposed view of a stored tile (``cute.make_tensor`` over the tile's
 iterator with swapped strides): ``K^T`` for the state update, ``S`` stored ``[K, BV]`` as the B

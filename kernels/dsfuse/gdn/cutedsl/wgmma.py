@@ -97,8 +97,10 @@ def fence_writes():
 # The per-head forward's products, as (name, M, N, K, A stored transposed, B stored transposed), with
 # a "stored transposed" operand held [K, M] or [K, N] and read through `transposed`:
 # q k^T (both stored [tokens, K]); k S, and alike A X and (q k^T) v_new (S stored [K, V]);
-# k^T v_new, the state update (k stored [tokens, K], v_new [tokens, V]).
-FORMS = {"qkT": (64, 64, 128, False, False), "kS": (64, 128, 128, False, True), "kTv": (128, 128, 64, True, True)}
+# k^T v_new, the state update (k stored [tokens, K], v_new [tokens, V]); kS64, k S at K = V = 64, whose
+# warpgroups read 16-wide slices of the N-major B operand (starting inside a 128-byte swizzled row).
+FORMS = {"qkT": (64, 64, 128, False, False), "kS": (64, 128, 128, False, True), "kTv": (128, 128, 64, True, True),
+         "kS64": (64, 64, 64, False, True)}
 
 
 class _Check(_mma.ProductCheck):
