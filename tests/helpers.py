@@ -119,3 +119,21 @@ def cute_spec_ptx(spec, arch: str, tmp_path) -> str:
     assert not re.search(r"\b(atom|red)\.", ptx), f"{spec.name}: atomics or reductions"
     assert not re.search(r"\bld\.local\b", ptx), f"{spec.name}: reads from local memory (a spill)"
     return ptx
+
+
+def assert_product_matches_float64(module, form: str, dtype: torch.dtype) -> None:
+    """A CuTe DSL product check (``module.check`` of ``module.FORMS[form]``: `dsfuse.gdn.cutedsl.mma`,
+    `dsfuse.gdn.cutedsl.wgmma`) with its operands stored as the fused forward stores them (transposed
+    where the form says), on a GPU: relative RMS <= 1e-5 against the float64 product of the same
+    values (fp32 accumulation), and bitwise equal run to run."""
+    m, n, k, a_t, b_t = module.FORMS[form]
+    gen = torch.Generator(device="cuda").manual_seed(len(form))
+    a_mk = torch.randn(m, k, device="cuda", generator=gen).to(dtype)
+    b_nk = torch.randn(n, k, device="cuda", generator=gen).to(dtype)
+    a = a_mk.T.contiguous() if a_t else a_mk
+    b = b_nk.T.contiguous() if b_t else b_nk
+    c = module.check(a, b, form)
+    torch.cuda.synchronize()
+    want = a_mk.double() @ b_nk.double().T
+    assert_rel_rms(c.double(), want, 1e-5, f"{form} {dtype}")
+    assert torch.equal(c, module.check(a, b, form))

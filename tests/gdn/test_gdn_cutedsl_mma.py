@@ -8,7 +8,7 @@ import re
 import pytest
 import torch
 from conftest import cutedsl_or_skip
-from helpers import assert_rel_rms, cute_spec_ptx
+from helpers import assert_product_matches_float64, cute_spec_ptx
 
 
 @pytest.fixture(scope="module")
@@ -34,14 +34,4 @@ def test_compiles_to_one_mma_per_step(mma, arch, tmp_path):
 def test_products_match_float64(mma, form, dtype):
     """``A B^T`` with the operands stored as the fused forward stores them (transposed where the form
     says): relative RMS <= 1e-5 against float64 products of the same values (fp32 accumulation)."""
-    m, n, k, a_t, b_t = mma.FORMS[form]
-    gen = torch.Generator(device="cuda").manual_seed(len(form))
-    a_mk = torch.randn(m, k, device="cuda", generator=gen).to(dtype)
-    b_nk = torch.randn(n, k, device="cuda", generator=gen).to(dtype)
-    a = a_mk.T.contiguous() if a_t else a_mk
-    b = b_nk.T.contiguous() if b_t else b_nk
-    c = mma.check(a, b, form)
-    torch.cuda.synchronize()
-    want = a_mk.double() @ b_nk.double().T
-    assert_rel_rms(c.double(), want, 1e-5, f"{form} {dtype}")
-    assert torch.equal(c, mma.check(a, b, form))  # bitwise run to run
+    assert_product_matches_float64(mma, form, dtype)

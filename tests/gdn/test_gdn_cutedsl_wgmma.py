@@ -8,7 +8,7 @@ import re
 import pytest
 import torch
 from conftest import cutedsl_or_skip
-from helpers import assert_rel_rms, cute_spec_ptx
+from helpers import assert_product_matches_float64, cute_spec_ptx
 
 
 @pytest.fixture(scope="module")
@@ -44,14 +44,4 @@ def test_products_match_float64(wgmma, form, dtype):
     accumulation), and bitwise run to run."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("wgmma runs on sm_90 only")
-    m, n, k, a_t, b_t = wgmma.FORMS[form]
-    gen = torch.Generator(device="cuda").manual_seed(len(form))
-    a_mk = torch.randn(m, k, device="cuda", generator=gen).to(dtype)
-    b_nk = torch.randn(n, k, device="cuda", generator=gen).to(dtype)
-    a = a_mk.T.contiguous() if a_t else a_mk
-    b = b_nk.T.contiguous() if b_t else b_nk
-    c = wgmma.check(a, b, form)
-    torch.cuda.synchronize()
-    want = a_mk.double() @ b_nk.double().T
-    assert_rel_rms(c.double(), want, 1e-5, f"{form} {dtype}")
-    assert torch.equal(c, wgmma.check(a, b, form))
+    assert_product_matches_float64(wgmma, form, dtype)
