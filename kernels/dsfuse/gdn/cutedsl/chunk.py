@@ -46,9 +46,14 @@ class ChainKernel:
             grid=grid, block=[self.threads, 1, 1], stream=stream)
 
 
-def tile(smem, dtype, rows: int, cols: int):
-    """A row-major ``[rows, cols]`` shared-memory tile."""
-    return smem.allocate_tensor(dtype, cute.make_layout((rows, cols), stride=(cols, 1)), byte_alignment=16)
+def tile(smem, dtype, rows: int, cols: int, stages: int = 1):
+    """A row-major ``[rows, cols]`` shared-memory tile, or ``stages`` of them one after the other
+    (``[rows, cols, stages]``: a stage is ``t[None, None, s]``)."""
+    if stages == 1:
+        layout = cute.make_layout((rows, cols), stride=(cols, 1))
+    else:
+        layout = cute.make_layout((rows, cols, stages), stride=(cols, 1, rows * cols))
+    return smem.allocate_tensor(dtype, layout, byte_alignment=16)
 
 
 def vector(smem, length: int):
@@ -110,6 +115,20 @@ def load_gates(tidx: Int32, mG: cute.Tensor, mBeta: cute.Tensor, sG: cute.Tensor
             bv = mBeta[start + tidx, i_hv].to(Float32)
         sG[tidx] = gv
         sBeta[tidx] = bv
+
+
+@cute.jit
+def read_gates(tidx: Int32, mG: cute.Tensor, mBeta: cute.Tensor, start: Int32, rows: Int32, i_hv: Int32,
+               chunk: cutlass.Constexpr = CHUNK):
+    """``(g, beta)`` in fp32 registers: row ``start + tidx`` of value head ``i_hv`` for threads
+    ``0 .. chunk - 1`` (zeros past the chunk's ``rows``, and for the other threads), for a later
+    store into shared memory (the loads are in flight meanwhile)."""
+    gv, bv = Float32(0.0), Float32(0.0)
+    if tidx < rows:
+        if tidx < chunk:
+            gv = mG[start + tidx, i_hv]
+            bv = mBeta[start + tidx, i_hv].to(Float32)
+    return gv, bv
 
 
 @cute.jit

@@ -63,6 +63,7 @@ THREADS = 32 * WARPS_MN[0] * WARPS_MN[1]
 WARPS = THREADS // 32
 MAX_DIM = 128  # K and V: the state's accumulators (K V / THREADS registers a thread) and shared memory
 ALIGN = 16  # bytes: the cp.async vectors
+STAGES = 2  # the chunk's q, k, v and A0 rows: the next chunk's are copied in while this one computes
 
 
 def shape_reasons(dim_k: int, dim_v: int, dtype: torch.dtype = torch.bfloat16, l2norm: bool = False) -> list[str]:
@@ -141,6 +142,14 @@ def _barrier(wgmma: cutlass.Constexpr):
     cute.arch.sync_threads()
 
 
+def _operands(wgmma: bool, mma, tidx, sA: cute.Tensor, sB: cute.Tensor, a_t: bool, b_t: bool):
+    """A product's operands ``sA`` ``(M, K)`` and ``sB`` ``(N, K)`` for this thread: wgmma descriptors,
+    or ``ldmatrix`` copies (``.trans`` for ``a_t``/``b_t``, an operand that is a transposed view)."""
+    if wgmma:
+        return _wg.operands(mma, tidx, sA, sB)
+    return _mma.ldmatrix_operands(mma, tidx, sA, sB, a_t, b_t)
+
+
 class FusedForwardHead(chunk.ChainKernel):
     """The per-head form (module docstring): grid (1, HV, N) of 512 threads. With ``wgmma`` (sm_90a
     only), every product on warpgroup instructions reading its operands from 128-byte-swizzled tiles
@@ -153,6 +162,20 @@ class FusedForwardHead(chunk.ChainKernel):
         super().__init__(*args)
         self.block_v = self.dim_v
         self.wgmma = wgmma
+
+    @cute.jit
+    def _start_chunk(self, tidx: Int32, copies, sources, stages, mChunks: cute.Tensor, i_c: Int32, stage: Int32,
+                     i_h: Int32, i_hv: Int32):
+        """Start the ``cp.async`` copies of chunk ``i_c``'s q, k, v and A0 rows into ``stage`` of their
+        tiles (the caller commits them as a group) and read its g and beta: ``(g, beta)`` registers."""
+        copy_k, copy_v, copy_a = copies
+        mQ, mK, mV, mA, mG, mBeta = sources
+        start = mChunks[i_c, 1]
+        rows = mChunks[i_c, 2] - start
+        for copy, m, t, head in ((copy_k, mQ, stages[0], i_h), (copy_k, mK, stages[1], i_h),
+                                 (copy_v, mV, stages[2], i_hv), (copy_a, mA, stages[3], i_hv)):
+            _start_rows(copy, tidx, m, t[None, None, stage], start, rows, head)
+        return chunk.read_gates(tidx, mG, mBeta, start, rows, i_hv, CHUNK)
 
     @cute.kernel
     def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mG: cute.Tensor, mBeta: cute.Tensor,
@@ -167,12 +190,13 @@ class FusedForwardHead(chunk.ChainKernel):
 
         smem = cutlass.memory.SmemAllocator()
         tile = _wg.tile if const_expr(self.wgmma) else _mma.swizzled_tile
-        sQ, sK = tile(smem, ab, C, K), tile(smem, ab, C, K)  # the rows as read (the L2 norm goes to the products)
+        # the chunk's rows as read, two stages (the next chunk's land while this one computes): q, k
+        # (the L2 norm goes to the products), v, A0 (fp32)
+        sQ2, sK2, sV2 = tile(smem, ab, C, K, STAGES), tile(smem, ab, C, K, STAGES), tile(smem, ab, C, V, STAGES)
+        sA2 = _tile(smem, Float32, C, C, STAGES)
         sSb = tile(smem, ab, K, V)  # the state at the chunk's start, rounded
-        # sX: then o, rounded; sVd: v's rows first
-        sX, sVn, sVd = tile(smem, ab, C, V), tile(smem, ab, C, V), tile(smem, ab, C, V)
+        sX, sVn, sVd = tile(smem, ab, C, V), tile(smem, ab, C, V), tile(smem, ab, C, V)  # sX: then o, rounded
         sQKg, sAg = tile(smem, ab, C, C), tile(smem, ab, C, C)
-        sA = _tile(smem, Float32, C, C)  # A0's rows
         sG, sBeta = _vector(smem, C), _vector(smem, C)
         # the rows' factors: exp(G) rstd_q (o), exp(G) rstd_k (X), exp(G_last - G) rstd_k (the state update)
         sEGq, sEGk, sDec = _vector(smem, C), _vector(smem, C), _vector(smem, C)
@@ -181,25 +205,19 @@ class FusedForwardHead(chunk.ChainKernel):
         store_o = _copy_rows(ab, V, store=True)
         copy_c = _copy_rows(ab, C)  # its partition only: the threads' 16-byte pieces of round(A0 * Gamma)
 
-        # the B operands stored [rows, V], read transposed: S (rows = K), X, v_new, decayed v_new (rows = C);
-        # K^T, the A operand of the state update, likewise. Per product shape a tiled product (one for
-        # all with mma.sync): q k^T (C x C), the (C x V) ones, the state update (K x V)
+        # Per product shape a tiled product (one for all with mma.sync): q k^T (C x C), the (C x V)
+        # ones, the state update (K x V); the B operands stored [rows, V] are read transposed: S
+        # (rows = K), X, v_new, decayed v_new (rows = C); K^T, the A operand of the state update, likewise.
         if const_expr(self.wgmma):
-            opS, opX, opVn, opVd, opKt = (_wg.transposed(t) for t in (sSb, sX, sVn, sVd, sK))
             mma_cc, mma_cv = _wg.tiled_mma(ab, C, C, True, True), _wg.tiled_mma(ab, C, V, True, False)
             mma_kv = _wg.tiled_mma(ab, K, V, False, False)
-            ops_qk, ops_ks, ops_qs = (_wg.operands(mma_cc, tidx, sQ, sK), _wg.operands(mma_cv, tidx, sK, opS),
-                                      _wg.operands(mma_cv, tidx, sQ, opS))
-            ops_vn, ops_o, ops_u = (_wg.operands(mma_cv, tidx, sAg, opX), _wg.operands(mma_cv, tidx, sQKg, opVn),
-                                    _wg.operands(mma_kv, tidx, opKt, opVd))
-            gemm = _wg.gemm
+            transposed, gemm = _wg.transposed, _wg.gemm
         else:
-            opS, opX, opVn, opVd, opKt = (_mma.transposed(t) for t in (sSb, sX, sVn, sVd, sK))
             mma_cc = mma_cv = mma_kv = _mma.tiled_mma(ab, WARPS_MN, ldmatrix=True)
-            ops = functools.partial(_mma.ldmatrix_operands, mma_cc, tidx)
-            ops_qk, ops_ks, ops_qs = ops(sQ, sK, False, False), ops(sK, opS, False, True), ops(sQ, opS, False, True)
-            ops_vn, ops_o, ops_u = ops(sAg, opX, False, True), ops(sQKg, opVn, False, True), ops(opKt, opVd, True, True)
-            gemm = _mma.gemm_ldmatrix
+            transposed, gemm = _mma.transposed, _mma.gemm_ldmatrix
+        ops = functools.partial(_operands, self.wgmma)
+        opS, opX, opVn, opVd = (transposed(t) for t in (sSb, sX, sVn, sVd))
+        ops_vn, ops_o = ops(mma_cv, tidx, sAg, opX, False, True), ops(mma_cv, tidx, sQKg, opVn, False, True)
         thr_cc, thr_cv, thr_kv = (m.get_slice(tidx) for m in (mma_cc, mma_cv, mma_kv))
 
         cCC, cCV, cKV = (_mma.coordinates(mma_cc, tidx, (C, C)), _mma.coordinates(mma_cv, tidx, (C, V)),
@@ -209,20 +227,33 @@ class FusedForwardHead(chunk.ChainKernel):
         for i in cutlass.range_constexpr(cute.size(acc_s)):
             acc_s[i] = mH0[i_n, i_hv, cKV[i][0], cKV[i][1]]
 
-        for i_c in cutlass.range(mOffsets[i_n], mOffsets[i_n + 1]):
+        # the first chunk's rows (stage 0) and gates; each chunk then starts the next one's
+        first, last = mOffsets[i_n], mOffsets[i_n + 1]
+        g_next, beta_next = Float32(0.0), Float32(0.0)
+        if first < last:
+            g_next, beta_next = self._start_chunk(tidx, (copy_k, copy_v, copy_a), (mQ, mK, mV, mA, mG, mBeta),
+                                                  (sQ2, sK2, sV2, sA2), mChunks, first, 0, i_h, i_hv)
+        cute.arch.cp_async_commit_group()
+
+        for i_c in cutlass.range(first, last):
             start = mChunks[i_c, 1]
             rows = mChunks[i_c, 2] - start
+            stage = (i_c - first) % STAGES
+            sQ, sK, sV, sA = (t[None, None, stage] for t in (sQ2, sK2, sV2, sA2))
+            ops_qk, ops_ks = ops(mma_cc, tidx, sQ, sK, False, False), ops(mma_cv, tidx, sK, opS, False, True)
+            ops_qs, ops_u = ops(mma_cv, tidx, sQ, opS, False, True), ops(mma_kv, tidx, transposed(sK), opVd, True, True)
 
-            # 1. q, k, v and A0 rows (zeros past the chunk's end) by cp.async; meanwhile g and beta, and
-            #    the state rounded for k S and q S
-            _start_rows(copy_k, tidx, mQ, sQ, start, rows, i_h)
-            _start_rows(copy_k, tidx, mK, sK, start, rows, i_h)
-            _start_rows(copy_v, tidx, mV, sVd, start, rows, i_hv)
-            _start_rows(copy_a, tidx, mA, sA, start, rows, i_hv)
-            cute.arch.cp_async_commit_group()
-            chunk.load_gates(tidx, mG, mBeta, sG, sBeta, start, rows, i_hv)
+            # 1. the next chunk's rows into the other stage (its last reads were the previous chunk's,
+            #    before that chunk's last barrier) and its g and beta into registers; this chunk's
+            #    g and beta stored, the state rounded for k S and q S; this chunk's rows waited for
+            if tidx < C:
+                sG[tidx], sBeta[tidx] = g_next, beta_next
+            if i_c + 1 < last:
+                g_next, beta_next = self._start_chunk(tidx, (copy_k, copy_v, copy_a), (mQ, mK, mV, mA, mG, mBeta),
+                                                      (sQ2, sK2, sV2, sA2), mChunks, i_c + 1, 1 - stage, i_h, i_hv)
+            cute.arch.cp_async_commit_group()  # empty after the last chunk: one group a chunk all the same
             cute.autovec_copy(_mma.rounded(acc_s, ab), thr_kv.partition_C(sSb))
-            cute.arch.cp_async_wait_group(0)
+            cute.arch.cp_async_wait_group(1)
             _barrier(self.wgmma)
 
             # 2. the rows' L2-norm scales; G = cumsum(g) (warp 0, after its rows)
@@ -259,7 +290,7 @@ class FusedForwardHead(chunk.ChainKernel):
                 acc_f[i] = qk
             for i in cutlass.range_constexpr(cute.size(acc_p)):
                 r, c = cCV[i][0], cCV[i][1]
-                acc_p[i] = sBeta[r] * (sVd[r, c].to(Float32) - sEGk[r] * acc_p[i])
+                acc_p[i] = sBeta[r] * (sV[r, c].to(Float32) - sEGk[r] * acc_p[i])
             cute.autovec_copy(_mma.rounded(acc_f, ab), thr_cc.partition_C(sQKg))
             cute.autovec_copy(_mma.rounded(acc_p, ab), thr_cv.partition_C(sX))
             _barrier(self.wgmma)
@@ -286,9 +317,9 @@ class FusedForwardHead(chunk.ChainKernel):
             for i in cutlass.range_constexpr(cute.size(acc_o)):
                 acc_o[i] = scale * acc_o[i]
             cute.autovec_copy(_mma.rounded(acc_o, ab), thr_cv.partition_C(sX))
-            last = cute.math.exp(sG[C - 1])
+            last_decay = cute.math.exp(sG[C - 1])
             for i in cutlass.range_constexpr(cute.size(acc_s)):
-                acc_s[i] = last * acc_s[i]
+                acc_s[i] = last_decay * acc_s[i]
             gemm(mma_kv, acc_s, ops_u)
             cute.arch.sync_threads()
             _store_rows(store_o, tidx, sX, mO, start, rows, i_hv)  # sX is next written in step 4

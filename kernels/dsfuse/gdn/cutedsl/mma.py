@@ -70,19 +70,22 @@ def gemm(mma, acc, ops):
         cute.gemm(mma, acc, tCrA, tCrB, acc)
 
 
-def swizzled_layout(rows: int, cols: int):
-    """The layout of a ``[rows, cols]`` 16-bit `swizzled_tile` (1024-byte aligned storage)."""
+def swizzled_layout(rows: int, cols: int, stages: int = 1):
+    """The layout of a ``[rows, cols]`` 16-bit `swizzled_tile` (1024-byte aligned storage), or of
+    ``stages`` of them one after the other (``[rows, cols, stages]``)."""
     width = 64 if cols % 64 == 0 else 32
     atom = cute.make_composed_layout(cute.make_swizzle(3 if width == 64 else 2, 3, 3), 0,
                                      cute.make_layout((8, width), stride=(width, 1)))
-    return cute.tile_to_shape(atom, (rows, cols), (0, 1))
+    shape = (rows, cols) if stages == 1 else (rows, cols, stages)
+    return cute.tile_to_shape(atom, shape, tuple(range(len(shape))))
 
 
-def swizzled_tile(smem, dtype, rows: int, cols: int):
+def swizzled_tile(smem, dtype, rows: int, cols: int, stages: int = 1):
     """A ``[rows, cols]`` 16-bit shared-memory tile, row-major in 8-row atoms 64 (or 32) wide whose
     16-byte chunks are permuted by row (``Swizzle<3, 3, 3>``, or ``<2, 3, 3>``): the 8 rows an
-    ``ldmatrix`` reads, or a row of 16-byte ``cp.async`` writes, fall in distinct banks."""
-    return smem.allocate_tensor(dtype, swizzled_layout(rows, cols), byte_alignment=1024)
+    ``ldmatrix`` reads, or a row of 16-byte ``cp.async`` writes, fall in distinct banks. With
+    ``stages`` > 1, that many tiles one after the other: a stage is ``t[None, None, s]``."""
+    return smem.allocate_tensor(dtype, swizzled_layout(rows, cols, stages), byte_alignment=1024)
 
 
 def transposed(tile):

@@ -44,13 +44,15 @@ THREADS = 128 * WARPGROUPS
 ARCHS = ("sm_90a",)  # wgmma is Hopper's; sm_100a has tcgen05 instead
 
 
-def tile(smem, dtype, rows: int, cols: int) -> cute.Tensor:
+def tile(smem, dtype, rows: int, cols: int, stages: int = 1) -> cute.Tensor:
     """A ``[rows, cols]`` 16-bit tile (``rows`` a multiple of 8, ``cols`` of 64) in the K-major
     128-byte-swizzled layout: a K-major operand ``(rows, cols)`` as it stands, an M- or N-major one
-    ``(cols, rows)`` through `transposed` (1024-byte aligned storage)."""
+    ``(cols, rows)`` through `transposed` (1024-byte aligned storage). With ``stages`` > 1, that many
+    tiles one after the other, ``[rows, cols, stages]``: a stage is ``t[None, None, s]``."""
+    shape = (rows, cols) if stages == 1 else (rows, cols, stages)
     layout = cute.tile_to_shape(warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, dtype),
-                                (rows, cols), (0, 1))
-    storage = smem.allocate(rows * cols * dtype.width // 8, 1024)
+                                shape, tuple(range(len(shape))))
+    storage = smem.allocate(rows * cols * stages * dtype.width // 8, 1024)
     return cute.make_tensor(cute.recast_ptr(storage, layout.inner, dtype=dtype), layout.outer)
 
 
