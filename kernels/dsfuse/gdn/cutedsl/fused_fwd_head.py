@@ -9,7 +9,7 @@ norm's scales multiply the products' rows and columns (``rstd_q``, ``rstd_k``) a
 second rounding:
 
 - 16 warps (4 x 4 over M and N of each ``mma.sync`` product), one CTA per chain, at most 128
-  registers a thread (ptxas spills 24 bytes with the L2 norm, 16 without): the kernel waits on latency (loads,
+  registers a thread (ptxas: 4 bytes of spill in the ``mma.sync`` form; 101 registers, no spill, on ``wgmma``): the kernel waits on latency (loads,
   barriers, ``ldmatrix``), and 16 warps hide more of it than 8 with twice the registers (about 6 %
   faster at (16, 48) with the L2 norm on the H200, run
   ``experiments/gdn/raw/fused-forward/20261202-125600-h200-w16``). The q and k rows, their L2-norm
@@ -30,16 +30,19 @@ second rounding:
   the state, X, ``v_new`` and ``k^T``; the ``head_wgmma`` form's by descriptor); o leaves through shared memory in 16-byte stores. So q, k, v
   and o need 16-byte aligned rows (`aligned_reasons`).
 
-Per chunk, 6 barriers: (1) q, k, v, A0 rows, g, beta loaded and the rounded state stored; (2) scales and the
+Per chunk, 6 barriers: (1) the next chunk's rows started into the other stage, this chunk's rows
+waited for, g and beta stored, the rounded state stored; (2) scales and the
 cumulative gate; (3) the rows' factors, ``round(A0 * Gamma)``; (4) ``q k^T`` and ``k S``,
 then ``round((q k^T) * Gamma)`` and ``round(X)`` stored; (5) ``v_new`` and its decayed copy stored,
 rounded; (6) the output (``q S``, scaled by ``exp(G) rstd_q`` in the accumulator, then the intra-chunk
-product added to it) stored rounded, and the state update; o's rows then go to memory. Not pipelined
-and not warp-specialised: the loads and the products still follow each other (the next step).
+product added to it) stored rounded, and the state update; o's rows then go to memory. The loads of
+chunk ``c + 1`` overlap chunk ``c``'s steps (two stages of q, k, v, A0 rows; g and beta in
+registers); the steps themselves follow each other, all warps in each (not warp-specialised).
 
-Shared memory at K = V = 128, bf16: q, k 16 KiB each, the rounded state 32 KiB, X (o after it),
-``v_new`` and its decayed copy (v's rows before that) 16 KiB each, the two gated 64 x 64 tiles 8 KiB
-each, ``A0``'s rows 16 KiB in fp32: about 145 KiB, one CTA per SM.
+Shared memory at K = V = 128, bf16: two stages of q, k, v rows (16 KiB each a stage) and of A0's
+rows (16 KiB in fp32), the rounded state 32 KiB, X (o after it), ``v_new`` and its decayed copy
+16 KiB each, the two gated 64 x 64 tiles 8 KiB each, the vectors: 231,168 bytes, one CTA per SM
+(an sm_90a or sm_100a CTA may take 232,448).
 """
 
 from __future__ import annotations
