@@ -1,7 +1,8 @@
 """What the CuTe DSL Gated DeltaNet kernels do to a chunk alike (chunks of ``C = 64``; the helpers
 below for 128 threads): `ChainKernel`, the signature and grid of a fused forward (one CTA per
 document, value head and ``BV`` value channels, or all of them in the per-head form); `cell`, the element of a row-major tile a thread takes on a pass; `load_chunk`, the chunk's q, k, A0
-rows, g and beta into shared memory; `rstd_and_cumsum`, the rows' L2-norm scales and the chunk-local
+rows, g and beta into shared memory (`load_gates` the last two; `read_gates` them into registers, for
+a later store); `rstd_and_cumsum`, the rows' L2-norm scales and the chunk-local
 cumulative gate; `normalize_and_gates`, the normalised rows (rounded to the tiles' dtype) and the gate
 vectors; `copy_rows`, `start_rows`, `store_rows`, `row_scales`, rows moved in 16-byte pieces (and the
 L2-norm scales of the pieces a thread moved). Each is traced into the calling kernel; the caller places

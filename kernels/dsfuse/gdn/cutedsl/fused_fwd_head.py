@@ -9,7 +9,8 @@ norm's scales multiply the products' rows and columns (``rstd_q``, ``rstd_k``) a
 second rounding:
 
 - 16 warps (4 x 4 over M and N of each ``mma.sync`` product), one CTA per chain, at most 128
-  registers a thread (ptxas: 4 bytes of spill in the ``mma.sync`` form; 101 registers, no spill, on ``wgmma``): the kernel waits on latency (loads,
+  registers a thread (``ptxas -v``, sm_90a, with and without the L2 norm: 4 bytes of spill in the
+  ``mma.sync`` form; 101 registers and no spill in the ``wgmma`` form): the kernel waits on latency (loads,
   barriers, ``ldmatrix``), and 16 warps hide more of it than 8 with twice the registers (about 6 %
   faster at (16, 48) with the L2 norm on the H200, run
   ``experiments/gdn/raw/fused-forward/20261202-125600-h200-w16``). The q and k rows, their L2-norm
@@ -25,13 +26,13 @@ second rounding:
   rows (those its ``cp.async`` copied), then the row's threads adding theirs by shuffles; the
   cumulative gate by a warp scan; both in a fixed order. ``round(A0 * Gamma)`` likewise in 16-byte
   pieces of a row.
-- The chunk's q, k, v rows and ``A0`` rows arrive by 16-byte ``cp.async`` copies into swizzled tiles,
-  and every product's operands by ``ldmatrix`` (``.trans`` where the operand is stored transposed:
+- The chunk's q, k, v rows arrive by 16-byte ``cp.async`` copies into swizzled tiles (``A0``'s fp32
+  rows likewise, into a row-major tile), and every product's operands by ``ldmatrix`` (``.trans`` where the operand is stored transposed:
   the state, X, ``v_new`` and ``k^T``; the ``head_wgmma`` form's by descriptor); o leaves through shared memory in 16-byte stores. So q, k, v
   and o need 16-byte aligned rows (`aligned_reasons`).
 
-Per chunk, 6 barriers: (1) the next chunk's rows started into the other stage, this chunk's rows
-waited for, g and beta stored, the rounded state stored; (2) scales and the
+Per chunk, 6 barriers: (1) this chunk's g and beta stored, the next chunk's rows started into the
+other stage (its g and beta read), the rounded state stored, this chunk's rows waited for; (2) scales and the
 cumulative gate; (3) the rows' factors, ``round(A0 * Gamma)``; (4) ``q k^T`` and ``k S``,
 then ``round((q k^T) * Gamma)`` and ``round(X)`` stored; (5) ``v_new`` and its decayed copy stored,
 rounded; (6) the output (``q S``, scaled by ``exp(G) rstd_q`` in the accumulator, then the intra-chunk

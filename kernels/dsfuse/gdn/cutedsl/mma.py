@@ -74,6 +74,8 @@ def swizzled_layout(rows: int, cols: int, stages: int = 1):
     """The layout of a ``[rows, cols]`` 16-bit `swizzled_tile` (1024-byte aligned storage), or of
     ``stages`` of them one after the other (``[rows, cols, stages]``)."""
     width = 64 if cols % 64 == 0 else 32
+    if rows % 8 or cols % width:  # whole atoms: a stage's offset then leaves the swizzle's bits alone
+        raise ValueError(f"a swizzled tile is whole 8 x {width} atoms, not [{rows}, {cols}]")
     atom = cute.make_composed_layout(cute.make_swizzle(3 if width == 64 else 2, 3, 3), 0,
                                      cute.make_layout((8, width), stride=(width, 1)))
     shape = (rows, cols) if stages == 1 else (rows, cols, stages)

@@ -49,6 +49,8 @@ def tile(smem, dtype, rows: int, cols: int, stages: int = 1) -> cute.Tensor:
     128-byte-swizzled layout: a K-major operand ``(rows, cols)`` as it stands, an M- or N-major one
     ``(cols, rows)`` through `transposed` (1024-byte aligned storage). With ``stages`` > 1, that many
     tiles one after the other, ``[rows, cols, stages]``: a stage is ``t[None, None, s]``."""
+    if rows % 8 or cols % 64:  # whole 8 x 64 swizzle atoms: each stage then starts 1024-byte aligned
+        raise ValueError(f"a wgmma tile is whole 8 x 64 atoms, not [{rows}, {cols}]")
     shape = (rows, cols) if stages == 1 else (rows, cols, stages)
     layout = cute.tile_to_shape(warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, dtype),
                                 shape, tuple(range(len(shape))))
