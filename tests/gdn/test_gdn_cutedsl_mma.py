@@ -35,3 +35,20 @@ def test_products_match_float64(mma, form, dtype):
     """``A B^T`` with the operands stored as the fused forward stores them (transposed where the form
     says): relative RMS <= 1e-5 against float64 products of the same values (fp32 accumulation)."""
     assert_product_matches_float64(mma, form, dtype)
+
+
+def test_swizzled_tiles_refuse_partial_atoms():
+    """Staged tiles rely on whole swizzle atoms (a stage's offset then leaves the swizzled bits
+    alone): both tile helpers refuse a shape that is not whole atoms, before any layout or allocation
+    (the whole shapes are built by the kernels' compile tests)."""
+    cutedsl_or_skip()
+    import cutlass
+
+    from dsfuse.gdn.cutedsl import mma, wgmma
+
+    for rows, cols in ((64, 48), (12, 64)):
+        with pytest.raises(ValueError, match="whole 8 x"):
+            mma.swizzled_layout(rows, cols, 2)
+    for rows, cols in ((64, 96), (12, 128)):
+        with pytest.raises(ValueError, match="whole 8 x 64 atoms"):
+            wgmma.tile(None, cutlass.BFloat16, rows, cols, 2)
