@@ -184,8 +184,9 @@ class ProductCheck:
 
     @staticmethod
     def run(fn, a: torch.Tensor, b: torch.Tensor, m: int, n: int) -> torch.Tensor:
-        """``c`` fp32 ``[m, n]`` from the compiled check ``fn`` of the stored operands."""
-        c = torch.empty(m, n, device=a.device, dtype=torch.float32)
+        """``c`` fp32 ``[m, n]`` from the compiled check ``fn`` of the stored operands (poisoned with NaN
+        first: an element the kernel leaves unwritten fails the caller's comparison)."""
+        c = torch.full((m, n), float("nan"), device=a.device, dtype=torch.float32)
         fn(a, b, c)
         return c
 
