@@ -44,7 +44,7 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 # meant to test that backend) makes a missing package an error instead of a skip.
 REQUIRE_CUTEDSL = os.environ.get("DSFUSE_REQUIRE_CUTEDSL") == "1"
 AUTO, REFERENCE = "auto", "reference"  # the backend names that are no fused backend
-STAGE_FIXTURES = {"forward_stages": "forward", "backward_stages": "backward"}  # fixture -> the call it needs
+STAGE_FIXTURES = {"forward_stages": "stages", "backward_stages": "stages"}  # fixture -> the call it needs
 
 
 def cutedsl_or_skip() -> None:
@@ -196,14 +196,15 @@ def launchers(request, backend):
 
 @pytest.fixture
 def forward_stages(launchers):
-    """An op of stages (Gated DeltaNet): the backend's forward stage table (``schedule.ForwardStages``)."""
-    return launchers["forward"]
+    """An op of stages (Gated DeltaNet): the backend's forward stage table (``schedule.ForwardStages``
+    of its ``stages`` call)."""
+    return launchers["stages"].forward
 
 
 @pytest.fixture
 def backward_stages(launchers):
     """An op of stages: the backend's backward stage table (``schedule.BackwardStages``)."""
-    return launchers["backward"]
+    return launchers["stages"].backward
 
 
 # -- GPU marker, NaN-poisoned allocations ----------------------------------------------------

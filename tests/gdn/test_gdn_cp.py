@@ -145,6 +145,7 @@ def test_cpu_one_rank_equals_no_cp(tmp_path):
         assert records[0]["exchanged"] == ([] if not case["final_state"] else _expected_exchange(case, 1, 0))
 
 
+@pytest.mark.serves("stages")  # context parallelism runs the backends of stages
 def test_cpu_fused_stages_three_ranks(backend, tmp_path):
     """The fused path of context parallelism (``cp_local.fused_passes``: the stages, the reverse
     pass alone for ``D``, the packed gradient row) on each fused backend that runs on the CPU (Triton's
@@ -236,6 +237,7 @@ def gpu_cases(backend: str, **extra) -> list[dict]:
 
 
 @pytest.mark.gpu
+@pytest.mark.serves("stages")  # context parallelism runs the backends of stages
 def test_gpu_one_rank_equals_no_cp(backend, tmp_path):
     case_list = gpu_cases(backend) + gpu_cases(backend, bounds=[0, 4096], name="gpu-one-document")[:1]
     _spawn(1, tmp_path, case_list, backend="nccl")
@@ -249,6 +251,7 @@ def test_gpu_one_rank_equals_no_cp(backend, tmp_path):
 
 
 @pytest.mark.gpu
+@pytest.mark.serves("stages")  # context parallelism runs the backends of stages
 def test_gpu_two_ranks(backend, tmp_path):
     if torch.cuda.device_count() < 2:
         pytest.skip("needs two GPUs (device kind nvidia-h200-x2)")

@@ -135,9 +135,15 @@ def test_refuses_what_it_cannot_compile():
     assert [s.name for s in module.AOT_SPECS] == ["gdn_fused_forward_bf16_l2", "gdn_fused_forward_bf16",
                                                   "gdn_fused_forward_tc_bf16_l2", "gdn_fused_forward_tc_bf16",
                                                   "gdn_fused_forward_head_bf16_l2", "gdn_fused_forward_head_bf16",
+                                                  "gdn_fused_forward_head_save_bf16_l2",
+                                                  "gdn_fused_forward_head_save_bf16",
                                                   "gdn_fused_forward_head_wgmma_bf16_l2",
-                                                  "gdn_fused_forward_head_wgmma_bf16"]
-    assert [s.archs for s in module.AOT_SPECS][-2:] == [("sm_90a",)] * 2  # wgmma: Hopper's instruction
+                                                  "gdn_fused_forward_head_wgmma_bf16",
+                                                  "gdn_fused_forward_head_wgmma_save_bf16_l2",
+                                                  "gdn_fused_forward_head_wgmma_save_bf16"]
+    assert [s.archs for s in module.AOT_SPECS][-4:] == [("sm_90a",)] * 4  # wgmma: Hopper's instruction
+    with pytest.raises(ValueError, match="saves for the backward in the forms"):
+        module.compile_fused_forward(torch.bfloat16, 16, 48, 128, 128, True, "sm_90a", form="tensor_core", save=True)
     with pytest.raises(ValueError, match="head_wgmma form compiles for"):
         module.compile_fused_forward(torch.bfloat16, 16, 48, 128, 128, True, "sm_100a", form="head_wgmma")
     assert module.shape_reasons(torch.bfloat16, 16, 48, 128, 128) == []
@@ -281,8 +287,66 @@ def test_documents_start_longest_first():
     """The CTAs' document order: by chunk count, longest first, ties in document order (not by tokens:
     65 and 128 tokens are both two chunks)."""
     cutedsl_or_skip()
-    from dsfuse.gdn.cutedsl.fused_fwd import document_order
+    from dsfuse.gdn.schedule import document_order
 
     assert document_order([0, 8847, 11796, 22937, 28836, 32768]) == [2, 0, 3, 4, 1]
     assert document_order([0, 65, 193, 193, 194]) == [0, 1, 3, 2]
     assert document_order([0, 0]) == [0]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("form", ["head", "head_wgmma"])
+@pytest.mark.parametrize("l2", [True, False])
+@pytest.mark.parametrize("dims", [(2, 6, 64, 64), (16, 48, 128, 128)])
+def test_saving_for_the_backward_changes_nothing_else(form, l2, dims):
+    """With ``g_cum`` (what `chunk_gdn` launches): o and the final states bitwise those of the launch
+    without it; ``g_cum`` the chunk-local cumulative gate and ``a`` the gated ``A0 * Gamma`` on every
+    chunk's rows (float64 of the same A0 and g, to fp32 rounding), close to the Triton UT transform's
+    gated A; rows in no document left as they were (NaN here)."""
+    cutedsl_or_skip()
+    if form == "head_wgmma" and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("wgmma runs on sm_90 only")
+    from dsfuse.gdn.cutedsl.fused_fwd import launch_fused_forward
+    from dsfuse.gdn.cutedsl.ut_inverse import launch_ut_inverse
+    from dsfuse.gdn.reference import prepare_chunk_offsets
+    from dsfuse.gdn.schedule import document_order
+    from dsfuse.gdn.triton.wy import launch_ut
+
+    h, hv, dk, dv = dims
+    cu = _bounds()
+    t = cu[-1] + 7  # 7 tokens in no document
+    q, k, v, g, beta, h0 = _inputs(t, h, hv, dk, dv, torch.bfloat16, "cuda", seed=3, l2=l2)
+    dev = "cuda"
+    ci = prepare_chunk_indices(cu).to(device=dev, dtype=torch.int32).contiguous()
+    co = prepare_chunk_offsets(cu).to(device=dev, dtype=torch.int32).contiguous()
+    order = torch.tensor(document_order(cu), device=dev, dtype=torch.int32)
+    a0 = torch.full((t, hv, 64), float("nan"), device=dev)
+    launch_ut_inverse(k, beta, ci, a0, use_qk_l2norm=l2)
+    runs = []
+    for save in (False, True):
+        a = a0.clone()
+        g_cum = torch.full_like(g, float("nan")) if save else None
+        ht, o = torch.full_like(h0, float("nan")), torch.full_like(v, float("nan"))
+        launch_fused_forward(q, k, v, g, beta, a, ci, co, order, h0, ht, o, dk**-0.5, use_qk_l2norm=l2, form=form,
+                             g_cum=g_cum)
+        runs.append((o, ht, a, g_cum))
+    torch.cuda.synchronize()
+    (o1, ht1, a1, _), (o2, ht2, a2, g_cum) = runs
+    assert torch.equal(o1[: cu[-1]], o2[: cu[-1]]) and torch.equal(ht1, ht2)
+    assert torch.equal(a1.nan_to_num(7.0), a0.nan_to_num(7.0))  # without saving, A0 is only read
+    assert g_cum[cu[-1]:].isnan().all() and a2[cu[-1]:].isnan().all()  # rows in no document: untouched
+    g_ref = torch.full((t, hv), float("nan"), dtype=F64)
+    a_ref = torch.full((t, hv, 64), float("nan"), dtype=F64)
+    g64, a064 = g.to(F64).cpu(), a0.to(F64).cpu()
+    for _, bos, eos in ci.tolist():
+        g_ref[bos:eos] = g64[bos:eos].cumsum(0)
+        n = eos - bos
+        gamma = (g_ref[bos:eos, None, :] - g_ref[None, bos:eos, :]).permute(2, 0, 1).exp().tril()  # [HV, i, j]
+        a_ref[bos:eos, :, :n] = (a064[bos:eos, :, :n].permute(1, 0, 2) * gamma).permute(1, 0, 2)
+        a_ref[bos:eos, :, n:] = 0.0
+    got_g, got_a = g_cum[: cu[-1]].to(F64).cpu(), a2[: cu[-1]].to(F64).cpu()
+    torch.testing.assert_close(got_g, g_ref[: cu[-1]], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_a, a_ref[: cu[-1]], rtol=1e-4, atol=1e-5)
+    a_triton = torch.full_like(a0, float("nan"))
+    launch_ut(k, beta, g_cum, ci, a_triton, hv, use_qk_l2norm=l2)
+    assert_rel_rms(got_a, a_triton[: cu[-1]].to(F64).cpu(), 1e-3, "gated A against the Triton UT transform")

@@ -56,16 +56,18 @@ def test_refuses_what_it_cannot_compile():
         module.compile_ut_inverse(torch.bfloat16, 16, 40, 128, False, "sm_90a")
 
 
-def test_serves_no_call_yet():
-    """Under construction: registered for its kernels only; `chunk_gdn` and ``auto`` never reach it."""
+def test_serves_the_forward_on_hopper():
+    """Registered for the forward (its backward the Triton stages), first in ``auto``'s order on
+    sm_90 and never ``auto``'s pick on sm_100; context parallelism's ``stages`` stay Triton's."""
     from dsfuse.gdn.api import BACKENDS
 
-    assert BACKENDS.serving("forward") == ("triton",) and BACKENDS.serving("backward") == ("triton",)
-    assert "cutedsl" in BACKENDS.kernels
+    assert BACKENDS.serving("forward") == ("triton", "cutedsl") and BACKENDS.serving("backward") == ("triton", "cutedsl")
+    assert BACKENDS.serving("stages") == ("triton",)
+    assert BACKENDS.preference["sm_90"] == ("cutedsl", "triton") and BACKENDS.preference["sm_100"] == ("triton",)
     from dsfuse.bench.env import kernel_files
 
     files = [p.as_posix() for p in kernel_files("gdn")]  # what a run's "kernel source changed" mark compares
-    assert any("/gdn/triton/" in f for f in files) and not any("/gdn/cutedsl/" in f for f in files)
+    assert any("/gdn/triton/" in f for f in files) and any("/gdn/cutedsl/fused_fwd_head.py" in f for f in files)
 
 
 @pytest.mark.gpu

@@ -209,6 +209,7 @@ def _chunk_gdn_case(device, dtype=torch.float32):
 
 
 @pytest.mark.slow
+@pytest.mark.serves("stages")  # the backends whose forward has a state pass to split
 def test_chunk_gdn_splits_by_the_rule(device, backend, monkeypatch):
     """`chunk_gdn` applies `split.RULE` (here 2-chunk segments of documents over 3 chunks, so the
     6-chunk document is cut and the others stay whole): o, the final states and every gradient close

@@ -459,15 +459,17 @@ def _no_layer_form(case: Case) -> str | None:
     return "the layer step hands over views of one projection row: no contiguous form" if case.mode == "layer" else None
 
 
-def dsfuse_gdn(case: Case, inputs: dict):
-    """``chunk_gdn`` with the case's backend (``triton`` unless the config says otherwise), ``cu_seqlens`` on the host."""
+def dsfuse_gdn(case: Case, inputs: dict, backend: str | None = None):
+    """``chunk_gdn`` with ``backend``, else the case's (``triton`` unless the config says otherwise),
+    ``cu_seqlens`` on the host."""
     from dsfuse.gdn import chunk_gdn
 
     p = case.params
+    backend = backend or p["backend"]
 
     def gdn(q, k, v, g, beta, h0):
         return chunk_gdn(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=inputs["cu_seqlens"],
-                         use_qk_l2norm_in_kernel=p["l2norm"], backend=p["backend"])
+                         use_qk_l2norm_in_kernel=p["l2norm"], backend=backend)
 
     return gdn
 
@@ -574,6 +576,10 @@ def providers(config: dict) -> list[Provider]:
         "dsfuse-packed": lambda: Provider("dsfuse-packed", _build(packed_views, dsfuse_gdn), role="candidate",
                                           **check),
         "dsfuse-split": lambda: Provider("dsfuse-split", _build(split_views, dsfuse_gdn), role="candidate", **check),
+        # the Triton stages by name, beside a config whose backend is another (e.g. auto's CuTe DSL forward)
+        "dsfuse-triton": lambda: Provider("dsfuse-triton", _build(packed_views, functools.partial(dsfuse_gdn,
+                                                                                                   backend="triton")),
+                                          role="candidate", **check),
     }
     return select_providers(table, config)
 

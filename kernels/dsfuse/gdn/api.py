@@ -1,8 +1,9 @@
 """Public API of Gated DeltaNet: [`chunk_gdn`][dsfuse.gdn.chunk_gdn].
 
 Keyword-compatible with flash-linear-attention's ``chunk_gated_delta_rule``. A fused backend runs
-the chunked forward and backward as stage kernels (``dsfuse.gdn.schedule``) from its stage tables,
-reached through the registry (``BACKENDS``; the Triton stages in ``dsfuse.gdn.triton``), declared
+the chunked forward and backward from its tables (``dsfuse.gdn.schedule``: stage kernels, or a
+fused forward with the same outputs), reached through the registry (``BACKENDS``: the packages
+under ``dsfuse.gdn``; context parallelism asks for a backend that serves the ``stages`` call), declared
 (``dsfuse._common.declare_backend_ops``) as ``dsfuse::gdn_fwd`` and ``dsfuse::gdn_bwd`` (the first
 backend's; another backend's carry its name as a suffix): one opaque node each under
 ``torch.compile``, an ``autograd.Function`` eagerly. The forward keeps ``g_cum`` and
@@ -134,7 +135,10 @@ def chunk_gdn(
             ``cu_seqlens`` is a CPU tensor (or absent) and the same layout was called before.
         use_qk_l2norm_in_kernel: normalise q and k over the head dim first
             (``x * rsqrt(sum(x^2) + 1e-6)``).
-        backend: ``"auto"``, ``"triton"`` or ``"reference"``.
+        backend: ``"auto"``, ``"triton"``, ``"cutedsl"`` or ``"reference"``. ``auto`` takes the CuTe
+            DSL forward on Hopper where it serves the call (its backward is the Triton stages'),
+            the Triton stages elsewhere on a GPU, the reference on the CPU; with ``cp_group``,
+            the Triton stages (the backend that serves context parallelism's passes).
         cp_group: a ``torch.distributed`` process group for context parallelism, or None. With a
             group, ``cu_seqlens`` (required, ``B = 1``) are the *global* document offsets of a row
             of ``T`` tokens, the same on every rank, and ``q``, ``k``, ``v``, ``g``, ``beta`` hold
@@ -157,7 +161,7 @@ def chunk_gdn(
         return _chunk_gdn_cp(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
                              use_qk_l2norm_in_kernel, backend, cp_group)
     bounds = _validate(q, k, v, g, beta, scale, initial_state, cu_seqlens)
-    which, scale = _choose(backend, q, k, v, g, beta, initial_state, scale)
+    which, scale = _choose(backend, "forward", q, k, v, g, beta, initial_state, scale, use_qk_l2norm_in_kernel)
     if which == REFERENCE:
         compute = torch.float64 if v.dtype == torch.float64 else torch.float32
         return chunk_gdn_reference(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
@@ -169,9 +173,11 @@ def chunk_gdn(
     return o, final_state if output_final_state else None
 
 
-def _choose(backend, q, k, v, g, beta, initial_state, scale) -> tuple[str, float]:
-    """The backend that serves the forward, and the scale (default ``K ** -0.5``)."""
-    which = BACKENDS.choose(backend, v.device, v.dtype, call="forward", args=(q, k, v, g, beta, initial_state))
+def _choose(backend, call, q, k, v, g, beta, initial_state, scale, use_qk_l2norm) -> tuple[str, float]:
+    """The backend that serves ``call`` (``"forward"``; ``"stages"`` for context parallelism), and the
+    scale (default ``K ** -0.5``)."""
+    which = BACKENDS.choose(backend, v.device, v.dtype, call=call,
+                            args=(q, k, v, g, beta, initial_state, use_qk_l2norm))
     return which, q.shape[-1] ** -0.5 if scale is None else scale
 
 
@@ -208,13 +214,13 @@ def _chunk_gdn_cp(q, k, v, g, beta, scale, initial_state, output_final_state, cu
         check_shape("initial_state", initial_state, (num_docs, v.shape[2], k.shape[3], v.shape[3]),
                     "[N, HV, K, V] for the N documents of the global cu_seqlens")
         check_contiguous("initial_state", initial_state, "[N, HV, K, V]")
-    which, scale = _choose(backend, q, k, v, g, beta, initial_state, scale)
+    which, scale = _choose(backend, "stages", q, k, v, g, beta, initial_state, scale, use_qk_l2norm)
     if which == REFERENCE:
         compute = torch.float64 if v.dtype == torch.float64 else torch.float32
         passes = cp_local.reference_passes(float(scale), use_qk_l2norm, compute)
     else:
-        stages = BACKENDS.load(which)
-        passes = cp_local.fused_passes(stages["forward"], stages["backward"], float(scale), use_qk_l2norm)
+        stages = BACKENDS.load(which)["stages"]
+        passes = cp_local.fused_passes(stages.forward, stages.backward, float(scale), use_qk_l2norm)
     o, final_state = cp.chunk_gdn_cp(q, k, v, g, beta, initial_state, output_final_state, passes, shards, group)
     return o, final_state
 
@@ -234,6 +240,7 @@ def _forward(backend: str):
                  output_final_state: bool, use_qk_l2norm: bool
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(o, final_state or an empty tensor, g_cum, A)`` of validated inputs."""
+        BACKENDS.check_at_run_time(backend, "forward", (q, k, v, g, beta, initial_state, use_qk_l2norm))
         out = schedule.forward(BACKENDS.load(backend)["forward"], q, k, v, g, beta, scale=scale,
                                initial_state=initial_state, output_final_state=output_final_state,
                                cu_seqlens=_bounds(cu_seqlens, *q.shape[:2]), use_qk_l2norm=use_qk_l2norm)

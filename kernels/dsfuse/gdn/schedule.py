@@ -41,12 +41,19 @@ from dsfuse.gdn.split import Segments, segment_maps, split_state_backward, split
 
 @dataclass(frozen=True)
 class ForwardStages:
-    """A backend's launchers of the forward stages (each writes into given outputs)."""
+    """A backend's launchers of the forward stages (each writes into given outputs).
+
+    A backend's forward table is this or another object with a ``calls`` method of the same
+    signature and result (a fused forward that is not these four stages); `forward` runs either."""
 
     cumsum: Callable  # (g, chunk_indices, g_cum)
     wy: Callable  # (k, v, beta, g_cum, chunk_indices, A, w, u, *, use_qk_l2norm)
     state: Callable  # (k, w, u, g_cum, chunk_indices, chunk_offsets, h0, h, v_new, ht, *, use_qk_l2norm); h, v_new, ht may be None
     output: Callable  # (q, k, v_new, h, g_cum, chunk_indices, scale, o, *, use_qk_l2norm)
+
+    def calls(self, q, k, v, g, beta, **kwargs):
+        """`stage_calls` of these stages."""
+        return stage_calls(self, q, k, v, g, beta, **kwargs)
 
 
 @dataclass(frozen=True)
@@ -61,6 +68,14 @@ class BackwardStages:
     dqkwg: Callable  # (q, k, v_new, h, dh, do, dv_new, g_cum, chunk_indices, scale, dq, dk, dw, dg, *, use_qk_l2norm)
     wy_backward: Callable  # (k, v, beta, A, g_cum, dw, du, dg_in, chunk_indices, dk, dv, dbeta, dg, *, use_qk_l2norm)
     finalize: Callable  # (q, k, dq_hv, dk_hv, dq, dk, *, use_qk_l2norm)
+
+
+class StageTables(NamedTuple):
+    """A backend's forward and backward as stage tables: its ``stages`` call (context parallelism's
+    passes run single stages, `dsfuse.gdn.cp_local`)."""
+
+    forward: ForwardStages
+    backward: BackwardStages
 
 
 class ForwardOutputs(NamedTuple):
@@ -87,12 +102,22 @@ class Gradients(NamedTuple):
 
 @dataclass(frozen=True)
 class ChunkTable:
-    """The chunks of a packed batch: int32 ``indices`` ``[NC, 3]`` (sequence, start, end) and
-    ``offsets`` ``[N + 1]`` (each sequence's first chunk), on the tensors' device."""
+    """The chunks of a packed batch: int32 ``indices`` ``[NC, 3]`` (sequence, start, end),
+    ``offsets`` ``[N + 1]`` (each sequence's first chunk) and ``order`` ``[N]`` (the sequences
+    longest first, `document_order`), on the tensors' device."""
 
     indices: torch.Tensor
     offsets: torch.Tensor
     num_seqs: int
+    order: torch.Tensor
+
+
+def document_order(bounds: list[int]) -> list[int]:
+    """The documents longest first (by chunk count; ties in document order): the order a kernel that
+    walks one document per CTA starts them in, so the longest chains do not start last. A rule on
+    the document lengths alone; each document's results do not depend on it."""
+    chunks = [-(-(end - start) // CHUNK_SIZE) for start, end in zip(bounds, bounds[1:])]
+    return sorted(range(len(chunks)), key=lambda n: (-chunks[n], n))
 
 
 TABLE_CACHE_SIZE = 64
@@ -118,9 +143,10 @@ def chunk_table(bounds: list[int], device: torch.device) -> ChunkTable:
                            "capturing")
     indices = prepare_chunk_indices(bounds, CHUNK_SIZE).to(device=device, dtype=torch.int32)
     offsets = prepare_chunk_offsets(bounds, CHUNK_SIZE).to(device=device, dtype=torch.int32)
+    order = torch.tensor(document_order(bounds), dtype=torch.int32).to(device)
     if device.type == "cuda":
         torch.cuda.current_stream(device).synchronize()
-    table = _tables[key] = ChunkTable(indices, offsets, len(bounds) - 1)
+    table = _tables[key] = ChunkTable(indices, offsets, len(bounds) - 1, order)
     if len(_tables) > TABLE_CACHE_SIZE:
         _tables.popitem(last=False)
     return table
@@ -180,10 +206,11 @@ def stage_calls(stages: ForwardStages, q, k, v, g, beta, *, scale: float, initia
     return calls, ForwardOutputs(o.view(batch, tokens, heads_v, dim_v), final_state, g_cum, a)
 
 
-def forward(stages: ForwardStages, q, k, v, g, beta, **kwargs) -> ForwardOutputs:
+def forward(stages, q, k, v, g, beta, **kwargs) -> ForwardOutputs:
     """The forward of validated inputs ``q, k [B, T, H, K]``, ``v [B, T, HV, V]``, ``g, beta [B, T, HV]``
-    (keyword arguments as `stage_calls`)."""
-    calls, outputs = stage_calls(stages, q, k, v, g, beta, **kwargs)
+    by a backend's forward table (`ForwardStages` or another with its ``calls``; keyword arguments as
+    `stage_calls`)."""
+    calls, outputs = stages.calls(q, k, v, g, beta, **kwargs)
     for _, launch in calls:
         launch()
     return outputs

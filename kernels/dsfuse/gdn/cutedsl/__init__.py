@@ -1,36 +1,66 @@
-"""The CuTe DSL backend of the Gated DeltaNet, under construction: it serves no call yet.
+"""The CuTe DSL backend of the Gated DeltaNet: the fused forward on Hopper, the Triton stages' backward.
 
-``TABLE`` lists its kernel modules, so the CPU tests compile them for sm_90a and sm_100a (their
-``AOT_SPECS``), and no call: `chunk_gdn` never reaches them, ``auto`` never picks them, and the
-op's contract tests (which run on the backends that serve a call) do not run them. The modules:
+``TABLE`` serves two calls of `chunk_gdn`:
+
+* ``forward``: `dsfuse.gdn.cutedsl.forward.FusedForward`, the UT inverse and the fused per-head
+  kernel (``head_wgmma`` on sm_90a), which also saves the chunk-local cumulative gate and the gated
+  ``A`` the backward reads; ``auto`` takes it first on Hopper (sm_90) where the ``cutedsl`` extra is
+  installed and the call is one it serves (`dsfuse.gdn.cutedsl.forward.reasons`: K and V of 64 or
+  128, bf16, or fp16 without the L2 norm, beta in q's dtype, rows 16-byte aligned), else Triton;
+  on Blackwell it serves only calls that name it (``head`` form, not measured there);
+* ``backward``: the Triton stages (`dsfuse.gdn.triton`), from what the forward saved: a stated
+  fallback until the fused backward lands.
+
+It does not serve ``stages`` (the state-pass split of long documents and context parallelism's
+passes): a ``cp_group`` call under ``auto`` runs the Triton stages. Kernel modules (``KERNELS``,
+compiled for sm_90a and sm_100a by the CPU tests through their ``AOT_SPECS``):
 
 * ``ut_inverse``: the ungated UT inverse ``(I + diag(beta) strictly_lower(k k^T))^-1`` of every
-  chunk and value head (one CTA per chunk and qk head, ``k k^T`` once on tensor cores) (the first step of the fused forward planned on the GDN page); checked
+  chunk and value head (one CTA per chunk and qk head, ``k k^T`` once on tensor cores); checked
   against the reference on a GPU by ``tests/gdn/test_gdn_cutedsl_ut_inverse.py``.
-* ``fused_fwd``: the fused chunked forward, one CTA per (document, value head, value tile) walking
-  its chunks with the fp32 state on chip, from ``ut_inverse``'s ``A`` (fp32 CUDA-core arithmetic:
-  the reference-grade second step, before tensor cores and warp specialisation); checked by
-  ``tests/gdn/test_gdn_cutedsl_fused_forward.py``, timed by ``experiments/gdn/fused_forward_probe.py``.
-  Its ``form`` picks a later step: ``tensor_core`` (``fused_fwd_tc``: every product on ``mma.sync``
-  through ``mma``, operands rounded to the input dtype) or ``head`` (``fused_fwd_head``: one CTA per
-  document and value head with all value channels, the state and the products' results in
-  registers).
+* ``fused_fwd``: the fused chunked forward from ``ut_inverse``'s ``A0``, in the ``FORMS`` of the
+  plan's green steps: ``cuda_core`` (fp32, the reference-grade kernel the others are checked
+  against), ``tensor_core`` (``fused_fwd_tc``: products on ``mma.sync``), ``head`` and ``head_wgmma``
+  (``fused_fwd_head``: one CTA per document and value head, the state and the products' results in
+  registers; on ``mma.sync`` or on wgmma); checked by ``tests/gdn/test_gdn_cutedsl_fused_forward.py``,
+  timed by ``experiments/gdn/fused_forward_probe.py``.
 * ``chunk``: what those kernels do to a chunk alike (loads, L2-norm scales, cumulative gate, gate
   vectors) and the fused forwards' signature and grid (``ChainKernel``).
-* ``mma``: tensor-core products of shared-memory tiles (``mma.sync`` 16x8x16, fp32 accumulation,
-  operands in any stored orientation), the building block of the fused forward's tensor-core form;
-  checked by ``tests/gdn/test_gdn_cutedsl_mma.py``.
-* ``wgmma``: warpgroup tensor-core products (sm_90a), operands read from 128-byte-swizzled shared
-  tiles by descriptor, the building block of the per-head form's next step; compiled by
-  ``tests/gdn/test_gdn_cutedsl_wgmma.py`` (its GPU test not yet run).
+* ``mma`` and ``wgmma``: tensor-core products of shared-memory tiles (``mma.sync`` 16x8x16; sm_90a
+  warpgroup products reading 128-byte-swizzled tiles by descriptor), fp32 accumulation; checked by
+  ``tests/gdn/test_gdn_cutedsl_mma.py`` and ``tests/gdn/test_gdn_cutedsl_wgmma.py``.
+* ``forward``: the ``forward`` call (above).
 """
 
 from __future__ import annotations
 
-from dsfuse._common.backends import KERNEL_DTYPES, BackendTable
+import torch
+
+from dsfuse._common.backends import BackendTable
 
 KERNELS = ("dsfuse.gdn.cutedsl.ut_inverse", "dsfuse.gdn.cutedsl.fused_fwd", "dsfuse.gdn.cutedsl.mma",
            "dsfuse.gdn.cutedsl.wgmma")
 
-TABLE = BackendTable("cutedsl", dtypes=KERNEL_DTYPES, calls={}, kernels=KERNELS, load=dict,
-                     auto={"sm_90": None, "sm_100": None})
+
+def _forward_reasons(*args) -> list[str]:
+    from dsfuse.gdn.cutedsl import forward
+
+    return forward.reasons(*args)
+
+
+def _backward_reasons(*args) -> list[str]:
+    from dsfuse.gdn import triton
+
+    return triton.TABLE.calls["backward"](*args)
+
+
+def _load() -> dict:
+    from dsfuse.gdn import triton
+    from dsfuse.gdn.cutedsl import forward
+
+    return {"forward": forward.FusedForward(), "backward": triton.TABLE.launchers()["backward"]}
+
+
+TABLE = BackendTable("cutedsl", dtypes=(torch.bfloat16, torch.float16),
+                     calls={"forward": _forward_reasons, "backward": _backward_reasons}, kernels=KERNELS,
+                     load=_load, auto={"sm_90": 0, "sm_100": None})

@@ -26,10 +26,11 @@ DTYPES = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16, torc
 
 
 class ChainKernel:
-    """A fused forward ``(q, k, v, g, beta, a, chunk_indices, chunk_offsets, order, h0, ht, o, scale)``
-    that writes ``o`` and ``ht``: grid (V / block_v, HV, N) of ``threads`` threads (``BV`` and
+    """A fused forward ``(q, k, v, g, beta, a, chunk_indices, chunk_offsets, order, h0, ht, o, g_cum, scale)``
+    that writes ``o`` and ``ht`` (and, in a form that saves for the backward, ``g_cum`` and the gated ``a``
+    in place of the ungated one): grid (V / block_v, HV, N) of ``threads`` threads (``BV`` and
     ``THREADS`` unless a subclass says otherwise), CTA ``(.., .., z)`` walking document ``order[z]``
-    (longest first: `dsfuse.gdn.cutedsl.fused_fwd.document_order`); a subclass defines ``kernel``."""
+    (longest first: `dsfuse.gdn.schedule.document_order`); a subclass defines ``kernel``."""
 
     threads = THREADS
 
@@ -41,9 +42,9 @@ class ChainKernel:
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mG: cute.Tensor, mBeta: cute.Tensor,
                  mA: cute.Tensor, mChunks: cute.Tensor, mOffsets: cute.Tensor, mOrder: cute.Tensor, mH0: cute.Tensor,
-                 mHt: cute.Tensor, mO: cute.Tensor, scale: Float32, stream):
+                 mHt: cute.Tensor, mO: cute.Tensor, mGc: cute.Tensor, scale: Float32, stream):
         grid = [self.dim_v // self.block_v, self.value_heads, mOffsets.shape[0] - 1]
-        self.kernel(mQ, mK, mV, mG, mBeta, mA, mChunks, mOffsets, mOrder, mH0, mHt, mO, scale).launch(
+        self.kernel(mQ, mK, mV, mG, mBeta, mA, mChunks, mOffsets, mOrder, mH0, mHt, mO, mGc, scale).launch(
             grid=grid, block=[self.threads, 1, 1], stream=stream)
 
 

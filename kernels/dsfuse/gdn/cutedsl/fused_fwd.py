@@ -40,6 +40,7 @@ from dsfuse.gdn.cutedsl import fused_fwd_head
 from dsfuse.gdn.cutedsl.fused_fwd_head import FusedForwardHead
 from dsfuse.gdn.cutedsl.fused_fwd_tc import TC_DTYPES, FusedForwardTC
 from dsfuse.gdn.cutedsl.ut_inverse import shape_reasons as _inverse_reasons
+from dsfuse.gdn.schedule import document_order
 
 ROWS = THREADS // BV  # 4 thread rows: a thread holds CHUNK / ROWS rows of a [C, BV] tile
 
@@ -86,7 +87,7 @@ class _FusedForward(chunk.ChainKernel):
     @cute.kernel
     def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mG: cute.Tensor, mBeta: cute.Tensor,
                mA: cute.Tensor, mChunks: cute.Tensor, mOffsets: cute.Tensor, mOrder: cute.Tensor, mH0: cute.Tensor,
-               mHt: cute.Tensor, mO: cute.Tensor, scale: Float32):
+               mHt: cute.Tensor, mO: cute.Tensor, mGc: cute.Tensor, scale: Float32):
         K, C, GROUP = self.dim_k, CHUNK, self.value_heads // self.heads
         TILE_ROWS, STATE_ROWS = C // ROWS, K // ROWS  # a thread's rows of a [C, BV] tile / of the state
         tidx, _, _ = cute.arch.thread_idx()
@@ -195,7 +196,7 @@ class _FusedForward(chunk.ChainKernel):
             mHt[i_n, i_hv, kk, v_col] = sS[kk, col]
 
 
-CACHE = _cd.KernelCache()  # (dtype, H, HV, K, V, l2norm, form, arch) -> compiled function
+CACHE = _cd.KernelCache()  # (dtype, H, HV, K, V, l2norm, form, save, arch) -> compiled function
 
 
 def _fake_tensors(dtype: torch.dtype, heads: int, value_heads: int, dim_k: int, dim_v: int,
@@ -228,38 +229,39 @@ def _fake_tensors(dtype: torch.dtype, heads: int, value_heads: int, dim_k: int, 
     ht = cute.runtime.make_fake_tensor(Float32, (docs, value_heads, dim_k, dim_v), state)
     o = cute.runtime.make_fake_tensor(cdt, (tokens, value_heads, dim_v), (value_heads * dim_v, dim_v, 1),
                                       assumed_align=align)
-    return q, k, v, g, beta, a, table, offsets, order, h0, ht, o
+    return q, k, v, g, beta, a, table, offsets, order, h0, ht, o, gates(Float32)
 
 
 def compile_fused_forward(dtype: torch.dtype, heads: int, value_heads: int, dim_k: int, dim_v: int, l2norm: bool,
-                          arch: str, *, form: str = "cuda_core", keep_ptx: bool = False, dump_dir: str | None = None):
+                          arch: str, *, form: str = "cuda_core", save: bool = False, keep_ptx: bool = False,
+                          dump_dir: str | None = None):
     """The kernel of one `FORMS` entry for one configuration, compiled for ``arch`` (``sm_90a``,
     ``sm_100a``; no GPU needed). Called as ``fn(q, k, v, g, beta, a, chunk_indices, chunk_offsets,
-    order, h0, ht, o, scale)``."""
+    order, h0, ht, o, g_cum, scale)``. ``save`` (the per-head forms): the kernel also writes ``g_cum``
+    and the gated ``A`` over ``a`` (what the backward reads); without it ``g_cum`` is not touched."""
     if reasons := shape_reasons(dtype, heads, value_heads, dim_k, dim_v, form, l2norm):
         raise ValueError("the CuTe DSL fused forward cannot compile this: " + "; ".join(reasons))
     if arch not in ARCHS.get(form, (arch,)):
         raise ValueError(f"the CuTe DSL fused forward's {form} form compiles for {ARCHS[form]} only, not {arch}")
+    if save and form not in HEAD_FORMS:
+        raise ValueError(f"the CuTe DSL fused forward saves for the backward in the forms {HEAD_FORMS} only")
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-    kernel = {"cuda_core": _FusedForward, "tensor_core": FusedForwardTC, "head": FusedForwardHead,
-              "head_wgmma": functools.partial(FusedForwardHead, wgmma=True)}[form]
+    kernel = {"cuda_core": _FusedForward, "tensor_core": FusedForwardTC,
+              "head": functools.partial(FusedForwardHead, save=save),
+              "head_wgmma": functools.partial(FusedForwardHead, wgmma=True, save=save)}[form]
     return _cd.compile(kernel(dtype, heads, value_heads, dim_k, dim_v, l2norm),
                        *_fake_tensors(dtype, heads, value_heads, dim_k, dim_v, form in HEAD_FORMS), Float32(1.0),
                        stream, arch=arch,
                        keep_ptx=keep_ptx, dump_dir=dump_dir)
 
 
-def document_order(bounds: list[int]) -> list[int]:
-    """The documents longest first (by chunk count; ties in document order): the order the CTAs of a
-    fused forward start their chains in, so the longest chains do not start last. A rule on the
-    document lengths alone; each chain's results do not depend on it."""
-    chunks = [-(-(end - start) // CHUNK) for start, end in zip(bounds, bounds[1:])]
-    return sorted(range(len(chunks)), key=lambda n: (-chunks[n], n))
-
-
 def launch_fused_forward(q, k, v, g, beta, a, chunk_indices, chunk_offsets, order, h0, ht, o, scale: float,
-                         *, use_qk_l2norm: bool = False, form: str = "cuda_core") -> torch.Tensor:
+                         *, use_qk_l2norm: bool = False, form: str = "cuda_core",
+                         g_cum: torch.Tensor | None = None) -> torch.Tensor:
     """Write ``o`` ``[T, HV, V]`` (the chunks' tokens; others untouched) and ``ht`` fp32 ``[N, HV, K, V]``.
+    With ``g_cum`` fp32 ``[T, HV]`` (a per-head form only), also save what the backward reads: the
+    chunk-local cumulative gate into ``g_cum`` and the gated ``A = A0 * Gamma`` over ``a`` (so ``a``
+    then holds the gated matrix the Triton stages make, `dsfuse.gdn.schedule.ForwardOutputs`).
 
     ``q``, ``k`` ``[T, H, K]``, ``v`` ``[T, HV, V]`` and ``beta`` ``[T, HV]`` in one dtype, unit
     channel stride; ``g`` fp32 ``[T, HV]`` (per-token log decay); ``a`` fp32 ``[T, HV, 64]`` from
@@ -282,12 +284,16 @@ def launch_fused_forward(q, k, v, g, beta, a, chunk_indices, chunk_offsets, orde
                          "(document_order; its values are not checked: that would read them back)")
     if form in HEAD_FORMS and (reasons := fused_fwd_head.aligned_reasons(q=q, k=k, v=v, a=a, o=o)):
         raise ValueError("launch_fused_forward: " + "; ".join(reasons))
+    save = g_cum is not None
+    if save and (form not in HEAD_FORMS or g_cum.dtype != torch.float32 or g_cum.shape != g.shape):
+        raise ValueError(f"launch_fused_forward: g_cum fp32 {tuple(g.shape)} and a per-head form {HEAD_FORMS} to "
+                         f"save for the backward (got {tuple(g_cum.shape)} {g_cum.dtype}, form {form!r})")
     arch = _cd.arch_of(k.device)
-    fn = CACHE.get((k.dtype, heads, value_heads, dim_k, dim_v, use_qk_l2norm, form, arch),
+    fn = CACHE.get((k.dtype, heads, value_heads, dim_k, dim_v, use_qk_l2norm, form, save, arch),
                    lambda: compile_fused_forward(k.dtype, heads, value_heads, dim_k, dim_v, use_qk_l2norm, arch,
-                                                 form=form))
-    if chunk_offsets.shape[0] > 1:
-        fn(q, k, v, g, beta, a, chunk_indices, chunk_offsets, order, h0, ht, o, float(scale))
+                                                 form=form, save=save))
+    if chunk_offsets.shape[0] > 1:  # without save, g stands in for g_cum (not written)
+        fn(q, k, v, g, beta, a, chunk_indices, chunk_offsets, order, h0, ht, o, g_cum if save else g, float(scale))
     return o
 
 
@@ -319,13 +325,15 @@ def fused_forward(q, k, v, g, beta, scale=None, initial_state=None, cu_seqlens=N
 
 
 def _aot_specs() -> list[_cd.CuteAotSpec]:
-    """The model's specialisation: H = 16, HV = 48, K = V = 128, bf16, with and without the L2 norm, every form."""
+    """The model's specialisation: H = 16, HV = 48, K = V = 128, bf16, with and without the L2 norm, every
+    form; the per-head forms also as `chunk_gdn` launches them, saving for the backward."""
     suffix = {"cuda_core": "", "tensor_core": "_tc", "head": "_head", "head_wgmma": "_head_wgmma"}
-    return [_cd.CuteAotSpec(f"gdn_fused_forward{suffix[form]}_bf16{'_l2' if l2 else ''}",
-                            lambda arch, dump_dir=None, l2=l2, form=form: compile_fused_forward(
-                                torch.bfloat16, 16, 48, 128, 128, l2, arch, form=form, keep_ptx=True,
+    variants = [(form, save) for form in FORMS for save in ((False, True) if form in HEAD_FORMS else (False,))]
+    return [_cd.CuteAotSpec(f"gdn_fused_forward{suffix[form]}{'_save' if save else ''}_bf16{'_l2' if l2 else ''}",
+                            lambda arch, dump_dir=None, l2=l2, form=form, save=save: compile_fused_forward(
+                                torch.bfloat16, 16, 48, 128, 128, l2, arch, form=form, save=save, keep_ptx=True,
                                 dump_dir=dump_dir), archs=ARCHS.get(form, ("sm_90a", "sm_100a")))
-            for form in FORMS for l2 in (True, False)]
+            for form, save in variants for l2 in (True, False)]
 
 
 AOT_SPECS = _aot_specs()

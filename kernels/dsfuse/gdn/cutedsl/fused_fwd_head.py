@@ -99,9 +99,12 @@ def _copy_rows(dtype, width: int, store: bool = False):
 
 
 @cute.jit
-def _gated_rows(copy: cute.TiledCopy, tidx: Int32, sA: cute.Tensor, sG: cute.Tensor, sAg: cute.Tensor):
+def _gated_rows(copy: cute.TiledCopy, tidx: Int32, sA: cute.Tensor, sG: cute.Tensor, sAg: cute.Tensor,
+                mA: cute.Tensor, start: Int32, rows: Int32, i_hv: Int32, save: cutlass.Constexpr):
     """``sAg = round(A0 * Gamma)``, ``Gamma[i, j] = exp(G[i] - G[j])`` on and below the diagonal (zeros
-    above), by the threads of a copy of ``sAg``'s rows: 16-byte pieces of a row, stored whole."""
+    above), by the threads of a copy of ``sAg``'s rows: 16-byte pieces of a row, stored whole. With
+    ``save``, also ``A0 * Gamma`` in fp32 over the chunk's real rows of ``mA`` (the rows ``sA`` was
+    copied from, read by no later chunk): the gated ``A`` the backward reads."""
     part = copy.get_slice(tidx)
     tOs = part.partition_D(sAg)
     tOc = part.partition_D(cute.make_identity_tensor((cute.size(sAg, mode=[0]), cute.size(sAg, mode=[1]))))
@@ -115,6 +118,9 @@ def _gated_rows(copy: cute.TiledCopy, tidx: Int32, sA: cute.Tensor, sG: cute.Ten
             if j <= i:
                 gated = sA[i, j] * cute.math.exp(g_i - sG[j])
             piece[e] = gated.to(sAg.element_type)
+            if const_expr(save):
+                if i < rows:
+                    mA[start + i, i_hv, j] = gated
         cute.autovec_copy(piece, tOs[None, m, 0])
 
 
@@ -158,14 +164,16 @@ class FusedForwardHead(chunk.ChainKernel):
     """The per-head form (module docstring): grid (1, HV, N) of 512 threads. With ``wgmma`` (sm_90a
     only), every product on warpgroup instructions reading its operands from 128-byte-swizzled tiles
     (`dsfuse.gdn.cutedsl.wgmma`), the four warpgroups splitting each product's M and N; the same
-    steps, barriers and elementwise work (the ``head_wgmma`` form of the fused forward)."""
+    steps, barriers and elementwise work (the ``head_wgmma`` form of the fused forward). With
+    ``save``, it also writes what the backward reads: the chunk-local cumulative gate into ``g_cum``
+    and ``A0 * Gamma`` (fp32) over ``A0`` in ``a`` (step 3)."""
 
     threads = THREADS
 
-    def __init__(self, *args, wgmma: bool = False):
+    def __init__(self, *args, wgmma: bool = False, save: bool = False):
         super().__init__(*args)
         self.block_v = self.dim_v
-        self.wgmma = wgmma
+        self.wgmma, self.save = wgmma, save
 
     @cute.jit
     def _start_chunk(self, tidx: Int32, copies, sources, stages, mChunks: cute.Tensor, i_c: Int32, stage: Int32,
@@ -184,7 +192,7 @@ class FusedForwardHead(chunk.ChainKernel):
     @cute.kernel
     def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mG: cute.Tensor, mBeta: cute.Tensor,
                mA: cute.Tensor, mChunks: cute.Tensor, mOffsets: cute.Tensor, mOrder: cute.Tensor, mH0: cute.Tensor,
-               mHt: cute.Tensor, mO: cute.Tensor, scale: Float32):
+               mHt: cute.Tensor, mO: cute.Tensor, mGc: cute.Tensor, scale: Float32):
         K, V, C, ab = self.dim_k, self.dim_v, CHUNK, self.dtype
         tidx, _, _ = cute.arch.thread_idx()
         _, i_hv, i_z = cute.arch.block_idx()
@@ -275,7 +283,10 @@ class FusedForwardHead(chunk.ChainKernel):
                 if const_expr(self.l2norm):
                     rq, rk = sRstd[tidx], sRstd[C + tidx]
                 sEGq[tidx], sEGk[tidx], sDec[tidx] = eg * rq, eg * rk, dec * rk
-            _gated_rows(copy_c, tidx, sA, sG, sAg)
+                if const_expr(self.save):
+                    if tidx < rows:
+                        mGc[start + tidx, i_hv] = sG[tidx]
+            _gated_rows(copy_c, tidx, sA, sG, sAg, mA, start, rows, i_hv, self.save)
             cute.arch.sync_threads()
 
             # 4. q k^T and k S on the tensor cores; then, in registers, round((q k^T) * Gamma) and

@@ -45,7 +45,7 @@ class FusedForwardTC(chunk.ChainKernel):
     @cute.kernel
     def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mG: cute.Tensor, mBeta: cute.Tensor,
                mA: cute.Tensor, mChunks: cute.Tensor, mOffsets: cute.Tensor, mOrder: cute.Tensor, mH0: cute.Tensor,
-               mHt: cute.Tensor, mO: cute.Tensor, scale: Float32):
+               mHt: cute.Tensor, mO: cute.Tensor, mGc: cute.Tensor, scale: Float32):
         K, C, GROUP, ab = self.dim_k, CHUNK, self.value_heads // self.heads, self.dtype
         tidx, _, _ = cute.arch.thread_idx()
         i_v, i_hv, i_z = cute.arch.block_idx()

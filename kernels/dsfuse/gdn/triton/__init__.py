@@ -20,7 +20,9 @@ the stages are tested with one) are left unwritten by ``cumsum`` and ``wy``; ``s
 ``TABLE`` (what the registry reads): the dtypes, the head dims and layouts the stages serve, the
 stage modules (each with ``AOT_SPECS``) and the stage tables of the schedule
 (``dsfuse.gdn.schedule.ForwardStages`` / ``BackwardStages``) under the calls ``"forward"`` and
-``"backward"``, built on first use (also as ``FORWARD`` and ``BACKWARD`` of this package).
+``"backward"``, and both under ``"stages"`` (the call of what needs the state pass on its own: the
+long-document split's tests and context parallelism), built on first use (also as ``FORWARD`` and
+``BACKWARD`` of this package).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ STAGE_MODULES = ("cumsum", "wy", "state", "output", "state_bwd", "dqkwg", "wy_bw
 
 
 def _reasons(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-             initial_state: torch.Tensor | None = None) -> list[str]:
+             initial_state: torch.Tensor | None = None, use_qk_l2norm: bool = False) -> list[str]:
     """What the stages ask beyond the op's validation: a head dim they are written for, unit-stride
     channels of q, k and v, and beta in q's dtype."""
     reasons = []
@@ -69,10 +71,11 @@ def _load() -> dict:
                                        state_backward=state_bwd.launch_state_backward,
                                        dqkwg=dqkwg.launch_dqkwg, wy_backward=wy_bwd.launch_wy_backward,
                                        finalize=finalize.launch_qk_finalize)
-    return {"forward": forward, "backward": backward}
+    return {"forward": forward, "backward": backward, "stages": schedule.StageTables(forward, backward)}
 
 
-TABLE = BackendTable("triton", dtypes=KERNEL_DTYPES, calls={"forward": _reasons, "backward": _reasons},
+TABLE = BackendTable("triton", dtypes=KERNEL_DTYPES,
+                     calls={"forward": _reasons, "backward": _reasons, "stages": _reasons},
                      kernels=tuple(f"dsfuse.gdn.triton.{m}" for m in STAGE_MODULES), load=_load)
 
 

@@ -1,0 +1,95 @@
+"""The CuTe DSL backend's forward as `chunk_gdn` runs it: the UT inverse, then the fused per-head kernel.
+
+Two launches per call (`dsfuse.gdn.schedule.forward` runs them): ``ut_inverse`` writes the ungated
+``A0`` of every chunk (`dsfuse.gdn.cutedsl.ut_inverse`); ``fused`` walks each (document, value head)
+chain with the state on chip (`dsfuse.gdn.cutedsl.fused_fwd_head`, the ``head_wgmma`` form on sm_90a,
+the ``head`` form elsewhere) and, as it goes, saves what the Triton backward stages read: the
+chunk-local cumulative gate ``g_cum`` and the gated ``A = A0 * Gamma`` (fp32, over ``A0``). So the
+forward's outputs are `dsfuse.gdn.schedule.ForwardOutputs` as the Triton stages make them, and the
+backend's backward is the Triton stages (`dsfuse.gdn.cutedsl.TABLE`).
+
+What the fused kernel does not do, and so this forward does not: split long documents
+(`dsfuse.gdn.split`, whose segments need a separate state pass; ``segment_chunks`` is accepted and
+has no effect here: each document is one chain) or context parallelism's passes (the backend does not
+serve the ``stages`` call; ``auto`` takes the Triton stages for a ``cp_group`` call).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from dsfuse._common import cutedsl as _cd
+from dsfuse.gdn import schedule
+from dsfuse.gdn.cutedsl import fused_fwd, fused_fwd_head
+from dsfuse.gdn.cutedsl.ut_inverse import launch_ut_inverse
+from dsfuse.gdn.reference import CHUNK_SIZE, packed_cu_seqlens
+
+
+def form_of(device: torch.device) -> str:
+    """The per-head form the backend runs on ``device``: ``head_wgmma`` where wgmma exists (sm_90a),
+    ``head`` (``mma.sync``) elsewhere."""
+    return "head_wgmma" if _cd.arch_of(device) in fused_fwd.ARCHS["head_wgmma"] else "head"
+
+
+def reasons(q, k, v, g, beta, initial_state=None, use_qk_l2norm: bool = False) -> list[str]:
+    """Why the fused forward cannot serve this call (empty when it can): the kernels' head dims and
+    dtypes (`dsfuse.gdn.cutedsl.fused_fwd.shape_reasons`), beta in q's dtype, and q, k, v rows the
+    16-byte copies can read (`dsfuse.gdn.cutedsl.fused_fwd_head.aligned_reasons`)."""
+    found = [] if beta.dtype == q.dtype else ["beta's dtype differs from q's (the fused forward reads it in q's)"]
+    heads, dim_k = k.shape[-2:]
+    heads_v, dim_v = v.shape[-2:]
+    form = form_of(v.device) if v.device.type == "cuda" else "head_wgmma"
+    found += fused_fwd.shape_reasons(q.dtype, heads, heads_v, dim_k, dim_v, form, use_qk_l2norm)
+    found += [f"{name} has channel stride {t.stride(-1)} (the kernels read unit-stride channels)"
+              for name, t in (("q", q), ("k", k), ("v", v)) if t.stride(-1) != 1]
+    if not found:  # a row of each batch entry as the kernels read it (the batch stride aside: a copy if it differs)
+        found += fused_fwd_head.aligned_reasons(**{name: t.as_strided(t.shape[1:], t.stride()[1:])
+                                                   for name, t in (("q", q), ("k", k), ("v", v)) if t.numel()})
+    return found
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """``[B, T, heads, D]`` as the kernels read it, ``[B * T, heads, D]`` (a view where the batch
+    and token strides allow, else a contiguous copy, as `dsfuse.gdn.schedule.stage_calls` does)."""
+    return x.reshape(-1, *x.shape[2:])
+
+
+@dataclass(frozen=True)
+class FusedForward:
+    """The backend's forward table (`dsfuse.gdn.schedule.forward` runs its ``calls``)."""
+
+    def calls(self, q, k, v, g, beta, *, scale: float, initial_state, output_final_state: bool, cu_seqlens,
+              use_qk_l2norm: bool, segment_chunks=None):
+        """``(calls, ForwardOutputs)`` of validated inputs, as `dsfuse.gdn.schedule.stage_calls`
+        (``segment_chunks`` has no effect: module docstring)."""
+        batch, tokens, heads_v, dim_v = v.shape
+        dim_k = k.shape[-1]
+        n = batch * tokens
+        q_, k_, v_ = _rows(q), _rows(k), _rows(v)
+        g_, beta_ = g.reshape(n, heads_v), beta.reshape(n, heads_v)
+        bounds = packed_cu_seqlens(cu_seqlens, batch, tokens)
+        table = schedule.chunk_table(bounds, v.device)
+        new = functools.partial(torch.empty, device=v.device)
+        g_cum = new((n, heads_v), dtype=torch.float32)
+        a = new((n, heads_v, CHUNK_SIZE), dtype=torch.float32)
+        o = new((n, heads_v, dim_v), dtype=v.dtype)
+        state_shape = (table.num_seqs, heads_v, dim_k, dim_v)
+        final_state = new(state_shape, dtype=torch.float32)  # written whether or not it is returned
+        h0 = torch.zeros(state_shape, device=v.device) if initial_state is None else initial_state
+        form = form_of(v.device)
+
+        def fused():
+            fused_fwd.launch_fused_forward(q_, k_, v_, g_, beta_, a, table.indices, table.offsets, table.order, h0,
+                                           final_state, o, scale, use_qk_l2norm=use_qk_l2norm, form=form,
+                                           g_cum=g_cum)
+
+        calls = [
+            ("ut_inverse", lambda: launch_ut_inverse(k_, beta_, table.indices, a, use_qk_l2norm=use_qk_l2norm)),
+            ("fused", fused),
+        ]
+        outputs = schedule.ForwardOutputs(o.view(batch, tokens, heads_v, dim_v),
+                                          final_state if output_final_state else None, g_cum, a)
+        return calls, outputs
