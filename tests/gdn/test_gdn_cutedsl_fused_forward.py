@@ -350,3 +350,35 @@ def test_saving_for_the_backward_changes_nothing_else(form, l2, dims):
     a_triton = torch.full_like(a0, float("nan"))
     launch_ut(k, beta, g_cum, ci, a_triton, hv, use_qk_l2norm=l2)
     assert_rel_rms(got_a, a_triton[: cu[-1]].to(F64).cpu(), 1e-3, "gated A against the Triton UT transform")
+
+
+def test_the_backends_reasons_name_what_the_kernels_cannot_take():
+    """`dsfuse.gdn.cutedsl.forward.reasons` (CPU tensors: the GPU's arch aside): the model's call
+    served, packed head views of one row served, and each thing the kernels cannot take refused by
+    name, with q, k, v seen as the kernels see them ([B * T, heads, D], a copy where no view is)."""
+    cutedsl_or_skip()
+    from dsfuse.gdn.cutedsl.forward import reasons
+
+    def call(b=1, t=70, h=2, hv=4, dk=128, dv=128, dtype=torch.bfloat16, **change):
+        x = dict(q=torch.zeros(b, t, h, dk, dtype=dtype), k=torch.zeros(b, t, h, dk, dtype=dtype),
+                 v=torch.zeros(b, t, hv, dv, dtype=dtype), g=torch.zeros(b, t, hv),
+                 beta=torch.zeros(b, t, hv, dtype=dtype))
+        x.update({n: f(x[n]) for n, f in change.items() if n != "l2"})
+        return reasons(x["q"], x["k"], x["v"], x["g"], x["beta"], None, change.get("l2", True))
+
+    assert call() == [] and call(b=2) == [] and call(dk=64, dv=64) == []
+    row = torch.zeros(1, 70, (2 * 2 + 4) * 128, dtype=torch.bfloat16)
+    q, k, v = row.split([256, 256, 512], -1)
+    assert call(q=lambda _: q.view(1, 70, 2, 128), k=lambda _: k.view(1, 70, 2, 128),
+                v=lambda _: v.view(1, 70, 4, 128)) == []
+    assert any("beta's dtype" in r for r in call(beta=lambda b: b.float()))
+    assert any("takes" in r for r in call(dtype=torch.float32))  # the per-head forms take bf16 / fp16
+    assert any("fp16 only without the L2 norm" in r for r in call(dtype=torch.float16))
+    assert call(dtype=torch.float16, l2=False) == []
+    assert any("K = 64 or 128, not 32" in r for r in call(dk=32))
+    assert any("channel stride" in r for r in call(q=lambda x: torch.zeros(1, 70, 2, 256, dtype=x.dtype)[..., ::2]))
+    shifted = torch.zeros(1, 70, 2 * 128 + 4, dtype=torch.bfloat16)[:, :, 4:].view(1, 70, 2, 128)  # 8-byte offset
+    assert any("q needs a 16-byte aligned base" in r for r in call(q=lambda _: shifted))
+    # T = 1 with B > 1: the kernels see the batch stride as the token stride
+    odd = torch.zeros(3, 1, 2 * 128 + 4, dtype=torch.bfloat16)[:, :, : 2 * 128].view(3, 1, 2, 128)
+    assert any("q needs" in r for r in call(b=3, t=1, q=lambda _: odd))

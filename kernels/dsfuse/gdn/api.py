@@ -110,11 +110,11 @@ def chunk_gdn(
     one packed row ([`packed_qkv_views`][dsfuse.gdn.packed_qkv_views], or plain split views of such
     a row), the backward writes ``dq``, ``dk``, ``dv`` into one packed gradient row.
 
-    A fused backend runs the forward and the backward as stage kernels (``dsfuse.gdn.schedule``),
-    declared as the ops ``dsfuse::gdn_fwd`` and ``dsfuse::gdn_bwd``: one opaque node each under
-    ``torch.compile``, an ``autograd.Function`` eagerly. The forward keeps the chunk-local
-    cumulative gate and ``A`` for the backward, which recomputes ``w``, ``u``, ``h`` and
-    ``v_new``.
+    A fused backend runs the forward and the backward from its tables (``dsfuse.gdn.schedule``:
+    stage kernels, or a fused forward with the same outputs), declared as the ops
+    ``dsfuse::gdn_fwd`` and ``dsfuse::gdn_bwd``: one opaque node each under ``torch.compile``, an
+    ``autograd.Function`` eagerly. The forward keeps the chunk-local cumulative gate and ``A`` for
+    the backward, which recomputes ``w``, ``u``, ``h`` and ``v_new``.
 
     Args:
         q: ``[B, T, H, K]`` queries (bf16/fp16/fp32 fused; any token and head strides, unit
@@ -138,7 +138,10 @@ def chunk_gdn(
         backend: ``"auto"``, ``"triton"``, ``"cutedsl"`` or ``"reference"``. ``auto`` takes the CuTe
             DSL forward on Hopper where it serves the call (its backward is the Triton stages'),
             the Triton stages elsewhere on a GPU, the reference on the CPU; with ``cp_group``,
-            the Triton stages (the backend that serves context parallelism's passes).
+            the Triton stages (the backend that serves context parallelism's passes). Under
+            ``torch.compile`` ``auto`` does not take the CuTe DSL forward (its reasons need data
+            addresses), so a compiled and an eager call on Hopper may differ in their last bits
+            (both within the contract); name the backend for the same kernels in both.
         cp_group: a ``torch.distributed`` process group for context parallelism, or None. With a
             group, ``cu_seqlens`` (required, ``B = 1``) are the *global* document offsets of a row
             of ``T`` tokens, the same on every rank, and ``q``, ``k``, ``v``, ``g``, ``beta`` hold

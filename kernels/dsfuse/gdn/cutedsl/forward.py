@@ -34,21 +34,38 @@ def form_of(device: torch.device) -> str:
     return "head_wgmma" if _cd.arch_of(device) in fused_fwd.ARCHS["head_wgmma"] else "head"
 
 
+ARCHS = ("sm_90a", "sm_100a")  # the targets its kernels are compiled for (CI) and written for (shared memory)
+
+
 def reasons(q, k, v, g, beta, initial_state=None, use_qk_l2norm: bool = False) -> list[str]:
-    """Why the fused forward cannot serve this call (empty when it can): the kernels' head dims and
-    dtypes (`dsfuse.gdn.cutedsl.fused_fwd.shape_reasons`), beta in q's dtype, and q, k, v rows the
-    16-byte copies can read (`dsfuse.gdn.cutedsl.fused_fwd_head.aligned_reasons`)."""
-    found = [] if beta.dtype == q.dtype else ["beta's dtype differs from q's (the fused forward reads it in q's)"]
+    """Why the fused forward cannot serve this call (empty when it can): the GPU (`ARCHS`), the
+    kernels' head dims and dtypes (`dsfuse.gdn.cutedsl.fused_fwd.shape_reasons`), beta in q's
+    dtype, and q, k, v rows the 16-byte copies can read as the kernels see them
+    (`dsfuse.gdn.cutedsl.fused_fwd_head.aligned_reasons`)."""
+    found = []
+    if v.device.type == "cuda" and (arch := _cd.arch_of(v.device)) not in ARCHS:
+        found.append(f"the CuTe DSL GDN forward is written for {' and '.join(ARCHS)} (its shared memory), not {arch}")
+    if beta.dtype != q.dtype:
+        found.append("beta's dtype differs from q's (the fused forward reads it in q's)")
     heads, dim_k = k.shape[-2:]
     heads_v, dim_v = v.shape[-2:]
-    form = form_of(v.device) if v.device.type == "cuda" else "head_wgmma"
+    form = form_of(v.device) if not found and v.device.type == "cuda" else "head_wgmma"
     found += fused_fwd.shape_reasons(q.dtype, heads, heads_v, dim_k, dim_v, form, use_qk_l2norm)
     found += [f"{name} has channel stride {t.stride(-1)} (the kernels read unit-stride channels)"
               for name, t in (("q", q), ("k", k), ("v", v)) if t.stride(-1) != 1]
-    if not found:  # a row of each batch entry as the kernels read it (the batch stride aside: a copy if it differs)
-        found += fused_fwd_head.aligned_reasons(**{name: t.as_strided(t.shape[1:], t.stride()[1:])
-                                                   for name, t in (("q", q), ("k", k), ("v", v)) if t.numel()})
+    if not found:
+        views = {name: _view(t) for name, t in (("q", q), ("k", k), ("v", v))}
+        found += fused_fwd_head.aligned_reasons(**{name: x for name, x in views.items() if x is not None and x.numel()})
     return found
+
+
+def _view(x: torch.Tensor) -> torch.Tensor | None:
+    """``[B, T, heads, D]`` as ``[B * T, heads, D]`` without a copy, or None where that takes one
+    (`_rows` then copies it into a new, aligned tensor)."""
+    try:
+        return x.view(-1, *x.shape[2:])
+    except RuntimeError:
+        return None
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -78,10 +95,13 @@ class FusedForward:
         o = new((n, heads_v, dim_v), dtype=v.dtype)
         state_shape = (table.num_seqs, heads_v, dim_k, dim_v)
         final_state = new(state_shape, dtype=torch.float32)  # written whether or not it is returned
-        h0 = torch.zeros(state_shape, device=v.device) if initial_state is None else initial_state
+        h0 = torch.zeros(state_shape, device=v.device, dtype=torch.float32) if initial_state is None else initial_state
         form = form_of(v.device)
 
         def fused():
+            if n == 0:  # no tokens: every document is empty, its final state its initial one (no launch)
+                final_state.copy_(h0)
+                return
             fused_fwd.launch_fused_forward(q_, k_, v_, g_, beta_, a, table.indices, table.offsets, table.order, h0,
                                            final_state, o, scale, use_qk_l2norm=use_qk_l2norm, form=form,
                                            g_cum=g_cum)
