@@ -1,5 +1,5 @@
-"""Gated DeltaNet on the GPU: the time of the CuTe DSL fused forward as it stands (not yet reachable
-from `chunk_gdn`), beside the Triton forward, at the experiment's shape.
+"""Gated DeltaNet on the GPU: the time of the CuTe DSL fused forward's kernels, beside the Triton
+forward, at the experiment's shape.
 
     python experiments/gdn/fused_forward_probe.py OUT_DIR [--config experiments/gdn/configs/h200.yaml]
         [--samples 10] [--parts fused_head,triton] [--cases 1]
@@ -10,7 +10,10 @@ v head views of one packed row, initial and final state): the UT inverse kernel 
 for the tensor-core form, ``fused_head`` for the per-head form, ``fused_head_wgmma`` for it on
 warpgroup instructions), the inverse and a fused kernel
 (``cutedsl``, ``cutedsl_tc``, ``cutedsl_head``, ``cutedsl_head_wgmma``: the forms the GPU has the
-instructions of) and the Triton forward (``triton``, `chunk_gdn`),
+instructions of), the inverse and the saving launch `chunk_gdn` makes of a per-head form
+(``cutedsl_save_head``, ``cutedsl_save_head_wgmma``: also the cumulative gate and the gated fp32
+``A``), `chunk_gdn`'s whole forward on the CuTe DSL backend (``chunk_gdn_cutedsl``) and the Triton
+forward (``triton``, `chunk_gdn`),
 each replayed from a CUDA Graph with the L2 overwritten before each call
 (`dsfuse.bench.harness.Timer`, evicted regime). Before timing, every timed form's ``o`` and final state
 (poisoned with NaN before the call) are checked against the Triton forward's (relative RMS <= 1e-2:
@@ -59,15 +62,22 @@ def case_rows(case, timer: Timer, samples: int, device: torch.device, only: set[
     def inverse():
         launch_ut_inverse(k, beta, ci, a, use_qk_l2norm=l2)
 
-    def fused(form):
-        return lambda: launch_fused_forward(q, k, v, g, beta, a, ci, co, order, h0, ht, o, scale, use_qk_l2norm=l2,
-                                            form=form)
+    g_cum = torch.empty_like(g)  # the saving launch's (chunk_gdn's) cumulative gate
 
-    def both(form):
-        def run():
+    def fused(form, save=False):
+        return lambda: launch_fused_forward(q, k, v, g, beta, a, ci, co, order, h0, ht, o, scale, use_qk_l2norm=l2,
+                                            form=form, g_cum=g_cum if save else None)
+
+    def both(form, save=False):
+        def run():  # the inverse first: a saving launch gates A0 in place
             inverse()
-            fused(form)()
+            fused(form, save)()
         return run
+
+    def served():  # chunk_gdn's forward on the CuTe DSL backend (the saving launch, checks, allocations)
+        return chunk_gdn(q[None], k[None], v[None], inputs["g"], inputs["beta"], initial_state=h0,
+                         output_final_state=True, cu_seqlens=inputs["cu_seqlens"], use_qk_l2norm_in_kernel=l2,
+                         backend="cutedsl")
 
     def triton():
         return chunk_gdn(q[None], k[None], v[None], inputs["g"], inputs["beta"], initial_state=h0,
@@ -96,7 +106,9 @@ def case_rows(case, timer: Timer, samples: int, device: torch.device, only: set[
     parts = [("ut_inverse", inverse)]
     parts += [(f"{name}{suffix[form]}", make(form)) for form in forms for name, make in (("fused", fused),
                                                                                          ("cutedsl", both))]
-    parts.append(("triton", triton))
+    # the inverse and the saving launch of the per-head forms, and the whole chunk_gdn forward on them
+    parts += [(f"cutedsl_save{suffix[form]}", both(form, save=True)) for form in forms if form.startswith("head")]
+    parts += [("chunk_gdn_cutedsl", served), ("triton", triton)]
     for part, fn in parts:
         if only and part not in only:
             continue
