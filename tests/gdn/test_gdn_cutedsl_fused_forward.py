@@ -294,6 +294,9 @@ def test_documents_start_longest_first():
     assert document_order([0, 0]) == [0]
 
 
+CHUNK_TAIL = 64 + 7
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("form", ["head", "head_wgmma"])
 @pytest.mark.parametrize("l2", [True, False])
@@ -302,7 +305,8 @@ def test_saving_for_the_backward_changes_nothing_else(form, l2, dims):
     """With ``g_cum`` (what `chunk_gdn` launches): o and the final states bitwise those of the launch
     without it; ``g_cum`` the chunk-local cumulative gate and ``a`` the gated ``A0 * Gamma`` on every
     chunk's rows (float64 of the same A0 and g, to fp32 rounding), close to the Triton UT transform's
-    gated A; rows in no document left as they were (NaN here)."""
+    gated A; rows in no document left as they were (NaN here: more than a chunk of them, so a write
+    past a partial chunk's rows shows)."""
     cutedsl_or_skip()
     if form == "head_wgmma" and torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("wgmma runs on sm_90 only")
@@ -314,7 +318,7 @@ def test_saving_for_the_backward_changes_nothing_else(form, l2, dims):
 
     h, hv, dk, dv = dims
     cu = _bounds()
-    t = cu[-1] + 7  # 7 tokens in no document
+    t = cu[-1] + CHUNK_TAIL  # tokens in no document: more than a chunk, so a write past a chunk's rows lands there
     q, k, v, g, beta, h0 = _inputs(t, h, hv, dk, dv, torch.bfloat16, "cuda", seed=3, l2=l2)
     dev = "cuda"
     ci = prepare_chunk_indices(cu).to(device=dev, dtype=torch.int32).contiguous()
@@ -372,7 +376,7 @@ def test_the_backends_reasons_name_what_the_kernels_cannot_take():
     assert call(q=lambda _: q.view(1, 70, 2, 128), k=lambda _: k.view(1, 70, 2, 128),
                 v=lambda _: v.view(1, 70, 4, 128)) == []
     assert any("beta's dtype" in r for r in call(beta=lambda b: b.float()))
-    assert any("takes" in r for r in call(dtype=torch.float32))  # the per-head forms take bf16 / fp16
+    assert any("inputs, not torch.float32" in r for r in call(dtype=torch.float32))  # the per-head forms: bf16 / fp16
     assert any("fp16 only without the L2 norm" in r for r in call(dtype=torch.float16))
     assert call(dtype=torch.float16, l2=False) == []
     assert any("K = 64 or 128, not 32" in r for r in call(dk=32))
