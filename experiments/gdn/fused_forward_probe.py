@@ -10,9 +10,10 @@ v head views of one packed row, initial and final state): the UT inverse kernel 
 for the tensor-core form, ``fused_head`` for the per-head form, ``fused_head_wgmma`` for it on
 warpgroup instructions), the inverse and a fused kernel
 (``cutedsl``, ``cutedsl_tc``, ``cutedsl_head``, ``cutedsl_head_wgmma``: the forms the GPU has the
-instructions of), the inverse and the saving launch `chunk_gdn` makes of a per-head form
-(``cutedsl_save_head``, ``cutedsl_save_head_wgmma``: also the cumulative gate and the gated fp32
-``A``), `chunk_gdn`'s whole forward on the CuTe DSL backend (``chunk_gdn_cutedsl``) and the Triton
+instructions of), the gating inverse alone (``ut_inverse_gate``: also the cumulative gate, and
+the gated fp32 ``A``), the per-head forms reading them (``fused_gated_head``,
+``fused_gated_head_wgmma``) and the pair `chunk_gdn` launches (``cutedsl_gated_head``,
+``cutedsl_gated_head_wgmma``), `chunk_gdn`'s whole forward on the CuTe DSL backend (``chunk_gdn_cutedsl``) and the Triton
 forward (``triton``, `chunk_gdn`),
 each replayed from a CUDA Graph with the L2 overwritten before each call
 (`dsfuse.bench.harness.Timer`, evicted regime). Before timing, every timed form's ``o`` and final state
@@ -59,19 +60,22 @@ def case_rows(case, timer: Timer, samples: int, device: torch.device, only: set[
     o = torch.zeros(tokens, hv, dv, device=device, dtype=v.dtype)
     scale = q.shape[-1] ** -0.5
 
-    def inverse():
-        launch_ut_inverse(k, beta, ci, a, use_qk_l2norm=l2)
+    g_cum = torch.empty_like(g)  # the gating inverse's (chunk_gdn's) cumulative gate
+    a_gated = torch.empty_like(a)
 
-    g_cum = torch.empty_like(g)  # the saving launch's (chunk_gdn's) cumulative gate
+    def inverse(gate=False):
+        if gate:
+            return lambda: launch_ut_inverse(k, beta, ci, a_gated, use_qk_l2norm=l2, g=g, g_cum=g_cum)
+        return lambda: launch_ut_inverse(k, beta, ci, a, use_qk_l2norm=l2)
 
-    def fused(form, save=False):
-        return lambda: launch_fused_forward(q, k, v, g, beta, a, ci, co, order, h0, ht, o, scale, use_qk_l2norm=l2,
-                                            form=form, g_cum=g_cum if save else None)
+    def fused(form, gate=False):
+        return lambda: launch_fused_forward(q, k, v, g, beta, a_gated if gate else a, ci, co, order, h0, ht, o, scale,
+                                            use_qk_l2norm=l2, form=form, g_cum=g_cum if gate else None)
 
-    def both(form, save=False):
-        def run():  # the inverse first: a saving launch gates A0 in place
-            inverse()
-            fused(form, save)()
+    def both(form, gate=False):
+        def run():
+            inverse(gate)()
+            fused(form, gate)()
         return run
 
     def served():  # chunk_gdn's forward on the CuTe DSL backend (the saving launch, checks, allocations)
@@ -88,26 +92,29 @@ def case_rows(case, timer: Timer, samples: int, device: torch.device, only: set[
     arch = _cd.arch_of(device)
     # the forms this GPU has the instructions of, and (with --parts) only those whose parts are timed
     forms = [f for f in FORMS if arch in ARCHS.get(f, (arch,))
-             and (not only or {f"fused{suffix[f]}", f"cutedsl{suffix[f]}"} & only)]
+             and (not only or {f"{n}{suffix[f]}" for n in ("fused", "cutedsl", "fused_gated", "cutedsl_gated")}
+                  & only)]
     o_tri, ht_tri = triton()
-    for form in forms:
+    for form, gate in [(f, False) for f in forms] + [(f, True) for f in forms if f.startswith("head")]:
         o.fill_(float("nan"))
         ht.fill_(float("nan"))
-        both(form)()
+        both(form, gate)()
         torch.cuda.synchronize(device)
         errors = {"o": rel_rms(o, o_tri[0]), "final_state": rel_rms(ht, ht_tri)}
         bad = {name: err for name, err in errors.items() if not err <= 1e-2}
+        name = f"{form}{' gated' if gate else ''}"
         if bad:
-            raise AssertionError(f"{case.name}: the {form} fused forward differs from the Triton forward: {bad}")
-        print(f"{case.name}: {form} form, relative RMS against the Triton forward: "
+            raise AssertionError(f"{case.name}: the {name} fused forward differs from the Triton forward: {bad}")
+        print(f"{case.name}: {name} form, relative RMS against the Triton forward: "
               + ", ".join(f"{name} {err:.1e}" for name, err in errors.items()))
 
-    rows = []
-    parts = [("ut_inverse", inverse)]
+    rows = []  # the checks above left a and a_gated written for the fused parts alone
+    parts = [("ut_inverse", inverse()), ("ut_inverse_gate", inverse(True))]
     parts += [(f"{name}{suffix[form]}", make(form)) for form in forms for name, make in (("fused", fused),
                                                                                          ("cutedsl", both))]
-    # the inverse and the saving launch of the per-head forms, and the whole chunk_gdn forward on them
-    parts += [(f"cutedsl_save{suffix[form]}", both(form, save=True)) for form in forms if form.startswith("head")]
+    # the per-head forms as chunk_gdn launches them (reading the gating inverse's A), and its whole forward
+    parts += [(f"{name}_gated{suffix[form]}", make(form, True)) for form in forms if form.startswith("head")
+              for name, make in (("fused", fused), ("cutedsl", both))]
     parts += [("chunk_gdn_cutedsl", served), ("triton", triton)]
     for part, fn in parts:
         if only and part not in only:

@@ -1,9 +1,10 @@
 """One small varlen call of the CuTe DSL fused forward (the UT inverse, then the fused kernel), for
 compute-sanitizer: six documents (an empty and a one-token one among them, partial chunks), (H, HV) =
 (2, 6), K = V = 64, bf16, L2 norm on, an initial state; the form named by ``--form`` (one of
-``dsfuse.gdn.cutedsl.fused_fwd.FORMS``, default ``cuda_core``).
+``dsfuse.gdn.cutedsl.fused_fwd.FORMS``, default ``cuda_core``); with ``--gated`` (a per-head form), the
+gating inverse and the kernel reading its gated ``A``, as `chunk_gdn` launches them.
 
-    compute-sanitizer --tool memcheck --report-api-errors no python3 experiments/gdn/sanitize_fused_forward.py [--form head]
+    compute-sanitizer --tool memcheck --report-api-errors no python3 experiments/gdn/sanitize_fused_forward.py [--form head] [--gated]
 
 (``--report-api-errors no``: the runtime's probes of driver entry points are not kernel errors.)
 """
@@ -20,6 +21,7 @@ from dsfuse.gdn.cutedsl.fused_fwd import FORMS, fused_forward
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--form", choices=FORMS, default="cuda_core")
+    parser.add_argument("--gated", action="store_true", help="the gating inverse and gated launch (per-head forms)")
     args = parser.parse_args(argv)
     torch.manual_seed(0)
     cu = [0, 1, 63, 63, 127, 192, 392]
@@ -30,9 +32,9 @@ def main(argv: list[str]) -> int:
     beta = torch.rand(t, hv, device="cuda").bfloat16()
     h0 = torch.randn(len(cu) - 1, hv, d, d, device="cuda") * 0.1
     o, ht, _ = fused_forward(q, k, v, g, beta, initial_state=h0, cu_seqlens=cu, use_qk_l2norm=True,
-                             form=args.form)
+                             form=args.form, gated=args.gated)
     torch.cuda.synchronize()
-    print("ok", args.form, float(o.float().norm()), float(ht.norm()))
+    print("ok", args.form, "gated" if args.gated else "", float(o.float().norm()), float(ht.norm()))
     return 0
 
 

@@ -135,15 +135,15 @@ def test_refuses_what_it_cannot_compile():
     assert [s.name for s in module.AOT_SPECS] == ["gdn_fused_forward_bf16_l2", "gdn_fused_forward_bf16",
                                                   "gdn_fused_forward_tc_bf16_l2", "gdn_fused_forward_tc_bf16",
                                                   "gdn_fused_forward_head_bf16_l2", "gdn_fused_forward_head_bf16",
-                                                  "gdn_fused_forward_head_save_bf16_l2",
-                                                  "gdn_fused_forward_head_save_bf16",
+                                                  "gdn_fused_forward_head_gated_bf16_l2",
+                                                  "gdn_fused_forward_head_gated_bf16",
                                                   "gdn_fused_forward_head_wgmma_bf16_l2",
                                                   "gdn_fused_forward_head_wgmma_bf16",
-                                                  "gdn_fused_forward_head_wgmma_save_bf16_l2",
-                                                  "gdn_fused_forward_head_wgmma_save_bf16"]
+                                                  "gdn_fused_forward_head_wgmma_gated_bf16_l2",
+                                                  "gdn_fused_forward_head_wgmma_gated_bf16"]
     assert [s.archs for s in module.AOT_SPECS][-4:] == [("sm_90a",)] * 4  # wgmma: Hopper's instruction
-    with pytest.raises(ValueError, match="saves for the backward in the forms"):
-        module.compile_fused_forward(torch.bfloat16, 16, 48, 128, 128, True, "sm_90a", form="tensor_core", save=True)
+    with pytest.raises(ValueError, match="reads a gated A in the forms"):
+        module.compile_fused_forward(torch.bfloat16, 16, 48, 128, 128, True, "sm_90a", form="tensor_core", gated=True)
     with pytest.raises(ValueError, match="head_wgmma form compiles for"):
         module.compile_fused_forward(torch.bfloat16, 16, 48, 128, 128, True, "sm_100a", form="head_wgmma")
     assert module.shape_reasons(torch.bfloat16, 16, 48, 128, 128) == []
@@ -301,12 +301,13 @@ CHUNK_TAIL = 64 + 7
 @pytest.mark.parametrize("form", ["head", "head_wgmma"])
 @pytest.mark.parametrize("l2", [True, False])
 @pytest.mark.parametrize("dims", [(2, 6, 64, 64), (16, 48, 128, 128)])
-def test_saving_for_the_backward_changes_nothing_else(form, l2, dims):
-    """With ``g_cum`` (what `chunk_gdn` launches): o and the final states bitwise those of the launch
-    without it; ``g_cum`` the chunk-local cumulative gate and ``a`` the gated ``A0 * Gamma`` on every
-    chunk's rows (float64 of the same A0 and g, to fp32 rounding), close to the Triton UT transform's
-    gated A; rows in no document left as they were (NaN here: more than a chunk of them, so a write
-    past a partial chunk's rows shows)."""
+def test_the_gated_launch_changes_nothing_else(form, l2, dims):
+    """`chunk_gdn`'s pair of launches (the gating UT inverse, then the kernel reading its ``g_cum`` and
+    gated ``a``): o and the final states bitwise those of the ungated pair; ``g_cum`` the chunk-local
+    cumulative gate and ``a`` the gated ``A0 * Gamma`` on every chunk's rows (float64 of the same A0
+    and g, to fp32 rounding), close to the Triton UT transform's gated A, and left as the inverse
+    wrote them by the kernel; rows in no document left as they were (NaN here: more than a chunk of
+    them, so a write past a partial chunk's rows shows)."""
     cutedsl_or_skip()
     if form == "head_wgmma" and torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("wgmma runs on sm_90 only")
@@ -324,20 +325,21 @@ def test_saving_for_the_backward_changes_nothing_else(form, l2, dims):
     ci = prepare_chunk_indices(cu).to(device=dev, dtype=torch.int32).contiguous()
     co = prepare_chunk_offsets(cu).to(device=dev, dtype=torch.int32).contiguous()
     order = torch.tensor(document_order(cu), device=dev, dtype=torch.int32)
-    a0 = torch.full((t, hv, 64), float("nan"), device=dev)
-    launch_ut_inverse(k, beta, ci, a0, use_qk_l2norm=l2)
     runs = []
-    for save in (False, True):
-        a = a0.clone()
-        g_cum = torch.full_like(g, float("nan")) if save else None
+    for gate in (False, True):
+        a = torch.full((t, hv, 64), float("nan"), device=dev)
+        g_cum = torch.full_like(g, float("nan")) if gate else None
+        launch_ut_inverse(k, beta, ci, a, use_qk_l2norm=l2, g=g if gate else None, g_cum=g_cum)
+        a_before = a.clone()
         ht, o = torch.full_like(h0, float("nan")), torch.full_like(v, float("nan"))
         launch_fused_forward(q, k, v, g, beta, a, ci, co, order, h0, ht, o, dk**-0.5, use_qk_l2norm=l2, form=form,
                              g_cum=g_cum)
-        runs.append((o, ht, a, g_cum))
+        runs.append((o, ht, a, a_before, g_cum))
     torch.cuda.synchronize()
-    (o1, ht1, a1, _), (o2, ht2, a2, g_cum) = runs
+    (o1, ht1, a0, a0_before, _), (o2, ht2, a2, a2_before, g_cum) = runs
     assert torch.equal(o1[: cu[-1]], o2[: cu[-1]]) and torch.equal(ht1, ht2)
-    assert torch.equal(a1.nan_to_num(7.0), a0.nan_to_num(7.0))  # without saving, A0 is only read
+    for a, before in ((a0, a0_before), (a2, a2_before)):  # the kernel only reads a
+        assert torch.equal(a.nan_to_num(7.0), before.nan_to_num(7.0))
     assert g_cum[cu[-1]:].isnan().all() and a2[cu[-1]:].isnan().all()  # rows in no document: untouched
     g_ref = torch.full((t, hv), float("nan"), dtype=F64)
     a_ref = torch.full((t, hv, 64), float("nan"), dtype=F64)

@@ -46,7 +46,8 @@ def test_refuses_what_it_cannot_compile():
     cutedsl_or_skip()
     from dsfuse.gdn.cutedsl import ut_inverse as module
 
-    assert [s.name for s in module.AOT_SPECS] == ["gdn_ut_inverse_bf16_l2", "gdn_ut_inverse_bf16"]
+    assert [s.name for s in module.AOT_SPECS] == ["gdn_ut_inverse_bf16_l2", "gdn_ut_inverse_bf16",
+                                                  "gdn_ut_inverse_gate_bf16_l2", "gdn_ut_inverse_gate_bf16"]
     assert module.shape_reasons(torch.bfloat16, 16, 48, 128) == []
     reasons = module.shape_reasons(torch.int8, 16, 40, 96)
     assert len(reasons) == 3 and "dtype" in reasons[0] and "multiple" in reasons[1] and "K = 96" in reasons[2]

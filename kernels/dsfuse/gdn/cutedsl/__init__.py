@@ -2,9 +2,9 @@
 
 ``TABLE`` serves two calls of `chunk_gdn`:
 
-* ``forward``: `dsfuse.gdn.cutedsl.forward.FusedForward`, the UT inverse and the fused per-head
-  kernel (``head_wgmma`` on sm_90a), which also saves the chunk-local cumulative gate and the gated
-  ``A`` the backward reads; ``auto`` takes it first on Hopper (sm_90) where the ``cutedsl`` extra is
+* ``forward``: `dsfuse.gdn.cutedsl.forward.FusedForward`, the gating UT inverse (which also writes
+  the chunk-local cumulative gate and the gated ``A`` the backward reads) and the fused per-head
+  kernel (``head_wgmma`` on sm_90a) that reads them; ``auto`` takes it first on Hopper (sm_90) where the ``cutedsl`` extra is
   installed and the call is one it serves (`dsfuse.gdn.cutedsl.forward.reasons`: an sm_90a or
   sm_100a GPU, K and V of 64 or 128, bf16, or fp16 without the L2 norm, beta in q's dtype, rows
   16-byte aligned), else Triton; on Blackwell it serves only calls that name it (``head`` form,
@@ -17,9 +17,10 @@ passes): a ``cp_group`` call under ``auto`` runs the Triton stages. Kernel modul
 compiled for sm_90a and sm_100a by the CPU tests through their ``AOT_SPECS``):
 
 * ``ut_inverse``: the ungated UT inverse ``(I + diag(beta) strictly_lower(k k^T))^-1`` of every
-  chunk and value head (one CTA per chunk and qk head, ``k k^T`` once on tensor cores); checked
+  chunk and value head (one CTA per chunk and qk head, ``k k^T`` once on tensor cores), or in its
+  gating form that inverse times ``Gamma`` with the cumulative gate; checked
   against the reference on a GPU by ``tests/gdn/test_gdn_cutedsl_ut_inverse.py``.
-* ``fused_fwd``: the fused chunked forward from ``ut_inverse``'s ``A0``, in the ``FORMS`` of the
+* ``fused_fwd``: the fused chunked forward from ``ut_inverse``'s ``A0`` (or its gated ``A``), in the ``FORMS`` of the
   plan's green steps: ``cuda_core`` (fp32, the reference-grade kernel the others are checked
   against), ``tensor_core`` (``fused_fwd_tc``: products on ``mma.sync``), ``head`` and ``head_wgmma``
   (``fused_fwd_head``: one CTA per document and value head, the state and the products' results in

@@ -2,7 +2,7 @@
 below for 128 threads): `ChainKernel`, the signature and grid of a fused forward (one CTA per
 document, value head and ``BV`` value channels, or all of them in the per-head form); `cell`, the element of a row-major tile a thread takes on a pass; `load_chunk`, the chunk's q, k, A0
 rows, g and beta into shared memory (`load_gates` the last two; `read_gates` them into registers, for
-a later store); `rstd_and_cumsum`, the rows' L2-norm scales and the chunk-local
+a later store); `cumulative_gate`, a chunk's cumulative gate by a warp scan; `rstd_and_cumsum`, the rows' L2-norm scales and the chunk-local
 cumulative gate; `normalize_and_gates`, the normalised rows (rounded to the tiles' dtype) and the gate
 vectors; `copy_rows`, `start_rows`, `store_rows`, `row_scales`, rows moved in 16-byte pieces (and the
 L2-norm scales of the pieces a thread moved). Each is traced into the calling kernel; the caller places
@@ -27,8 +27,8 @@ DTYPES = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16, torc
 
 class ChainKernel:
     """A fused forward ``(q, k, v, g, beta, a, chunk_indices, chunk_offsets, order, h0, ht, o, g_cum, scale)``
-    that writes ``o`` and ``ht`` (and, in a form that saves for the backward, ``g_cum`` and the gated ``a``
-    in place of the ungated one): grid (V / block_v, HV, N) of ``threads`` threads (``BV`` and
+    that writes ``o`` and ``ht`` (a form that reads a gated ``a`` reads the cumulative gate from
+    ``g_cum`` in place of ``g``): grid (V / block_v, HV, N) of ``threads`` threads (``BV`` and
     ``THREADS`` unless a subclass says otherwise), CTA ``(.., .., z)`` walking document ``order[z]``
     (longest first: `dsfuse.gdn.schedule.document_order`); a subclass defines ``kernel``."""
 
@@ -121,16 +121,39 @@ def load_gates(tidx: Int32, mG: cute.Tensor, mBeta: cute.Tensor, sG: cute.Tensor
 
 @cute.jit
 def read_gates(tidx: Int32, mG: cute.Tensor, mBeta: cute.Tensor, start: Int32, rows: Int32, i_hv: Int32,
-               chunk: cutlass.Constexpr = CHUNK):
+               chunk: cutlass.Constexpr = CHUNK, flat: cutlass.Constexpr = False):
     """``(g, beta)`` in fp32 registers: row ``start + tidx`` of value head ``i_hv`` for threads
     ``0 .. chunk - 1`` (zeros past the chunk's ``rows``, and for the other threads), for a later
-    store into shared memory (the loads are in flight meanwhile)."""
+    store into shared memory (the loads are in flight meanwhile). With ``flat`` (``mG`` the
+    cumulative gate), ``g`` past the chunk's rows is its last row's: the cumulative gate stays flat."""
     gv, bv = Float32(0.0), Float32(0.0)
-    if tidx < rows:
-        if tidx < chunk:
+    if tidx < chunk:
+        if tidx < rows:
             gv = mG[start + tidx, i_hv]
             bv = mBeta[start + tidx, i_hv].to(Float32)
+        elif const_expr(flat):
+            gv = mG[start + rows - 1, i_hv]
     return gv, bv
+
+
+@cute.jit
+def cumulative_gate(lane: Int32, sG: cute.Tensor):
+    """``sG`` (64 entries) replaced by its inclusive cumulative sum, by one warp: lane ``l`` adds its
+    pair ``(2l, 2l + 1)``, a shuffle scan over the lanes' pair sums, then each pair gets the sum of the
+    pairs before it. A fixed order of additions, so the same bits every call (and in every kernel
+    that calls it: the UT inverse's gated ``A`` and the fused forward's gate agree bit for bit)."""
+    a = sG[2 * lane]
+    b = a + sG[2 * lane + 1]
+    run = b
+    for step in cutlass.range_constexpr(5):
+        other = cute.arch.shuffle_sync_up(run, offset=1 << step)
+        if lane >= (1 << step):
+            run = run + other
+    before = cute.arch.shuffle_sync_up(run, offset=1)
+    if lane == 0:
+        before = Float32(0.0)
+    sG[2 * lane] = before + a
+    sG[2 * lane + 1] = before + b
 
 
 @cute.jit

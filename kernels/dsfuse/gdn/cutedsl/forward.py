@@ -1,12 +1,13 @@
 """The CuTe DSL backend's forward as `chunk_gdn` runs it: the UT inverse, then the fused per-head kernel.
 
-Two launches per call (`dsfuse.gdn.schedule.forward` runs them): ``ut_inverse`` writes the ungated
-``A0`` of every chunk (`dsfuse.gdn.cutedsl.ut_inverse`); ``fused`` walks each (document, value head)
-chain with the state on chip (`dsfuse.gdn.cutedsl.fused_fwd_head`, the ``head_wgmma`` form on sm_90a,
-the ``head`` form elsewhere) and, as it goes, saves what the Triton backward stages read: the
-chunk-local cumulative gate ``g_cum`` and the gated ``A = A0 * Gamma`` (fp32, over ``A0``). So the
-forward's outputs are `dsfuse.gdn.schedule.ForwardOutputs` as the Triton stages make them, and the
-backend's backward is the Triton stages (`dsfuse.gdn.cutedsl.TABLE`).
+Two launches per call (`dsfuse.gdn.schedule.forward` runs them): ``ut_inverse`` writes, for every
+chunk, the gated ``A = A0 * Gamma`` (fp32) and the chunk-local cumulative gate ``g_cum``
+(`dsfuse.gdn.cutedsl.ut_inverse`, its gating form); ``fused`` reads them and walks each (document,
+value head) chain with the state on chip (`dsfuse.gdn.cutedsl.fused_fwd_head`, the ``head_wgmma``
+form on sm_90a, the ``head`` form elsewhere, both ``gated``). ``A`` and ``g_cum`` are what the
+Triton backward stages read, so the forward's outputs are `dsfuse.gdn.schedule.ForwardOutputs` as
+the Triton stages make them, and the backend's backward is the Triton stages
+(`dsfuse.gdn.cutedsl.TABLE`).
 
 What the fused kernel does not do, and so this forward does not: split long documents
 (`dsfuse.gdn.split`, whose segments need a separate state pass; ``segment_chunks`` is accepted and
@@ -107,7 +108,8 @@ class FusedForward:
                                            g_cum=g_cum)
 
         calls = [
-            ("ut_inverse", lambda: launch_ut_inverse(k_, beta_, table.indices, a, use_qk_l2norm=use_qk_l2norm)),
+            ("ut_inverse", lambda: launch_ut_inverse(k_, beta_, table.indices, a, use_qk_l2norm=use_qk_l2norm,
+                                                     g=g_, g_cum=g_cum)),
             ("fused", fused),
         ]
         outputs = schedule.ForwardOutputs(o.view(batch, tokens, heads_v, dim_v),

@@ -196,7 +196,7 @@ class _FusedForward(chunk.ChainKernel):
             mHt[i_n, i_hv, kk, v_col] = sS[kk, col]
 
 
-CACHE = _cd.KernelCache()  # (dtype, H, HV, K, V, l2norm, form, save, arch) -> compiled function
+CACHE = _cd.KernelCache()  # (dtype, H, HV, K, V, l2norm, form, gated, arch) -> compiled function
 
 
 def _fake_tensors(dtype: torch.dtype, heads: int, value_heads: int, dim_k: int, dim_v: int,
@@ -233,22 +233,23 @@ def _fake_tensors(dtype: torch.dtype, heads: int, value_heads: int, dim_k: int, 
 
 
 def compile_fused_forward(dtype: torch.dtype, heads: int, value_heads: int, dim_k: int, dim_v: int, l2norm: bool,
-                          arch: str, *, form: str = "cuda_core", save: bool = False, keep_ptx: bool = False,
+                          arch: str, *, form: str = "cuda_core", gated: bool = False, keep_ptx: bool = False,
                           dump_dir: str | None = None):
     """The kernel of one `FORMS` entry for one configuration, compiled for ``arch`` (``sm_90a``,
     ``sm_100a``; no GPU needed). Called as ``fn(q, k, v, g, beta, a, chunk_indices, chunk_offsets,
-    order, h0, ht, o, g_cum, scale)``. ``save`` (the per-head forms): the kernel also writes ``g_cum``
-    and the gated ``A`` over ``a`` (what the backward reads); without it ``g_cum`` is not touched."""
+    order, h0, ht, o, g_cum, scale)``. ``gated`` (the per-head forms): the kernel reads the cumulative
+    gate from ``g_cum`` and ``a`` as the gated ``A`` (the gating UT inverse's), not ``g`` and ``A0``;
+    without it ``g_cum`` is not read."""
     if reasons := shape_reasons(dtype, heads, value_heads, dim_k, dim_v, form, l2norm):
         raise ValueError("the CuTe DSL fused forward cannot compile this: " + "; ".join(reasons))
     if arch not in ARCHS.get(form, (arch,)):
         raise ValueError(f"the CuTe DSL fused forward's {form} form compiles for {ARCHS[form]} only, not {arch}")
-    if save and form not in HEAD_FORMS:
-        raise ValueError(f"the CuTe DSL fused forward saves for the backward in the forms {HEAD_FORMS} only")
+    if gated and form not in HEAD_FORMS:
+        raise ValueError(f"the CuTe DSL fused forward reads a gated A in the forms {HEAD_FORMS} only")
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     kernel = {"cuda_core": _FusedForward, "tensor_core": FusedForwardTC,
-              "head": functools.partial(FusedForwardHead, save=save),
-              "head_wgmma": functools.partial(FusedForwardHead, wgmma=True, save=save)}[form]
+              "head": functools.partial(FusedForwardHead, gated=gated),
+              "head_wgmma": functools.partial(FusedForwardHead, wgmma=True, gated=gated)}[form]
     return _cd.compile(kernel(dtype, heads, value_heads, dim_k, dim_v, l2norm),
                        *_fake_tensors(dtype, heads, value_heads, dim_k, dim_v, form in HEAD_FORMS), Float32(1.0),
                        stream, arch=arch,
@@ -259,9 +260,10 @@ def launch_fused_forward(q, k, v, g, beta, a, chunk_indices, chunk_offsets, orde
                          *, use_qk_l2norm: bool = False, form: str = "cuda_core",
                          g_cum: torch.Tensor | None = None) -> torch.Tensor:
     """Write ``o`` ``[T, HV, V]`` (the chunks' tokens; others untouched) and ``ht`` fp32 ``[N, HV, K, V]``.
-    With ``g_cum`` fp32 ``[T, HV]`` (a per-head form only), also save what the backward reads: the
-    chunk-local cumulative gate into ``g_cum`` and the gated ``A = A0 * Gamma`` over ``a`` (so ``a``
-    then holds the gated matrix the Triton stages make, `dsfuse.gdn.schedule.ForwardOutputs`).
+    With ``g_cum`` fp32 ``[T, HV]`` (a per-head form only; `chunk_gdn`'s launch), ``g_cum`` and ``a``
+    are what the gating UT inverse wrote (``launch_ut_inverse(.., g=g, g_cum=g_cum)``): the chunk-local
+    cumulative gate and the gated ``A = A0 * Gamma``, read in place of ``g`` and ``A0`` (``g`` is then
+    not read). Neither is written: ``a`` is only read.
 
     ``q``, ``k`` ``[T, H, K]``, ``v`` ``[T, HV, V]`` and ``beta`` ``[T, HV]`` in one dtype, unit
     channel stride; ``g`` fp32 ``[T, HV]`` (per-token log decay); ``a`` fp32 ``[T, HV, 64]`` from
@@ -284,23 +286,25 @@ def launch_fused_forward(q, k, v, g, beta, a, chunk_indices, chunk_offsets, orde
                          "(document_order; its values are not checked: that would read them back)")
     if form in HEAD_FORMS and (reasons := fused_fwd_head.aligned_reasons(q=q, k=k, v=v, a=a, o=o)):
         raise ValueError("launch_fused_forward: " + "; ".join(reasons))
-    save = g_cum is not None
-    if save and (form not in HEAD_FORMS or g_cum.dtype != torch.float32 or g_cum.shape != g.shape):
+    gated = g_cum is not None
+    if gated and (form not in HEAD_FORMS or g_cum.dtype != torch.float32 or g_cum.shape != g.shape):
         raise ValueError(f"launch_fused_forward: g_cum fp32 {tuple(g.shape)} and a per-head form {HEAD_FORMS} to "
-                         f"save for the backward (got {tuple(g_cum.shape)} {g_cum.dtype}, form {form!r})")
+                         f"read a gated A (got {tuple(g_cum.shape)} {g_cum.dtype}, form {form!r})")
     arch = _cd.arch_of(k.device)
-    fn = CACHE.get((k.dtype, heads, value_heads, dim_k, dim_v, use_qk_l2norm, form, save, arch),
+    fn = CACHE.get((k.dtype, heads, value_heads, dim_k, dim_v, use_qk_l2norm, form, gated, arch),
                    lambda: compile_fused_forward(k.dtype, heads, value_heads, dim_k, dim_v, use_qk_l2norm, arch,
-                                                 form=form, save=save))
-    if chunk_offsets.shape[0] > 1:  # without save, g stands in for g_cum (not written)
-        fn(q, k, v, g, beta, a, chunk_indices, chunk_offsets, order, h0, ht, o, g_cum if save else g, float(scale))
+                                                 form=form, gated=gated))
+    if chunk_offsets.shape[0] > 1:  # not gated: g stands in for g_cum (not read)
+        fn(q, k, v, g, beta, a, chunk_indices, chunk_offsets, order, h0, ht, o, g_cum if gated else g, float(scale))
     return o
 
 
 def fused_forward(q, k, v, g, beta, scale=None, initial_state=None, cu_seqlens=None, use_qk_l2norm=False,
-                  form="cuda_core"):
+                  form="cuda_core", gated=False):
     """``(o, final_state, a)`` of packed ``[T, ...]`` inputs (no batch dim): the UT inverse, then the
-    fused kernel. Tokens in no document get ``o = 0``; ``a`` is what a backward would keep."""
+    fused kernel (``gated``, a per-head form only: the gating inverse and the kernel reading its gated
+    ``A``, as `chunk_gdn` launches them). Tokens in no document get ``o = 0``; ``a`` is what a backward
+    would keep (ungated unless ``gated``)."""
     from dsfuse.gdn.cutedsl.ut_inverse import launch_ut_inverse
     from dsfuse.gdn.reference import prepare_chunk_indices, prepare_chunk_offsets
 
@@ -312,28 +316,30 @@ def fused_forward(q, k, v, g, beta, scale=None, initial_state=None, cu_seqlens=N
     co = prepare_chunk_offsets(bounds).to(device=dev, dtype=torch.int32).contiguous()
     n = len(bounds) - 1
     a = torch.empty(tokens, value_heads, CHUNK, device=dev, dtype=torch.float32)
+    g = g.float()
+    g_cum = torch.empty_like(g) if gated else None
     if ci.shape[0]:
-        launch_ut_inverse(k, beta, ci, a, use_qk_l2norm=use_qk_l2norm)
+        launch_ut_inverse(k, beta, ci, a, use_qk_l2norm=use_qk_l2norm, g=g if gated else None, g_cum=g_cum)
     h0 = (torch.zeros(n, value_heads, dim_k, dim_v, device=dev) if initial_state is None
           else initial_state.float().contiguous())
     ht = torch.full_like(h0, float("nan"))  # an unwritten final state shows as NaN
     o = torch.zeros(tokens, value_heads, dim_v, device=dev, dtype=v.dtype)
     order = torch.tensor(document_order(bounds), device=dev, dtype=torch.int32)
-    launch_fused_forward(q, k, v, g.float(), beta, a, ci, co, order, h0, ht, o, dim_k**-0.5 if scale is None else scale,
-                         use_qk_l2norm=use_qk_l2norm, form=form)
+    launch_fused_forward(q, k, v, g, beta, a, ci, co, order, h0, ht, o, dim_k**-0.5 if scale is None else scale,
+                         use_qk_l2norm=use_qk_l2norm, form=form, g_cum=g_cum)
     return o, ht, a
 
 
 def _aot_specs() -> list[_cd.CuteAotSpec]:
     """The model's specialisation: H = 16, HV = 48, K = V = 128, bf16, with and without the L2 norm, every
-    form; the per-head forms also as `chunk_gdn` launches them, saving for the backward."""
+    form; the per-head forms also as `chunk_gdn` launches them, reading the gated A."""
     suffix = {"cuda_core": "", "tensor_core": "_tc", "head": "_head", "head_wgmma": "_head_wgmma"}
-    variants = [(form, save) for form in FORMS for save in ((False, True) if form in HEAD_FORMS else (False,))]
-    return [_cd.CuteAotSpec(f"gdn_fused_forward{suffix[form]}{'_save' if save else ''}_bf16{'_l2' if l2 else ''}",
-                            lambda arch, dump_dir=None, l2=l2, form=form, save=save: compile_fused_forward(
-                                torch.bfloat16, 16, 48, 128, 128, l2, arch, form=form, save=save, keep_ptx=True,
+    variants = [(form, gated) for form in FORMS for gated in ((False, True) if form in HEAD_FORMS else (False,))]
+    return [_cd.CuteAotSpec(f"gdn_fused_forward{suffix[form]}{'_gated' if gated else ''}_bf16{'_l2' if l2 else ''}",
+                            lambda arch, dump_dir=None, l2=l2, form=form, gated=gated: compile_fused_forward(
+                                torch.bfloat16, 16, 48, 128, 128, l2, arch, form=form, gated=gated, keep_ptx=True,
                                 dump_dir=dump_dir), archs=ARCHS.get(form, ("sm_90a", "sm_100a")))
-            for form, save in variants for l2 in (True, False)]
+            for form, gated in variants for l2 in (True, False)]
 
 
 AOT_SPECS = _aot_specs()

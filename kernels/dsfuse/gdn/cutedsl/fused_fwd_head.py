@@ -39,6 +39,8 @@ rounded; (6) the output (``q S``, scaled by ``exp(G) rstd_q`` in the accumulator
 product added to it) stored rounded, and the state update; o's rows then go to memory. The loads of
 chunk ``c + 1`` overlap chunk ``c``'s steps (two stages of q, k, v, A0 rows; g and beta in
 registers); the steps themselves follow each other, all warps in each (not warp-specialised).
+In the ``gated`` mode `chunk_gdn` launches, the gating UT inverse has made the cumulative gate and
+``A0 * Gamma``: step 2 rounds the gated A and does no scan, and without the L2 norm its barrier goes.
 
 Shared memory at K = V = 128, bf16: two stages of q, k, v rows (16 KiB each a stage) and of A0's
 rows (16 KiB in fp32), the rounded state 32 KiB, X (o after it), ``v_new`` and its decayed copy
@@ -100,11 +102,10 @@ def _copy_rows(dtype, width: int, store: bool = False):
 
 @cute.jit
 def _gated_rows(copy: cute.TiledCopy, tidx: Int32, sA: cute.Tensor, sG: cute.Tensor, sAg: cute.Tensor,
-                mA: cute.Tensor, start: Int32, rows: Int32, i_hv: Int32, save: cutlass.Constexpr):
+                gated: cutlass.Constexpr):
     """``sAg = round(A0 * Gamma)``, ``Gamma[i, j] = exp(G[i] - G[j])`` on and below the diagonal (zeros
     above), by the threads of a copy of ``sAg``'s rows: 16-byte pieces of a row, stored whole. With
-    ``save``, also ``A0 * Gamma`` in fp32 over the chunk's real rows of ``mA`` (the rows ``sA`` was
-    copied from, read by no later chunk): the gated ``A`` the backward reads."""
+    ``gated``, ``sA`` holds ``A0 * Gamma`` already (the gating UT inverse's): ``sAg = round(sA)``."""
     part = copy.get_slice(tidx)
     tOs = part.partition_D(sAg)
     tOc = part.partition_D(cute.make_identity_tensor((cute.size(sAg, mode=[0]), cute.size(sAg, mode=[1]))))
@@ -114,33 +115,14 @@ def _gated_rows(copy: cute.TiledCopy, tidx: Int32, sA: cute.Tensor, sG: cute.Ten
         g_i = sG[i]
         for e in cutlass.range_constexpr(cute.size(piece)):
             j = tOc[e, m, 0][1]
-            gated = Float32(0.0)
-            if j <= i:
-                gated = sA[i, j] * cute.math.exp(g_i - sG[j])
-            piece[e] = gated.to(sAg.element_type)
-            if const_expr(save):
-                if i < rows:
-                    mA[start + i, i_hv, j] = gated
+            if const_expr(gated):
+                piece[e] = sA[i, j].to(sAg.element_type)
+            else:
+                value = Float32(0.0)
+                if j <= i:
+                    value = sA[i, j] * cute.math.exp(g_i - sG[j])
+                piece[e] = value.to(sAg.element_type)
         cute.autovec_copy(piece, tOs[None, m, 0])
-
-
-@cute.jit
-def _cumulative_gate(lane: Int32, sG: cute.Tensor):
-    """``sG`` (64 entries) replaced by its inclusive cumulative sum, by one warp: lane ``l`` adds its
-    pair ``(2l, 2l + 1)``, a shuffle scan over the lanes' pair sums, then each pair gets the sum of the
-    pairs before it. A fixed order of additions, so the same bits every call."""
-    a = sG[2 * lane]
-    b = a + sG[2 * lane + 1]
-    run = b
-    for step in cutlass.range_constexpr(5):
-        other = cute.arch.shuffle_sync_up(run, offset=1 << step)
-        if lane >= (1 << step):
-            run = run + other
-    before = cute.arch.shuffle_sync_up(run, offset=1)
-    if lane == 0:
-        before = Float32(0.0)
-    sG[2 * lane] = before + a
-    sG[2 * lane + 1] = before + b
 
 
 @cute.jit
@@ -165,15 +147,17 @@ class FusedForwardHead(chunk.ChainKernel):
     only), every product on warpgroup instructions reading its operands from 128-byte-swizzled tiles
     (`dsfuse.gdn.cutedsl.wgmma`), the four warpgroups splitting each product's M and N; the same
     steps, barriers and elementwise work (the ``head_wgmma`` form of the fused forward). With
-    ``save``, it also writes what the backward reads: the chunk-local cumulative gate into ``g_cum``
-    and ``A0 * Gamma`` (fp32) over ``A0`` in ``a`` (step 3)."""
+    ``gated`` (as `chunk_gdn` launches it), ``a`` holds ``A0 * Gamma`` and ``g_cum`` the chunk-local
+    cumulative gate, both made by the gating UT inverse (`dsfuse.gdn.cutedsl.ut_inverse`): the
+    kernel reads them in place of ``A0`` and ``g`` (no scan, no gating; ``g`` is not read) and
+    writes neither. Without it, ``g_cum`` is not touched."""
 
     threads = THREADS
 
-    def __init__(self, *args, wgmma: bool = False, save: bool = False):
+    def __init__(self, *args, wgmma: bool = False, gated: bool = False):
         super().__init__(*args)
         self.block_v = self.dim_v
-        self.wgmma, self.save = wgmma, save
+        self.wgmma, self.gated = wgmma, gated
 
     @cute.jit
     def _start_chunk(self, tidx: Int32, copies, sources, stages, mChunks: cute.Tensor, i_c: Int32, stage: Int32,
@@ -187,7 +171,7 @@ class FusedForwardHead(chunk.ChainKernel):
         for copy, m, t, head in ((copy_k, mQ, stages[0], i_h), (copy_k, mK, stages[1], i_h),
                                  (copy_v, mV, stages[2], i_hv), (copy_a, mA, stages[3], i_hv)):
             _start_rows(copy, tidx, m, t[None, None, stage], start, rows, head)
-        return chunk.read_gates(tidx, mG, mBeta, start, rows, i_hv, CHUNK)
+        return chunk.read_gates(tidx, mG, mBeta, start, rows, i_hv, CHUNK, flat=self.gated)
 
     @cute.kernel
     def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mG: cute.Tensor, mBeta: cute.Tensor,
@@ -239,12 +223,14 @@ class FusedForwardHead(chunk.ChainKernel):
         for i in cutlass.range_constexpr(cute.size(acc_s)):
             acc_s[i] = mH0[i_n, i_hv, cKV[i][0], cKV[i][1]]
 
-        # the first chunk's rows (stage 0) and gates; each chunk then starts the next one's
+        # the first chunk's rows (stage 0) and gates; each chunk then starts the next one's (gated:
+        # the cumulative gate read in place of g, and the gated A in place of A0)
+        sources = (mQ, mK, mV, mA, mGc if self.gated else mG, mBeta)
         first, last = mOffsets[i_n], mOffsets[i_n + 1]
         g_next, beta_next = Float32(0.0), Float32(0.0)
         if first < last:
-            g_next, beta_next = self._start_chunk(tidx, (copy_k, copy_v, copy_a), (mQ, mK, mV, mA, mG, mBeta),
-                                                  (sQ2, sK2, sV2, sA2), mChunks, first, 0, i_h, i_hv)
+            g_next, beta_next = self._start_chunk(tidx, (copy_k, copy_v, copy_a), sources, (sQ2, sK2, sV2, sA2),
+                                                  mChunks, first, 0, i_h, i_hv)
         cute.arch.cp_async_commit_group()
 
         for i_c in cutlass.range(first, last):
@@ -261,20 +247,25 @@ class FusedForwardHead(chunk.ChainKernel):
             if tidx < C:
                 sG[tidx], sBeta[tidx] = g_next, beta_next
             if i_c + 1 < last:
-                g_next, beta_next = self._start_chunk(tidx, (copy_k, copy_v, copy_a), (mQ, mK, mV, mA, mG, mBeta),
-                                                      (sQ2, sK2, sV2, sA2), mChunks, i_c + 1, 1 - stage, i_h, i_hv)
+                g_next, beta_next = self._start_chunk(tidx, (copy_k, copy_v, copy_a), sources, (sQ2, sK2, sV2, sA2),
+                                                      mChunks, i_c + 1, 1 - stage, i_h, i_hv)
             cute.arch.cp_async_commit_group()  # empty after the last chunk: one group a chunk all the same
             cute.autovec_copy(_mma.rounded(acc_s, ab), thr_kv.partition_C(sSb))
             cute.arch.cp_async_wait_group(1)
             _barrier(self.wgmma)
 
-            # 2. the rows' L2-norm scales; G = cumsum(g) (warp 0, after its rows)
+            # 2. the rows' L2-norm scales; G = cumsum(g) (warp 0, after its rows); gated: no scan (sG
+            #    holds the cumulative gate as read) and round(A) here, where it needs no G
             if const_expr(self.l2norm):
                 _row_scales(copy_k, tidx, sQ, sRstd, 0)
                 _row_scales(copy_k, tidx, sK, sRstd, C)
-            if warp == 0:
-                _cumulative_gate(lane, sG)
-            cute.arch.sync_threads()
+            if const_expr(self.gated):
+                _gated_rows(copy_c, tidx, sA, sG, sAg, True)
+            else:
+                if warp == 0:
+                    chunk.cumulative_gate(lane, sG)
+            if const_expr(self.l2norm or not self.gated):
+                cute.arch.sync_threads()
 
             # 3. the rows' factors (the L2 norm's scales folded in: q and k stay as read); round(A0 * Gamma)
             if tidx < C:
@@ -283,10 +274,8 @@ class FusedForwardHead(chunk.ChainKernel):
                 if const_expr(self.l2norm):
                     rq, rk = sRstd[tidx], sRstd[C + tidx]
                 sEGq[tidx], sEGk[tidx], sDec[tidx] = eg * rq, eg * rk, dec * rk
-                if const_expr(self.save):
-                    if tidx < rows:
-                        mGc[start + tidx, i_hv] = sG[tidx]
-            _gated_rows(copy_c, tidx, sA, sG, sAg, mA, start, rows, i_hv, self.save)
+            if const_expr(not self.gated):
+                _gated_rows(copy_c, tidx, sA, sG, sAg, False)
             cute.arch.sync_threads()
 
             # 4. q k^T and k S on the tensor cores; then, in registers, round((q k^T) * Gamma) and

@@ -13,6 +13,12 @@ written as row ``i`` of the chunk at token ``start + i``: ``a`` fp32 ``[T, HV, 6
 ``Gamma_ij = exp(G_i - G_j)`` (``dsfuse.gdn.reference.ut_transform`` with ``g_cum`` zero is this
 ``A``).
 
+The gating form (``g`` given, as `chunk_gdn` runs it) also makes the chunk-local cumulative gate
+``G = cumsum(g)`` (`dsfuse.gdn.cutedsl.chunk.cumulative_gate`, the fused forward's scan), writes it
+to ``g_cum``, and writes ``A * Gamma`` (zeros above the diagonal) in place of ``A``: the gated ``A``
+the fused forward reads and the Triton backward stages keep, made where ``A`` is made, in the same
+bytes, so the fused forward neither scans, gates nor saves.
+
 One CTA per (chunk, qk head), for all the value heads of that qk head (64 threads a head, up to 4
 heads a pass, `heads_per_pass`: 192 threads at 3 heads). The first 4 warps stage the chunk's k rows
 in shared memory (16-byte ``cp.async`` when k's rows are 16-byte aligned, `vector_reads`), the rows'
@@ -81,22 +87,26 @@ def heads_per_pass(group: int) -> int:
 
 
 class _UtInverse:
-    """``(k [T, H, K], beta [T, HV], chunk_indices int32 [NC, 3]) -> a fp32 [T, HV, 64]``."""
+    """``(k [T, H, K], beta [T, HV], g fp32 [T, HV], chunk_indices int32 [NC, 3]) -> a fp32 [T, HV, 64],
+    g_cum fp32 [T, HV]`` (``g`` read and ``g_cum`` written with ``gate`` only; else ``a`` is ungated)."""
 
-    def __init__(self, dtype: torch.dtype, heads: int, value_heads: int, dim_k: int, l2norm: bool, aligned: bool):
-        self.dtype, self.heads, self.value_heads, self.dim_k, self.l2norm = (
-            DTYPES[dtype], heads, value_heads, dim_k, l2norm)
+    def __init__(self, dtype: torch.dtype, heads: int, value_heads: int, dim_k: int, l2norm: bool, aligned: bool,
+                 gate: bool = False):
+        self.dtype, self.heads, self.value_heads, self.dim_k, self.l2norm, self.gate = (
+            DTYPES[dtype], heads, value_heads, dim_k, l2norm, gate)
         self.vector_rows = aligned and dtype != torch.float32  # k's rows by 16-byte cp.async
         self.slots = heads_per_pass(value_heads // heads)
         self.threads = max(THREADS, CHUNK * self.slots)
 
     @cute.jit
-    def __call__(self, mK: cute.Tensor, mBeta: cute.Tensor, mChunks: cute.Tensor, mA: cute.Tensor, stream):
-        self.kernel(mK, mBeta, mChunks, mA).launch(grid=[mChunks.shape[0], self.heads, 1],
-                                                   block=[self.threads, 1, 1], stream=stream)
+    def __call__(self, mK: cute.Tensor, mBeta: cute.Tensor, mG: cute.Tensor, mChunks: cute.Tensor, mA: cute.Tensor,
+                 mGc: cute.Tensor, stream):
+        self.kernel(mK, mBeta, mG, mChunks, mA, mGc).launch(grid=[mChunks.shape[0], self.heads, 1],
+                                                            block=[self.threads, 1, 1], stream=stream)
 
     @cute.kernel
-    def kernel(self, mK: cute.Tensor, mBeta: cute.Tensor, mChunks: cute.Tensor, mA: cute.Tensor):
+    def kernel(self, mK: cute.Tensor, mBeta: cute.Tensor, mG: cute.Tensor, mChunks: cute.Tensor, mA: cute.Tensor,
+               mGc: cute.Tensor):
         K, C, GROUP, SLOTS = self.dim_k, CHUNK, self.value_heads // self.heads, self.slots
         tidx, _, _ = cute.arch.thread_idx()
         i_c, i_h, _ = cute.arch.block_idx()
@@ -120,6 +130,7 @@ class _UtInverse:
         sK = cute.make_tensor(cute.recast_ptr(shared, dtype=kt), k_layout)
         sRow = smem.allocate_tensor(Float32, cute.make_layout((SLOTS, C)), byte_alignment=16)
         sRstd = smem.allocate_tensor(Float32, cute.make_layout((C,)), byte_alignment=16)
+        sGate = smem.allocate_tensor(Float32, cute.make_layout((SLOTS, C)), byte_alignment=16)  # gate: G per head
 
         # the first pass's beta of row `col` of value head `slot`, read while k arrives
         slot, col = tidx // C, tidx % C
@@ -193,13 +204,23 @@ class _UtInverse:
                 beta = Float32(0.0)
                 if active and col < rows:
                     beta = mBeta[start + col, i_hv].to(Float32)
-            # 3. per value head: m_r = beta_r rstd_r of row r = col, 0 past the chunk's end
+            # 3. per value head: m_r = beta_r rstd_r of row r = col, 0 past the chunk's end; gate: g of
+            #    row col (0 past the end: G stays flat there), then its cumulative sum by the head's
+            #    first warp (its threads' diagonal blocks wait for it; the barrier after them orders it)
             if active:
                 if const_expr(self.l2norm):
                     sRow[slot, col] = beta * sRstd[col]
                 else:
                     sRow[slot, col] = beta
+                if const_expr(self.gate):
+                    gv = Float32(0.0)
+                    if col < rows:
+                        gv = mG[start + col, i_hv]
+                    sGate[slot, col] = gv
             cute.arch.sync_threads()
+            if const_expr(self.gate):
+                if active and col < 32:
+                    chunk.cumulative_gate(col, sGate[slot, None])
             # 4. A = (I + M)^-1, M_ij = m_i G_ij rstd_j for j < i, by blocks of 16: each thread its
             #    column's diagonal block, then (after the barrier) its rows below it, a block at a time
             if active:
@@ -208,9 +229,21 @@ class _UtInverse:
             if active:
                 for blk in cutlass.range_constexpr(1, C // BLOCK):
                     _block_row(sG, sRow[slot, None], sA[slot, None, None], col, blk)
-                # 5. the column's rows of the chunk (its own column: no barrier)
-                for i in cutlass.range(rows, unroll=8):
-                    mA[start + i, i_hv, col] = sA[slot, i, col]
+                # 5. the column's rows of the chunk (its own column: no barrier); gate: times
+                #    exp(G_i - G_col) on and below the diagonal (the fused forward's former formula), and
+                #    the column's row of G
+                if const_expr(self.gate):
+                    g_col = sGate[slot, col]
+                    if col < rows:
+                        mGc[start + col, i_hv] = g_col
+                    for i in cutlass.range(rows, unroll=8):
+                        value = Float32(0.0)
+                        if col <= i:
+                            value = sA[slot, i, col] * cute.math.exp(sGate[slot, i] - g_col)
+                        mA[start + i, i_hv, col] = value
+                else:
+                    for i in cutlass.range(rows, unroll=8):
+                        mA[start + i, i_hv, col] = sA[slot, i, col]
 
 
 @cute.jit
@@ -264,12 +297,13 @@ def _block_row(sG: cute.Tensor, sM: cute.Tensor, sA: cute.Tensor, col: Int32, bl
             sA[r0 + r, col] = Float32(0.0)
 
 
-CACHE = _cd.KernelCache()  # (dtype, H, HV, K, l2norm, aligned, arch) -> compiled function
+CACHE = _cd.KernelCache()  # (dtype, H, HV, K, l2norm, aligned, gate, arch) -> compiled function
 
 
 def _fake_tensors(dtype: torch.dtype, heads: int, value_heads: int, dim_k: int, aligned: bool) -> tuple:
     """Fake tensors of the compiled signature: symbolic tokens and chunks, any token and head strides
-    (with ``aligned``, k's base and strides 16-byte aligned)."""
+    (with ``aligned``, k's base and strides 16-byte aligned); ``g`` and ``g_cum`` any strides and
+    their own token count (empty when the kernel does not gate)."""
     cdt = DTYPES[dtype]
     tokens, chunks = cute.sym_int(), cute.sym_int()
     vector = 16 // dtype.itemsize if aligned else 1
@@ -279,19 +313,25 @@ def _fake_tensors(dtype: torch.dtype, heads: int, value_heads: int, dim_k: int, 
     beta = cute.runtime.make_fake_tensor(cdt, (tokens, value_heads), (cute.sym_int64(), cute.sym_int64()))
     table = cute.runtime.make_fake_tensor(Int32, (chunks, 3), (3, 1))
     a = cute.runtime.make_fake_tensor(Float32, (tokens, value_heads, CHUNK), (value_heads * CHUNK, CHUNK, 1))
-    return k, beta, table, a
+    gate_tokens = cute.sym_int()
+
+    def gates():
+        return cute.runtime.make_fake_tensor(Float32, (gate_tokens, value_heads), (cute.sym_int64(), cute.sym_int64()))
+
+    return k, beta, gates(), table, a, gates()
 
 
 def compile_ut_inverse(dtype: torch.dtype, heads: int, value_heads: int, dim_k: int, l2norm: bool, arch: str, *,
-                       aligned: bool = True, keep_ptx: bool = False, dump_dir: str | None = None):
+                       aligned: bool = True, gate: bool = False, keep_ptx: bool = False, dump_dir: str | None = None):
     """The kernel for one configuration, compiled for ``arch`` (``sm_90a``, ``sm_100a``; no GPU needed).
-    Called as ``fn(k, beta, chunk_indices, a)`` with torch tensors, on the current torch stream;
-    ``aligned``: for a ``k`` whose base and token and head strides are multiples of 16 bytes
-    (`vector_reads`), read by 16-byte copies (the same values as element by element)."""
+    Called as ``fn(k, beta, g, chunk_indices, a, g_cum)`` with torch tensors, on the current torch
+    stream; ``aligned``: for a ``k`` whose base and token and head strides are multiples of 16 bytes
+    (`vector_reads`), read by 16-byte copies (the same values as element by element); ``gate``: the
+    gating form (module docstring), else ``g`` and ``g_cum`` are not touched."""
     if reasons := shape_reasons(dtype, heads, value_heads, dim_k):
         raise ValueError("the CuTe DSL UT inverse cannot compile this: " + "; ".join(reasons))
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-    return _cd.compile(_UtInverse(dtype, heads, value_heads, dim_k, l2norm, aligned),
+    return _cd.compile(_UtInverse(dtype, heads, value_heads, dim_k, l2norm, aligned, gate),
                        *_fake_tensors(dtype, heads, value_heads, dim_k, aligned), stream, arch=arch,
                        keep_ptx=keep_ptx, dump_dir=dump_dir)
 
@@ -302,32 +342,42 @@ def vector_reads(k: torch.Tensor) -> bool:
 
 
 def launch_ut_inverse(k: torch.Tensor, beta: torch.Tensor, chunk_indices: torch.Tensor, a: torch.Tensor, *,
-                      use_qk_l2norm: bool = False) -> torch.Tensor:
-    """Write the ungated ``A`` of every chunk into ``a`` fp32 ``[T, HV, 64]`` (contiguous) and return it.
+                      use_qk_l2norm: bool = False, g: torch.Tensor | None = None,
+                      g_cum: torch.Tensor | None = None) -> torch.Tensor:
+    """Write the ungated ``A`` of every chunk into ``a`` fp32 ``[T, HV, 64]`` (contiguous) and return it;
+    with ``g`` (fp32 ``[T, HV]``, per-token log decay), the gated ``A * Gamma`` instead and the
+    chunk-local cumulative gate into ``g_cum`` (fp32 ``[T, HV]``; both given or neither).
 
     ``k`` ``[T, H, K]`` (unit channel stride), ``beta`` ``[T, HV]`` in k's dtype, ``chunk_indices``
-    int32 ``[NC, 3]`` contiguous (`dsfuse.gdn.reference.prepare_chunk_indices`). Rows of ``a`` at
-    tokens in no chunk are not written."""
+    int32 ``[NC, 3]`` contiguous (`dsfuse.gdn.reference.prepare_chunk_indices`). Rows of ``a`` and
+    ``g_cum`` at tokens in no chunk are not written."""
     _, heads, dim_k = k.shape
     value_heads = beta.shape[1]
     if k.stride(-1) != 1 or beta.dtype != k.dtype or not a.is_contiguous() or a.dtype != torch.float32:
         raise ValueError("launch_ut_inverse: k needs unit channel stride, beta k's dtype, a contiguous fp32")
+    gate = g is not None
+    if (g_cum is not None) != gate or gate and any(x.dtype != torch.float32 or x.shape != beta.shape
+                                                   for x in (g, g_cum)):
+        raise ValueError(f"launch_ut_inverse: g and g_cum both or neither, fp32 {tuple(beta.shape)} (beta's shape)")
     if chunk_indices.shape[0] == 0:
         return a
+    if not gate:  # not read: empty stand-ins of the compiled signature's types
+        g = g_cum = a.new_empty((0, value_heads))
     vector = vector_reads(k)
-    fn = CACHE.get((k.dtype, heads, value_heads, dim_k, use_qk_l2norm, vector, _cd.arch_of(k.device)),
+    fn = CACHE.get((k.dtype, heads, value_heads, dim_k, use_qk_l2norm, vector, gate, _cd.arch_of(k.device)),
                    lambda: compile_ut_inverse(k.dtype, heads, value_heads, dim_k, use_qk_l2norm,
-                                              _cd.arch_of(k.device), aligned=vector))
-    fn(k, beta, chunk_indices, a)
+                                              _cd.arch_of(k.device), aligned=vector, gate=gate))
+    fn(k, beta, g, chunk_indices, a, g_cum)
     return a
 
 
 def _aot_specs() -> list[_cd.CuteAotSpec]:
-    """The model's specialisation: H = 16, HV = 48, K = 128, bf16, with and without the L2 norm."""
-    return [_cd.CuteAotSpec(f"gdn_ut_inverse_bf16{'_l2' if l2 else ''}",
-                            lambda arch, dump_dir=None, l2=l2: compile_ut_inverse(
-                                torch.bfloat16, 16, 48, 128, l2, arch, keep_ptx=True, dump_dir=dump_dir))
-            for l2 in (True, False)]
+    """The model's specialisation: H = 16, HV = 48, K = 128, bf16, with and without the L2 norm, ungated
+    and gating (`chunk_gdn`'s)."""
+    return [_cd.CuteAotSpec(f"gdn_ut_inverse{'_gate' if gate else ''}_bf16{'_l2' if l2 else ''}",
+                            lambda arch, dump_dir=None, l2=l2, gate=gate: compile_ut_inverse(
+                                torch.bfloat16, 16, 48, 128, l2, arch, gate=gate, keep_ptx=True, dump_dir=dump_dir))
+            for gate in (False, True) for l2 in (True, False)]
 
 
 AOT_SPECS = _aot_specs()
