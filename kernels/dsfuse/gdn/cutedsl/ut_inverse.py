@@ -132,11 +132,13 @@ class _UtInverse:
         sRstd = smem.allocate_tensor(Float32, cute.make_layout((C,)), byte_alignment=16)
         sGate = smem.allocate_tensor(Float32, cute.make_layout((SLOTS, C)), byte_alignment=16)  # gate: G per head
 
-        # the first pass's beta of row `col` of value head `slot`, read while k arrives
+        # the first pass's beta (and, gating, g) of row `col` of value head `slot`, read while k arrives
         slot, col = tidx // C, tidx % C
-        beta = Float32(0.0)
+        beta, gate = Float32(0.0), Float32(0.0)
         if slot < SLOTS and col < rows:
             beta = mBeta[start + col, i_h * GROUP + slot].to(Float32)
+            if const_expr(self.gate):
+                gate = mG[start + col, i_h * GROUP + slot]
 
         # 1.-2. by the first 4 warps: the chunk's k rows (zeros past its end) in k's dtype, the rows'
         #    rstd (1 without the L2 norm), their Gram matrix k k^T with its columns scaled by rstd_j
@@ -201,9 +203,11 @@ class _UtInverse:
             active = slot < SLOTS and base + slot < GROUP
             if const_expr(base > 0):  # the last pass's reads of sRow and sA are done; this pass's beta
                 cute.arch.sync_threads()
-                beta = Float32(0.0)
+                beta, gate = Float32(0.0), Float32(0.0)
                 if active and col < rows:
                     beta = mBeta[start + col, i_hv].to(Float32)
+                    if const_expr(self.gate):
+                        gate = mG[start + col, i_hv]
             # 3. per value head: m_r = beta_r rstd_r of row r = col, 0 past the chunk's end; gate: g of
             #    row col (0 past the end: G stays flat there), then its cumulative sum by the head's
             #    first warp (its threads' diagonal blocks wait for it; the barrier after them orders it)
@@ -213,10 +217,7 @@ class _UtInverse:
                 else:
                     sRow[slot, col] = beta
                 if const_expr(self.gate):
-                    gv = Float32(0.0)
-                    if col < rows:
-                        gv = mG[start + col, i_hv]
-                    sGate[slot, col] = gv
+                    sGate[slot, col] = gate
             cute.arch.sync_threads()
             if const_expr(self.gate):
                 if active and col < 32:
