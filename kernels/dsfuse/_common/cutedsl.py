@@ -92,16 +92,20 @@ def target(arch: str):
                 os.environ[ARCH_ENV] = old
 
 
-def compile(fn: Callable, *args: Any, arch: str, keep_ptx: bool = False, dump_dir: str | None = None) -> Callable:
+def compile(fn: Callable, *args: Any, arch: str, keep_ptx: bool = False, dump_dir: str | None = None,
+            keep_cubin: bool = False) -> Callable:
     """``cute.compile(fn, *args)`` for ``arch``, with the TVM-FFI call path.
 
     ``keep_ptx``: the PTX is kept (``compiled.__ptx__``) and written to ``dump_dir`` (default: the
-    directory the process started in, where the DSL was imported)."""
+    directory the process started in, where the DSL was imported); ``keep_cubin`` likewise the cubin
+    the DSL's own ptxas made (``compiled.__cubin__``: its register counts are the kernel's)."""
     _, cute = require()
     # the DSL reads CUTE_DSL_ARCH once, when it is imported: name the target in the options too
     options = [f"--gpu-arch {arch}", "--enable-tvm-ffi"]
     if keep_ptx:
         options.append("--keep-ptx")
+    if keep_cubin:
+        options.append("--keep-cubin")
     if dump_dir is not None:
         options.append(f"--dump-dir {dump_dir}")
     with target(arch):

@@ -237,7 +237,9 @@ class _UtInverse:
                     g_col = sGate[slot, col]
                     if col < rows:
                         mGc[start + col, i_hv] = g_col
-                    for i in cutlass.range(rows, unroll=8):
+                    # unrolled by 2, not 8: 80 registers a thread (ptxas, sm_90a); at 8 it took 106, and
+                    # the SM held two CTAs of 192 threads instead of three (about 40 % slower at (16, 48))
+                    for i in cutlass.range(rows, unroll=2):
                         value = Float32(0.0)
                         if col <= i:
                             value = sA[slot, i, col] * cute.math.exp(sGate[slot, i] - g_col)
@@ -323,7 +325,8 @@ def _fake_tensors(dtype: torch.dtype, heads: int, value_heads: int, dim_k: int, 
 
 
 def compile_ut_inverse(dtype: torch.dtype, heads: int, value_heads: int, dim_k: int, l2norm: bool, arch: str, *,
-                       aligned: bool = True, gate: bool = False, keep_ptx: bool = False, dump_dir: str | None = None):
+                       aligned: bool = True, gate: bool = False, keep_ptx: bool = False, dump_dir: str | None = None,
+                       keep_cubin: bool = False):
     """The kernel for one configuration, compiled for ``arch`` (``sm_90a``, ``sm_100a``; no GPU needed).
     Called as ``fn(k, beta, g, chunk_indices, a, g_cum)`` with torch tensors, on the current torch
     stream; ``aligned``: for a ``k`` whose base and token and head strides are multiples of 16 bytes
@@ -334,7 +337,7 @@ def compile_ut_inverse(dtype: torch.dtype, heads: int, value_heads: int, dim_k: 
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     return _cd.compile(_UtInverse(dtype, heads, value_heads, dim_k, l2norm, aligned, gate),
                        *_fake_tensors(dtype, heads, value_heads, dim_k, aligned), stream, arch=arch,
-                       keep_ptx=keep_ptx, dump_dir=dump_dir)
+                       keep_ptx=keep_ptx, dump_dir=dump_dir, keep_cubin=keep_cubin)
 
 
 def vector_reads(k: torch.Tensor) -> bool:
