@@ -88,7 +88,7 @@ def case_rows(case, timer: Timer, samples: int, device: torch.device, only: set[
                          output_final_state=True, cu_seqlens=inputs["cu_seqlens"], use_qk_l2norm_in_kernel=l2,
                          backend="triton")
 
-    suffix = {"cuda_core": "", "tensor_core": "_tc", "head": "_head", "head_wgmma": "_head_wgmma"}
+    suffix = {"cuda_core": "", "tensor_core": "_tc", "head": "_head", "head_wgmma": "_head_wgmma", "head_ws": "_head_ws"}
     arch = _cd.arch_of(device)
     # the forms this GPU has the instructions of, and (with --parts) only those whose parts are timed
     forms = [f for f in FORMS if arch in ARCHS.get(f, (arch,))

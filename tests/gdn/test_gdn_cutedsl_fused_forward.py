@@ -140,8 +140,11 @@ def test_refuses_what_it_cannot_compile():
                                                   "gdn_fused_forward_head_wgmma_bf16_l2",
                                                   "gdn_fused_forward_head_wgmma_bf16",
                                                   "gdn_fused_forward_head_wgmma_gated_bf16_l2",
-                                                  "gdn_fused_forward_head_wgmma_gated_bf16"]
-    assert [s.archs for s in module.AOT_SPECS][-4:] == [("sm_90a",)] * 4  # wgmma: Hopper's instruction
+                                                  "gdn_fused_forward_head_wgmma_gated_bf16",
+                                                  "gdn_fused_forward_head_ws_bf16_l2", "gdn_fused_forward_head_ws_bf16",
+                                                  "gdn_fused_forward_head_ws_gated_bf16_l2",
+                                                  "gdn_fused_forward_head_ws_gated_bf16"]
+    assert [s.archs for s in module.AOT_SPECS][-8:] == [("sm_90a",)] * 8  # wgmma: Hopper's instruction
     with pytest.raises(ValueError, match="reads a gated A in the forms"):
         module.compile_fused_forward(torch.bfloat16, 16, 48, 128, 128, True, "sm_90a", form="tensor_core", gated=True)
     with pytest.raises(ValueError, match="head_wgmma form compiles for"):
@@ -190,6 +193,60 @@ def test_the_wgmma_form_fences_its_writes_before_its_products(tmp_path):
     assert "fence.proxy.async" not in head and "wgmma" not in head
 
 
+def test_the_role_split_form_meets_at_named_barriers(tmp_path):
+    """The ``head_ws`` form's PTX (sm_90a, CPU): the same 36 wgmma a chunk as ``head_wgmma`` (16 by the
+    state team, 20 by the output team, each on two warpgroups: m64n64 for the C x V products, m64n32
+    for q k^T, m64n128 for the state update), the teams' registers set by ``setmaxnreg``, and the
+    teams meeting only at named barriers: every ``bar.arrive`` counts 512 threads, and no barrier 0
+    (the CTA's) inside the chunk loop."""
+    import collections
+    import re
+
+    from helpers import cute_spec_ptx
+
+    cutedsl_or_skip()
+    from dsfuse.gdn.cutedsl import fused_fwd as module
+    from dsfuse.gdn.cutedsl.fused_fwd_ws import OUTPUT_REGS, STATE_REGS
+
+    specs = {spec.name: spec for spec in module.AOT_SPECS}
+    ptx = cute_spec_ptx(specs["gdn_fused_forward_head_ws_gated_bf16_l2"], "sm_90a", tmp_path)
+    shapes = collections.Counter(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", ptx))
+    assert shapes == {"m64n32k16": 8, "m64n64k16": 24, "m64n128k16": 4}, shapes
+    assert re.search(rf"setmaxnreg\.inc\.sync\.aligned\.u32\s+{STATE_REGS};", ptx)
+    assert re.search(rf"setmaxnreg\.dec\.sync\.aligned\.u32\s+{OUTPUT_REGS};", ptx)
+    arrives = re.findall(r"bar\.arrive\s+(\d+),\s*(\d+);", ptx)
+    assert sorted({bar for bar, _ in arrives}) == ["3", "4", "5", "6"] and {n for _, n in arrives} == {"512"}, arrives
+    syncs = re.findall(r"bar(?:rier)?\.sync(?:\.aligned)?\s+(\d+)(?:,\s*(\d+))?;", ptx)
+    assert syncs and all(bar != "0" for bar, _ in syncs), syncs  # only named barriers
+    assert {(bar, n) for bar, n in syncs} == {("1", "256"), ("2", "256"), ("3", "512"), ("4", "512"), ("5", "512"),
+                                              ("6", "512")}, syncs
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("l2", [True, False])
+@pytest.mark.parametrize("dims", [(2, 6, 64, 64), (16, 48, 128, 128), (2, 4, 128, 64), (2, 4, 64, 128)])
+def test_the_role_split_form_gives_the_same_bits(l2, dims):
+    """``head_ws`` and ``head_wgmma`` on the same inputs (gated, as `chunk_gdn` launches them; varlen with
+    an empty and a one-token document, an initial state): o and the final states bitwise equal, and
+    repeated calls too (the products are split over two warpgroups instead of four: the same
+    instructions' sums for every element)."""
+    cutedsl_or_skip()
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("wgmma runs on sm_90 only")
+    from dsfuse.gdn.cutedsl.fused_fwd import fused_forward
+
+    h, hv, dk, dv = dims
+    cu = _bounds()
+    q, k, v, g, beta, h0 = _inputs(cu[-1] + CHUNK_TAIL, h, hv, dk, dv, torch.bfloat16, "cuda", seed=5, l2=l2)
+    args = {"initial_state": h0, "cu_seqlens": cu, "use_qk_l2norm": l2, "gated": True}
+    runs = [fused_forward(q, k, v, g, beta, form=form, **args)[:2] for form in ("head_wgmma", "head_ws", "head_ws")]
+    torch.cuda.synchronize()
+    (o1, ht1), (o2, ht2), (o3, ht3) = runs
+    assert not o2.isnan().any() and not ht2.isnan().any()
+    assert torch.equal(o2, o3) and torch.equal(ht2, ht3)
+    assert torch.equal(o1, o2) and torch.equal(ht1, ht2)
+
+
 def _run_on_gpu(dtype, l2, dims, form):
     """``(o, ht, o_ref, ht_ref, cu)``: the fused forward on strided head views of one packed row (a
     second call bitwise equal, the tail's o zero, nothing left unwritten) and the float64 reference
@@ -235,7 +292,7 @@ def test_matches_the_float64_reference(dtype, l2, dims):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("form", ["tensor_core", "head", "head_wgmma"])
+@pytest.mark.parametrize("form", ["tensor_core", "head", "head_wgmma", "head_ws"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("l2", [True, False])
 @pytest.mark.parametrize("dims", DIMS)
@@ -244,7 +301,7 @@ def test_tensor_core_forms_match_the_float64_reference(form, dtype, l2, dims):
     contract: relative RMS of o and of the final states <= 0.005 (``dsfuse.bench.gdn.TOLERANCES``)."""
     from dsfuse.bench.gdn import TOLERANCES
 
-    if form == "head_wgmma" and torch.cuda.get_device_capability() != (9, 0):
+    if form in ("head_wgmma", "head_ws") and torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("wgmma runs on sm_90 only")
     if form.startswith("head") and dims[3] not in (64, 128):
         pytest.skip("the per-head form takes V = 64 or 128 (test_refuses_what_it_cannot_compile)")
@@ -298,7 +355,7 @@ CHUNK_TAIL = 64 + 7
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("form", ["head", "head_wgmma"])
+@pytest.mark.parametrize("form", ["head", "head_wgmma", "head_ws"])
 @pytest.mark.parametrize("l2", [True, False])
 @pytest.mark.parametrize("dims", [(2, 6, 64, 64), (16, 48, 128, 128)])
 def test_the_gated_launch_changes_nothing_else(form, l2, dims):
@@ -309,7 +366,7 @@ def test_the_gated_launch_changes_nothing_else(form, l2, dims):
     wrote them by the kernel; rows in no document left as they were (NaN here: more than a chunk of
     them, so a write past a partial chunk's rows shows)."""
     cutedsl_or_skip()
-    if form == "head_wgmma" and torch.cuda.get_device_capability() != (9, 0):
+    if form in ("head_wgmma", "head_ws") and torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("wgmma runs on sm_90 only")
     from dsfuse.gdn.cutedsl.fused_fwd import launch_fused_forward
     from dsfuse.gdn.cutedsl.ut_inverse import launch_ut_inverse

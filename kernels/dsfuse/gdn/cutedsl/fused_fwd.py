@@ -39,20 +39,22 @@ from dsfuse.gdn.cutedsl.chunk import BV, CHUNK, DTYPES, THREADS
 from dsfuse.gdn.cutedsl import fused_fwd_head
 from dsfuse.gdn.cutedsl.fused_fwd_head import FusedForwardHead
 from dsfuse.gdn.cutedsl.fused_fwd_tc import TC_DTYPES, FusedForwardTC
+from dsfuse.gdn.cutedsl.fused_fwd_ws import FusedForwardWS
 from dsfuse.gdn.cutedsl.ut_inverse import shape_reasons as _inverse_reasons
 from dsfuse.gdn.schedule import document_order
 
 ROWS = THREADS // BV  # 4 thread rows: a thread holds CHUNK / ROWS rows of a [C, BV] tile
 
 
-FORMS = ("cuda_core", "tensor_core", "head", "head_wgmma")
+FORMS = ("cuda_core", "tensor_core", "head", "head_wgmma", "head_ws")
 """The fused forward's forms, each a green step of the plan on the GDN page: ``cuda_core`` (this
 module's fp32 kernel, the reference-grade one), ``tensor_core`` (`dsfuse.gdn.cutedsl.fused_fwd_tc`:
 the same CTAs, products on ``mma.sync``), ``head`` (`dsfuse.gdn.cutedsl.fused_fwd_head`: one CTA per
 document and value head, results in registers), ``head_wgmma`` (the same kernel with its products on
-warpgroup instructions, `dsfuse.gdn.cutedsl.wgmma`: sm_90a only; not yet run on a GPU)."""
-HEAD_FORMS = ("head", "head_wgmma")  # one CTA per document and value head, 16-byte row copies
-ARCHS = {"head_wgmma": ("sm_90a",)}  # the forms an architecture lacks the instructions of
+warpgroup instructions, `dsfuse.gdn.cutedsl.wgmma`: sm_90a only), ``head_ws`` (its warps split into
+a team for the state's chain and one for the output, `dsfuse.gdn.cutedsl.fused_fwd_ws`: sm_90a only)."""
+HEAD_FORMS = ("head", "head_wgmma", "head_ws")  # one CTA per document and value head, 16-byte row copies
+ARCHS = {"head_wgmma": ("sm_90a",), "head_ws": ("sm_90a",)}  # the forms an architecture lacks the instructions of
 
 
 def shape_reasons(dtype: torch.dtype, heads: int, value_heads: int, dim_k: int, dim_v: int,
@@ -249,7 +251,8 @@ def compile_fused_forward(dtype: torch.dtype, heads: int, value_heads: int, dim_
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     kernel = {"cuda_core": _FusedForward, "tensor_core": FusedForwardTC,
               "head": functools.partial(FusedForwardHead, gated=gated),
-              "head_wgmma": functools.partial(FusedForwardHead, wgmma=True, gated=gated)}[form]
+              "head_wgmma": functools.partial(FusedForwardHead, wgmma=True, gated=gated),
+              "head_ws": functools.partial(FusedForwardWS, gated=gated)}[form]
     return _cd.compile(kernel(dtype, heads, value_heads, dim_k, dim_v, l2norm),
                        *_fake_tensors(dtype, heads, value_heads, dim_k, dim_v, form in HEAD_FORMS), Float32(1.0),
                        stream, arch=arch,
@@ -333,7 +336,7 @@ def fused_forward(q, k, v, g, beta, scale=None, initial_state=None, cu_seqlens=N
 def _aot_specs() -> list[_cd.CuteAotSpec]:
     """The model's specialisation: H = 16, HV = 48, K = V = 128, bf16, with and without the L2 norm, every
     form; the per-head forms also as `chunk_gdn` launches them, reading the gated A."""
-    suffix = {"cuda_core": "", "tensor_core": "_tc", "head": "_head", "head_wgmma": "_head_wgmma"}
+    suffix = {"cuda_core": "", "tensor_core": "_tc", "head": "_head", "head_wgmma": "_head_wgmma", "head_ws": "_head_ws"}
     variants = [(form, gated) for form in FORMS for gated in ((False, True) if form in HEAD_FORMS else (False,))]
     return [_cd.CuteAotSpec(f"gdn_fused_forward{suffix[form]}{'_gated' if gated else ''}_bf16{'_l2' if l2 else ''}",
                             lambda arch, dump_dir=None, l2=l2, form=form, gated=gated: compile_fused_forward(
