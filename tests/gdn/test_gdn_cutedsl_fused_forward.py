@@ -194,11 +194,13 @@ def test_the_wgmma_form_fences_its_writes_before_its_products(tmp_path):
 
 
 def test_the_role_split_form_meets_at_named_barriers(tmp_path):
-    """The ``head_ws`` form's PTX (sm_90a, CPU): the same 36 wgmma a chunk as ``head_wgmma`` (16 by the
-    state team, 20 by the output team, each on two warpgroups: m64n64 for the C x V products, m64n32
-    for q k^T, m64n128 for the state update), the teams' registers set by ``setmaxnreg``, and the
-    teams meeting only at named barriers: every ``bar.arrive`` counts 512 threads, and no barrier 0
-    (the CTA's) inside the chunk loop."""
+    """The ``head_ws`` form's PTX (sm_90a, CPU), every spec: the same 36 wgmma a chunk as ``head_wgmma``
+    (16 by the state team, 20 by the output team, each on two warpgroups: m64n64 for the C x V
+    products, m64n32 for q k^T, m64n128 for the state update), the teams' registers set by
+    ``setmaxnreg``, and each team's barriers in the order the protocol needs (module docstring of
+    `dsfuse.gdn.cutedsl.fused_fwd_ws`): named barriers only (none is the CTA's), the state team's
+    arrivals (3, 5) right after its own barrier with its writes fenced for the tensor cores before
+    it, and it alone waiting at 4 and 6; the output team waiting at 3 and 5 and arriving at 4 and 6."""
     import collections
     import re
 
@@ -208,28 +210,38 @@ def test_the_role_split_form_meets_at_named_barriers(tmp_path):
     from dsfuse.gdn.cutedsl import fused_fwd as module
     from dsfuse.gdn.cutedsl.fused_fwd_ws import OUTPUT_REGS, STATE_REGS
 
-    specs = {spec.name: spec for spec in module.AOT_SPECS}
-    ptx = cute_spec_ptx(specs["gdn_fused_forward_head_ws_gated_bf16_l2"], "sm_90a", tmp_path)
-    shapes = collections.Counter(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", ptx))
-    assert shapes == {"m64n32k16": 8, "m64n64k16": 24, "m64n128k16": 4}, shapes
-    assert re.search(rf"setmaxnreg\.inc\.sync\.aligned\.u32\s+{STATE_REGS};", ptx)
-    assert re.search(rf"setmaxnreg\.dec\.sync\.aligned\.u32\s+{OUTPUT_REGS};", ptx)
-    arrives = re.findall(r"bar\.arrive\s+(\d+),\s*(\d+);", ptx)
-    assert sorted({bar for bar, _ in arrives}) == ["3", "4", "5", "6"] and {n for _, n in arrives} == {"512"}, arrives
-    syncs = re.findall(r"bar(?:rier)?\.sync(?:\.aligned)?\s+(\d+)(?:,\s*(\d+))?;", ptx)
-    assert syncs and all(bar != "0" for bar, _ in syncs), syncs  # only named barriers
-    assert {(bar, n) for bar, n in syncs} == {("1", "256"), ("2", "256"), ("3", "512"), ("4", "512"), ("5", "512"),
-                                              ("6", "512")}, syncs
+    def barriers(text):
+        return ["fence" if m.group(1) else f"{m.group(2)} {m.group(3)}"
+                for m in re.finditer(r"(fence\.proxy\.async)|bar\.(sync|arrive)\s+(\d+)", text)]
+
+    state_chunk = ["sync 4", "fence", "sync 1", "fence", "sync 1", "arrive 3", "fence", "sync 1", "sync 6", "fence",
+                   "sync 1", "arrive 5", "sync 1"]
+    output_chunk = ["sync 3", "arrive 4", "fence", "sync 2", "sync 5", "arrive 6", "sync 2"]
+    specs = [spec for spec in module.AOT_SPECS if "_head_ws" in spec.name]
+    assert len(specs) == 4
+    for spec in specs:
+        ptx = cute_spec_ptx(spec, "sm_90a", tmp_path)
+        shapes = collections.Counter(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", ptx))
+        assert shapes == {"m64n32k16": 8, "m64n64k16": 24, "m64n128k16": 4}, (spec.name, shapes)
+        assert len(re.findall(rf"setmaxnreg\.inc\.sync\.aligned\.u32\s+{STATE_REGS};", ptx)) == 1
+        assert len(re.findall(rf"setmaxnreg\.dec\.sync\.aligned\.u32\s+{OUTPUT_REGS};", ptx)) == 1
+        assert re.findall(r"bar\.(?:sync|arrive)\s+\d+,\s*(\d+);", ptx).count("512") == 8  # 4 arrivals, 4 waits
+        state, output = ptx.split("setmaxnreg.dec")
+        # the state team's chain; the L2 norm's scales or the ungated scan add a barrier of its own after the first
+        chain = [t for n, t in enumerate(barriers(state)) if not (t == "sync 1" and barriers(state)[n - 1] == "sync 1")]
+        assert chain == state_chunk, (spec.name, barriers(state))
+        assert barriers(output) == output_chunk, (spec.name, barriers(output))
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("gated", [True, False])
 @pytest.mark.parametrize("l2", [True, False])
 @pytest.mark.parametrize("dims", [(2, 6, 64, 64), (16, 48, 128, 128), (2, 4, 128, 64), (2, 4, 64, 128)])
-def test_the_role_split_form_gives_the_same_bits(l2, dims):
-    """``head_ws`` and ``head_wgmma`` on the same inputs (gated, as `chunk_gdn` launches them; varlen with
-    an empty and a one-token document, an initial state): o and the final states bitwise equal, and
-    repeated calls too (the products are split over two warpgroups instead of four: the same
-    instructions' sums for every element)."""
+def test_the_role_split_form_gives_the_same_bits(gated, l2, dims):
+    """``head_ws`` and ``head_wgmma`` on the same inputs (gated, as `chunk_gdn` launches them, and not;
+    varlen with an empty and a one-token document, an initial state): o and the final states bitwise
+    equal, and repeated calls too (the products are split over two warpgroups instead of four: the
+    same instructions' sums for every element, an assumption about the tensor cores this checks)."""
     cutedsl_or_skip()
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("wgmma runs on sm_90 only")
@@ -238,7 +250,7 @@ def test_the_role_split_form_gives_the_same_bits(l2, dims):
     h, hv, dk, dv = dims
     cu = _bounds()
     q, k, v, g, beta, h0 = _inputs(cu[-1] + CHUNK_TAIL, h, hv, dk, dv, torch.bfloat16, "cuda", seed=5, l2=l2)
-    args = {"initial_state": h0, "cu_seqlens": cu, "use_qk_l2norm": l2, "gated": True}
+    args = {"initial_state": h0, "cu_seqlens": cu, "use_qk_l2norm": l2, "gated": gated}
     runs = [fused_forward(q, k, v, g, beta, form=form, **args)[:2] for form in ("head_wgmma", "head_ws", "head_ws")]
     torch.cuda.synchronize()
     (o1, ht1), (o2, ht2), (o3, ht3) = runs

@@ -11,8 +11,9 @@ One CTA of 512 threads per (document, value head), two teams of two warpgroups:
   shared memory: ``q k^T`` with its mask, decays and scales, ``q S``, then ``(q k^T Gamma) v_new``
   once ``v_new`` is there, and o's rows to memory.
 
-So a chunk's output products run while the state team goes on to the next chunk's ``k S`` (every
-product on warpgroup instructions, two warpgroups each). The teams meet at four named barriers a
+So a chunk's ``q k^T`` and ``q S`` run beside its ``k S``, and its ``(q k^T Gamma) v_new`` and o's
+store beside its state update and the next chunk's loads and factors (every product on warpgroup
+instructions, two warpgroups each). The teams meet at four named barriers a
 chunk, each arrived at by one team and waited at by the other (``bar.arrive`` / ``bar.sync`` over
 512 threads), besides each team's own barriers (256 threads):
 
@@ -49,9 +50,9 @@ from dsfuse.gdn.cutedsl.fused_fwd_head import STAGES, _gated_rows
 THREADS = 512
 TEAM = 256  # two warpgroups a team
 TEAM_WARPGROUPS = 2
-# registers a thread by team (setmaxnreg; 512 threads start at 128): the state team holds the fp32
-# state (64 a thread at K = V = 128) beside a product's accumulators; 160 + 96 over 256 threads each
-# is the SM's 65,536
+# registers a thread by team (setmaxnreg): the state team holds the fp32 state (64 a thread at
+# K = V = 128) beside a product's accumulators; 160 + 96 over 256 threads each is the 65,536 of 512
+# threads at 128 (ptxas keeps the instructions where the build needs more than 128, at K = V = 128)
 STATE_REGS, OUTPUT_REGS = 160, 96
 ARCHS = ("sm_90a",)  # wgmma
 # named barriers (0 is the CTA's): each team's own, then the four between the teams (module docstring)
@@ -104,13 +105,13 @@ class FusedForwardWS(chunk.ChainKernel):
 
         first, last = mOffsets[i_n], mOffsets[i_n + 1]
         if tidx < TEAM:
-            cute.arch.warpgroup_reg_alloc(STATE_REGS)
+            cute.arch.setmaxregister_increase(STATE_REGS)
             self._state_team(tidx, (sQ2, sK2, sV2, sA, sSb, sX, sVn, sVd, sAg),
                              (sG, sBeta, sEGq, sEGk, sDec, sRstd),
                              (mQ, mK, mV, mA, mGc if self.gated else mG, mBeta), mChunks, mH0, mHt,
                              first, last, i_n, i_h, i_hv)
         else:
-            cute.arch.warpgroup_reg_dealloc(OUTPUT_REGS)
+            cute.arch.setmaxregister_decrease(OUTPUT_REGS)
             self._output_team(tidx - TEAM, (sQ2, sK2, sSb, sVn, sQKg, sO), (sG, sEGq, sRstd), mChunks, mO, scale,
                               first, last, i_hv)
 
@@ -188,8 +189,8 @@ class FusedForwardWS(chunk.ChainKernel):
             if const_expr(self.l2norm or not self.gated):
                 _team_sync(STATE_BAR)
 
-            # 3. the rows' factors; round(A0 * Gamma); then A's tile is free: the next chunk's A
-            #    started, and the output team told this chunk is ready
+            # 3. the rows' factors; round(A0 * Gamma); then the output team told this chunk is ready,
+            #    and (A's tile free) the next chunk's A started
             if u < C:
                 eg, dec = cute.math.exp(sG[u]), cute.math.exp(sG[C - 1] - sG[u])
                 rq, rk = Float32(1.0), Float32(1.0)
@@ -200,11 +201,11 @@ class FusedForwardWS(chunk.ChainKernel):
                 _gated_rows(copy_c, u, sA, sG, sAg, False)
             _wg.fence_writes()
             _team_sync(STATE_BAR)
+            _arrive(READY)
             if i_c + 1 < last:
                 nxt = mChunks[i_c + 1, 1]
                 chunk.start_rows(copy_a, u, mA, sA, nxt, mChunks[i_c + 1, 2] - nxt, i_hv)
             cute.arch.cp_async_commit_group()
-            _arrive(READY)
 
             # 4. k S; X = beta (v - exp(G) rstd_k k S), rounded into shared memory
             acc_p = _mma.accumulator(mma_cv, u, (C, V))
@@ -216,12 +217,12 @@ class FusedForwardWS(chunk.ChainKernel):
             _wg.fence_writes()
             _team_sync(STATE_BAR)
 
-            # 5. once the output team has read the last v_new: v_new = round(A0 Gamma) round(X), stored
+            # 5. v_new = round(A0 Gamma) round(X); once the output team has read the last one, stored
             #    rounded (for the output team) and decayed to the chunk's end (for the state update)
-            if i_c > first:
-                _wait(VN_FREE)
             acc_vn = _mma.accumulator(mma_cv, u, (C, V))
             _wg.gemm(mma_cv, acc_vn, ops_vn)
+            if i_c > first:
+                _wait(VN_FREE)
             cute.autovec_copy(_mma.rounded(acc_vn, ab), thr_cv.partition_C(sVn))
             for i in cutlass.range_constexpr(cute.size(acc_vn)):
                 acc_vn[i] = acc_vn[i] * sDec[cCV[i][0]]
