@@ -24,7 +24,8 @@ compiled for sm_90a and sm_100a by the CPU tests through their ``AOT_SPECS``):
   plan's green steps: ``cuda_core`` (fp32, the reference-grade kernel the others are checked
   against), ``tensor_core`` (``fused_fwd_tc``: products on ``mma.sync``), ``head`` and ``head_wgmma``
   (``fused_fwd_head``: one CTA per document and value head, the state and the products' results in
-  registers; on ``mma.sync`` or on wgmma); checked by ``tests/gdn/test_gdn_cutedsl_fused_forward.py``,
+  registers; on ``mma.sync`` or on wgmma), ``head_ws`` (``fused_fwd_ws``: the same with its warps
+  split into a state team and an output team meeting at named barriers); checked by ``tests/gdn/test_gdn_cutedsl_fused_forward.py``,
   timed by ``experiments/gdn/fused_forward_probe.py``.
 * ``chunk``: what those kernels do to a chunk alike (loads, L2-norm scales, cumulative gate, gate
   vectors) and the fused forwards' signature and grid (``ChainKernel``).
