@@ -13,7 +13,7 @@ warpgroup instructions), the inverse and a fused kernel
 instructions of), the gating inverse alone (``ut_inverse_gate``: also the cumulative gate, and
 the gated fp32 ``A``), the per-head forms reading them (``fused_gated_head``,
 ``fused_gated_head_wgmma``) and the pair `chunk_gdn` launches (``cutedsl_gated_head``,
-``cutedsl_gated_head_wgmma``), `chunk_gdn`'s whole forward on the CuTe DSL backend (``chunk_gdn_cutedsl``) and the Triton
+``cutedsl_gated_head_wgmma``; ``_head_ws`` likewise for the role-split form), `chunk_gdn`'s whole forward on the CuTe DSL backend (``chunk_gdn_cutedsl``) and the Triton
 forward (``triton``, `chunk_gdn`),
 each replayed from a CUDA Graph with the L2 overwritten before each call
 (`dsfuse.bench.harness.Timer`, evicted regime). Before timing, every timed form's ``o`` and final state
