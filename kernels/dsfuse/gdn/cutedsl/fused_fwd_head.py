@@ -126,6 +126,35 @@ def _gated_rows(copy: cute.TiledCopy, tidx: Int32, sA: cute.Tensor, sG: cute.Ten
 
 
 @cute.jit
+def row_factors(t: Int32, sG: cute.Tensor, sRstd: cute.Tensor, sEGq: cute.Tensor, sEGk: cute.Tensor,
+                sDec: cute.Tensor, l2norm: cutlass.Constexpr):
+    """Row ``t``'s factors (threads ``t < C``), the L2 norm's scales folded in (q and k stay as read):
+    ``exp(G) rstd_q`` (o), ``exp(G) rstd_k`` (X), ``exp(G_last - G) rstd_k`` (the state update)."""
+    C = cute.size(sG)
+    if t < C:
+        eg, dec = cute.math.exp(sG[t]), cute.math.exp(sG[C - 1] - sG[t])
+        rq, rk = Float32(1.0), Float32(1.0)
+        if const_expr(l2norm):
+            rq, rk = sRstd[t], sRstd[C + t]
+        sEGq[t], sEGk[t], sDec[t] = eg * rq, eg * rk, dec * rk
+
+
+@cute.jit
+def gate_qk(acc_f: cute.Tensor, cCC: cute.Tensor, sG: cute.Tensor, sRstd: cute.Tensor, l2norm: cutlass.Constexpr):
+    """``q k^T`` in the accumulator ``acc_f`` (coordinates ``cCC``) masked to the lower triangle and
+    decayed by ``exp(G_r - G_c)`` (times ``rstd_q rstd_k`` with the L2 norm), in place."""
+    C = cute.size(sG)
+    for i in cutlass.range_constexpr(cute.size(acc_f)):
+        r, c = cCC[i][0], cCC[i][1]
+        qk = Float32(0.0)
+        if c <= r:
+            qk = acc_f[i] * cute.math.exp(sG[r] - sG[c])
+            if const_expr(l2norm):
+                qk = qk * (sRstd[r] * sRstd[C + c])
+        acc_f[i] = qk
+
+
+@cute.jit
 def _barrier(wgmma: cutlass.Constexpr):
     """A CTA barrier after which products read this step's shared-memory writes: with ``wgmma``, each
     thread's ordinary writes (``st.shared``, ``cp.async``) fenced first for the tensor cores' reads."""
@@ -268,12 +297,7 @@ class FusedForwardHead(chunk.ChainKernel):
                 cute.arch.sync_threads()
 
             # 3. the rows' factors (the L2 norm's scales folded in: q and k stay as read); round(A0 * Gamma)
-            if tidx < C:
-                eg, dec = cute.math.exp(sG[tidx]), cute.math.exp(sG[C - 1] - sG[tidx])
-                rq, rk = Float32(1.0), Float32(1.0)
-                if const_expr(self.l2norm):
-                    rq, rk = sRstd[tidx], sRstd[C + tidx]
-                sEGq[tidx], sEGk[tidx], sDec[tidx] = eg * rq, eg * rk, dec * rk
+            row_factors(tidx, sG, sRstd, sEGq, sEGk, sDec, self.l2norm)
             if const_expr(not self.gated):
                 _gated_rows(copy_c, tidx, sA, sG, sAg, False)
             cute.arch.sync_threads()
@@ -284,14 +308,7 @@ class FusedForwardHead(chunk.ChainKernel):
             gemm(mma_cc, acc_f, ops_qk)
             acc_p = _mma.accumulator(mma_cv, tidx, (C, V))
             gemm(mma_cv, acc_p, ops_ks)
-            for i in cutlass.range_constexpr(cute.size(acc_f)):
-                r, c = cCC[i][0], cCC[i][1]
-                qk = Float32(0.0)
-                if c <= r:
-                    qk = acc_f[i] * cute.math.exp(sG[r] - sG[c])
-                    if const_expr(self.l2norm):
-                        qk = qk * (sRstd[r] * sRstd[C + c])
-                acc_f[i] = qk
+            gate_qk(acc_f, cCC, sG, sRstd, self.l2norm)
             for i in cutlass.range_constexpr(cute.size(acc_p)):
                 r, c = cCV[i][0], cCV[i][1]
                 acc_p[i] = sBeta[r] * (sV[r, c].to(Float32) - sEGk[r] * acc_p[i])

@@ -45,7 +45,7 @@ from dsfuse.gdn.cutedsl import chunk
 from dsfuse.gdn.cutedsl import mma as _mma
 from dsfuse.gdn.cutedsl import wgmma as _wg
 from dsfuse.gdn.cutedsl.chunk import CHUNK
-from dsfuse.gdn.cutedsl.fused_fwd_head import STAGES, _gated_rows
+from dsfuse.gdn.cutedsl.fused_fwd_head import STAGES, _gated_rows, gate_qk, row_factors
 
 THREADS = 512
 TEAM = 256  # two warpgroups a team
@@ -191,12 +191,7 @@ class FusedForwardWS(chunk.ChainKernel):
 
             # 3. the rows' factors; round(A0 * Gamma); then the output team told this chunk is ready,
             #    and (A's tile free) the next chunk's A started
-            if u < C:
-                eg, dec = cute.math.exp(sG[u]), cute.math.exp(sG[C - 1] - sG[u])
-                rq, rk = Float32(1.0), Float32(1.0)
-                if const_expr(self.l2norm):
-                    rq, rk = sRstd[u], sRstd[C + u]
-                sEGq[u], sEGk[u], sDec[u] = eg * rq, eg * rk, dec * rk
+            row_factors(u, sG, sRstd, sEGq, sEGk, sDec, self.l2norm)
             if const_expr(not self.gated):
                 _gated_rows(copy_c, u, sA, sG, sAg, False)
             _wg.fence_writes()
@@ -245,7 +240,7 @@ class FusedForwardWS(chunk.ChainKernel):
     def _output_team(self, u: Int32, tiles, vectors, mChunks: cute.Tensor, mO: cute.Tensor, scale: Float32,
                      first: Int32, last: Int32, i_hv: Int32):
         """The output team's part (thread ``u`` of 256): each chunk's ``o``."""
-        K, V, C, ab = self.dim_k, self.dim_v, CHUNK, self.dtype
+        V, C, ab = self.dim_v, CHUNK, self.dtype
         sQ2, sK2, sSb, sVn, sQKg, sO = tiles
         sG, sEGq, sRstd = vectors
         store_o = chunk.copy_rows(ab, V, TEAM, store=True)
@@ -269,14 +264,7 @@ class FusedForwardWS(chunk.ChainKernel):
             _wg.gemm(mma_cc, acc_f, _wg.operands(mma_cc, u, sQ, sK))
             acc_o = _mma.accumulator(mma_cv, u, (C, V))
             _wg.gemm(mma_cv, acc_o, _wg.operands(mma_cv, u, sQ, opS))
-            for i in cutlass.range_constexpr(cute.size(acc_f)):
-                r, c = cCC[i][0], cCC[i][1]
-                qk = Float32(0.0)
-                if c <= r:
-                    qk = acc_f[i] * cute.math.exp(sG[r] - sG[c])
-                    if const_expr(self.l2norm):
-                        qk = qk * (sRstd[r] * sRstd[C + c])
-                acc_f[i] = qk
+            gate_qk(acc_f, cCC, sG, sRstd, self.l2norm)
             for i in cutlass.range_constexpr(cute.size(acc_o)):
                 acc_o[i] = sEGq[cCV[i][0]] * acc_o[i]
             if i_c + 1 < last:
