@@ -220,3 +220,93 @@ def test_engram_consumer_estimates_from_the_run(tmp_path):
     # measured 1000 / 950; expected 1000 / (800 + 100); at the gate floor 1000 / (800 + 50)
     assert cells[-3:] == ["1.05x", "1.11x", "1.18x"]
     assert cells[3:6] == ["200", "100", "50"]
+
+
+_APART_EXPERIMENT = '''
+import torch
+from dsfuse.bench.harness import Case, Provider
+
+OP = "fake"
+
+
+def cases(config):
+    return [Case("tiny_fwd", "fwd", {"n": 64}, bytes=512), Case("small_fwd", "fwd", {"n": 96}, bytes=768)]
+
+
+def make_inputs(case, device, seed):
+    return {"x": torch.randn(case.params["n"], generator=torch.Generator().manual_seed(seed))}
+
+
+def reference(case, inputs):
+    return (inputs["x"] * 2,)
+
+
+def _elsewhere(case, inputs):
+    import only_in_the_worker  # on the worker's path alone: this provider fails in the run's process
+
+    return lambda: (inputs["x"] * only_in_the_worker.TWO,)
+
+
+def providers(config):
+    table = {"good": Provider("good", lambda case, inp: (lambda: (inp["x"] * 2,)), role="candidate"),
+             "control": Provider("control", _elsewhere)}
+    return [table[name] for name in config["providers"]]
+'''
+
+
+def test_own_process_providers_are_checked_and_timed_in_the_same_blocks(tmp_path, monkeypatch):
+    """A config's ``own_process`` provider runs in a worker with the Python path of
+    ``DSFUSE_OWN_PROCESS_PYTHONPATH`` (it imports a module found only there), is checked on the
+    same seeds and timed in every block and (clock, regime) beside the others; env.json records the
+    worker's path and packages."""
+    here, there = tmp_path / "here", tmp_path / "there"
+    here.mkdir(), there.mkdir()
+    (here / "fake_apart_experiment.py").write_text(_APART_EXPERIMENT)
+    (there / "only_in_the_worker.py").write_text("TWO = 2\n")
+    monkeypatch.syspath_prepend(str(here))
+    monkeypatch.setenv("DSFUSE_OWN_PROCESS_PYTHONPATH", f"{here}:{there}")
+    import fake_apart_experiment
+
+    config = {"providers": ["good", "control"], "own_process": ["control"], "timing": {"blocks": 3, "samples": 2}}
+    run_dir = harness.run_experiment(fake_apart_experiment, config, tmp_path / "raw", torch.device("cpu"), run_id="r")
+    samples = pd.read_csv(run_dir / "samples.csv")
+    validation = pd.read_csv(run_dir / "validation.csv", keep_default_na=False)
+    control = validation[validation["provider"] == "control"]
+    assert set(control["status"]) == {"pass"} and set(control["stage"]) == {"before", "after-eager"}
+    assert len(control) == 4  # two cases, before and after
+    timed = samples[samples["case"] != "copy"].groupby(["case", "provider"])["block"].agg(sorted)
+    for case in ("tiny_fwd", "small_fwd"):
+        assert timed[(case, "control")] == timed[(case, "good")] == [0, 0, 1, 1, 2, 2]
+    env = json.loads((run_dir / "env.json").read_text())
+    assert env["own_process"]["providers"] == ["control"] and str(there) in env["own_process"]["pythonpath"]
+    assert env["own_process"]["packages"]["torch"] == env["packages"]["torch"]
+
+    # in the run's own process the same provider cannot run: the worker is what made it pass
+    monkeypatch.setenv("DSFUSE_OWN_PROCESS_PYTHONPATH", str(here))
+    failed = harness.run_experiment(fake_apart_experiment, config, tmp_path / "raw", torch.device("cpu"),
+                                    run_id="no-path")
+    errors = pd.read_csv(failed / "validation.csv", keep_default_na=False)
+    assert "ModuleNotFoundError" in errors.loc[errors["provider"] == "control", "error"].iloc[0]
+
+
+def test_own_process_names_listed_providers_and_raises_the_workers_errors(tmp_path, monkeypatch):
+    here = tmp_path / "here"
+    here.mkdir()
+    there = tmp_path / "there"
+    there.mkdir()
+    (there / "only_in_the_worker.py").write_text("TWO = 2\n")
+    worker_lacks_a_case = _APART_EXPERIMENT.replace(
+        "def cases(config):\n", "def cases(config):\n    import importlib.util\n"
+        "    if importlib.util.find_spec('only_in_the_worker'):\n        return []\n")
+    (here / "fake_apart_experiment2.py").write_text(worker_lacks_a_case)
+    monkeypatch.syspath_prepend(str(here))
+    monkeypatch.setenv("DSFUSE_OWN_PROCESS_PYTHONPATH", f"{here}:{there}")
+    import fake_apart_experiment2
+
+    with pytest.raises(ValueError, match="own_process: expected a list of the config's providers"):
+        harness.run_experiment(fake_apart_experiment2, {"providers": ["good"], "own_process": ["control"]},
+                               tmp_path / "raw", torch.device("cpu"), run_id="bad")
+    config = {"providers": ["good", "control"], "own_process": ["control"], "timing": {"blocks": 1, "samples": 1}}
+    with pytest.raises(RuntimeError, match=r"(?s)own process of \['control'\], 'check_before'.*KeyError: 'tiny_fwd'"):
+        harness.run_experiment(fake_apart_experiment2, config, tmp_path / "raw", torch.device("cpu"), run_id="cut")
+    assert (tmp_path / "raw" / "cut" / harness.UNFINISHED).exists()

@@ -26,7 +26,8 @@ import torch
 
 PACKAGE_DIR = Path(__file__).resolve().parents[1]  # <repo>/kernels/dsfuse
 
-PACKAGES = ("torch", "triton", "nvidia-cutlass-dsl", "fla-core", "liger-kernel", "numpy")
+PACKAGES = ("torch", "triton", "nvidia-cutlass-dsl", "apache-tvm-ffi", "fla-core", "liger-kernel", "flash-qla",
+            "tilelang", "numpy")
 
 
 def _version(name: str) -> str | None:
@@ -34,6 +35,11 @@ def _version(name: str) -> str | None:
         return importlib.metadata.version(name)
     except importlib.metadata.PackageNotFoundError:
         return None
+
+
+def package_versions() -> dict[str, str | None]:
+    """The version of each of `PACKAGES` this process imports (None: not installed)."""
+    return {name: _version(name) for name in PACKAGES}
 
 
 def _git(*args: str, root: Path | None = None) -> str | None:
@@ -61,7 +67,7 @@ def collect(device: torch.device, op: str | None = None) -> dict:
         "date_utc": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "python": platform.python_version(),
         "platform": platform.platform(),
-        "packages": {name: _version(name) for name in PACKAGES},
+        "packages": package_versions(),
         "torch_cuda": torch.version.cuda,
         "device": str(device),
     }

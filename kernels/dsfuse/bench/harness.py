@@ -354,16 +354,34 @@ def run_experiment(experiment, config: dict, raw_root: Path, device: torch.devic
 
     ``experiment`` is an op's bench module: ``cases(config)``, ``make_inputs(case,
     device, seed)``, ``reference(case, inputs)`` and ``providers(config)``.
+    A config's ``own_process`` names providers that run in a second process (another Python
+    environment: `dsfuse.bench.own_process`), inside the same blocks; env.json records its packages.
     Returns the run directory.
     """
+    from dsfuse.bench import own_process
+
     settings = RunSettings.from_config(config, device)
     env = env_mod.collect(device, op=getattr(experiment, "OP", None))  # with the hash of the op's kernel sources
+    apart = own_process.start(experiment, config, settings, device)
+    if apart is not None:
+        env["own_process"] = apart.env
     if run_id is None:
         run_id = new_run_id(env, smoke=device.type != "cuda")
     run_dir = Path(raw_root) / run_id
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
     (run_dir / "env.json").write_text(json.dumps(env, indent=2) + "\n")
+    try:
+        _run_cases(experiment, config, settings, device, run_dir, apart)
+    finally:
+        if apart is not None:
+            apart.close()
+    return run_dir
+
+
+def _run_cases(experiment, config: dict, settings: RunSettings, device: torch.device, run_dir: Path,
+               apart) -> None:
+    """The copy bandwidth, then every case, each written as soon as it is done."""
 
     timer = Timer(device, settings.flush_bytes)
     samples, validation, case_rows = [], [], []
@@ -378,13 +396,12 @@ def run_experiment(experiment, config: dict, raw_root: Path, device: torch.devic
     for case in tqdm(cases, desc=f"{experiment.OP} cases", unit="case"):
         case_rows.append(dict(case=case.name, mode=case.mode, bytes=case.bytes, flops=case.flops,
                               params=json.dumps(case.params, sort_keys=True)))
-        samples += _run_case(experiment, case, providers, settings, timer, device, validation)
+        samples += _run_case(experiment, case, providers, settings, timer, device, validation, apart)
         if device.type == "cuda":
             torch.cuda.empty_cache()
         _write_run(run_dir, samples, validation, case_rows)  # after every case: a stopped run keeps those it finished
     _write_run(run_dir, samples, validation, case_rows)  # a config without cases still leaves its copy samples
     unfinished.unlink()
-    return run_dir
 
 
 def _write_run(run_dir: Path, samples: list[dict], validation: list[dict], case_rows: list[dict]) -> None:
@@ -396,90 +413,139 @@ def _write_run(run_dir: Path, samples: list[dict], validation: list[dict], case_
         os.replace(partial, run_dir / name)
 
 
-def _run_case(experiment, case: Case, providers: list[Provider], settings: RunSettings, timer: Timer,
-              device: torch.device, validation: list[dict]) -> list[dict]:
-    def record(provider: Provider, stage: str, result: CheckResult | None, error: str = "", status: str = "") -> None:
-        validation.append(dict(
-            case=case.name, mode=case.mode, provider=provider.name, role=provider.role, form=provider.form,
-            check=provider.check, stage=stage,
-            status=status or ("pass" if result is not None and result.ok else "fail"),
-            mismatches=result.mismatches if result else "", max_abs_diff=result.max_abs_diff if result else "",
-            error=(result.detail if result else "") or error,
-        ))
+def validation_row(case: Case, provider: Provider, stage: str, result: CheckResult | None, error: str = "",
+                   status: str = "") -> dict:
+    """One row of ``validation.csv``: a provider's check at one stage (or why it did not run)."""
+    return dict(
+        case=case.name, mode=case.mode, provider=provider.name, role=provider.role, form=provider.form,
+        check=provider.check, stage=stage,
+        status=status or ("pass" if result is not None and result.ok else "fail"),
+        mismatches=result.mismatches if result else "", max_abs_diff=result.max_abs_diff if result else "",
+        error=(result.detail if result else "") or error,
+    )
 
-    # Before timing: each provider on fresh random inputs.
-    check_inputs = experiment.make_inputs(case, device, seed=1)
-    expected = experiment.reference(case, check_inputs)
-    runnable: list[Provider] = []
-    for provider in providers:
-        reason = provider.applies(case)
-        if reason:
-            record(provider, "applies", None, reason, status="n/a")
-            continue
-        outputs, error = _try(lambda: provider.build(case, check_inputs)())
-        result = compare(outputs, expected, provider, case) if outputs is not None else None
-        record(provider, "before", result, error)
-        # A provider that ran but differs is still timed (reported as not matching, never a
-        # baseline); one that raised is not.
-        if result is not None:
-            runnable.append(provider)
 
-    check_inputs = expected = None  # free the check set before the timing set is made
+class CaseRun:
+    """One case's providers in one process: the checks before timing, the runners and graphs, the
+    samples of one (provider, clock, regime) in a block, the checks after timing. The run's own
+    process makes one; `dsfuse.bench.own_process` another for the providers a config runs apart."""
 
-    # Timing on a second input set; graphs captured once per provider.
-    inputs = experiment.make_inputs(case, device, seed=2)
-    expected = experiment.reference(case, inputs)
-    calls: dict[tuple[str, str], Callable[[], Any]] = {}
-    statics: dict[str, tuple] = {}
-    runners = {}
-    for provider in runnable:
-        runner, error = _try(lambda: provider.build(case, inputs))
-        if runner is None:
-            record(provider, "build", None, error)
-            continue
-        runners[provider.name] = runner
-        for clock in settings.clocks:
-            if clock == "graph":
-                captured, error = _try(lambda: capture_graph(runner, device))
-                if captured is None:
-                    record(provider, "graph-capture", None, error)
+    def __init__(self, experiment, case: Case, providers: list[Provider], settings: RunSettings, timer: Timer,
+                 device: torch.device):
+        self.experiment, self.case, self.providers = experiment, case, providers
+        self.settings, self.timer, self.device = settings, timer, device
+        self.runnable: list[Provider] = []
+        self.calls: dict[tuple[str, str], Callable[[], Any]] = {}
+        self.statics: dict[str, tuple] = {}
+        self.runners: dict[str, Callable[[], Any]] = {}
+        self.reps: dict[tuple[str, str], int] = {}
+        self.expected = None
+
+    def check_before(self) -> list[dict]:
+        """Each provider on fresh random inputs (seed 1). A provider that ran but differs is still
+        timed (reported as not matching, never a baseline); one that raised is not."""
+        rows = []
+        inputs = self.experiment.make_inputs(self.case, self.device, seed=1)
+        expected = self.experiment.reference(self.case, inputs)
+        for provider in self.providers:
+            reason = provider.applies(self.case)
+            if reason:
+                rows.append(validation_row(self.case, provider, "applies", None, reason, status="n/a"))
+                continue
+            outputs, error = _try(lambda: provider.build(self.case, inputs)())
+            result = compare(outputs, expected, provider, self.case) if outputs is not None else None
+            rows.append(validation_row(self.case, provider, "before", result, error))
+            if result is not None:
+                self.runnable.append(provider)
+        return rows
+
+    def build(self) -> tuple[list[dict], list[str]]:
+        """The timing inputs (seed 2), each runnable provider's runner and graph (captured once), one
+        warm-up call each; ``(validation rows of what failed, names of the providers to time)``."""
+        rows = []
+        inputs = self.experiment.make_inputs(self.case, self.device, seed=2)
+        self.expected = self.experiment.reference(self.case, inputs)
+        for provider in self.runnable:
+            runner, error = _try(lambda: provider.build(self.case, inputs))
+            if runner is None:
+                rows.append(validation_row(self.case, provider, "build", None, error))
+                continue
+            self.runners[provider.name] = runner
+            for clock in self.settings.clocks:
+                if clock == "graph":
+                    captured, error = _try(lambda: capture_graph(runner, self.device))
+                    if captured is None:
+                        rows.append(validation_row(self.case, provider, "graph-capture", None, error))
+                        continue
+                    self.calls[(provider.name, clock)] = captured[0].replay
+                    self.statics[provider.name] = captured
+                else:
+                    self.calls[(provider.name, clock)] = runner
+        self.reps = {key: self.timer.reps_for(call) for key, call in self.calls.items()}  # also a warm-up call
+        return rows, [p.name for p in self.runnable if p.name in self.runners]
+
+    def samples(self, name: str, clock: str, regime: str, block: int) -> list[dict]:
+        """The samples of one provider in one (clock, regime) of a block (none where its graph failed)."""
+        key = (name, clock)
+        if key not in self.calls:
+            return []
+        return [dict(case=self.case.name, mode=self.case.mode, provider=name, regime=regime, clock=clock, block=block,
+                     sample=i, us=us)
+                for i, us in enumerate(self.timer.samples(self.calls[key], regime, self.settings.samples,
+                                                          self.reps[key]))]
+
+    def check_after(self) -> list[dict]:
+        """Re-check what was timed (the eager runner, and the graph's static outputs), then let go of it all."""
+        rows = []
+        for provider in self.runnable:
+            runner = self.runners.get(provider.name)
+            if runner is None:
+                continue
+            for stage, produce in (("after-eager", runner), ("after-graph", self.statics.get(provider.name))):
+                if produce is None:
                     continue
-                calls[(provider.name, clock)] = captured[0].replay
-                statics[provider.name] = captured
-            else:
-                calls[(provider.name, clock)] = runner
+                if hasattr(runner, "reset"):
+                    runner.reset()
+                if stage == "after-graph":
+                    graph, outs = produce
+                    outputs, error = _try(lambda: (graph.replay(), outs)[1])
+                else:
+                    outputs, error = _try(produce)
+                result = compare(outputs, self.expected, provider, self.case) if outputs is not None else None
+                rows.append(validation_row(self.case, provider, stage, result, error))
+        self.calls, self.statics, self.runners, self.expected = {}, {}, {}, None
+        return rows
+
+
+def _run_case(experiment, case: Case, providers: list[Provider], settings: RunSettings, timer: Timer,
+              device: torch.device, validation: list[dict], apart=None) -> list[dict]:
+    """Check and time one case. ``apart`` (a `dsfuse.bench.own_process.OwnProcess`): the providers it
+    names run in that process, checked there on the same seeds and timed inside the same blocks,
+    interleaved with the others as if they were here."""
+    here = CaseRun(experiment, case, [p for p in providers if apart is None or p.name not in apart.names],
+                   settings, timer, device)
+    validation += here.check_before()
+    if apart is not None:
+        validation += apart.check_before(case.name)
+    built, local = here.build()  # the check set is freed before the timing set is made
+    validation += built
+    remote: list[str] = []
+    if apart is not None:
+        built, remote = apart.build()
+        validation += built
+    names = [p.name for p in providers if p.name in local or p.name in remote]  # the config's order
 
     rows = []
-    names = [p.name for p in runnable if p.name in runners]
-    reps = {key: timer.reps_for(call) for key, call in calls.items()}  # also a warm-up call
     for block in range(settings.blocks):
         order = names[block % max(len(names), 1):] + names[: block % max(len(names), 1)]
         for clock in settings.clocks:
             for regime in settings.regimes:
                 for name in order:
-                    key = (name, clock)
-                    if key not in calls:
-                        continue
-                    for i, us in enumerate(timer.samples(calls[key], regime, settings.samples, reps[key])):
-                        rows.append(dict(case=case.name, mode=case.mode, provider=name, regime=regime,
-                                         clock=clock, block=block, sample=i, us=us))
+                    rows += (apart if name in remote else here).samples(name, clock, regime, block)
 
-    # After timing: re-check what was timed (the eager runner, and the graph's static outputs).
-    for provider in runnable:
-        runner = runners.get(provider.name)
-        if runner is None:
-            continue
-        for stage, produce in (("after-eager", runner), ("after-graph", statics.get(provider.name))):
-            if produce is None:
-                continue
-            if hasattr(runner, "reset"):
-                runner.reset()
-            if stage == "after-graph":
-                graph, outs = produce
-                outputs, error = _try(lambda: (graph.replay(), outs)[1])
-            else:
-                outputs, error = _try(produce)
-            record(provider, stage, compare(outputs, expected, provider, case) if outputs is not None else None, error)
+    validation += here.check_after()
+    if apart is not None:
+        validation += apart.check_after()
     return rows
 
 

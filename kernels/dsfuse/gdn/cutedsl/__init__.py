@@ -4,7 +4,7 @@
 
 * ``forward``: `dsfuse.gdn.cutedsl.forward.FusedForward`, the gating UT inverse (which also writes
   the chunk-local cumulative gate and the gated ``A`` the backward reads) and the fused per-head
-  kernel (``head_wgmma`` on sm_90a) that reads them; ``auto`` takes it first on Hopper (sm_90) where the ``cutedsl`` extra is
+  kernel (``head_ws`` on sm_90a) that reads them; ``auto`` takes it first on Hopper (sm_90) where the ``cutedsl`` extra is
   installed and the call is one it serves (`dsfuse.gdn.cutedsl.forward.reasons`: an sm_90a or
   sm_100a GPU, K and V of 64 or 128, bf16, or fp16 without the L2 norm, beta in q's dtype, rows
   16-byte aligned), else Triton; on Blackwell it serves only calls that name it (``head`` form,

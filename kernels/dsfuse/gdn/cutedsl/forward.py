@@ -3,8 +3,9 @@
 Two launches per call (`dsfuse.gdn.schedule.forward` runs them): ``ut_inverse`` writes, for every
 chunk, the gated ``A = A0 * Gamma`` (fp32) and the chunk-local cumulative gate ``g_cum``
 (`dsfuse.gdn.cutedsl.ut_inverse`, its gating form); ``fused`` reads them and walks each (document,
-value head) chain with the state on chip (`dsfuse.gdn.cutedsl.fused_fwd_head`, the ``head_wgmma``
-form on sm_90a, the ``head`` form elsewhere, both ``gated``). ``A`` and ``g_cum`` are what the
+value head) chain with the state on chip (``gated``: the role-split ``head_ws`` form of
+`dsfuse.gdn.cutedsl.fused_fwd_ws` on sm_90a, the ``head`` form of `dsfuse.gdn.cutedsl.fused_fwd_head`
+elsewhere). ``A`` and ``g_cum`` are what the
 Triton backward stages read, so the forward's outputs are `dsfuse.gdn.schedule.ForwardOutputs` as
 the Triton stages make them, and the backend's backward is the Triton stages
 (`dsfuse.gdn.cutedsl.TABLE`).
@@ -30,9 +31,10 @@ from dsfuse.gdn.reference import CHUNK_SIZE, packed_cu_seqlens
 
 
 def form_of(device: torch.device) -> str:
-    """The per-head form the backend runs on ``device``: ``head_wgmma`` where wgmma exists (sm_90a),
-    ``head`` (``mma.sync``) elsewhere."""
-    return "head_wgmma" if _cd.arch_of(device) in fused_fwd.ARCHS["head_wgmma"] else "head"
+    """The per-head form the backend runs on ``device``: ``head_ws`` (warpgroups by role, wgmma) where
+    wgmma exists (sm_90a), ``head`` (``mma.sync``) elsewhere. ``head_ws`` gives the bits of
+    ``head_wgmma`` (a GPU test), ``head`` its own (the same contract)."""
+    return "head_ws" if _cd.arch_of(device) in fused_fwd.ARCHS["head_ws"] else "head"
 
 
 ARCHS = ("sm_90a", "sm_100a")  # the targets its kernels are compiled for (CI) and written for (shared memory)
@@ -50,7 +52,7 @@ def reasons(q, k, v, g, beta, initial_state=None, use_qk_l2norm: bool = False) -
         found.append("beta's dtype differs from q's (the fused forward reads it in q's)")
     heads, dim_k = k.shape[-2:]
     heads_v, dim_v = v.shape[-2:]
-    form = form_of(v.device) if not found and v.device.type == "cuda" else "head_wgmma"
+    form = form_of(v.device) if not found and v.device.type == "cuda" else "head_ws"
     found += fused_fwd.shape_reasons(q.dtype, heads, heads_v, dim_k, dim_v, form, use_qk_l2norm)
     found += [f"{name} has channel stride {t.stride(-1)} (the kernels read unit-stride channels)"
               for name, t in (("q", q), ("k", k), ("v", v)) if t.stride(-1) != 1]
