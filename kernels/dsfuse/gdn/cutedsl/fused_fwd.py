@@ -236,12 +236,12 @@ def _fake_tensors(dtype: torch.dtype, heads: int, value_heads: int, dim_k: int, 
 
 def compile_fused_forward(dtype: torch.dtype, heads: int, value_heads: int, dim_k: int, dim_v: int, l2norm: bool,
                           arch: str, *, form: str = "cuda_core", gated: bool = False, keep_ptx: bool = False,
-                          dump_dir: str | None = None):
+                          dump_dir: str | None = None, keep_cubin: bool = False):
     """The kernel of one `FORMS` entry for one configuration, compiled for ``arch`` (``sm_90a``,
     ``sm_100a``; no GPU needed). Called as ``fn(q, k, v, g, beta, a, chunk_indices, chunk_offsets,
     order, h0, ht, o, g_cum, scale)``. ``gated`` (the per-head forms): the kernel reads the cumulative
     gate from ``g_cum`` and ``a`` as the gated ``A`` (the gating UT inverse's), not ``g`` and ``A0``;
-    without it ``g_cum`` is not read."""
+    without it ``g_cum`` is not read. ``keep_ptx``, ``keep_cubin``: as `dsfuse._common.cutedsl.compile`."""
     if reasons := shape_reasons(dtype, heads, value_heads, dim_k, dim_v, form, l2norm):
         raise ValueError("the CuTe DSL fused forward cannot compile this: " + "; ".join(reasons))
     if arch not in ARCHS.get(form, (arch,)):
@@ -255,8 +255,7 @@ def compile_fused_forward(dtype: torch.dtype, heads: int, value_heads: int, dim_
               "head_ws": functools.partial(FusedForwardWS, gated=gated)}[form]
     return _cd.compile(kernel(dtype, heads, value_heads, dim_k, dim_v, l2norm),
                        *_fake_tensors(dtype, heads, value_heads, dim_k, dim_v, form in HEAD_FORMS), Float32(1.0),
-                       stream, arch=arch,
-                       keep_ptx=keep_ptx, dump_dir=dump_dir)
+                       stream, arch=arch, keep_ptx=keep_ptx, dump_dir=dump_dir, keep_cubin=keep_cubin)
 
 
 def launch_fused_forward(q, k, v, g, beta, a, chunk_indices, chunk_offsets, order, h0, ht, o, scale: float,

@@ -202,12 +202,15 @@ class FusedForwardWS(chunk.ChainKernel):
                 chunk.start_rows(copy_a, u, mA, sA, nxt, mChunks[i_c + 1, 2] - nxt, i_hv)
             cute.arch.cp_async_commit_group()
 
-            # 4. k S; X = beta (v - exp(G) rstd_k k S), rounded into shared memory
+            # 4. k S; X = beta (v - exp(G) rstd_k k S), rounded into shared memory (v read in the
+            #    accumulator's layout by vector loads while the product runs, not an element at a time)
             acc_p = _mma.accumulator(mma_cv, u, (C, V))
+            v_acc = cute.make_fragment_like(acc_p, ab)
+            cute.autovec_copy(thr_cv.partition_C(sV), v_acc)
             _wg.gemm(mma_cv, acc_p, ops_ks)
             for i in cutlass.range_constexpr(cute.size(acc_p)):
-                r, c = cCV[i][0], cCV[i][1]
-                acc_p[i] = sBeta[r] * (sV[r, c].to(Float32) - sEGk[r] * acc_p[i])
+                r = cCV[i][0]
+                acc_p[i] = sBeta[r] * (v_acc[i].to(Float32) - sEGk[r] * acc_p[i])
             cute.autovec_copy(_mma.rounded(acc_p, ab), thr_cv.partition_C(sX))
             _wg.fence_writes()
             _team_sync(STATE_BAR)
