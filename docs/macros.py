@@ -386,6 +386,23 @@ def define_env(env):
         return _us(_raw_median(run, match))
 
     @env.macro
+    def ncu_value(path: str, label: str, nth: int = 0) -> str:
+        """A figure of an Nsight Compute report printed with ``--print-details all`` (a file relative
+        to the repository root): the value and unit of its ``nth`` line (from 0) that starts with
+        ``label``, as the report prints them (``"1.48 ms"``); none raises."""
+        import re
+
+        rows = []
+        for line in (root / path).read_text().splitlines():
+            m = re.match(rf"\s+{re.escape(label)}\s{{2,}}(\S+)?\s+([\d.,]+)\s*$", line)
+            if m:
+                rows.append(f"{m.group(2)} {m.group(1)}" if m.group(1) and m.group(1) not in ("inst", "%")
+                            else m.group(2) + (" %" if m.group(1) == "%" else ""))
+        if len(rows) <= nth:
+            raise ValueError(f"{path}: no line {nth} starting with {label!r}")
+        return rows[nth]
+
+    @env.macro
     def raw_median_ratio(top: dict, bottom: dict) -> str:
         """The ratio of two such medians, each given as ``dict(run=<raw folder>, <column>=<value>, ..)``."""
         top, bottom = dict(top), dict(bottom)
