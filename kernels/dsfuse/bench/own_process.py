@@ -62,7 +62,11 @@ class OwnProcess:
                                      pass_fds=(theirs.fileno(),), env=env)
         theirs.close()
         self.conn = Connection(ours.detach())
-        self.env = self._call("init", module, config, self.names, vars(settings), str(device))
+        try:
+            self.env = self._call("init", module, config, self.names, vars(settings), str(device))
+        except Exception:
+            self.close()  # a worker that could not start is not left waiting
+            raise
 
     def _call(self, method: str, *args):
         try:
