@@ -127,24 +127,16 @@ def _gated_rows(copy: cute.TiledCopy, tidx: Int32, sA: cute.Tensor, sG: cute.Ten
 
 @cute.jit
 def row_factors(t: Int32, sG: cute.Tensor, sRstd: cute.Tensor, sEGq: cute.Tensor, sEGk: cute.Tensor,
-                sDec: cute.Tensor, l2norm: cutlass.Constexpr, q: cutlass.Constexpr = True,
-                k: cutlass.Constexpr = True):
+                sDec: cute.Tensor, l2norm: cutlass.Constexpr):
     """Row ``t``'s factors (threads ``t < C``), the L2 norm's scales folded in (q and k stay as read):
-    with ``q``, ``exp(G) rstd_q`` (o); with ``k``, ``exp(G) rstd_k`` (X) and ``exp(G_last - G) rstd_k``
-    (the state update). The role-split form makes the two apart, each where it is used."""
+    ``exp(G) rstd_q`` (o), ``exp(G) rstd_k`` (X), ``exp(G_last - G) rstd_k`` (the state update)."""
     C = cute.size(sG)
     if t < C:
-        eg = cute.math.exp(sG[t])
-        if const_expr(q):
-            rq = Float32(1.0)
-            if const_expr(l2norm):
-                rq = sRstd[t]
-            sEGq[t] = eg * rq
-        if const_expr(k):
-            dec, rk = cute.math.exp(sG[C - 1] - sG[t]), Float32(1.0)
-            if const_expr(l2norm):
-                rk = sRstd[C + t]
-            sEGk[t], sDec[t] = eg * rk, dec * rk
+        eg, dec = cute.math.exp(sG[t]), cute.math.exp(sG[C - 1] - sG[t])
+        rq, rk = Float32(1.0), Float32(1.0)
+        if const_expr(l2norm):
+            rq, rk = sRstd[t], sRstd[C + t]
+        sEGq[t], sEGk[t], sDec[t] = eg * rq, eg * rk, dec * rk
 
 
 @cute.jit

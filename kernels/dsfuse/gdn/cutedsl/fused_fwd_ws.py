@@ -5,13 +5,11 @@ the same values bit for bit, with the output's products taken off the state's ch
 One CTA of 512 threads per (document, value head), two teams of two warpgroups:
 
 - the **state team** (threads 0-255) walks the chain: the chunk's loads (16-byte ``cp.async``),
-  its gates, the k rows' L2-norm scales and factors, ``round(S)``, ``k S``, ``X``,
-  ``v_new = round(A) round(X)`` and the state update, with the fp32 state in its accumulators (64
-  registers a thread at K = V = 128);
+  its gates and row factors, ``round(S)``, ``k S``, ``X``, ``v_new = round(A) round(X)`` and the state
+  update, with the fp32 state in its accumulators (64 registers a thread at K = V = 128);
 - the **output team** (threads 256-511) makes each chunk's output from what the state team left in
-  shared memory: the q rows' L2-norm scales and factors ``exp(G) rstd_q`` (the same arithmetic as
-  the state team's for k, off its chain), ``q k^T`` with its mask, decays and scales, ``q S``, then
-  ``(q k^T Gamma) v_new`` once ``v_new`` is there, and o's rows to memory.
+  shared memory: ``q k^T`` with its mask, decays and scales, ``q S``, then ``(q k^T Gamma) v_new``
+  once ``v_new`` is there, and o's rows to memory.
 
 So a chunk's ``q k^T`` and ``q S`` run beside its ``k S``, and its ``(q k^T Gamma) v_new`` and o's
 store beside its state update and the next chunk's loads and factors (every product on warpgroup
@@ -19,8 +17,7 @@ instructions, two warpgroups each). The teams meet at four named barriers a
 chunk, each arrived at by one team and waited at by the other (``bar.arrive`` / ``bar.sync`` over
 512 threads), besides each team's own barriers (256 threads):
 
-- ``READY`` (state -> output): chunk ``c``'s rows, gates, the k rows' factors and ``round(S_c)``
-  stored;
+- ``READY`` (state -> output): chunk ``c``'s rows, gates, row factors and ``round(S_c)`` stored;
 - ``OUT_READ`` (output -> state): the output team has read them (the state team then overwrites
   ``round(S)``, the gate vectors and the stage of rows, for chunk ``c + 1``);
 - ``VN_READY`` (state -> output): ``round(v_new)`` stored;
@@ -110,7 +107,7 @@ class FusedForwardWS(chunk.ChainKernel):
         if tidx < TEAM:
             cute.arch.setmaxregister_increase(STATE_REGS)
             self._state_team(tidx, (sQ2, sK2, sV2, sA, sSb, sX, sVn, sVd, sAg),
-                             (sG, sBeta, sEGk, sDec, sRstd),
+                             (sG, sBeta, sEGq, sEGk, sDec, sRstd),
                              (mQ, mK, mV, mA, mGc if self.gated else mG, mBeta), mChunks, mH0, mHt,
                              first, last, i_n, i_h, i_hv)
         else:
@@ -125,7 +122,7 @@ class FusedForwardWS(chunk.ChainKernel):
         ``v_new`` and the state update of every chunk; the final state."""
         K, V, C, ab = self.dim_k, self.dim_v, CHUNK, self.dtype
         sQ2, sK2, sV2, sA, sSb, sX, sVn, sVd, sAg = tiles
-        sG, sBeta, sEGk, sDec, sRstd = vectors
+        sG, sBeta, sEGq, sEGk, sDec, sRstd = vectors
         mQ, mK, mV, mA, mGate, mBeta = sources
         warp, lane = u // 32, u % 32
         copy_k, copy_v = chunk.copy_rows(ab, K, TEAM), chunk.copy_rows(ab, V, TEAM)
@@ -157,7 +154,7 @@ class FusedForwardWS(chunk.ChainKernel):
             start = mChunks[i_c, 1]
             rows = mChunks[i_c, 2] - start
             stage = (i_c - first) % STAGES
-            sK, sV = sK2[None, None, stage], sV2[None, None, stage]
+            sQ, sK, sV = sQ2[None, None, stage], sK2[None, None, stage], sV2[None, None, stage]
             ops_ks = _wg.operands(mma_cv, u, sK, opS)
             ops_u = _wg.operands(mma_kv, u, _wg.transposed(sK), opVd)
 
@@ -180,9 +177,9 @@ class FusedForwardWS(chunk.ChainKernel):
             _wg.fence_writes()
             _team_sync(STATE_BAR)
 
-            # 2. the k rows' L2-norm scales (q's are the output team's); G = cumsum(g) (or, gated,
-            #    round(A) here: G is read)
+            # 2. the rows' L2-norm scales; G = cumsum(g) (or, gated, round(A) here: G is read)
             if const_expr(self.l2norm):
+                chunk.row_scales(copy_k, u, sQ, sRstd, 0)
                 chunk.row_scales(copy_k, u, sK, sRstd, C)
             if const_expr(self.gated):
                 _gated_rows(copy_c, u, sA, sG, sAg, True)
@@ -192,9 +189,9 @@ class FusedForwardWS(chunk.ChainKernel):
             if const_expr(self.l2norm or not self.gated):
                 _team_sync(STATE_BAR)
 
-            # 3. the factors of the k rows; round(A0 * Gamma); then the output team told this chunk is
-            #    ready, and (A's tile free) the next chunk's A started
-            row_factors(u, sG, sRstd, sEGk, sEGk, sDec, self.l2norm, q=False)  # (no sEGq: not written)
+            # 3. the rows' factors; round(A0 * Gamma); then the output team told this chunk is ready,
+            #    and (A's tile free) the next chunk's A started
+            row_factors(u, sG, sRstd, sEGq, sEGk, sDec, self.l2norm)
             if const_expr(not self.gated):
                 _gated_rows(copy_c, u, sA, sG, sAg, False)
             _wg.fence_writes()
@@ -249,7 +246,7 @@ class FusedForwardWS(chunk.ChainKernel):
         V, C, ab = self.dim_v, CHUNK, self.dtype
         sQ2, sK2, sSb, sVn, sQKg, sO = tiles
         sG, sEGq, sRstd = vectors
-        store_o, copy_q = chunk.copy_rows(ab, V, TEAM, store=True), chunk.copy_rows(ab, self.dim_k, TEAM)
+        store_o = chunk.copy_rows(ab, V, TEAM, store=True)
         mma_cc = _wg.tiled_mma(ab, C, C, True, True, TEAM_WARPGROUPS)
         mma_cv = _wg.tiled_mma(ab, C, V, True, False, TEAM_WARPGROUPS)
         opS, opVn = _wg.transposed(sSb), _wg.transposed(sVn)
@@ -263,19 +260,13 @@ class FusedForwardWS(chunk.ChainKernel):
             stage = (i_c - first) % STAGES
             sQ, sK = sQ2[None, None, stage], sK2[None, None, stage]
 
-            # 1. the q rows' L2-norm scales and factors exp(G) rstd_q (off the state team's chain);
-            #    q k^T and q S from what the state team stored; (q k^T) masked, decayed and scaled,
+            # 1. q k^T and q S from what the state team stored; (q k^T) masked, decayed and scaled,
             #    rounded into shared memory; q S scaled by exp(G) rstd_q in the accumulator
             _wait(READY)
-            if const_expr(self.l2norm):
-                chunk.row_scales(copy_q, u, sQ, sRstd, 0)
-                _team_sync(OUTPUT_BAR)
-            row_factors(u, sG, sRstd, sEGq, sEGq, sEGq, self.l2norm, k=False)  # sEGq alone written
             acc_f = _mma.accumulator(mma_cc, u, (C, C))
             _wg.gemm(mma_cc, acc_f, _wg.operands(mma_cc, u, sQ, sK))
             acc_o = _mma.accumulator(mma_cv, u, (C, V))
             _wg.gemm(mma_cv, acc_o, _wg.operands(mma_cv, u, sQ, opS))
-            _team_sync(OUTPUT_BAR)  # every row's exp(G) rstd_q
             gate_qk(acc_f, cCC, sG, sRstd, self.l2norm)
             for i in cutlass.range_constexpr(cute.size(acc_o)):
                 acc_o[i] = sEGq[cCV[i][0]] * acc_o[i]
