@@ -11,7 +11,8 @@ for the tensor-core form, ``fused_head`` for the per-head form, ``fused_head_wgm
 warpgroup instructions), the inverse and a fused kernel
 (``cutedsl``, ``cutedsl_tc``, ``cutedsl_head``, ``cutedsl_head_wgmma``: the forms the GPU has the
 instructions of), the gating inverse alone (``ut_inverse_gate``: also the cumulative gate, and
-the gated fp32 ``A``), the per-head forms reading them (``fused_gated_head``,
+the gated fp32 ``A``; ``ut_inverse_prepare``: also ``round(A)`` and the rows' factors, the
+``head_ws`` form's inputs), the per-head forms reading them (``fused_gated_head``,
 ``fused_gated_head_wgmma``) and the pair `chunk_gdn` launches (``cutedsl_gated_head``,
 ``cutedsl_gated_head_wgmma``; ``_head_ws`` likewise for the role-split form), `chunk_gdn`'s whole forward on the CuTe DSL backend (``chunk_gdn_cutedsl``) and the Triton
 forward (``triton``, `chunk_gdn`),
@@ -43,7 +44,7 @@ def case_rows(case, timer: Timer, samples: int, device: torch.device, only: set[
     from dsfuse.gdn import chunk_gdn
     from dsfuse._common import cutedsl as _cd
     from dsfuse.gdn.cutedsl.fused_fwd import ARCHS, CHUNK, FORMS, document_order, launch_fused_forward
-    from dsfuse.gdn.cutedsl.ut_inverse import launch_ut_inverse
+    from dsfuse.gdn.cutedsl.ut_inverse import FACTORS, launch_ut_inverse
     from dsfuse.gdn.reference import prepare_chunk_indices, prepare_chunk_offsets
 
     p = case.params
@@ -62,19 +63,25 @@ def case_rows(case, timer: Timer, samples: int, device: torch.device, only: set[
 
     g_cum = torch.empty_like(g)  # the gating inverse's (chunk_gdn's) cumulative gate
     a_gated = torch.empty_like(a)
+    # the preparing inverse's round(A) and rows' factors (the head_ws form's inputs)
+    prepared = {"a_round": torch.empty_like(a, dtype=v.dtype),
+                "factors": torch.empty(ci.shape[0] * len(FACTORS), hv, CHUNK, device=device)}
 
-    def inverse(gate=False):
+    def inverse(gate=False, prepare=False):
+        if prepare:
+            return lambda: launch_ut_inverse(k, beta, ci, a_gated, use_qk_l2norm=l2, g=g, g_cum=g_cum, q=q, **prepared)
         if gate:
             return lambda: launch_ut_inverse(k, beta, ci, a_gated, use_qk_l2norm=l2, g=g, g_cum=g_cum)
         return lambda: launch_ut_inverse(k, beta, ci, a, use_qk_l2norm=l2)
 
     def fused(form, gate=False):
         return lambda: launch_fused_forward(q, k, v, g, beta, a_gated if gate else a, ci, co, order, h0, ht, o, scale,
-                                            use_qk_l2norm=l2, form=form, g_cum=g_cum if gate else None)
+                                            use_qk_l2norm=l2, form=form, g_cum=g_cum if gate else None,
+                                            **(prepared if form == "head_ws" else {}))
 
     def both(form, gate=False):
         def run():
-            inverse(gate)()
+            inverse(gate, form == "head_ws")()
             fused(form, gate)()
         return run
 
@@ -95,7 +102,8 @@ def case_rows(case, timer: Timer, samples: int, device: torch.device, only: set[
              and (not only or {f"{n}{suffix[f]}" for n in ("fused", "cutedsl", "fused_gated", "cutedsl_gated")}
                   & only)]
     o_tri, ht_tri = triton()
-    for form, gate in [(f, False) for f in forms] + [(f, True) for f in forms if f.startswith("head")]:
+    ungated = [f for f in forms if f != "head_ws"]  # head_ws reads the preparing inverse's: gated only
+    for form, gate in [(f, False) for f in ungated] + [(f, True) for f in forms if f.startswith("head")]:
         o.fill_(float("nan"))
         ht.fill_(float("nan"))
         both(form, gate)()
@@ -109,9 +117,9 @@ def case_rows(case, timer: Timer, samples: int, device: torch.device, only: set[
               + ", ".join(f"{name} {err:.1e}" for name, err in errors.items()))
 
     rows = []  # the checks above left a and a_gated written for the fused parts alone
-    parts = [("ut_inverse", inverse()), ("ut_inverse_gate", inverse(True))]
-    parts += [(f"{name}{suffix[form]}", make(form)) for form in forms for name, make in (("fused", fused),
-                                                                                         ("cutedsl", both))]
+    parts = [("ut_inverse", inverse()), ("ut_inverse_gate", inverse(True)), ("ut_inverse_prepare", inverse(True, True))]
+    parts += [(f"{name}{suffix[form]}", make(form)) for form in ungated for name, make in (("fused", fused),
+                                                                                           ("cutedsl", both))]
     # the per-head forms as chunk_gdn launches them (reading the gating inverse's A), and its whole forward
     parts += [(f"{name}_gated{suffix[form]}", make(form, True)) for form in forms if form.startswith("head")
               for name, make in (("fused", fused), ("cutedsl", both))]

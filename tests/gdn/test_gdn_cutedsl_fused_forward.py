@@ -141,12 +141,13 @@ def test_refuses_what_it_cannot_compile():
                                                   "gdn_fused_forward_head_wgmma_bf16",
                                                   "gdn_fused_forward_head_wgmma_gated_bf16_l2",
                                                   "gdn_fused_forward_head_wgmma_gated_bf16",
-                                                  "gdn_fused_forward_head_ws_bf16_l2", "gdn_fused_forward_head_ws_bf16",
                                                   "gdn_fused_forward_head_ws_gated_bf16_l2",
                                                   "gdn_fused_forward_head_ws_gated_bf16"]
-    assert [s.archs for s in module.AOT_SPECS][-8:] == [("sm_90a",)] * 8  # wgmma: Hopper's instruction
+    assert [s.archs for s in module.AOT_SPECS][-6:] == [("sm_90a",)] * 6  # wgmma: Hopper's instruction
     with pytest.raises(ValueError, match="reads a gated A in the forms"):
         module.compile_fused_forward(torch.bfloat16, 16, 48, 128, 128, True, "sm_90a", form="tensor_core", gated=True)
+    with pytest.raises(ValueError, match="head_ws form reads the preparing inverse's gated A: gated only"):
+        module.compile_fused_forward(torch.bfloat16, 16, 48, 128, 128, True, "sm_90a", form="head_ws")
     with pytest.raises(ValueError, match="head_wgmma form compiles for"):
         module.compile_fused_forward(torch.bfloat16, 16, 48, 128, 128, True, "sm_100a", form="head_wgmma")
     assert module.shape_reasons(torch.bfloat16, 16, 48, 128, 128) == []
@@ -199,8 +200,9 @@ def test_the_role_split_form_meets_at_named_barriers(tmp_path):
     products, m64n32 for q k^T, m64n128 for the state update), the teams' registers set by
     ``setmaxnreg``, and each team's barriers in the order the protocol needs (module docstring of
     `dsfuse.gdn.cutedsl.fused_fwd_ws`): named barriers only (none is the CTA's), the state team's
-    arrivals (3, 5) right after its own barrier with its writes fenced for the tensor cores before
-    it, and it alone waiting at 4 and 6; the output team waiting at 3 and 5 and arriving at 4 and 6."""
+    four a chunk, its arrivals (3, 5) right after its own barrier with its writes fenced for the
+    tensor cores before it, and it alone waiting at 4 and 6; the output team waiting at 3 and 5 and
+    arriving at 4 and 6."""
     import collections
     import re
 
@@ -214,11 +216,11 @@ def test_the_role_split_form_meets_at_named_barriers(tmp_path):
         return ["fence" if m.group(1) else f"{m.group(2)} {m.group(3)}"
                 for m in re.finditer(r"(fence\.proxy\.async)|bar\.(sync|arrive)\s+(\d+)", text)]
 
-    state_chunk = ["sync 4", "fence", "sync 1", "fence", "sync 1", "arrive 3", "fence", "sync 1", "sync 6", "fence",
-                   "sync 1", "arrive 5", "sync 1"]
+    state_chunk = ["sync 4", "fence", "sync 1", "arrive 3", "fence", "sync 1", "sync 6", "fence", "sync 1", "arrive 5",
+                   "sync 1"]
     output_chunk = ["sync 3", "arrive 4", "fence", "sync 2", "sync 5", "arrive 6", "sync 2"]
     specs = [spec for spec in module.AOT_SPECS if "_head_ws" in spec.name]
-    assert len(specs) == 4
+    assert len(specs) == 2
     for spec in specs:
         ptx = cute_spec_ptx(spec, "sm_90a", tmp_path)
         shapes = collections.Counter(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", ptx))
@@ -227,21 +229,20 @@ def test_the_role_split_form_meets_at_named_barriers(tmp_path):
         assert len(re.findall(rf"setmaxnreg\.dec\.sync\.aligned\.u32\s+{OUTPUT_REGS};", ptx)) == 1
         assert re.findall(r"bar\.(?:sync|arrive)\s+\d+,\s*(\d+);", ptx).count("512") == 8  # 4 arrivals, 4 waits
         state, output = ptx.split("setmaxnreg.dec")
-        # the state team's chain; the L2 norm's scales or the ungated scan add a barrier of its own after the first
-        chain = [t for n, t in enumerate(barriers(state)) if not (t == "sync 1" and barriers(state)[n - 1] == "sync 1")]
-        assert chain == state_chunk, (spec.name, barriers(state))
+        assert barriers(state) == state_chunk, (spec.name, barriers(state))
         assert barriers(output) == output_chunk, (spec.name, barriers(output))
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("gated", [True, False])
 @pytest.mark.parametrize("l2", [True, False])
 @pytest.mark.parametrize("dims", [(2, 6, 64, 64), (16, 48, 128, 128), (2, 4, 128, 64), (2, 4, 64, 128)])
-def test_the_role_split_form_gives_the_same_bits(gated, l2, dims):
-    """``head_ws`` and ``head_wgmma`` on the same inputs (gated, as `chunk_gdn` launches them, and not;
-    varlen with an empty and a one-token document, an initial state): o and the final states bitwise
-    equal, and repeated calls too (the products are split over two warpgroups instead of four: the
-    same instructions' sums for every element, an assumption about the tensor cores this checks)."""
+def test_the_role_split_form_gives_the_same_bits(l2, dims):
+    """``head_ws`` (with the preparing inverse, as `chunk_gdn` launches it) and ``head_wgmma`` (gated and
+    not) on the same inputs (varlen with an empty and a one-token document, an initial state): o and
+    the final states bitwise equal, and repeated calls too. The products are split over two
+    warpgroups instead of four (the same instructions' sums for every element, an assumption about
+    the tensor cores this checks), and the rows' factors and ``round(A)`` are the inverse's, made
+    by the same formulas on the same values."""
     cutedsl_or_skip()
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("wgmma runs on sm_90 only")
@@ -250,13 +251,15 @@ def test_the_role_split_form_gives_the_same_bits(gated, l2, dims):
     h, hv, dk, dv = dims
     cu = _bounds()
     q, k, v, g, beta, h0 = _inputs(cu[-1] + CHUNK_TAIL, h, hv, dk, dv, torch.bfloat16, "cuda", seed=5, l2=l2)
-    args = {"initial_state": h0, "cu_seqlens": cu, "use_qk_l2norm": l2, "gated": gated}
-    runs = [fused_forward(q, k, v, g, beta, form=form, **args)[:2] for form in ("head_wgmma", "head_ws", "head_ws")]
+    args = {"initial_state": h0, "cu_seqlens": cu, "use_qk_l2norm": l2}
+    runs = [fused_forward(q, k, v, g, beta, form=form, gated=gated, **args)[:2]
+            for form, gated in (("head_wgmma", False), ("head_wgmma", True), ("head_ws", True), ("head_ws", True))]
     torch.cuda.synchronize()
-    (o1, ht1), (o2, ht2), (o3, ht3) = runs
+    (o0, ht0), (o1, ht1), (o2, ht2), (o3, ht3) = runs
     assert not o2.isnan().any() and not ht2.isnan().any()
     assert torch.equal(o2, o3) and torch.equal(ht2, ht3)
     assert torch.equal(o1, o2) and torch.equal(ht1, ht2)
+    assert torch.equal(o0, o2) and torch.equal(ht0, ht2)
 
 
 def _run_on_gpu(dtype, l2, dims, form):
@@ -366,22 +369,54 @@ def test_documents_start_longest_first():
 CHUNK_TAIL = 64 + 7
 
 
+def _check_factors(factors, g_cum, q, k, beta, ci, l2):
+    """The preparing inverse's rows' factors (`dsfuse.gdn.cutedsl.ut_inverse.FACTORS`) of every chunk
+    and value head against their formulas in float64 on the same values: G (bitwise ``g_cum``, flat
+    at the last real row's past the chunk's end), beta (bitwise, 0 past the end), the L2 norm's
+    scales (1 without it; of zero rows past the end), ``exp(G) rstd``, ``exp(G_last - G) rstd_k``
+    (relative 1e-5: fp32 ``exp`` and products), a row of zeros."""
+    from dsfuse.gdn.cutedsl.ut_inverse import FACTORS
+
+    hv = beta.shape[1]
+    group = hv // q.shape[1]
+    f = factors.view(-1, len(FACTORS), hv, 64).to(F64)
+    for c, (_, bos, eos) in enumerate(ci.tolist()):
+        n = eos - bos
+        G = g_cum[bos:eos].to(F64)  # [n, HV]
+        G = torch.cat([G, G[-1:].expand(64 - n, hv)]).T  # [HV, 64], flat past the end
+        b = torch.zeros(hv, 64, dtype=F64)
+        b[:, :n] = beta[bos:eos].T.to(F64)
+        rstd = torch.ones(2, hv, 64, dtype=F64)
+        if l2:
+            for i, x in enumerate((q, k)):
+                rows = torch.zeros(64, x.shape[1], x.shape[2], dtype=F64)
+                rows[:n] = x[bos:eos].to(F64)
+                rstd[i] = (rows.square().sum(-1) + L2NORM_EPS).rsqrt().T.repeat_interleave(group, 0)
+        want = torch.stack([G, b, G.exp() * rstd[0], G.exp() * rstd[1], (G[:, -1:] - G).exp() * rstd[1],
+                            rstd[0], rstd[1], torch.zeros_like(G)])
+        got = f[c]
+        assert torch.equal(got[0], G) and torch.equal(got[1], b), f"chunk {c}: G or beta"
+        torch.testing.assert_close(got[2:], want[2:], rtol=1e-5, atol=0, msg=f"chunk {c}: factors")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("form", ["head", "head_wgmma", "head_ws"])
 @pytest.mark.parametrize("l2", [True, False])
 @pytest.mark.parametrize("dims", [(2, 6, 64, 64), (16, 48, 128, 128)])
 def test_the_gated_launch_changes_nothing_else(form, l2, dims):
     """`chunk_gdn`'s pair of launches (the gating UT inverse, then the kernel reading its ``g_cum`` and
-    gated ``a``): o and the final states bitwise those of the ungated pair; ``g_cum`` the chunk-local
+    gated ``a``): o and the final states bitwise those of the ungated pair (for ``head_ws``, gated
+    only, with the preparing inverse: ``head_wgmma``'s ungated pair); ``g_cum`` the chunk-local
     cumulative gate and ``a`` the gated ``A0 * Gamma`` on every chunk's rows (float64 of the same A0
     and g, to fp32 rounding), close to the Triton UT transform's gated A, and left as the inverse
     wrote them by the kernel; rows in no document left as they were (NaN here: more than a chunk of
-    them, so a write past a partial chunk's rows shows)."""
+    them, so a write past a partial chunk's rows shows). The preparing inverse's ``round(A)`` is
+    ``a`` rounded, bit for bit, and its rows' factors the formulas of `_check_factors`."""
     cutedsl_or_skip()
     if form in ("head_wgmma", "head_ws") and torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("wgmma runs on sm_90 only")
     from dsfuse.gdn.cutedsl.fused_fwd import launch_fused_forward
-    from dsfuse.gdn.cutedsl.ut_inverse import launch_ut_inverse
+    from dsfuse.gdn.cutedsl.ut_inverse import FACTORS, launch_ut_inverse
     from dsfuse.gdn.reference import prepare_chunk_offsets
     from dsfuse.gdn.schedule import document_order
     from dsfuse.gdn.triton.wy import launch_ut
@@ -396,15 +431,26 @@ def test_the_gated_launch_changes_nothing_else(form, l2, dims):
     order = torch.tensor(document_order(cu), device=dev, dtype=torch.int32)
     runs = []
     for gate in (False, True):
+        kernel_form = "head_wgmma" if form == "head_ws" and not gate else form
         a = torch.full((t, hv, 64), float("nan"), device=dev)
         g_cum = torch.full_like(g, float("nan")) if gate else None
-        launch_ut_inverse(k, beta, ci, a, use_qk_l2norm=l2, g=g if gate else None, g_cum=g_cum)
+        prepared = {}
+        if kernel_form == "head_ws":
+            prepared = {"a_round": torch.full_like(a, float("nan"), dtype=k.dtype),
+                        "factors": torch.full((ci.shape[0] * len(FACTORS), hv, 64), float("nan"), device=dev)}
+        launch_ut_inverse(k, beta, ci, a, use_qk_l2norm=l2, g=g if gate else None, g_cum=g_cum,
+                          q=q if prepared else None, **prepared)
         a_before = a.clone()
         ht, o = torch.full_like(h0, float("nan")), torch.full_like(v, float("nan"))
-        launch_fused_forward(q, k, v, g, beta, a, ci, co, order, h0, ht, o, dk**-0.5, use_qk_l2norm=l2, form=form,
-                             g_cum=g_cum)
+        launch_fused_forward(q, k, v, g, beta, a, ci, co, order, h0, ht, o, dk**-0.5, use_qk_l2norm=l2,
+                             form=kernel_form, g_cum=g_cum, **prepared)
         runs.append((o, ht, a, a_before, g_cum))
     torch.cuda.synchronize()
+    if prepared:
+        a_round = prepared["a_round"]
+        assert a_round[cu[-1]:].isnan().all()  # rows in no document: untouched
+        assert torch.equal(a_round[: cu[-1]], runs[1][2][: cu[-1]].to(k.dtype))
+        _check_factors(prepared["factors"].cpu(), g_cum.cpu(), q.cpu(), k.cpu(), beta.cpu(), ci.cpu(), l2)
     (o1, ht1, a0, a0_before, _), (o2, ht2, a2, a2_before, g_cum) = runs
     assert torch.equal(o1[: cu[-1]], o2[: cu[-1]]) and torch.equal(ht1, ht2)
     for a, before in ((a0, a0_before), (a2, a2_before)):  # the kernel only reads a

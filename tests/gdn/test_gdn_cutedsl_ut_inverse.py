@@ -47,7 +47,8 @@ def test_refuses_what_it_cannot_compile():
     from dsfuse.gdn.cutedsl import ut_inverse as module
 
     assert [s.name for s in module.AOT_SPECS] == ["gdn_ut_inverse_bf16_l2", "gdn_ut_inverse_bf16",
-                                                  "gdn_ut_inverse_gate_bf16_l2", "gdn_ut_inverse_gate_bf16"]
+                                                  "gdn_ut_inverse_gate_bf16_l2", "gdn_ut_inverse_gate_bf16",
+                                                  "gdn_ut_inverse_prepare_bf16_l2", "gdn_ut_inverse_prepare_bf16"]
     assert module.shape_reasons(torch.bfloat16, 16, 48, 128) == []
     reasons = module.shape_reasons(torch.int8, 16, 40, 96)
     assert len(reasons) == 3 and "dtype" in reasons[0] and "multiple" in reasons[1] and "K = 96" in reasons[2]
@@ -58,7 +59,7 @@ def test_refuses_what_it_cannot_compile():
 
 
 def test_three_ctas_fit_an_sm(tmp_path):
-    """The model's inverse, ungated and gating, with and without the L2 norm, as the DSL's own ptxas
+    """The model's inverse, ungated, gating and preparing, with and without the L2 norm, as the DSL's own ptxas
     builds it for sm_90a (its cubin's resource usage, read by Triton's cuobjdump): at most 96
     registers a thread, so three CTAs of 192 threads share an SM (18 warps, at most 5 on a
     scheduler's 16,384 registers). The gating write loop unrolled by 8 took more, and the inverse was
@@ -72,16 +73,16 @@ def test_three_ctas_fit_an_sm(tmp_path):
     from dsfuse.gdn.cutedsl import ut_inverse as module
 
     cuobjdump = Path(nvidia.__file__).parent / "bin" / "cuobjdump"
-    for gate in (False, True):
+    for gate, prepare in ((False, False), (True, False), (True, True)):
         for l2 in (True, False):
-            fn = module.compile_ut_inverse(torch.bfloat16, 16, 48, 128, l2, "sm_90a", gate=gate, keep_cubin=True,
-                                           dump_dir=str(tmp_path))
+            fn = module.compile_ut_inverse(torch.bfloat16, 16, 48, 128, l2, "sm_90a", gate=gate, prepare=prepare,
+                                           keep_cubin=True, dump_dir=str(tmp_path))
             cubin = tmp_path / "kernel.cubin"
             cubin.write_bytes(fn.__cubin__)
             usage = subprocess.run([str(cuobjdump), "-res-usage", str(cubin)], capture_output=True, text=True,
                                    check=True).stdout
             registers = int(re.search(r"REG:(\d+)", usage).group(1))
-            assert registers <= 96 and "STACK:0 " in usage, (gate, l2, usage)
+            assert registers <= 96 and "STACK:0 " in usage, (gate, prepare, l2, usage)
 
 
 def test_serves_the_forward_on_hopper():

@@ -2,10 +2,11 @@
 
 Two launches per call (`dsfuse.gdn.schedule.forward` runs them): ``ut_inverse`` writes, for every
 chunk, the gated ``A = A0 * Gamma`` (fp32) and the chunk-local cumulative gate ``g_cum``
-(`dsfuse.gdn.cutedsl.ut_inverse`, its gating form); ``fused`` reads them and walks each (document,
-value head) chain with the state on chip (``gated``: the role-split ``head_ws`` form of
-`dsfuse.gdn.cutedsl.fused_fwd_ws` on sm_90a, the ``head`` form of `dsfuse.gdn.cutedsl.fused_fwd_head`
-elsewhere). ``A`` and ``g_cum`` are what the
+(`dsfuse.gdn.cutedsl.ut_inverse`, its gating form; on sm_90a its preparing form, which also writes
+``round(A)`` in the input dtype and the rows' factors for the fused kernel); ``fused`` reads them
+and walks each (document, value head) chain with the state on chip (``gated``: the role-split
+``head_ws`` form of `dsfuse.gdn.cutedsl.fused_fwd_ws` on sm_90a, the ``head`` form of
+`dsfuse.gdn.cutedsl.fused_fwd_head` elsewhere). ``A`` and ``g_cum`` are what the
 Triton backward stages read, so the forward's outputs are `dsfuse.gdn.schedule.ForwardOutputs` as
 the Triton stages make them, and the backend's backward is the Triton stages
 (`dsfuse.gdn.cutedsl.TABLE`).
@@ -26,7 +27,7 @@ import torch
 from dsfuse._common import cutedsl as _cd
 from dsfuse.gdn import schedule
 from dsfuse.gdn.cutedsl import fused_fwd, fused_fwd_head
-from dsfuse.gdn.cutedsl.ut_inverse import launch_ut_inverse
+from dsfuse.gdn.cutedsl.ut_inverse import FACTORS, launch_ut_inverse
 from dsfuse.gdn.reference import CHUNK_SIZE, packed_cu_seqlens
 
 
@@ -100,6 +101,11 @@ class FusedForward:
         final_state = new(state_shape, dtype=torch.float32)  # written whether or not it is returned
         h0 = torch.zeros(state_shape, device=v.device, dtype=torch.float32) if initial_state is None else initial_state
         form = form_of(v.device)
+        prepared = {}  # head_ws: the preparing inverse's round(A) and rows' factors, read by the fused kernel
+        if form == "head_ws":
+            prepared = {"a_round": new(a.shape, dtype=v.dtype),
+                        "factors": new((table.indices.shape[0] * len(FACTORS), heads_v, CHUNK_SIZE),
+                                       dtype=torch.float32)}
 
         def fused():
             if n == 0:  # no tokens: every document is empty, its final state its initial one (no launch)
@@ -107,11 +113,11 @@ class FusedForward:
                 return
             fused_fwd.launch_fused_forward(q_, k_, v_, g_, beta_, a, table.indices, table.offsets, table.order, h0,
                                            final_state, o, scale, use_qk_l2norm=use_qk_l2norm, form=form,
-                                           g_cum=g_cum)
+                                           g_cum=g_cum, **prepared)
 
         calls = [
             ("ut_inverse", lambda: launch_ut_inverse(k_, beta_, table.indices, a, use_qk_l2norm=use_qk_l2norm,
-                                                     g=g_, g_cum=g_cum)),
+                                                     g=g_, g_cum=g_cum, q=q_ if prepared else None, **prepared)),
             ("fused", fused),
         ]
         outputs = schedule.ForwardOutputs(o.view(batch, tokens, heads_v, dim_v),

@@ -40,6 +40,7 @@ from dsfuse.gdn.cutedsl import fused_fwd_head
 from dsfuse.gdn.cutedsl.fused_fwd_head import FusedForwardHead
 from dsfuse.gdn.cutedsl.fused_fwd_tc import TC_DTYPES, FusedForwardTC
 from dsfuse.gdn.cutedsl.fused_fwd_ws import FusedForwardWS
+from dsfuse.gdn.cutedsl.ut_inverse import FACTORS
 from dsfuse.gdn.cutedsl.ut_inverse import shape_reasons as _inverse_reasons
 from dsfuse.gdn.schedule import document_order
 
@@ -202,10 +203,11 @@ CACHE = _cd.KernelCache()  # (dtype, H, HV, K, V, l2norm, form, gated, arch) -> 
 
 
 def _fake_tensors(dtype: torch.dtype, heads: int, value_heads: int, dim_k: int, dim_v: int,
-                  aligned: bool = False) -> tuple:
+                  aligned: bool = False, form: str = "cuda_core") -> tuple:
     """Fake tensors of the compiled signature: symbolic tokens, chunks and documents; q, k, v, g and beta
     with any token and head strides (packed views; with ``aligned``, q, k, v with 16-byte aligned
-    bases and strides, and ``a`` and ``o`` 16-byte aligned), the rest contiguous."""
+    bases and strides, and ``a`` and ``o`` 16-byte aligned), the rest contiguous; the ``head_ws``
+    form's own (`dsfuse.gdn.cutedsl.fused_fwd_ws.FusedForwardWS`)."""
     cdt = DTYPES[dtype]
     tokens, chunks, docs, docs1 = cute.sym_int(), cute.sym_int(), cute.sym_int(), cute.sym_int()
     vector = 16 // dtype.itemsize if aligned else 1
@@ -231,6 +233,12 @@ def _fake_tensors(dtype: torch.dtype, heads: int, value_heads: int, dim_k: int, 
     ht = cute.runtime.make_fake_tensor(Float32, (docs, value_heads, dim_k, dim_v), state)
     o = cute.runtime.make_fake_tensor(cdt, (tokens, value_heads, dim_v), (value_heads * dim_v, dim_v, 1),
                                       assumed_align=align)
+    if form == "head_ws":  # (q, k, v, a_round, factors, ...): the preparing inverse's, aligned and contiguous
+        a_round = cute.runtime.make_fake_tensor(cdt, (tokens, value_heads, CHUNK), (value_heads * CHUNK, CHUNK, 1),
+                                                assumed_align=align)
+        factors = cute.runtime.make_fake_tensor(Float32, (cute.sym_int(), value_heads, CHUNK),
+                                                (value_heads * CHUNK, CHUNK, 1), assumed_align=align)
+        return q, k, v, a_round, factors, table, offsets, order, h0, ht, o
     return q, k, v, g, beta, a, table, offsets, order, h0, ht, o, gates(Float32)
 
 
@@ -241,31 +249,39 @@ def compile_fused_forward(dtype: torch.dtype, heads: int, value_heads: int, dim_
     ``sm_100a``; no GPU needed). Called as ``fn(q, k, v, g, beta, a, chunk_indices, chunk_offsets,
     order, h0, ht, o, g_cum, scale)``. ``gated`` (the per-head forms): the kernel reads the cumulative
     gate from ``g_cum`` and ``a`` as the gated ``A`` (the gating UT inverse's), not ``g`` and ``A0``;
-    without it ``g_cum`` is not read. ``keep_ptx``, ``keep_cubin``: as `dsfuse._common.cutedsl.compile`."""
+    without it ``g_cum`` is not read. The ``head_ws`` form is gated only and called as ``fn(q, k, v,
+    a_round, factors, chunk_indices, chunk_offsets, order, h0, ht, o, scale)`` (the preparing
+    inverse's outputs). ``keep_ptx``, ``keep_cubin``: as `dsfuse._common.cutedsl.compile`."""
     if reasons := shape_reasons(dtype, heads, value_heads, dim_k, dim_v, form, l2norm):
         raise ValueError("the CuTe DSL fused forward cannot compile this: " + "; ".join(reasons))
     if arch not in ARCHS.get(form, (arch,)):
         raise ValueError(f"the CuTe DSL fused forward's {form} form compiles for {ARCHS[form]} only, not {arch}")
     if gated and form not in HEAD_FORMS:
         raise ValueError(f"the CuTe DSL fused forward reads a gated A in the forms {HEAD_FORMS} only")
+    if form == "head_ws" and not gated:
+        raise ValueError("the CuTe DSL fused forward's head_ws form reads the preparing inverse's gated A: gated only")
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     kernel = {"cuda_core": _FusedForward, "tensor_core": FusedForwardTC,
               "head": functools.partial(FusedForwardHead, gated=gated),
               "head_wgmma": functools.partial(FusedForwardHead, wgmma=True, gated=gated),
-              "head_ws": functools.partial(FusedForwardWS, gated=gated)}[form]
+              "head_ws": FusedForwardWS}[form]
     return _cd.compile(kernel(dtype, heads, value_heads, dim_k, dim_v, l2norm),
-                       *_fake_tensors(dtype, heads, value_heads, dim_k, dim_v, form in HEAD_FORMS), Float32(1.0),
+                       *_fake_tensors(dtype, heads, value_heads, dim_k, dim_v, form in HEAD_FORMS, form), Float32(1.0),
                        stream, arch=arch, keep_ptx=keep_ptx, dump_dir=dump_dir, keep_cubin=keep_cubin)
 
 
 def launch_fused_forward(q, k, v, g, beta, a, chunk_indices, chunk_offsets, order, h0, ht, o, scale: float,
                          *, use_qk_l2norm: bool = False, form: str = "cuda_core",
-                         g_cum: torch.Tensor | None = None) -> torch.Tensor:
+                         g_cum: torch.Tensor | None = None, a_round: torch.Tensor | None = None,
+                         factors: torch.Tensor | None = None) -> torch.Tensor:
     """Write ``o`` ``[T, HV, V]`` (the chunks' tokens; others untouched) and ``ht`` fp32 ``[N, HV, K, V]``.
     With ``g_cum`` fp32 ``[T, HV]`` (a per-head form only; `chunk_gdn`'s launch), ``g_cum`` and ``a``
     are what the gating UT inverse wrote (``launch_ut_inverse(.., g=g, g_cum=g_cum)``): the chunk-local
     cumulative gate and the gated ``A = A0 * Gamma``, read in place of ``g`` and ``A0`` (``g`` is then
-    not read). Neither is written: ``a`` is only read.
+    not read). Neither is written: ``a`` is only read. The ``head_ws`` form reads, in place of them
+    (and of ``g``, ``beta``: none of the four is read), ``a_round`` and ``factors`` as the preparing
+    inverse wrote them (``launch_ut_inverse(.., g=g, g_cum=g_cum, q=q, a_round=a_round,
+    factors=factors)``), and needs them; the other forms take neither.
 
     ``q``, ``k`` ``[T, H, K]``, ``v`` ``[T, HV, V]`` and ``beta`` ``[T, HV]`` in one dtype, unit
     channel stride; ``g`` fp32 ``[T, HV]`` (per-token log decay); ``a`` fp32 ``[T, HV, 64]`` from
@@ -292,21 +308,43 @@ def launch_fused_forward(q, k, v, g, beta, a, chunk_indices, chunk_offsets, orde
     if gated and (form not in HEAD_FORMS or g_cum.dtype != torch.float32 or g_cum.shape != g.shape):
         raise ValueError(f"launch_fused_forward: g_cum fp32 {tuple(g.shape)} and a per-head form {HEAD_FORMS} to "
                          f"read a gated A (got {tuple(g_cum.shape)} {g_cum.dtype}, form {form!r})")
+    prepared = (form == "head_ws", a_round is not None, factors is not None)
+    if len(set(prepared)) > 1:
+        raise ValueError(f"launch_fused_forward: a_round and factors (the preparing inverse's) with the head_ws "
+                         f"form and only there (form {form!r})")
+    if form == "head_ws":
+        _check_prepared(a, a_round, factors, chunk_indices, gated)
     arch = _cd.arch_of(k.device)
     fn = CACHE.get((k.dtype, heads, value_heads, dim_k, dim_v, use_qk_l2norm, form, gated, arch),
                    lambda: compile_fused_forward(k.dtype, heads, value_heads, dim_k, dim_v, use_qk_l2norm, arch,
                                                  form=form, gated=gated))
-    if chunk_offsets.shape[0] > 1:  # not gated: g stands in for g_cum (not read)
+    if chunk_offsets.shape[0] <= 1:
+        return o
+    if form == "head_ws":
+        fn(q, k, v, a_round, factors, chunk_indices, chunk_offsets, order, h0, ht, o, float(scale))
+    else:  # not gated: g stands in for g_cum (not read)
         fn(q, k, v, g, beta, a, chunk_indices, chunk_offsets, order, h0, ht, o, g_cum if gated else g, float(scale))
     return o
+
+
+def _check_prepared(a, a_round, factors, chunk_indices, gated: bool):
+    """The ``head_ws`` form's inputs: the preparing inverse's ``a_round`` (``a``'s shape, contiguous, 16-byte
+    aligned) and ``factors`` (fp32 ``[NC * 8, HV, 64]``, contiguous, 16-byte aligned), and ``g_cum``."""
+    rows = (chunk_indices.shape[0] * len(FACTORS), a.shape[1], CHUNK)
+    if not gated or a_round.shape != a.shape or factors.shape != rows or factors.dtype != torch.float32 or any(
+            not x.is_contiguous() or x.data_ptr() % 16 for x in (a_round, factors)):
+        raise ValueError(f"launch_fused_forward: the head_ws form reads g_cum, a_round {tuple(a.shape)} and fp32 "
+                         f"factors {rows}, contiguous and 16-byte aligned (got a_round {tuple(a_round.shape)}, "
+                         f"factors {tuple(factors.shape)} {factors.dtype})")
 
 
 def fused_forward(q, k, v, g, beta, scale=None, initial_state=None, cu_seqlens=None, use_qk_l2norm=False,
                   form="cuda_core", gated=False):
     """``(o, final_state, a)`` of packed ``[T, ...]`` inputs (no batch dim): the UT inverse, then the
     fused kernel (``gated``, a per-head form only: the gating inverse and the kernel reading its gated
-    ``A``, as `chunk_gdn` launches them). Tokens in no document get ``o = 0``; ``a`` is what a backward
-    would keep (ungated unless ``gated``)."""
+    ``A``, as `chunk_gdn` launches them; the ``head_ws`` form always, with the preparing
+    inverse). Tokens in no document get ``o = 0``; ``a`` is what a backward would keep (ungated
+    unless ``gated``)."""
     from dsfuse.gdn.cutedsl.ut_inverse import launch_ut_inverse
     from dsfuse.gdn.reference import prepare_chunk_indices, prepare_chunk_offsets
 
@@ -319,16 +357,22 @@ def fused_forward(q, k, v, g, beta, scale=None, initial_state=None, cu_seqlens=N
     n = len(bounds) - 1
     a = torch.empty(tokens, value_heads, CHUNK, device=dev, dtype=torch.float32)
     g = g.float()
+    gated = gated or form == "head_ws"  # its only mode
     g_cum = torch.empty_like(g) if gated else None
+    prepared = {}
+    if form == "head_ws":
+        prepared = {"a_round": torch.empty_like(a, dtype=k.dtype),
+                    "factors": torch.empty(ci.shape[0] * len(FACTORS), value_heads, CHUNK, device=dev)}
     if ci.shape[0]:
-        launch_ut_inverse(k, beta, ci, a, use_qk_l2norm=use_qk_l2norm, g=g if gated else None, g_cum=g_cum)
+        launch_ut_inverse(k, beta, ci, a, use_qk_l2norm=use_qk_l2norm, g=g if gated else None, g_cum=g_cum,
+                          q=q if prepared else None, **prepared)
     h0 = (torch.zeros(n, value_heads, dim_k, dim_v, device=dev) if initial_state is None
           else initial_state.float().contiguous())
     ht = torch.full_like(h0, float("nan"))  # an unwritten final state shows as NaN
     o = torch.zeros(tokens, value_heads, dim_v, device=dev, dtype=v.dtype)
     order = torch.tensor(document_order(bounds), device=dev, dtype=torch.int32)
     launch_fused_forward(q, k, v, g, beta, a, ci, co, order, h0, ht, o, dim_k**-0.5 if scale is None else scale,
-                         use_qk_l2norm=use_qk_l2norm, form=form, g_cum=g_cum)
+                         use_qk_l2norm=use_qk_l2norm, form=form, g_cum=g_cum, **prepared)
     return o, ht, a
 
 
@@ -336,7 +380,8 @@ def _aot_specs() -> list[_cd.CuteAotSpec]:
     """The model's specialisation: H = 16, HV = 48, K = V = 128, bf16, with and without the L2 norm, every
     form; the per-head forms also as `chunk_gdn` launches them, reading the gated A."""
     suffix = {"cuda_core": "", "tensor_core": "_tc", "head": "_head", "head_wgmma": "_head_wgmma", "head_ws": "_head_ws"}
-    variants = [(form, gated) for form in FORMS for gated in ((False, True) if form in HEAD_FORMS else (False,))]
+    variants = [(form, gated) for form in FORMS
+                for gated in ((True,) if form == "head_ws" else (False, True) if form in HEAD_FORMS else (False,))]
     return [_cd.CuteAotSpec(f"gdn_fused_forward{suffix[form]}{'_gated' if gated else ''}_bf16{'_l2' if l2 else ''}",
                             lambda arch, dump_dir=None, l2=l2, form=form, gated=gated: compile_fused_forward(
                                 torch.bfloat16, 16, 48, 128, 128, l2, arch, form=form, gated=gated, keep_ptx=True,

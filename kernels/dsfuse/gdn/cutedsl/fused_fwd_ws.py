@@ -1,25 +1,30 @@
 """The per-head fused forward with its warps split by role (``form="head_ws"``, sm_90a): the same
 chains, formulas and roundings as the ``head_wgmma`` form (`dsfuse.gdn.cutedsl.fused_fwd_head`), so
-the same values bit for bit, with the output's products taken off the state's chain.
+the same values bit for bit, with the output's products taken off the state's chain, and the work
+of a chunk that does not depend on the state made before the chain by the preparing UT inverse
+(`dsfuse.gdn.cutedsl.ut_inverse`): ``round(A0 * Gamma)`` in the input dtype and the rows' factors
+(the cumulative gate, beta, the L2 norm's scales and the decays they multiply), the same
+arithmetic on the same values.
 
 One CTA of 512 threads per (document, value head), two teams of two warpgroups:
 
-- the **state team** (threads 0-255) walks the chain: the chunk's loads (16-byte ``cp.async``),
-  its gates and row factors, ``round(S)``, ``k S``, ``X``, ``v_new = round(A) round(X)`` and the state
-  update, with the fp32 state in its accumulators (64 registers a thread at K = V = 128);
+- the **state team** (threads 0-255) walks the chain: the chunk's loads (16-byte ``cp.async``: q, k,
+  v rows, ``round(A0 * Gamma)`` and the factors, two stages), ``round(S)``, ``k S``, ``X``,
+  ``v_new = round(A) round(X)`` and the state update, with the fp32 state in its accumulators (64
+  registers a thread at K = V = 128);
 - the **output team** (threads 256-511) makes each chunk's output from what the state team left in
   shared memory: ``q k^T`` with its mask, decays and scales, ``q S``, then ``(q k^T Gamma) v_new``
   once ``v_new`` is there, and o's rows to memory.
 
 So a chunk's ``q k^T`` and ``q S`` run beside its ``k S``, and its ``(q k^T Gamma) v_new`` and o's
-store beside its state update and the next chunk's loads and factors (every product on warpgroup
+store beside its state update and the next chunk's loads (every product on warpgroup
 instructions, two warpgroups each). The teams meet at four named barriers a
 chunk, each arrived at by one team and waited at by the other (``bar.arrive`` / ``bar.sync`` over
 512 threads), besides each team's own barriers (256 threads):
 
-- ``READY`` (state -> output): chunk ``c``'s rows, gates, row factors and ``round(S_c)`` stored;
+- ``READY`` (state -> output): chunk ``c``'s rows, factors and ``round(S_c)`` in shared memory;
 - ``OUT_READ`` (output -> state): the output team has read them (the state team then overwrites
-  ``round(S)``, the gate vectors and the stage of rows, for chunk ``c + 1``);
+  ``round(S)`` and the other stage, for chunk ``c + 2``'s loads);
 - ``VN_READY`` (state -> output): ``round(v_new)`` stored;
 - ``VN_FREE`` (output -> state): the output team has read it (the state team then writes chunk
   ``c + 1``'s).
@@ -27,11 +32,12 @@ chunk, each arrived at by one team and waited at by the other (``bar.arrive`` / 
 A barrier is waited at once for each arrival, in order, and neither team can arrive twice before
 the other has waited (each arrival follows a wait on the other team's previous one), so a barrier's
 uses never overlap. The first chunk waits for no ``OUT_READ`` or ``VN_FREE`` and the last arrives at
-neither.
+neither. The state team's chain is four of its own barriers a chunk: loads landed and ``round(S)``
+stored; X stored; ``v_new`` stored; the state updated.
 
-Shared memory at K = V = 128, bf16: as the ``head_wgmma`` form, except one stage of A (its next rows
-are copied in once this chunk's ``round(A)`` is made) and a tile of its own for o (the output team's,
-16 KiB): 231,168 bytes, one CTA per SM.
+Shared memory at K = V = 128, bf16: two stages of q, k, v rows (96 KiB), of ``round(A0 * Gamma)``
+(16 KiB) and of the factors (4 KiB), ``round(S)`` 32 KiB, X, ``v_new``, its decayed copy and o
+16 KiB each, ``round(q k^T Gamma)`` 8 KiB: 225,280 bytes and the alignment, one CTA per SM.
 """
 
 from __future__ import annotations
@@ -45,7 +51,8 @@ from dsfuse.gdn.cutedsl import chunk
 from dsfuse.gdn.cutedsl import mma as _mma
 from dsfuse.gdn.cutedsl import wgmma as _wg
 from dsfuse.gdn.cutedsl.chunk import CHUNK
-from dsfuse.gdn.cutedsl.fused_fwd_head import STAGES, _gated_rows, gate_qk, row_factors
+from dsfuse.gdn.cutedsl.fused_fwd_head import STAGES, gate_qk
+from dsfuse.gdn.cutedsl.ut_inverse import F_BETA, F_DEC, F_EGK, F_EGQ, F_G, F_RQ, FACTORS
 
 THREADS = 512
 TEAM = 256  # two warpgroups a team
@@ -57,6 +64,7 @@ STATE_REGS, OUTPUT_REGS = 160, 96
 ARCHS = ("sm_90a",)  # wgmma
 # named barriers (0 is the CTA's): each team's own, then the four between the teams (module docstring)
 STATE_BAR, OUTPUT_BAR, READY, OUT_READ, VN_READY, VN_FREE = 1, 2, 3, 4, 5, 6
+FACTOR_THREADS = len(FACTORS) * CHUNK * 4 // 16  # a chunk's factors, a 16-byte piece a thread
 
 
 def _team_sync(bar: int):
@@ -71,21 +79,36 @@ def _wait(bar: int):
     cute.arch.barrier(barrier_id=bar, number_of_threads=THREADS)
 
 
+def _vectors(sF: cute.Tensor):
+    """A stage's factors (`dsfuse.gdn.cutedsl.ut_inverse.FACTORS`) as the vectors the products'
+    elementwise work reads: ``(G, beta, exp(G) rstd_q, exp(G) rstd_k, the decay, rstd)``, ``rstd`` the
+    q rows' scales then the k rows' (the two rows are adjacent), as `gate_qk` reads them."""
+    rstd = cute.make_tensor(sF[F_RQ, None].iterator, cute.make_layout((2 * CHUNK,)))
+    return sF[F_G, None], sF[F_BETA, None], sF[F_EGQ, None], sF[F_EGK, None], sF[F_DEC, None], rstd
+
+
 class FusedForwardWS(chunk.ChainKernel):
-    """The role-split form (module docstring): grid (1, HV, N) of 512 threads; ``gated`` as in
-    `dsfuse.gdn.cutedsl.fused_fwd_head.FusedForwardHead`."""
+    """The role-split form (module docstring): ``(q, k, v, a_round, factors, chunk_indices,
+    chunk_offsets, order, h0, ht, o, scale)``, grid (1, HV, N) of 512 threads; ``a_round`` and
+    ``factors`` the preparing UT inverse's (`dsfuse.gdn.cutedsl.ut_inverse.launch_ut_inverse`)."""
 
     threads = THREADS
 
-    def __init__(self, *args, gated: bool = False):
+    def __init__(self, *args):
         super().__init__(*args)
         self.block_v = self.dim_v
-        self.gated = gated
+
+    @cute.jit
+    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mA: cute.Tensor, mF: cute.Tensor,
+                 mChunks: cute.Tensor, mOffsets: cute.Tensor, mOrder: cute.Tensor, mH0: cute.Tensor, mHt: cute.Tensor,
+                 mO: cute.Tensor, scale: Float32, stream):
+        self.kernel(mQ, mK, mV, mA, mF, mChunks, mOffsets, mOrder, mH0, mHt, mO, scale).launch(
+            grid=[1, self.value_heads, mOffsets.shape[0] - 1], block=[THREADS, 1, 1], stream=stream)
 
     @cute.kernel
-    def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mG: cute.Tensor, mBeta: cute.Tensor,
-               mA: cute.Tensor, mChunks: cute.Tensor, mOffsets: cute.Tensor, mOrder: cute.Tensor, mH0: cute.Tensor,
-               mHt: cute.Tensor, mO: cute.Tensor, mGc: cute.Tensor, scale: Float32):
+    def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mA: cute.Tensor, mF: cute.Tensor,
+               mChunks: cute.Tensor, mOffsets: cute.Tensor, mOrder: cute.Tensor, mH0: cute.Tensor, mHt: cute.Tensor,
+               mO: cute.Tensor, scale: Float32):
         K, V, C, ab = self.dim_k, self.dim_v, CHUNK, self.dtype
         tidx, _, _ = cute.arch.thread_idx()
         _, i_hv, i_z = cute.arch.block_idx()
@@ -95,43 +118,51 @@ class FusedForwardWS(chunk.ChainKernel):
         smem = cutlass.memory.SmemAllocator()
         tile = _wg.tile
         sQ2, sK2, sV2 = tile(smem, ab, C, K, STAGES), tile(smem, ab, C, K, STAGES), tile(smem, ab, C, V, STAGES)
-        sA = chunk.tile(smem, Float32, C, C)  # one stage: the next chunk's rows come once round(A) is made
+        sA2 = tile(smem, ab, C, C, STAGES)  # round(A0 * Gamma), as the preparing inverse wrote it
+        sF2 = chunk.tile(smem, Float32, len(FACTORS), C, STAGES)
         sSb = tile(smem, ab, K, V)  # round(S) at the chunk's start
         sX, sVn, sVd, sO = tile(smem, ab, C, V), tile(smem, ab, C, V), tile(smem, ab, C, V), tile(smem, ab, C, V)
-        sQKg, sAg = tile(smem, ab, C, C), tile(smem, ab, C, C)
-        sG, sBeta = chunk.vector(smem, C), chunk.vector(smem, C)
-        sEGq, sEGk, sDec = chunk.vector(smem, C), chunk.vector(smem, C), chunk.vector(smem, C)
-        sRstd = chunk.vector(smem, 2 * C)
+        sQKg = tile(smem, ab, C, C)
 
         first, last = mOffsets[i_n], mOffsets[i_n + 1]
         if tidx < TEAM:
             cute.arch.setmaxregister_increase(STATE_REGS)
-            self._state_team(tidx, (sQ2, sK2, sV2, sA, sSb, sX, sVn, sVd, sAg),
-                             (sG, sBeta, sEGq, sEGk, sDec, sRstd),
-                             (mQ, mK, mV, mA, mGc if self.gated else mG, mBeta), mChunks, mH0, mHt,
-                             first, last, i_n, i_h, i_hv)
+            self._state_team(tidx, (sQ2, sK2, sV2, sA2, sF2), (sSb, sX, sVn, sVd), (mQ, mK, mV, mA, mF), mChunks,
+                             mH0, mHt, first, last, i_n, i_h, i_hv)
         else:
             cute.arch.setmaxregister_decrease(OUTPUT_REGS)
-            self._output_team(tidx - TEAM, (sQ2, sK2, sSb, sVn, sQKg, sO), (sG, sEGq, sRstd), mChunks, mO, scale,
-                              first, last, i_hv)
+            self._output_team(tidx - TEAM, (sQ2, sK2, sF2, sSb, sVn, sQKg, sO), mChunks, mO, scale, first, last, i_hv)
 
     @cute.jit
-    def _state_team(self, u: Int32, tiles, vectors, sources, mChunks: cute.Tensor, mH0: cute.Tensor,
-                    mHt: cute.Tensor, first: Int32, last: Int32, i_n: Int32, i_h: Int32, i_hv: Int32):
-        """The state team's chain (thread ``u`` of 256): loads, gates, factors, ``k S``, ``X``,
-        ``v_new`` and the state update of every chunk; the final state."""
+    def _start_chunk(self, u: Int32, stages, sources, mChunks: cute.Tensor, i_c: Int32, stage: Int32, i_h: Int32,
+                     i_hv: Int32):
+        """Start the ``cp.async`` copies of chunk ``i_c``'s rows and factors into ``stage`` (the caller
+        commits them as a group): zeros past the chunk's rows."""
         K, V, C, ab = self.dim_k, self.dim_v, CHUNK, self.dtype
-        sQ2, sK2, sV2, sA, sSb, sX, sVn, sVd, sAg = tiles
-        sG, sBeta, sEGq, sEGk, sDec, sRstd = vectors
-        mQ, mK, mV, mA, mGate, mBeta = sources
-        warp, lane = u // 32, u % 32
-        copy_k, copy_v = chunk.copy_rows(ab, K, TEAM), chunk.copy_rows(ab, V, TEAM)
-        copy_a, copy_c = chunk.copy_rows(Float32, C, TEAM), chunk.copy_rows(ab, C, TEAM)
+        sQ2, sK2, sV2, sA2, sF2 = stages
+        mQ, mK, mV, mA, mF = sources
+        copy_k, copy_v, copy_c = chunk.copy_rows(ab, K, TEAM), chunk.copy_rows(ab, V, TEAM), chunk.copy_rows(ab, C, TEAM)
+        start = mChunks[i_c, 1]
+        rows = mChunks[i_c, 2] - start
+        for copy, m, t, head in ((copy_k, mQ, sQ2, i_h), (copy_k, mK, sK2, i_h), (copy_v, mV, sV2, i_hv),
+                                 (copy_c, mA, sA2, i_hv)):
+            chunk.start_rows(copy, u, m, t[None, None, stage], start, rows, head)
+        if u < FACTOR_THREADS:
+            chunk.start_rows(chunk.copy_rows(Float32, C, FACTOR_THREADS), u, mF, sF2[None, None, stage],
+                             i_c * len(FACTORS), len(FACTORS), i_hv)
+
+    @cute.jit
+    def _state_team(self, u: Int32, stages, tiles, sources, mChunks: cute.Tensor, mH0: cute.Tensor, mHt: cute.Tensor,
+                    first: Int32, last: Int32, i_n: Int32, i_h: Int32, i_hv: Int32):
+        """The state team's chain (thread ``u`` of 256): loads, ``k S``, ``X``, ``v_new`` and the state
+        update of every chunk; the final state."""
+        K, V, C, ab = self.dim_k, self.dim_v, CHUNK, self.dtype
+        sQ2, sK2, sV2, sA2, sF2 = stages
+        sSb, sX, sVn, sVd = tiles
 
         mma_cv = _wg.tiled_mma(ab, C, V, True, False, TEAM_WARPGROUPS)
         mma_kv = _wg.tiled_mma(ab, K, V, False, False, TEAM_WARPGROUPS)
         opS, opX, opVd = _wg.transposed(sSb), _wg.transposed(sX), _wg.transposed(sVd)
-        ops_vn = _wg.operands(mma_cv, u, sAg, opX)
         thr_cv, thr_kv = mma_cv.get_slice(u), mma_kv.get_slice(u)
         cCV, cKV = _mma.coordinates(mma_cv, u, (C, V)), _mma.coordinates(mma_kv, u, (K, V))
 
@@ -139,75 +170,36 @@ class FusedForwardWS(chunk.ChainKernel):
         for i in cutlass.range_constexpr(cute.size(acc_s)):
             acc_s[i] = mH0[i_n, i_hv, cKV[i][0], cKV[i][1]]
 
-        # the first chunk's rows (stage 0), A and gates; each chunk then starts the next one's
-        g_next, beta_next = Float32(0.0), Float32(0.0)
+        # the first chunk's rows and factors (stage 0); each chunk then starts the next one's
         if first < last:
-            start = mChunks[first, 1]
-            rows = mChunks[first, 2] - start
-            for copy, m, t, head in ((copy_k, mQ, sQ2, i_h), (copy_k, mK, sK2, i_h), (copy_v, mV, sV2, i_hv)):
-                chunk.start_rows(copy, u, m, t[None, None, 0], start, rows, head)
-            chunk.start_rows(copy_a, u, mA, sA, start, rows, i_hv)
-            g_next, beta_next = chunk.read_gates(u, mGate, mBeta, start, rows, i_hv, C, flat=self.gated)
+            self._start_chunk(u, stages, sources, mChunks, first, 0, i_h, i_hv)
         cute.arch.cp_async_commit_group()
 
         for i_c in cutlass.range(first, last):
-            start = mChunks[i_c, 1]
-            rows = mChunks[i_c, 2] - start
             stage = (i_c - first) % STAGES
-            sQ, sK, sV = sQ2[None, None, stage], sK2[None, None, stage], sV2[None, None, stage]
-            ops_ks = _wg.operands(mma_cv, u, sK, opS)
-            ops_u = _wg.operands(mma_kv, u, _wg.transposed(sK), opVd)
+            sK, sV, sA = sK2[None, None, stage], sV2[None, None, stage], sA2[None, None, stage]
+            sG, sBeta, _, sEGk, sDec, _ = _vectors(sF2[None, None, stage])
 
-            # 1. the output team is done with the last chunk's rows, gates and round(S); this chunk's
-            #    g and beta stored, the next chunk's rows started into the other stage, round(S)
-            #    stored; this chunk's rows and A waited for
+            # 1. the output team is done with the last chunk's rows, factors and round(S); the next
+            #    chunk's started into the other stage, round(S) stored; this chunk's waited for; then
+            #    the output team told this chunk is ready
             if i_c > first:
                 _wait(OUT_READ)
-            if u < C:
-                sG[u], sBeta[u] = g_next, beta_next
             if i_c + 1 < last:
-                nxt = mChunks[i_c + 1, 1]
-                n_rows = mChunks[i_c + 1, 2] - nxt
-                for copy, m, t, head in ((copy_k, mQ, sQ2, i_h), (copy_k, mK, sK2, i_h), (copy_v, mV, sV2, i_hv)):
-                    chunk.start_rows(copy, u, m, t[None, None, 1 - stage], nxt, n_rows, head)
-                g_next, beta_next = chunk.read_gates(u, mGate, mBeta, nxt, n_rows, i_hv, C, flat=self.gated)
+                self._start_chunk(u, stages, sources, mChunks, i_c + 1, 1 - stage, i_h, i_hv)
             cute.arch.cp_async_commit_group()  # empty after the last chunk: one group a chunk all the same
             cute.autovec_copy(_mma.rounded(acc_s, ab), thr_kv.partition_C(sSb))
             cute.arch.cp_async_wait_group(1)
             _wg.fence_writes()
             _team_sync(STATE_BAR)
-
-            # 2. the rows' L2-norm scales; G = cumsum(g) (or, gated, round(A) here: G is read)
-            if const_expr(self.l2norm):
-                chunk.row_scales(copy_k, u, sQ, sRstd, 0)
-                chunk.row_scales(copy_k, u, sK, sRstd, C)
-            if const_expr(self.gated):
-                _gated_rows(copy_c, u, sA, sG, sAg, True)
-            else:
-                if warp == 0:
-                    chunk.cumulative_gate(lane, sG)
-            if const_expr(self.l2norm or not self.gated):
-                _team_sync(STATE_BAR)
-
-            # 3. the rows' factors; round(A0 * Gamma); then the output team told this chunk is ready,
-            #    and (A's tile free) the next chunk's A started
-            row_factors(u, sG, sRstd, sEGq, sEGk, sDec, self.l2norm)
-            if const_expr(not self.gated):
-                _gated_rows(copy_c, u, sA, sG, sAg, False)
-            _wg.fence_writes()
-            _team_sync(STATE_BAR)
             _arrive(READY)
-            if i_c + 1 < last:
-                nxt = mChunks[i_c + 1, 1]
-                chunk.start_rows(copy_a, u, mA, sA, nxt, mChunks[i_c + 1, 2] - nxt, i_hv)
-            cute.arch.cp_async_commit_group()
 
-            # 4. k S; X = beta (v - exp(G) rstd_k k S), rounded into shared memory (v read in the
-            #    accumulator's layout by vector loads while the product runs, not an element at a time)
+            # 2. k S; X = beta (v - exp(G) rstd_k k S), rounded into shared memory (v read in the
+            #    accumulator's layout by vector loads while the product runs)
             acc_p = _mma.accumulator(mma_cv, u, (C, V))
             v_acc = cute.make_fragment_like(acc_p, ab)
             cute.autovec_copy(thr_cv.partition_C(sV), v_acc)
-            _wg.gemm(mma_cv, acc_p, ops_ks)
+            _wg.gemm(mma_cv, acc_p, _wg.operands(mma_cv, u, sK, opS))
             for i in cutlass.range_constexpr(cute.size(acc_p)):
                 r = cCV[i][0]
                 acc_p[i] = sBeta[r] * (v_acc[i].to(Float32) - sEGk[r] * acc_p[i])
@@ -215,10 +207,10 @@ class FusedForwardWS(chunk.ChainKernel):
             _wg.fence_writes()
             _team_sync(STATE_BAR)
 
-            # 5. v_new = round(A0 Gamma) round(X); once the output team has read the last one, stored
+            # 3. v_new = round(A0 Gamma) round(X); once the output team has read the last one, stored
             #    rounded (for the output team) and decayed to the chunk's end (for the state update)
             acc_vn = _mma.accumulator(mma_cv, u, (C, V))
-            _wg.gemm(mma_cv, acc_vn, ops_vn)
+            _wg.gemm(mma_cv, acc_vn, _wg.operands(mma_cv, u, sA, opX))
             if i_c > first:
                 _wait(VN_FREE)
             cute.autovec_copy(_mma.rounded(acc_vn, ab), thr_cv.partition_C(sVn))
@@ -229,23 +221,22 @@ class FusedForwardWS(chunk.ChainKernel):
             _team_sync(STATE_BAR)
             _arrive(VN_READY)
 
-            # 6. S = exp(G_last) S + K^T round(Vd); the stage's k and Vd read before the next chunk's writes
+            # 4. S = exp(G_last) S + K^T round(Vd); the stage's k and Vd read before the next chunk's writes
             last_decay = cute.math.exp(sG[C - 1])
             for i in cutlass.range_constexpr(cute.size(acc_s)):
                 acc_s[i] = last_decay * acc_s[i]
-            _wg.gemm(mma_kv, acc_s, ops_u)
+            _wg.gemm(mma_kv, acc_s, _wg.operands(mma_kv, u, _wg.transposed(sK), opVd))
             _team_sync(STATE_BAR)
 
         for i in cutlass.range_constexpr(cute.size(acc_s)):
             mHt[i_n, i_hv, cKV[i][0], cKV[i][1]] = acc_s[i]
 
     @cute.jit
-    def _output_team(self, u: Int32, tiles, vectors, mChunks: cute.Tensor, mO: cute.Tensor, scale: Float32,
+    def _output_team(self, u: Int32, tiles, mChunks: cute.Tensor, mO: cute.Tensor, scale: Float32,
                      first: Int32, last: Int32, i_hv: Int32):
         """The output team's part (thread ``u`` of 256): each chunk's ``o``."""
         V, C, ab = self.dim_v, CHUNK, self.dtype
-        sQ2, sK2, sSb, sVn, sQKg, sO = tiles
-        sG, sEGq, sRstd = vectors
+        sQ2, sK2, sF2, sSb, sVn, sQKg, sO = tiles
         store_o = chunk.copy_rows(ab, V, TEAM, store=True)
         mma_cc = _wg.tiled_mma(ab, C, C, True, True, TEAM_WARPGROUPS)
         mma_cv = _wg.tiled_mma(ab, C, V, True, False, TEAM_WARPGROUPS)
@@ -259,6 +250,7 @@ class FusedForwardWS(chunk.ChainKernel):
             rows = mChunks[i_c, 2] - start
             stage = (i_c - first) % STAGES
             sQ, sK = sQ2[None, None, stage], sK2[None, None, stage]
+            sG, _, sEGq, _, _, sRstd = _vectors(sF2[None, None, stage])
 
             # 1. q k^T and q S from what the state team stored; (q k^T) masked, decayed and scaled,
             #    rounded into shared memory; q S scaled by exp(G) rstd_q in the accumulator

@@ -38,6 +38,15 @@ k's rows share the storage of ``A`` (k is read only before the barrier ahead of 
 so three CTAs fit an SM. No atomics: a fixed order everywhere, so a call is bitwise reproducible.
 Padded rows of a partial chunk are zero (``beta`` = 0), so their rows of ``A`` are those of ``I``
 and are not written.
+
+The preparing form (``q``, ``a_round`` and ``factors`` given, as `chunk_gdn` runs it for the
+role-split fused kernel, `dsfuse.gdn.cutedsl.fused_fwd_ws`) also makes what that kernel's state
+chain made per chunk, off the chain: ``round(A * Gamma)`` in the input dtype (``a_round``, the same
+rounding of the same fp32 values) and the rows' factors (``factors`` fp32 ``[NC * 8, HV, 64]``, row
+``8 c + f`` of chunk ``c``: `FACTORS`), the L2-norm scales of the q rows among them (q's rows staged
+in A's storage beside k's, summed as k's). Each factor is the fused kernel's own formula on the same
+fp32 inputs (`dsfuse.gdn.cutedsl.fused_fwd_head.row_factors`), so its values are the ones the chain
+made (a GPU test compares the two kernels' outputs bit for bit).
 """
 
 from __future__ import annotations
@@ -65,6 +74,12 @@ WARPS = THREADS // 32  # the warps that load k and make its Gram matrix
 BLOCK = 16  # the diagonal blocks of the blocked inverse
 PITCH = CHUNK + 4  # fp32 row pitch of the Gram matrix and A: 16-byte aligned rows, banks shifted 4 a row
 HEAD_DIMS = (32, 64, 128)
+# the rows' factors of the preparing form, a row of 64 each (``factors[8 c + f, hv, r]``): the
+# cumulative gate, beta, exp(G) rstd_q (o), exp(G) rstd_k (X), exp(G_last - G) rstd_k (the state
+# update), rstd_q and rstd_k (1 without the L2 norm; adjacent, the fused kernel reads them as one
+# vector of 128), and a row of zeros (8 rows: one 16-byte piece a thread for 128 threads)
+FACTORS = ("g_cum", "beta", "eg_q", "eg_k", "decay", "rstd_q", "rstd_k", "zero")
+F_G, F_BETA, F_EGQ, F_EGK, F_DEC, F_RQ, F_RK, F_ZERO = range(len(FACTORS))
 
 
 def shape_reasons(dtype: torch.dtype, heads: int, value_heads: int, dim_k: int) -> list[str]:
@@ -88,25 +103,30 @@ def heads_per_pass(group: int) -> int:
 
 class _UtInverse:
     """``(k [T, H, K], beta [T, HV], g fp32 [T, HV], chunk_indices int32 [NC, 3]) -> a fp32 [T, HV, 64],
-    g_cum fp32 [T, HV]`` (``g`` read and ``g_cum`` written with ``gate`` only; else ``a`` is ungated)."""
+    g_cum fp32 [T, HV]`` (``g`` read and ``g_cum`` written with ``gate`` only; else ``a`` is ungated);
+    with ``prepare`` (and ``gate``), ``q [T, H, K] -> a_round [T, HV, 64], factors fp32 [NC * 8, HV, 64]``
+    too (module docstring)."""
 
     def __init__(self, dtype: torch.dtype, heads: int, value_heads: int, dim_k: int, l2norm: bool, aligned: bool,
-                 gate: bool = False):
+                 gate: bool = False, prepare: bool = False):
         self.dtype, self.heads, self.value_heads, self.dim_k, self.l2norm, self.gate = (
             DTYPES[dtype], heads, value_heads, dim_k, l2norm, gate)
+        self.prepare = prepare
         self.vector_rows = aligned and dtype != torch.float32  # k's rows by 16-byte cp.async
+        if prepare and not (gate and self.vector_rows):
+            raise ValueError("the preparing UT inverse gates, and reads 16-bit q and k rows by 16-byte copies")
         self.slots = heads_per_pass(value_heads // heads)
         self.threads = max(THREADS, CHUNK * self.slots)
 
     @cute.jit
     def __call__(self, mK: cute.Tensor, mBeta: cute.Tensor, mG: cute.Tensor, mChunks: cute.Tensor, mA: cute.Tensor,
-                 mGc: cute.Tensor, stream):
-        self.kernel(mK, mBeta, mG, mChunks, mA, mGc).launch(grid=[mChunks.shape[0], self.heads, 1],
-                                                            block=[self.threads, 1, 1], stream=stream)
+                 mGc: cute.Tensor, mQ: cute.Tensor, mAr: cute.Tensor, mF: cute.Tensor, stream):
+        self.kernel(mK, mBeta, mG, mChunks, mA, mGc, mQ, mAr, mF).launch(grid=[mChunks.shape[0], self.heads, 1],
+                                                                         block=[self.threads, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(self, mK: cute.Tensor, mBeta: cute.Tensor, mG: cute.Tensor, mChunks: cute.Tensor, mA: cute.Tensor,
-               mGc: cute.Tensor):
+               mGc: cute.Tensor, mQ: cute.Tensor, mAr: cute.Tensor, mF: cute.Tensor):
         K, C, GROUP, SLOTS = self.dim_k, CHUNK, self.value_heads // self.heads, self.slots
         tidx, _, _ = cute.arch.thread_idx()
         i_c, i_h, _ = cute.arch.block_idx()
@@ -118,18 +138,21 @@ class _UtInverse:
 
         smem = cutlass.memory.SmemAllocator()
         sG = smem.allocate_tensor(Float32, cute.make_layout((C, C), stride=(PITCH, 1)), byte_alignment=16)
-        # k's rows share A's storage: k is read only before the barrier that precedes A's first write
-        # (so three CTAs fit an SM)
+        # k's rows (and, preparing with the L2 norm, q's after them) share A's storage: they are read
+        # only before the barrier that precedes A's first write (so three CTAs fit an SM)
         a_layout = cute.make_layout((SLOTS, C, C), stride=(C * PITCH, PITCH, 1))
         if const_expr(tensor_cores):  # swizzled for ldmatrix
             k_layout, k_bytes = _mma.swizzled_layout(C, K), C * K * kt.width // 8
         else:  # fp32 keys: a row pitch of K + 1 words, so the dot products' column reads hit distinct banks
             k_layout, k_bytes = cute.make_layout((C, K), stride=(K + 1, 1)), C * (K + 1) * 4
-        shared = smem.allocate(max(SLOTS * C * PITCH * 4, k_bytes), 1024)
+        with_q = const_expr(self.prepare and self.l2norm)
+        shared = smem.allocate(max(SLOTS * C * PITCH * 4, 2 * k_bytes if with_q else k_bytes), 1024)
         sA = cute.make_tensor(cute.recast_ptr(shared, dtype=Float32), a_layout)
         sK = cute.make_tensor(cute.recast_ptr(shared, dtype=kt), k_layout)
+        sQ = cute.make_tensor(cute.recast_ptr(shared + k_bytes, dtype=kt), k_layout)
         sRow = smem.allocate_tensor(Float32, cute.make_layout((SLOTS, C)), byte_alignment=16)
         sRstd = smem.allocate_tensor(Float32, cute.make_layout((C,)), byte_alignment=16)
+        sRstdQ = smem.allocate_tensor(Float32, cute.make_layout((C,)), byte_alignment=16)  # preparing, L2 norm
         sGate = smem.allocate_tensor(Float32, cute.make_layout((SLOTS, C)), byte_alignment=16)  # gate: G per head
 
         # the first pass's beta (and, gating, g) of row `col` of value head `slot`, read while k arrives
@@ -151,10 +174,14 @@ class _UtInverse:
         if tidx < THREADS:
             if const_expr(self.vector_rows):
                 chunk.start_rows(copy_k, tidx, mK, sK, start, rows, i_h)
+                if const_expr(with_q):
+                    chunk.start_rows(copy_k, tidx, mQ, sQ, start, rows, i_h)
                 cute.arch.cp_async_commit_group()
                 cute.arch.cp_async_wait_group(0)
                 if const_expr(self.l2norm):  # this thread's own pieces: no barrier before
                     chunk.row_scales(copy_k, tidx, sK, sRstd, 0)
+                if const_expr(with_q):  # the fused kernel's sums of the same pieces: the same bits
+                    chunk.row_scales(copy_k, tidx, sQ, sRstdQ, 0)
             else:
                 for item in cutlass.range(C * K // THREADS, unroll_full=True):  # all loads in flight at once
                     r, c = cell(tidx, item, K)
@@ -237,6 +264,8 @@ class _UtInverse:
                     g_col = sGate[slot, col]
                     if col < rows:
                         mGc[start + col, i_hv] = g_col
+                    if const_expr(self.prepare):
+                        self._factors(mF, i_c, i_hv, col, rows, beta, sGate[slot, None], sRstdQ, sRstd)
                     # unrolled by 2, not 8: 80 registers a thread (ptxas, sm_90a); at 8 it took 106, and
                     # the SM held two CTAs of 192 threads instead of three (about 40 % slower at (16, 48))
                     for i in cutlass.range(rows, unroll=2):
@@ -244,9 +273,32 @@ class _UtInverse:
                         if col <= i:
                             value = sA[slot, i, col] * cute.math.exp(sGate[slot, i] - g_col)
                         mA[start + i, i_hv, col] = value
+                        if const_expr(self.prepare):
+                            mAr[start + i, i_hv, col] = value.to(mAr.element_type)
                 else:
                     for i in cutlass.range(rows, unroll=8):
                         mA[start + i, i_hv, col] = sA[slot, i, col]
+
+    @cute.jit
+    def _factors(self, mF: cute.Tensor, i_c: Int32, i_hv: Int32, r: Int32, rows: Int32, beta: Float32,
+                 sG: cute.Tensor, sRstdQ: cute.Tensor, sRstdK: cute.Tensor):
+        """Row ``r``'s factors (`FACTORS`) of chunk ``i_c`` and value head ``i_hv`` into ``mF``: the fused
+        kernel's formulas (`dsfuse.gdn.cutedsl.fused_fwd_head.row_factors`) on the same values, past
+        the chunk's ``rows`` too, as that kernel made them: G there is the last real row's, as read
+        (the scan's own sums past the end may differ from it in the last bit), beta 0, the scales those
+        of zero rows."""
+        g_last = sG[rows - 1]
+        g = g_last
+        if r < rows:
+            g = sG[r]
+        eg, dec = cute.math.exp(g), cute.math.exp(g_last - g)
+        rq, rk = Float32(1.0), Float32(1.0)
+        if const_expr(self.l2norm):
+            rq, rk = sRstdQ[r], sRstdK[r]
+        row = i_c * len(FACTORS)
+        for f, value in ((F_G, g), (F_BETA, beta), (F_EGQ, eg * rq), (F_EGK, eg * rk), (F_DEC, dec * rk),
+                         (F_RQ, rq), (F_RK, rk), (F_ZERO, Float32(0.0))):
+            mF[row + f, i_hv, r] = value
 
 
 @cute.jit
@@ -321,21 +373,31 @@ def _fake_tensors(dtype: torch.dtype, heads: int, value_heads: int, dim_k: int, 
     def gates():
         return cute.runtime.make_fake_tensor(Float32, (gate_tokens, value_heads), (cute.sym_int64(), cute.sym_int64()))
 
-    return k, beta, gates(), table, a, gates()
+    # the preparing form's q (k's strides and alignment, its own tokens), a_round and factors (each
+    # with its own length: empty stand-ins when the kernel does not prepare)
+    q = cute.runtime.make_fake_tensor(cdt, (cute.sym_int(), heads, dim_k), (cute.sym_int64(divisibility=vector),
+                                                                            cute.sym_int64(divisibility=vector), 1),
+                                      assumed_align=16 if aligned else None)
+    a_round = cute.runtime.make_fake_tensor(cdt, (cute.sym_int(), value_heads, CHUNK), (value_heads * CHUNK, CHUNK, 1))
+    factors = cute.runtime.make_fake_tensor(Float32, (cute.sym_int(), value_heads, CHUNK),
+                                            (value_heads * CHUNK, CHUNK, 1))
+    return k, beta, gates(), table, a, gates(), q, a_round, factors
 
 
 def compile_ut_inverse(dtype: torch.dtype, heads: int, value_heads: int, dim_k: int, l2norm: bool, arch: str, *,
-                       aligned: bool = True, gate: bool = False, keep_ptx: bool = False, dump_dir: str | None = None,
-                       keep_cubin: bool = False):
+                       aligned: bool = True, gate: bool = False, prepare: bool = False, keep_ptx: bool = False,
+                       dump_dir: str | None = None, keep_cubin: bool = False):
     """The kernel for one configuration, compiled for ``arch`` (``sm_90a``, ``sm_100a``; no GPU needed).
-    Called as ``fn(k, beta, g, chunk_indices, a, g_cum)`` with torch tensors, on the current torch
-    stream; ``aligned``: for a ``k`` whose base and token and head strides are multiples of 16 bytes
-    (`vector_reads`), read by 16-byte copies (the same values as element by element); ``gate``: the
-    gating form (module docstring), else ``g`` and ``g_cum`` are not touched."""
+    Called as ``fn(k, beta, g, chunk_indices, a, g_cum, q, a_round, factors)`` with torch tensors, on
+    the current torch stream; ``aligned``: for a ``k`` (and ``q``) whose base and token and head strides
+    are multiples of 16 bytes (`vector_reads`), read by 16-byte copies (the same values as element by
+    element); ``gate``: the gating form (module docstring), else ``g`` and ``g_cum`` are not touched;
+    ``prepare`` (with ``gate`` and ``aligned``): the preparing form, else ``q``, ``a_round`` and
+    ``factors`` are not touched."""
     if reasons := shape_reasons(dtype, heads, value_heads, dim_k):
         raise ValueError("the CuTe DSL UT inverse cannot compile this: " + "; ".join(reasons))
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-    return _cd.compile(_UtInverse(dtype, heads, value_heads, dim_k, l2norm, aligned, gate),
+    return _cd.compile(_UtInverse(dtype, heads, value_heads, dim_k, l2norm, aligned, gate, prepare),
                        *_fake_tensors(dtype, heads, value_heads, dim_k, aligned), stream, arch=arch,
                        keep_ptx=keep_ptx, dump_dir=dump_dir, keep_cubin=keep_cubin)
 
@@ -347,14 +409,19 @@ def vector_reads(k: torch.Tensor) -> bool:
 
 def launch_ut_inverse(k: torch.Tensor, beta: torch.Tensor, chunk_indices: torch.Tensor, a: torch.Tensor, *,
                       use_qk_l2norm: bool = False, g: torch.Tensor | None = None,
-                      g_cum: torch.Tensor | None = None) -> torch.Tensor:
+                      g_cum: torch.Tensor | None = None, q: torch.Tensor | None = None,
+                      a_round: torch.Tensor | None = None, factors: torch.Tensor | None = None) -> torch.Tensor:
     """Write the ungated ``A`` of every chunk into ``a`` fp32 ``[T, HV, 64]`` (contiguous) and return it;
     with ``g`` (fp32 ``[T, HV]``, per-token log decay), the gated ``A * Gamma`` instead and the
-    chunk-local cumulative gate into ``g_cum`` (fp32 ``[T, HV]``; both given or neither).
+    chunk-local cumulative gate into ``g_cum`` (fp32 ``[T, HV]``; both given or neither); with ``q``,
+    ``a_round`` and ``factors`` too (all three or none; gating only), the preparing form's
+    ``round(A * Gamma)`` into ``a_round`` (``[T, HV, 64]`` in k's dtype, contiguous) and the rows'
+    factors into ``factors`` (fp32 ``[NC * 8, HV, 64]``, contiguous: `FACTORS`).
 
     ``k`` ``[T, H, K]`` (unit channel stride), ``beta`` ``[T, HV]`` in k's dtype, ``chunk_indices``
-    int32 ``[NC, 3]`` contiguous (`dsfuse.gdn.reference.prepare_chunk_indices`). Rows of ``a`` and
-    ``g_cum`` at tokens in no chunk are not written."""
+    int32 ``[NC, 3]`` contiguous (`dsfuse.gdn.reference.prepare_chunk_indices`); preparing, ``q``
+    like ``k``, and both 16-bit with 16-byte aligned rows (`vector_reads`). Rows of ``a``, ``a_round``
+    and ``g_cum`` at tokens in no chunk are not written."""
     _, heads, dim_k = k.shape
     value_heads = beta.shape[1]
     if k.stride(-1) != 1 or beta.dtype != k.dtype or not a.is_contiguous() or a.dtype != torch.float32:
@@ -363,25 +430,51 @@ def launch_ut_inverse(k: torch.Tensor, beta: torch.Tensor, chunk_indices: torch.
     if (g_cum is not None) != gate or gate and any(x.dtype != torch.float32 or x.shape != beta.shape
                                                    for x in (g, g_cum)):
         raise ValueError(f"launch_ut_inverse: g and g_cum both or neither, fp32 {tuple(beta.shape)} (beta's shape)")
+    prepare = factors is not None
+    if prepare or q is not None or a_round is not None:
+        _check_prepared(k, q, a, a_round, factors, chunk_indices, gate)
     if chunk_indices.shape[0] == 0:
         return a
     if not gate:  # not read: empty stand-ins of the compiled signature's types
         g = g_cum = a.new_empty((0, value_heads))
+    if not prepare:
+        q, a_round, factors = k, k.new_empty((0, value_heads, CHUNK)), a.new_empty((0, value_heads, CHUNK))
     vector = vector_reads(k)
-    fn = CACHE.get((k.dtype, heads, value_heads, dim_k, use_qk_l2norm, vector, gate, _cd.arch_of(k.device)),
+    fn = CACHE.get((k.dtype, heads, value_heads, dim_k, use_qk_l2norm, vector, gate, prepare, _cd.arch_of(k.device)),
                    lambda: compile_ut_inverse(k.dtype, heads, value_heads, dim_k, use_qk_l2norm,
-                                              _cd.arch_of(k.device), aligned=vector, gate=gate))
-    fn(k, beta, g, chunk_indices, a, g_cum)
+                                              _cd.arch_of(k.device), aligned=vector, gate=gate, prepare=prepare))
+    fn(k, beta, g, chunk_indices, a, g_cum, q, a_round, factors)
     return a
 
 
+def _check_prepared(k, q, a, a_round, factors, chunk_indices, gate: bool):
+    """The preparing form's arguments (`launch_ut_inverse`), each wrong one named before any launch."""
+    if q is None or a_round is None or factors is None or not gate:
+        raise ValueError("launch_ut_inverse: q, a_round and factors all or none, and only with g (the gating form)")
+    problems = []
+    if q.shape != k.shape or q.dtype != k.dtype or k.dtype == torch.float32:
+        problems.append(f"q must be k's shape {tuple(k.shape)} and 16-bit dtype (got {tuple(q.shape)} {q.dtype})")
+    problems += [f"{name} needs a 16-byte aligned base and token and head strides" for name, x in (("q", q), ("k", k))
+                 if x.stride(-1) != 1 or not vector_reads(x)]
+    if a_round.shape != a.shape or a_round.dtype != k.dtype or not a_round.is_contiguous():
+        problems.append(f"a_round must be contiguous {tuple(a.shape)} in k's dtype (got {tuple(a_round.shape)} "
+                        f"{a_round.dtype})")
+    rows = (chunk_indices.shape[0] * len(FACTORS), a.shape[1], CHUNK)
+    if factors.shape != rows or factors.dtype != torch.float32 or not factors.is_contiguous():
+        problems.append(f"factors must be contiguous fp32 {rows} (got {tuple(factors.shape)} {factors.dtype})")
+    if problems:
+        raise ValueError("launch_ut_inverse: " + "; ".join(problems))
+
+
 def _aot_specs() -> list[_cd.CuteAotSpec]:
-    """The model's specialisation: H = 16, HV = 48, K = 128, bf16, with and without the L2 norm, ungated
-    and gating (`chunk_gdn`'s)."""
-    return [_cd.CuteAotSpec(f"gdn_ut_inverse{'_gate' if gate else ''}_bf16{'_l2' if l2 else ''}",
-                            lambda arch, dump_dir=None, l2=l2, gate=gate: compile_ut_inverse(
-                                torch.bfloat16, 16, 48, 128, l2, arch, gate=gate, keep_ptx=True, dump_dir=dump_dir))
-            for gate in (False, True) for l2 in (True, False)]
+    """The model's specialisation: H = 16, HV = 48, K = 128, bf16, with and without the L2 norm, ungated,
+    gating and preparing (`chunk_gdn`'s, on sm_90a and elsewhere)."""
+    forms = {"": (False, False), "_gate": (True, False), "_prepare": (True, True)}
+    return [_cd.CuteAotSpec(f"gdn_ut_inverse{name}_bf16{'_l2' if l2 else ''}",
+                            lambda arch, dump_dir=None, l2=l2, gate=gate, prepare=prepare: compile_ut_inverse(
+                                torch.bfloat16, 16, 48, 128, l2, arch, gate=gate, prepare=prepare, keep_ptx=True,
+                                dump_dir=dump_dir))
+            for name, (gate, prepare) in forms.items() for l2 in (True, False)]
 
 
 AOT_SPECS = _aot_specs()
