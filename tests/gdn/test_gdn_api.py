@@ -69,6 +69,28 @@ def test_packed_row_views_equal_contiguous_inputs(device, backend):
     assert torch.equal(got, want)
 
 
+def test_a_forward_no_backward_reads_keeps_no_A(device, backend):
+    """The forward op without ``save`` (`chunk_gdn` without gradients): ``A`` empty, o and the final
+    state bitwise those of a saving call, and `chunk_gdn` the same bits with and without autograd."""
+    from dsfuse.gdn import api
+
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    dim, tokens = (16, 70) if device == "cpu" else (128, 200)
+    x = make(tokens, 2, 4, dim, dtype, device)
+    cu = torch.tensor([0, 1, 66, tokens])
+    outs = [api.forward_ops[backend](x["q"], x["k"], x["v"], x["g"], x["beta"], None, cu, dim**-0.5, True, False, save)
+            for save in (False, True)]
+    (o0, ht0, g0, a0), (o1, ht1, g1, a1) = outs
+    assert a0.shape == (0, 4, 64) and a1.shape == (tokens, 4, 64)
+    assert torch.equal(o0, o1) and torch.equal(ht0, ht1) and torch.equal(g0, g1)
+    with torch.no_grad():
+        plain = chunk_gdn(**x, cu_seqlens=cu, output_final_state=True, backend=backend)
+    leaf = x["v"].detach().requires_grad_()
+    graded = chunk_gdn(**dict(x, v=leaf), cu_seqlens=cu, output_final_state=True, backend=backend)
+    assert torch.equal(plain[0], graded[0]) and torch.equal(plain[1], graded[1])
+    assert torch.equal(plain[0], o0)
+
+
 def test_autograd_on_the_cpu_takes_the_reference():
     """``auto`` on the CPU is the reference (differentiable in fp32); the fused backward under the
     interpreter is tested in tests/gdn/test_gdn_backward.py."""

@@ -171,8 +171,11 @@ def chunk_gdn(
                                    use_qk_l2norm_in_kernel, compute_dtype=compute)
     if bounds is not None:  # validated on the host: the op reads this copy (no second device read)
         cu_seqlens = torch.tensor(bounds, dtype=torch.int64)
+    # whether the backward will run: a forward without it need not keep A (the same o and final state)
+    save = torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                           for t in (q, k, v, g, beta, initial_state))
     o, final_state, _, _ = forward_ops[which](q, k, v, g, beta, initial_state, cu_seqlens, float(scale),
-                                              output_final_state, use_qk_l2norm_in_kernel)
+                                              output_final_state, use_qk_l2norm_in_kernel, save)
     return o, final_state if output_final_state else None
 
 
@@ -240,13 +243,14 @@ def _bounds(cu_seqlens: torch.Tensor | None, batch: int, tokens: int) -> list[in
 def _forward(backend: str):
     def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                  initial_state: torch.Tensor | None, cu_seqlens: torch.Tensor | None, scale: float,
-                 output_final_state: bool, use_qk_l2norm: bool
+                 output_final_state: bool, use_qk_l2norm: bool, save: bool
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(o, final_state or an empty tensor, g_cum, A)`` of validated inputs."""
+        """``(o, final_state or an empty tensor, g_cum, A)`` of validated inputs (``A`` may be empty
+        without ``save``: `dsfuse.gdn.schedule.stage_calls`)."""
         BACKENDS.check_at_run_time(backend, "forward", (q, k, v, g, beta, initial_state, use_qk_l2norm))
         out = schedule.forward(BACKENDS.load(backend)["forward"], q, k, v, g, beta, scale=scale,
                                initial_state=initial_state, output_final_state=output_final_state,
-                               cu_seqlens=_bounds(cu_seqlens, *q.shape[:2]), use_qk_l2norm=use_qk_l2norm)
+                               cu_seqlens=_bounds(cu_seqlens, *q.shape[:2]), use_qk_l2norm=use_qk_l2norm, save=save)
         final_state = out.final_state if out.final_state is not None else v.new_empty(0, dtype=torch.float32)
         return out.o, final_state, out.g_cum, out.A
 
@@ -267,13 +271,13 @@ def _forward(backend: str):
     return _forward, {"backward": _forward_grad}
 
 
-def _forward_fake(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state, use_qk_l2norm):
+def _forward_fake(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state, use_qk_l2norm, save):
     batch, tokens, heads_v, dim_v = v.shape
     num_seqs = batch if cu_seqlens is None else cu_seqlens.shape[0] - 1
     state_shape = (num_seqs, heads_v, k.shape[-1], dim_v) if output_final_state else (0,)
     return (v.new_empty(v.shape), v.new_empty(state_shape, dtype=torch.float32),
             v.new_empty((batch * tokens, heads_v), dtype=torch.float32),
-            v.new_empty((batch * tokens, heads_v, CHUNK_SIZE), dtype=torch.float32))
+            v.new_empty((batch * tokens if save else 0, heads_v, CHUNK_SIZE), dtype=torch.float32))
 
 
 def _run_backward(backend, q, k, v, beta, g_cum, A, do, dht, initial_state, cu_seqlens, scale, use_qk_l2norm,
@@ -317,7 +321,7 @@ backward_ops = declare_backend_ops(BACKENDS, "gdn_bwd", "backward", _backward, f
 
 
 def _save(ctx, inputs, output):
-    q, k, v, _, beta, initial_state, cu_seqlens, scale, _, use_qk_l2norm = inputs
+    q, k, v, _, beta, initial_state, cu_seqlens, scale, _, use_qk_l2norm, _ = inputs
     ctx.save_for_backward(q, k, v, beta, initial_state, cu_seqlens, output[2], output[3])
     ctx.scale, ctx.use_qk_l2norm = scale, use_qk_l2norm
 

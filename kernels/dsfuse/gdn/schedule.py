@@ -161,7 +161,7 @@ def _split_of(bounds: list[int], segment_chunks):
 
 
 def stage_calls(stages: ForwardStages, q, k, v, g, beta, *, scale: float, initial_state, output_final_state: bool,
-                cu_seqlens, use_qk_l2norm: bool, segment_chunks=_split.BY_RULE):
+                cu_seqlens, use_qk_l2norm: bool, segment_chunks=_split.BY_RULE, save: bool = True):
     """The forward of validated inputs as ``(calls, ForwardOutputs)``: ``calls`` lists
     ``(stage name, zero-argument launch)`` in order over buffers allocated here, once; running
     them fills the outputs. ``cu_seqlens``: the document bounds (python ints) or None (``B``
@@ -170,7 +170,9 @@ def stage_calls(stages: ForwardStages, q, k, v, g, beta, *, scale: float, initia
     `dsfuse.gdn.split.RULE` (read at each call: the backward reads it again, so it must not change
     between a forward and its backward), or another `SplitRule`, a number of chunks ``n`` (documents
     of more than ``n`` chunks cut into runs of ``n``; with none that long, no split), or None (no
-    split)."""
+    split). ``save``: whether a backward will read ``g_cum`` and ``A``; without it ``ForwardOutputs.A``
+    is empty (``[0, HV, 64]``), and a forward table need not write it (the stages need ``A`` for
+    ``w`` and ``u`` and make it all the same)."""
     batch, tokens, heads_v, dim_v = v.shape
     dim_k = k.shape[-1]
     n = batch * tokens
@@ -203,7 +205,7 @@ def stage_calls(stages: ForwardStages, q, k, v, g, beta, *, scale: float, initia
         ("state", state),
         ("output", lambda: stages.output(q_, k_, v_new, h, g_cum, table.indices, scale, o, **l2)),
     ]
-    return calls, ForwardOutputs(o.view(batch, tokens, heads_v, dim_v), final_state, g_cum, a)
+    return calls, ForwardOutputs(o.view(batch, tokens, heads_v, dim_v), final_state, g_cum, a if save else a[:0])
 
 
 def forward(stages, q, k, v, g, beta, **kwargs) -> ForwardOutputs:

@@ -83,9 +83,12 @@ class FusedForward:
     """The backend's forward table (`dsfuse.gdn.schedule.forward` runs its ``calls``)."""
 
     def calls(self, q, k, v, g, beta, *, scale: float, initial_state, output_final_state: bool, cu_seqlens,
-              use_qk_l2norm: bool, segment_chunks=None):
+              use_qk_l2norm: bool, segment_chunks=None, save: bool = True):
         """``(calls, ForwardOutputs)`` of validated inputs, as `dsfuse.gdn.schedule.stage_calls`
-        (``segment_chunks`` has no effect: module docstring)."""
+        (``segment_chunks`` has no effect: module docstring). ``save`` False (a forward no backward
+        will read): ``ForwardOutputs.A`` is empty (``[0, HV, 64]``) and on sm_90a the fp32 ``A`` is
+        not written at all; o and the final state are the same bits either way (the fused kernel
+        reads the preparing inverse's ``round(A)``, not ``A``)."""
         batch, tokens, heads_v, dim_v = v.shape
         dim_k = k.shape[-1]
         n = batch * tokens
@@ -95,12 +98,12 @@ class FusedForward:
         table = schedule.chunk_table(bounds, v.device)
         new = functools.partial(torch.empty, device=v.device)
         g_cum = new((n, heads_v), dtype=torch.float32)
-        a = new((n, heads_v, CHUNK_SIZE), dtype=torch.float32)
+        form = form_of(v.device)
+        a = new((n if save or form != "head_ws" else 0, heads_v, CHUNK_SIZE), dtype=torch.float32)
         o = new((n, heads_v, dim_v), dtype=v.dtype)
         state_shape = (table.num_seqs, heads_v, dim_k, dim_v)
         final_state = new(state_shape, dtype=torch.float32)  # written whether or not it is returned
         h0 = torch.zeros(state_shape, device=v.device, dtype=torch.float32) if initial_state is None else initial_state
-        form = form_of(v.device)
         prepared = {}  # head_ws: the preparing inverse's round(A) and rows' factors, read by the fused kernel
         if form == "head_ws":
             prepared = {"a_round": new(a.shape, dtype=v.dtype),
@@ -116,10 +119,11 @@ class FusedForward:
                                            g_cum=g_cum, **prepared)
 
         calls = [
-            ("ut_inverse", lambda: launch_ut_inverse(k_, beta_, table.indices, a, use_qk_l2norm=use_qk_l2norm,
-                                                     g=g_, g_cum=g_cum, q=q_ if prepared else None, **prepared)),
+            ("ut_inverse", lambda: launch_ut_inverse(k_, beta_, table.indices, a if a.shape[0] == n else None,
+                                                     use_qk_l2norm=use_qk_l2norm, g=g_, g_cum=g_cum,
+                                                     q=q_ if prepared else None, **prepared)),
             ("fused", fused),
         ]
         outputs = schedule.ForwardOutputs(o.view(batch, tokens, heads_v, dim_v),
-                                          final_state if output_final_state else None, g_cum, a)
+                                          final_state if output_final_state else None, g_cum, a if save else a[:0])
         return calls, outputs

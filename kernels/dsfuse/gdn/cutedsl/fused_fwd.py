@@ -281,7 +281,7 @@ def launch_fused_forward(q, k, v, g, beta, a, chunk_indices, chunk_offsets, orde
     not read). Neither is written: ``a`` is only read. The ``head_ws`` form reads, in place of them
     (and of ``g``, ``beta``: none of the four is read), ``a_round`` and ``factors`` as the preparing
     inverse wrote them (``launch_ut_inverse(.., g=g, g_cum=g_cum, q=q, a_round=a_round,
-    factors=factors)``), and needs them; the other forms take neither.
+    factors=factors)``), and needs them (``a`` may be None there); the other forms take neither.
 
     ``q``, ``k`` ``[T, H, K]``, ``v`` ``[T, HV, V]`` and ``beta`` ``[T, HV]`` in one dtype, unit
     channel stride; ``g`` fp32 ``[T, HV]`` (per-token log decay); ``a`` fp32 ``[T, HV, 64]`` from
@@ -292,6 +292,8 @@ def launch_fused_forward(q, k, v, g, beta, a, chunk_indices, chunk_offsets, orde
     form). ``form``: one of `FORMS` (the tensor-core ones take bf16 / fp16)."""
     heads, dim_k = k.shape[1:]
     value_heads, dim_v = v.shape[1:]
+    if a is None and form == "head_ws":  # not read there: a stand-in for the checks below
+        a = v.new_empty((0, value_heads, CHUNK), dtype=torch.float32)
     if not (q.dtype == k.dtype == v.dtype == beta.dtype and g.dtype == a.dtype == torch.float32):
         raise ValueError("launch_fused_forward: q, k, v, beta in one dtype; g and a fp32")
     if o.dtype != v.dtype or o.shape != v.shape:
@@ -313,7 +315,7 @@ def launch_fused_forward(q, k, v, g, beta, a, chunk_indices, chunk_offsets, orde
         raise ValueError(f"launch_fused_forward: a_round and factors (the preparing inverse's) with the head_ws "
                          f"form and only there (form {form!r})")
     if form == "head_ws":
-        _check_prepared(a, a_round, factors, chunk_indices, gated)
+        _check_prepared(v, a_round, factors, chunk_indices, gated)
     arch = _cd.arch_of(k.device)
     fn = CACHE.get((k.dtype, heads, value_heads, dim_k, dim_v, use_qk_l2norm, form, gated, arch),
                    lambda: compile_fused_forward(k.dtype, heads, value_heads, dim_k, dim_v, use_qk_l2norm, arch,
@@ -327,13 +329,15 @@ def launch_fused_forward(q, k, v, g, beta, a, chunk_indices, chunk_offsets, orde
     return o
 
 
-def _check_prepared(a, a_round, factors, chunk_indices, gated: bool):
-    """The ``head_ws`` form's inputs: the preparing inverse's ``a_round`` (``a``'s shape, contiguous, 16-byte
-    aligned) and ``factors`` (fp32 ``[NC * 8, HV, 64]``, contiguous, 16-byte aligned), and ``g_cum``."""
-    rows = (chunk_indices.shape[0] * len(FACTORS), a.shape[1], CHUNK)
-    if not gated or a_round.shape != a.shape or factors.shape != rows or factors.dtype != torch.float32 or any(
-            not x.is_contiguous() or x.data_ptr() % 16 for x in (a_round, factors)):
-        raise ValueError(f"launch_fused_forward: the head_ws form reads g_cum, a_round {tuple(a.shape)} and fp32 "
+def _check_prepared(v, a_round, factors, chunk_indices, gated: bool):
+    """The ``head_ws`` form's inputs: the preparing inverse's ``a_round`` (``[T, HV, 64]`` in v's dtype,
+    contiguous, 16-byte aligned) and ``factors`` (fp32 ``[NC * 8, HV, 64]``, contiguous, 16-byte
+    aligned), and ``g_cum``."""
+    shape = (v.shape[0], v.shape[1], CHUNK)
+    rows = (chunk_indices.shape[0] * len(FACTORS), v.shape[1], CHUNK)
+    if not gated or a_round.shape != shape or a_round.dtype != v.dtype or factors.shape != rows or (
+            factors.dtype != torch.float32) or any(not x.is_contiguous() or x.data_ptr() % 16 for x in (a_round, factors)):
+        raise ValueError(f"launch_fused_forward: the head_ws form reads g_cum, a_round {shape} in v's dtype and fp32 "
                          f"factors {rows}, contiguous and 16-byte aligned (got a_round {tuple(a_round.shape)}, "
                          f"factors {tuple(factors.shape)} {factors.dtype})")
 

@@ -108,13 +108,15 @@ class _UtInverse:
     too (module docstring)."""
 
     def __init__(self, dtype: torch.dtype, heads: int, value_heads: int, dim_k: int, l2norm: bool, aligned: bool,
-                 gate: bool = False, prepare: bool = False):
+                 gate: bool = False, prepare: bool = False, keep_a: bool = True):
         self.dtype, self.heads, self.value_heads, self.dim_k, self.l2norm, self.gate = (
             DTYPES[dtype], heads, value_heads, dim_k, l2norm, gate)
-        self.prepare = prepare
+        self.prepare, self.keep_a = prepare, keep_a
         self.vector_rows = aligned and dtype != torch.float32  # k's rows by 16-byte cp.async
         if prepare and not (gate and self.vector_rows):
             raise ValueError("the preparing UT inverse gates, and reads 16-bit q and k rows by 16-byte copies")
+        if not (keep_a or prepare):
+            raise ValueError("the UT inverse writes A unless it prepares (A is then kept only for a backward)")
         self.slots = heads_per_pass(value_heads // heads)
         self.threads = max(THREADS, CHUNK * self.slots)
 
@@ -272,7 +274,8 @@ class _UtInverse:
                         value = Float32(0.0)
                         if col <= i:
                             value = sA[slot, i, col] * cute.math.exp(sGate[slot, i] - g_col)
-                        mA[start + i, i_hv, col] = value
+                        if const_expr(self.keep_a):
+                            mA[start + i, i_hv, col] = value
                         if const_expr(self.prepare):
                             mAr[start + i, i_hv, col] = value.to(mAr.element_type)
                 else:
@@ -367,7 +370,8 @@ def _fake_tensors(dtype: torch.dtype, heads: int, value_heads: int, dim_k: int, 
                                       assumed_align=16 if aligned else None)
     beta = cute.runtime.make_fake_tensor(cdt, (tokens, value_heads), (cute.sym_int64(), cute.sym_int64()))
     table = cute.runtime.make_fake_tensor(Int32, (chunks, 3), (3, 1))
-    a = cute.runtime.make_fake_tensor(Float32, (tokens, value_heads, CHUNK), (value_heads * CHUNK, CHUNK, 1))
+    # its own length: an empty stand-in when the preparing form keeps no A
+    a = cute.runtime.make_fake_tensor(Float32, (cute.sym_int(), value_heads, CHUNK), (value_heads * CHUNK, CHUNK, 1))
     gate_tokens = cute.sym_int()
 
     def gates():
@@ -385,19 +389,20 @@ def _fake_tensors(dtype: torch.dtype, heads: int, value_heads: int, dim_k: int, 
 
 
 def compile_ut_inverse(dtype: torch.dtype, heads: int, value_heads: int, dim_k: int, l2norm: bool, arch: str, *,
-                       aligned: bool = True, gate: bool = False, prepare: bool = False, keep_ptx: bool = False,
-                       dump_dir: str | None = None, keep_cubin: bool = False):
+                       aligned: bool = True, gate: bool = False, prepare: bool = False, keep_a: bool = True,
+                       keep_ptx: bool = False, dump_dir: str | None = None, keep_cubin: bool = False):
     """The kernel for one configuration, compiled for ``arch`` (``sm_90a``, ``sm_100a``; no GPU needed).
     Called as ``fn(k, beta, g, chunk_indices, a, g_cum, q, a_round, factors)`` with torch tensors, on
     the current torch stream; ``aligned``: for a ``k`` (and ``q``) whose base and token and head strides
     are multiples of 16 bytes (`vector_reads`), read by 16-byte copies (the same values as element by
     element); ``gate``: the gating form (module docstring), else ``g`` and ``g_cum`` are not touched;
     ``prepare`` (with ``gate`` and ``aligned``): the preparing form, else ``q``, ``a_round`` and
-    ``factors`` are not touched."""
+    ``factors`` are not touched; ``keep_a`` False (preparing only): ``a`` is not written (a forward
+    whose backward will not run)."""
     if reasons := shape_reasons(dtype, heads, value_heads, dim_k):
         raise ValueError("the CuTe DSL UT inverse cannot compile this: " + "; ".join(reasons))
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-    return _cd.compile(_UtInverse(dtype, heads, value_heads, dim_k, l2norm, aligned, gate, prepare),
+    return _cd.compile(_UtInverse(dtype, heads, value_heads, dim_k, l2norm, aligned, gate, prepare, keep_a),
                        *_fake_tensors(dtype, heads, value_heads, dim_k, aligned), stream, arch=arch,
                        keep_ptx=keep_ptx, dump_dir=dump_dir, keep_cubin=keep_cubin)
 
@@ -407,7 +412,7 @@ def vector_reads(k: torch.Tensor) -> bool:
     return k.data_ptr() % 16 == 0 and all(s * k.element_size() % 16 == 0 for s in k.stride()[:2])
 
 
-def launch_ut_inverse(k: torch.Tensor, beta: torch.Tensor, chunk_indices: torch.Tensor, a: torch.Tensor, *,
+def launch_ut_inverse(k: torch.Tensor, beta: torch.Tensor, chunk_indices: torch.Tensor, a: torch.Tensor | None, *,
                       use_qk_l2norm: bool = False, g: torch.Tensor | None = None,
                       g_cum: torch.Tensor | None = None, q: torch.Tensor | None = None,
                       a_round: torch.Tensor | None = None, factors: torch.Tensor | None = None) -> torch.Tensor:
@@ -416,14 +421,22 @@ def launch_ut_inverse(k: torch.Tensor, beta: torch.Tensor, chunk_indices: torch.
     chunk-local cumulative gate into ``g_cum`` (fp32 ``[T, HV]``; both given or neither); with ``q``,
     ``a_round`` and ``factors`` too (all three or none; gating only), the preparing form's
     ``round(A * Gamma)`` into ``a_round`` (``[T, HV, 64]`` in k's dtype, contiguous) and the rows'
-    factors into ``factors`` (fp32 ``[NC * 8, HV, 64]``, contiguous: `FACTORS`).
+    factors into ``factors`` (fp32 ``[NC * 8, HV, 64]``, contiguous: `FACTORS`); ``a`` may then be
+    None: no ``A`` is kept (a forward whose backward will not run; the same ``a_round`` and factors).
 
     ``k`` ``[T, H, K]`` (unit channel stride), ``beta`` ``[T, HV]`` in k's dtype, ``chunk_indices``
     int32 ``[NC, 3]`` contiguous (`dsfuse.gdn.reference.prepare_chunk_indices`); preparing, ``q``
     like ``k``, and both 16-bit with 16-byte aligned rows (`vector_reads`). Rows of ``a``, ``a_round``
     and ``g_cum`` at tokens in no chunk are not written."""
-    _, heads, dim_k = k.shape
+    tokens, heads, dim_k = k.shape
     value_heads = beta.shape[1]
+    keep_a = a is not None
+    if not keep_a and factors is None:
+        raise ValueError("launch_ut_inverse: a is None only with the preparing form (q, a_round, factors)")
+    if not keep_a:
+        a = k.new_empty((0, value_heads, CHUNK), dtype=torch.float32)  # not written: the signature's stand-in
+    elif a.shape != (tokens, value_heads, CHUNK):
+        raise ValueError(f"launch_ut_inverse: a must be [T, HV, 64] {(tokens, value_heads, CHUNK)}, got {tuple(a.shape)}")
     if k.stride(-1) != 1 or beta.dtype != k.dtype or not a.is_contiguous() or a.dtype != torch.float32:
         raise ValueError("launch_ut_inverse: k needs unit channel stride, beta k's dtype, a contiguous fp32")
     gate = g is not None
@@ -434,17 +447,18 @@ def launch_ut_inverse(k: torch.Tensor, beta: torch.Tensor, chunk_indices: torch.
     if prepare or q is not None or a_round is not None:
         _check_prepared(k, q, a, a_round, factors, chunk_indices, gate)
     if chunk_indices.shape[0] == 0:
-        return a
+        return a if keep_a else None
     if not gate:  # not read: empty stand-ins of the compiled signature's types
         g = g_cum = a.new_empty((0, value_heads))
     if not prepare:
         q, a_round, factors = k, k.new_empty((0, value_heads, CHUNK)), a.new_empty((0, value_heads, CHUNK))
     vector = vector_reads(k)
-    fn = CACHE.get((k.dtype, heads, value_heads, dim_k, use_qk_l2norm, vector, gate, prepare, _cd.arch_of(k.device)),
-                   lambda: compile_ut_inverse(k.dtype, heads, value_heads, dim_k, use_qk_l2norm,
-                                              _cd.arch_of(k.device), aligned=vector, gate=gate, prepare=prepare))
+    fn = CACHE.get((k.dtype, heads, value_heads, dim_k, use_qk_l2norm, vector, gate, prepare, keep_a,
+                    _cd.arch_of(k.device)),
+                   lambda: compile_ut_inverse(k.dtype, heads, value_heads, dim_k, use_qk_l2norm, _cd.arch_of(k.device),
+                                              aligned=vector, gate=gate, prepare=prepare, keep_a=keep_a))
     fn(k, beta, g, chunk_indices, a, g_cum, q, a_round, factors)
-    return a
+    return a if keep_a else None
 
 
 def _check_prepared(k, q, a, a_round, factors, chunk_indices, gate: bool):
@@ -456,8 +470,9 @@ def _check_prepared(k, q, a, a_round, factors, chunk_indices, gate: bool):
         problems.append(f"q must be k's shape {tuple(k.shape)} and 16-bit dtype (got {tuple(q.shape)} {q.dtype})")
     problems += [f"{name} needs a 16-byte aligned base and token and head strides" for name, x in (("q", q), ("k", k))
                  if x.stride(-1) != 1 or not vector_reads(x)]
-    if a_round.shape != a.shape or a_round.dtype != k.dtype or not a_round.is_contiguous():
-        problems.append(f"a_round must be contiguous {tuple(a.shape)} in k's dtype (got {tuple(a_round.shape)} "
+    shape = (k.shape[0], a.shape[1], CHUNK)
+    if a_round.shape != shape or a_round.dtype != k.dtype or not a_round.is_contiguous():
+        problems.append(f"a_round must be contiguous {shape} in k's dtype (got {tuple(a_round.shape)} "
                         f"{a_round.dtype})")
     rows = (chunk_indices.shape[0] * len(FACTORS), a.shape[1], CHUNK)
     if factors.shape != rows or factors.dtype != torch.float32 or not factors.is_contiguous():
