@@ -106,7 +106,7 @@ class FusedForward:
         h0 = torch.zeros(state_shape, device=v.device, dtype=torch.float32) if initial_state is None else initial_state
         prepared = {}  # head_ws: the preparing inverse's round(A) and rows' factors, read by the fused kernel
         if form == "head_ws":
-            prepared = {"a_round": new(a.shape, dtype=v.dtype),
+            prepared = {"a_round": new((n, heads_v, CHUNK_SIZE), dtype=v.dtype),
                         "factors": new((table.indices.shape[0] * len(FACTORS), heads_v, CHUNK_SIZE),
                                        dtype=torch.float32)}
 
