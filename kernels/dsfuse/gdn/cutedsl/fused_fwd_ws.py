@@ -33,7 +33,9 @@ A barrier is waited at once for each arrival, in order, and neither team can arr
 the other has waited (each arrival follows a wait on the other team's previous one), so a barrier's
 uses never overlap. The first chunk waits for no ``OUT_READ`` or ``VN_FREE`` and the last arrives at
 neither. The state team's chain is four of its own barriers a chunk: loads landed and ``round(S)``
-stored; X stored; ``v_new`` stored; the state updated.
+stored; X stored; ``v_new`` stored; the state updated. It starts the next chunk's loads while its
+``k S`` runs on the tensor cores (the addresses of five tensors' rows made in the product's shadow,
+a chunk before they are waited for).
 
 Shared memory at K = V = 128, bf16: two stages of q, k, v rows (96 KiB), of ``round(A0 * Gamma)``
 (16 KiB) and of the factors (4 KiB), ``round(S)`` 32 KiB, X, ``v_new``, its decayed copy and o
@@ -180,26 +182,29 @@ class FusedForwardWS(chunk.ChainKernel):
             sK, sV, sA = sK2[None, None, stage], sV2[None, None, stage], sA2[None, None, stage]
             sG, sBeta, _, sEGk, sDec, _ = _vectors(sF2[None, None, stage])
 
-            # 1. the output team is done with the last chunk's rows, factors and round(S); the next
-            #    chunk's started into the other stage, round(S) stored; this chunk's waited for; then
-            #    the output team told this chunk is ready
+            # 1. the output team is done with the last chunk's rows, factors and round(S); round(S)
+            #    stored; this chunk's rows and factors waited for; then the output team told this
+            #    chunk is ready
             if i_c > first:
                 _wait(OUT_READ)
-            if i_c + 1 < last:
-                self._start_chunk(u, stages, sources, mChunks, i_c + 1, 1 - stage, i_h, i_hv)
-            cute.arch.cp_async_commit_group()  # empty after the last chunk: one group a chunk all the same
             cute.autovec_copy(_mma.rounded(acc_s, ab), thr_kv.partition_C(sSb))
-            cute.arch.cp_async_wait_group(1)
+            cute.arch.cp_async_wait_group(0)
             _wg.fence_writes()
             _team_sync(STATE_BAR)
             _arrive(READY)
 
-            # 2. k S; X = beta (v - exp(G) rstd_k k S), rounded into shared memory (v read in the
+            # 2. k S; while it runs, the next chunk's loads started into the other stage (the output
+            #    team is done with it: OUT_READ above), their addresses made off the product's wait;
+            #    X = beta (v - exp(G) rstd_k k S), rounded into shared memory (v read in the
             #    accumulator's layout by vector loads while the product runs)
             acc_p = _mma.accumulator(mma_cv, u, (C, V))
             v_acc = cute.make_fragment_like(acc_p, ab)
             cute.autovec_copy(thr_cv.partition_C(sV), v_acc)
-            _wg.gemm(mma_cv, acc_p, _wg.operands(mma_cv, u, sK, opS))
+            _wg.gemm(mma_cv, acc_p, _wg.operands(mma_cv, u, sK, opS), wait=False)
+            if i_c + 1 < last:
+                self._start_chunk(u, stages, sources, mChunks, i_c + 1, 1 - stage, i_h, i_hv)
+            cute.arch.cp_async_commit_group()  # empty after the last chunk: one group a chunk all the same
+            _wg.wait()
             for i in cutlass.range_constexpr(cute.size(acc_p)):
                 r = cCV[i][0]
                 acc_p[i] = sBeta[r] * (v_acc[i].to(Float32) - sEGk[r] * acc_p[i])

@@ -79,15 +79,22 @@ def operands(mma, tidx, sA: cute.Tensor, sB: cute.Tensor):
     return mma.make_fragment_A(thr.partition_A(sA)), mma.make_fragment_B(thr.partition_B(sB))
 
 
-def gemm(mma, acc, ops):
+def gemm(mma, acc, ops, wait: bool = True):
     """``acc += A B^T`` of `operands` ``ops``, every K block issued, then waited for (the accumulator
-    is the thread's to read or change again when this returns)."""
+    is the thread's to read or change again when this returns); without ``wait``, issued only: the
+    thread may do other work (not touching ``acc`` or the operands' writers) until `wait`."""
     tCrA, tCrB = ops
     mma.set(warpgroup.Field.ACCUMULATE, True)
     warpgroup.fence()
     for kb in range(cute.size(tCrA, mode=[2])):  # static: unrolled as the kernel is traced
         cute.gemm(mma, acc, tCrA[None, None, kb], tCrB[None, None, kb], acc)
     warpgroup.commit_group()
+    if wait:
+        warpgroup.wait_group(0)
+
+
+def wait():
+    """Wait for the products issued by `gemm` without ``wait``."""
     warpgroup.wait_group(0)
 
 
