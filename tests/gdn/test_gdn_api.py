@@ -69,9 +69,10 @@ def test_packed_row_views_equal_contiguous_inputs(device, backend):
     assert torch.equal(got, want)
 
 
-def test_a_forward_no_backward_reads_keeps_no_A(device, backend):
+def test_a_forward_no_backward_reads_keeps_no_A(device, backend, monkeypatch):
     """The forward op without ``save`` (`chunk_gdn` without gradients): ``A`` empty, o and the final
-    state bitwise those of a saving call, and `chunk_gdn` the same bits with and without autograd."""
+    state bitwise those of a saving call, and `chunk_gdn` the same bits with and without autograd,
+    asking for ``save`` only when an input requires a gradient in grad mode."""
     from dsfuse.gdn import api
 
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
@@ -83,12 +84,33 @@ def test_a_forward_no_backward_reads_keeps_no_A(device, backend):
     (o0, ht0, g0, a0), (o1, ht1, g1, a1) = outs
     assert a0.shape == (0, 4, 64) and a1.shape == (tokens, 4, 64)
     assert torch.equal(o0, o1) and torch.equal(ht0, ht1) and torch.equal(g0, g1)
+    op, saves = api.forward_ops[backend], []
+    monkeypatch.setitem(api.forward_ops, backend, lambda *args: saves.append(args[-1]) or op(*args))
+    leaf = x["v"].detach().requires_grad_()
     with torch.no_grad():
         plain = chunk_gdn(**x, cu_seqlens=cu, output_final_state=True, backend=backend)
-    leaf = x["v"].detach().requires_grad_()
+        no_grad_mode = chunk_gdn(**dict(x, v=leaf), cu_seqlens=cu, output_final_state=True, backend=backend)
     graded = chunk_gdn(**dict(x, v=leaf), cu_seqlens=cu, output_final_state=True, backend=backend)
+    assert saves == [False, False, True]
     assert torch.equal(plain[0], graded[0]) and torch.equal(plain[1], graded[1])
-    assert torch.equal(plain[0], o0)
+    assert torch.equal(plain[0], o0) and torch.equal(no_grad_mode[0], o0)
+
+
+def test_a_compiled_forward_without_gradients(device, backend):
+    """`chunk_gdn` under ``torch.compile(fullgraph=True)`` and no grad mode (the op's fake output with
+    an empty ``A``): the eager call's bits."""
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    dim, tokens = (16, 70) if device == "cpu" else (128, 200)
+    x = make(tokens, 2, 4, dim, dtype, device)
+    cu = torch.tensor([0, 1, 66, tokens])
+
+    def fwd(q, k, v, g, beta):
+        return chunk_gdn(q, k, v, g, beta, cu_seqlens=cu, output_final_state=True, backend=backend)
+
+    with torch.no_grad():
+        want = fwd(**x)
+        got = torch.compile(fwd, fullgraph=True, backend="aot_eager" if device == "cpu" else "inductor")(**x)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
 def test_autograd_on_the_cpu_takes_the_reference():

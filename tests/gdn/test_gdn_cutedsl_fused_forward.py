@@ -234,23 +234,28 @@ def test_the_role_split_form_meets_at_named_barriers(tmp_path):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("l2", [True, False])
-@pytest.mark.parametrize("dims", [(2, 6, 64, 64), (16, 48, 128, 128), (2, 4, 128, 64), (2, 4, 64, 128)])
-def test_the_role_split_form_gives_the_same_bits(l2, dims):
+@pytest.mark.parametrize("dims", [(2, 6, 64, 64), (16, 48, 128, 128), (2, 4, 128, 64), (2, 4, 64, 128),
+                                  (1, 5, 64, 64), (2, 16, 128, 128)])
+def test_the_role_split_form_gives_the_same_bits(dtype, l2, dims):
     """``head_ws`` (with the preparing inverse, as `chunk_gdn` launches it) and ``head_wgmma`` (gated and
     not) on the same inputs (varlen with an empty and a one-token document, an initial state): o and
     the final states bitwise equal, and repeated calls too. The products are split over two
     warpgroups instead of four (the same instructions' sums for every element, an assumption about
     the tensor cores this checks), and the rows' factors and ``round(A)`` are the inverse's, made
-    by the same formulas on the same values."""
+    by the same formulas on the same values. Value heads per qk head 1 to 8 (the inverse in one
+    pass or two); fp16 without the L2 norm (the forms refuse it with)."""
     cutedsl_or_skip()
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("wgmma runs on sm_90 only")
+    if dtype == torch.float16 and l2:
+        pytest.skip("the per-head forms take fp16 only without the L2 norm (test_refuses_what_it_cannot_compile)")
     from dsfuse.gdn.cutedsl.fused_fwd import fused_forward
 
     h, hv, dk, dv = dims
     cu = _bounds()
-    q, k, v, g, beta, h0 = _inputs(cu[-1] + CHUNK_TAIL, h, hv, dk, dv, torch.bfloat16, "cuda", seed=5, l2=l2)
+    q, k, v, g, beta, h0 = _inputs(cu[-1] + CHUNK_TAIL, h, hv, dk, dv, dtype, "cuda", seed=5, l2=l2)
     args = {"initial_state": h0, "cu_seqlens": cu, "use_qk_l2norm": l2}
     runs = [fused_forward(q, k, v, g, beta, form=form, gated=gated, **args)[:2]
             for form, gated in (("head_wgmma", False), ("head_wgmma", True), ("head_ws", True), ("head_ws", True))]
@@ -355,6 +360,35 @@ def test_the_per_head_form_refuses_rows_it_cannot_copy_in_16_bytes():
             launch_fused_forward(q, k, v, g, beta, a, ci, co, order, h0, h0.clone(), bad, 1.0, form="head")
 
 
+def test_the_prepared_inputs_are_checked_before_any_launch():
+    """The ``head_ws`` form's ``a_round`` and ``factors``: refused by name when missing, given to another
+    form, of the wrong shape or dtype, or on another device than v (CPU tensors: no launch)."""
+    cutedsl_or_skip()
+    from dsfuse.gdn.cutedsl.fused_fwd import launch_fused_forward
+
+    t, h, d = 70, 2, 64
+    q, k, v = (torch.zeros(t, h, d, dtype=torch.bfloat16) for _ in range(3))
+    g, beta, a = torch.zeros(t, h), torch.zeros(t, h, dtype=torch.bfloat16), torch.zeros(t, h, 64)
+    ci, co, order = torch.zeros(2, 3, dtype=torch.int32), torch.zeros(2, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
+    h0, o = torch.zeros(1, h, d, d), torch.zeros(t, h, d, dtype=torch.bfloat16)
+    good = {"a_round": torch.zeros(t, h, 64, dtype=torch.bfloat16), "factors": torch.zeros(2 * 8, h, 64)}
+
+    def launch(form="head_ws", g_cum=g, **prepared):
+        launch_fused_forward(q, k, v, g, beta, a, ci, co, order, h0, h0.clone(), o, 1.0, form=form, g_cum=g_cum,
+                             **prepared)
+
+    with pytest.raises(ValueError, match="with the head_ws form and only there"):
+        launch()  # head_ws without them
+    with pytest.raises(ValueError, match="with the head_ws form and only there"):
+        launch(form="head", **good)
+    with pytest.raises(ValueError, match="gated only: pass the preparing inverse's g_cum"):
+        launch(g_cum=None, **good)
+    for bad in ({"a_round": good["a_round"].float()}, {"a_round": good["a_round"][:-1]},
+                {"factors": good["factors"][:-1]}, {"factors": good["factors"].double()}):
+        with pytest.raises(ValueError, match="reads a_round"):
+            launch(**(good | bad))
+
+
 def test_documents_start_longest_first():
     """The CTAs' document order: by chunk count, longest first, ties in document order (not by tokens:
     65 and 128 tokens are both two chunks)."""
@@ -441,6 +475,7 @@ def test_the_gated_launch_changes_nothing_else(form, l2, dims):
         launch_ut_inverse(k, beta, ci, a, use_qk_l2norm=l2, g=g if gate else None, g_cum=g_cum,
                           q=q if prepared else None, **prepared)
         a_before = a.clone()
+        prepared_before = {name: x.clone() for name, x in prepared.items()}
         ht, o = torch.full_like(h0, float("nan")), torch.full_like(v, float("nan"))
         launch_fused_forward(q, k, v, g, beta, a, ci, co, order, h0, ht, o, dk**-0.5, use_qk_l2norm=l2,
                              form=kernel_form, g_cum=g_cum, **prepared)
@@ -451,9 +486,19 @@ def test_the_gated_launch_changes_nothing_else(form, l2, dims):
         assert a_round[cu[-1]:].isnan().all()  # rows in no document: untouched
         assert torch.equal(a_round[: cu[-1]], runs[1][2][: cu[-1]].to(k.dtype))
         _check_factors(prepared["factors"].cpu(), g_cum.cpu(), q.cpu(), k.cpu(), beta.cpu(), ci.cpu(), l2)
+        for name, x in prepared.items():  # the kernel only reads them
+            assert torch.equal(x.nan_to_num(7.0), prepared_before[name].nan_to_num(7.0)), name
+        # keeping no A (a forward without a backward): the same round(A), factors and g_cum
+        again = {name: torch.full_like(x, float("nan")) for name, x in prepared.items()}
+        g_again = torch.full_like(g, float("nan"))
+        assert launch_ut_inverse(k, beta, ci, None, use_qk_l2norm=l2, g=g, g_cum=g_again, q=q, **again) is None
+        torch.cuda.synchronize()
+        for name, x in prepared.items():
+            assert torch.equal(again[name].nan_to_num(7.0), x.nan_to_num(7.0)), name
+        assert torch.equal(g_again.nan_to_num(7.0), runs[1][4].nan_to_num(7.0))
     (o1, ht1, a0, a0_before, _), (o2, ht2, a2, a2_before, g_cum) = runs
     assert torch.equal(o1[: cu[-1]], o2[: cu[-1]]) and torch.equal(ht1, ht2)
-    for a, before in ((a0, a0_before), (a2, a2_before)):  # the kernel only reads a
+    for a, before in ((a0, a0_before), (a2, a2_before)):  # the kernel only reads a (head_ws: does not read it)
         assert torch.equal(a.nan_to_num(7.0), before.nan_to_num(7.0))
     assert g_cum[cu[-1]:].isnan().all() and a2[cu[-1]:].isnan().all()  # rows in no document: untouched
     g_ref = torch.full((t, hv), float("nan"), dtype=F64)

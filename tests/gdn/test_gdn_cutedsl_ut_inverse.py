@@ -58,8 +58,41 @@ def test_refuses_what_it_cannot_compile():
         module.compile_ut_inverse(torch.bfloat16, 16, 40, 128, False, "sm_90a")
 
 
+def test_the_preparing_form_checks_its_arguments_before_any_launch():
+    """Refused by name (CPU tensors: no launch): no ``A`` kept without preparing, half of the
+    preparing form's tensors, preparing without the gate, q unlike k, a_round or factors of the
+    wrong shape or dtype, q unaligned for the 16-byte copies, a tensor on another device."""
+    cutedsl_or_skip()
+    from dsfuse.gdn.cutedsl.ut_inverse import launch_ut_inverse
+
+    t, h, hv, d = 70, 2, 4, 64
+    k = torch.zeros(t, h, d, dtype=torch.bfloat16)
+    beta, g, g_cum = torch.zeros(t, hv, dtype=torch.bfloat16), torch.zeros(t, hv), torch.zeros(t, hv)
+    ci, a = torch.zeros(2, 3, dtype=torch.int32), torch.zeros(t, hv, 64)
+    good = {"q": k.clone(), "a_round": torch.zeros(t, hv, 64, dtype=torch.bfloat16), "factors": torch.zeros(16, hv, 64)}
+
+    def launch(a=a, gate=True, **prepared):
+        launch_ut_inverse(k, beta, ci, a, g=g if gate else None, g_cum=g_cum if gate else None, **prepared)
+
+    with pytest.raises(ValueError, match="a is None only with the preparing form"):
+        launch(a=None)
+    with pytest.raises(ValueError, match="q, a_round and factors all or none"):
+        launch(q=good["q"])
+    with pytest.raises(ValueError, match="q, a_round and factors all or none, and only with g"):
+        launch(gate=False, **good)
+    unaligned = torch.zeros(t, h * d + 4, dtype=torch.bfloat16)[:, 4:].unflatten(1, (h, d))
+    for bad, match in (({"q": good["q"].float()}, "q must be k's shape"),
+                       ({"q": unaligned}, "q needs a 16-byte aligned base"),
+                       ({"a_round": good["a_round"].float()}, "a_round must be contiguous"),
+                       ({"a_round": good["a_round"][:-1]}, "a_round must be contiguous"),
+                       ({"factors": good["factors"][:-1]}, "factors must be contiguous fp32"),
+                       ({"factors": good["factors"].to("meta")}, "factors must be on k's device")):
+        with pytest.raises(ValueError, match=match):
+            launch(**(good | bad))
+
+
 def test_three_ctas_fit_an_sm(tmp_path):
-    """The model's inverse, ungated, gating and preparing, with and without the L2 norm, as the DSL's own ptxas
+    """The model's inverse, ungated, gating and preparing (with A kept and not), with and without the L2 norm, as the DSL's own ptxas
     builds it for sm_90a (its cubin's resource usage, read by Triton's cuobjdump): at most 96
     registers a thread, so three CTAs of 192 threads share an SM (18 warps, at most 5 on a
     scheduler's 16,384 registers). The gating write loop unrolled by 8 took more, and the inverse was
@@ -73,16 +106,16 @@ def test_three_ctas_fit_an_sm(tmp_path):
     from dsfuse.gdn.cutedsl import ut_inverse as module
 
     cuobjdump = Path(nvidia.__file__).parent / "bin" / "cuobjdump"
-    for gate, prepare in ((False, False), (True, False), (True, True)):
+    for gate, prepare, keep_a in ((False, False, True), (True, False, True), (True, True, True), (True, True, False)):
         for l2 in (True, False):
             fn = module.compile_ut_inverse(torch.bfloat16, 16, 48, 128, l2, "sm_90a", gate=gate, prepare=prepare,
-                                           keep_cubin=True, dump_dir=str(tmp_path))
+                                           keep_a=keep_a, keep_cubin=True, dump_dir=str(tmp_path))
             cubin = tmp_path / "kernel.cubin"
             cubin.write_bytes(fn.__cubin__)
             usage = subprocess.run([str(cuobjdump), "-res-usage", str(cubin)], capture_output=True, text=True,
                                    check=True).stdout
             registers = int(re.search(r"REG:(\d+)", usage).group(1))
-            assert registers <= 96 and "STACK:0 " in usage, (gate, prepare, l2, usage)
+            assert registers <= 96 and "STACK:0 " in usage, (gate, prepare, keep_a, l2, usage)
 
 
 def test_serves_the_forward_on_hopper():

@@ -281,7 +281,10 @@ def launch_fused_forward(q, k, v, g, beta, a, chunk_indices, chunk_offsets, orde
     not read). Neither is written: ``a`` is only read. The ``head_ws`` form reads, in place of them
     (and of ``g``, ``beta``: none of the four is read), ``a_round`` and ``factors`` as the preparing
     inverse wrote them (``launch_ut_inverse(.., g=g, g_cum=g_cum, q=q, a_round=a_round,
-    factors=factors)``), and needs them (``a`` may be None there); the other forms take neither.
+    factors=factors)``), and needs them (``a`` may be None there; ``g_cum`` is asked for, the
+    inverse's, though not read); the other forms take neither. Nothing here can check that they
+    were made from the same ``k``, ``beta``, ``g``, chunks and L2 norm as this launch's: the caller's
+    contract.
 
     ``q``, ``k`` ``[T, H, K]``, ``v`` ``[T, HV, V]`` and ``beta`` ``[T, HV]`` in one dtype, unit
     channel stride; ``g`` fp32 ``[T, HV]`` (per-token log decay); ``a`` fp32 ``[T, HV, 64]`` from
@@ -316,6 +319,9 @@ def launch_fused_forward(q, k, v, g, beta, a, chunk_indices, chunk_offsets, orde
                          f"form and only there (form {form!r})")
     if form == "head_ws":
         _check_prepared(v, a_round, factors, chunk_indices, gated)
+        if a_round.device != v.device or factors.device != v.device:
+            raise ValueError(f"launch_fused_forward: a_round and factors on v's device {v.device} (got "
+                             f"{a_round.device}, {factors.device})")
     arch = _cd.arch_of(k.device)
     fn = CACHE.get((k.dtype, heads, value_heads, dim_k, dim_v, use_qk_l2norm, form, gated, arch),
                    lambda: compile_fused_forward(k.dtype, heads, value_heads, dim_k, dim_v, use_qk_l2norm, arch,
@@ -337,7 +343,8 @@ def _check_prepared(v, a_round, factors, chunk_indices, gated: bool):
     rows = (chunk_indices.shape[0] * len(FACTORS), v.shape[1], CHUNK)
     if not gated or a_round.shape != shape or a_round.dtype != v.dtype or factors.shape != rows or (
             factors.dtype != torch.float32) or any(not x.is_contiguous() or x.data_ptr() % 16 for x in (a_round, factors)):
-        raise ValueError(f"launch_fused_forward: the head_ws form reads g_cum, a_round {shape} in v's dtype and fp32 "
+        raise ValueError(f"launch_fused_forward: the head_ws form (gated only: pass the preparing inverse's g_cum) "
+                         f"reads a_round {shape} in v's dtype and fp32 "
                          f"factors {rows}, contiguous and 16-byte aligned (got a_round {tuple(a_round.shape)}, "
                          f"factors {tuple(factors.shape)} {factors.dtype})")
 

@@ -54,7 +54,7 @@ from dsfuse.gdn.cutedsl import mma as _mma
 from dsfuse.gdn.cutedsl import wgmma as _wg
 from dsfuse.gdn.cutedsl.chunk import CHUNK
 from dsfuse.gdn.cutedsl.fused_fwd_head import STAGES, gate_qk
-from dsfuse.gdn.cutedsl.ut_inverse import F_BETA, F_DEC, F_EGK, F_EGQ, F_G, F_RQ, FACTORS
+from dsfuse.gdn.cutedsl.ut_inverse import F_BETA, F_DEC, F_EGK, F_EGQ, F_G, F_RK, F_RQ, FACTORS
 
 THREADS = 512
 TEAM = 256  # two warpgroups a team
@@ -67,6 +67,7 @@ ARCHS = ("sm_90a",)  # wgmma
 # named barriers (0 is the CTA's): each team's own, then the four between the teams (module docstring)
 STATE_BAR, OUTPUT_BAR, READY, OUT_READ, VN_READY, VN_FREE = 1, 2, 3, 4, 5, 6
 FACTOR_THREADS = len(FACTORS) * CHUNK * 4 // 16  # a chunk's factors, a 16-byte piece a thread
+assert F_RK == F_RQ + 1, "the rows' scales are read as one vector of 128: rstd_k's row right after rstd_q's"
 
 
 def _team_sync(bar: int):

@@ -465,7 +465,8 @@ def _check_prepared(k, q, a, a_round, factors, chunk_indices, gate: bool):
     """The preparing form's arguments (`launch_ut_inverse`), each wrong one named before any launch."""
     if q is None or a_round is None or factors is None or not gate:
         raise ValueError("launch_ut_inverse: q, a_round and factors all or none, and only with g (the gating form)")
-    problems = []
+    problems = [f"{name} must be on k's device {k.device} (got {x.device})"
+                for name, x in (("q", q), ("a_round", a_round), ("factors", factors)) if x.device != k.device]
     if q.shape != k.shape or q.dtype != k.dtype or k.dtype == torch.float32:
         problems.append(f"q must be k's shape {tuple(k.shape)} and 16-bit dtype (got {tuple(q.shape)} {q.dtype})")
     problems += [f"{name} needs a 16-byte aligned base and token and head strides" for name, x in (("q", q), ("k", k))
