@@ -383,9 +383,12 @@ def test_the_prepared_inputs_are_checked_before_any_launch():
         launch(form="head", **good)
     with pytest.raises(ValueError, match="gated only: pass the preparing inverse's g_cum"):
         launch(g_cum=None, **good)
-    for bad in ({"a_round": good["a_round"].float()}, {"a_round": good["a_round"][:-1]},
-                {"factors": good["factors"][:-1]}, {"factors": good["factors"].double()}):
-        with pytest.raises(ValueError, match="reads a_round"):
+    for bad, match in (({"a_round": good["a_round"].float()}, "a_round must be contiguous"),
+                       ({"a_round": good["a_round"][:-1]}, "a_round must be contiguous"),
+                       ({"factors": good["factors"][:-1]}, "factors must be contiguous"),
+                       ({"factors": good["factors"].double()}, "factors must be contiguous"),
+                       ({"factors": good["factors"].to("meta")}, "factors must be on the inputs' device")):
+        with pytest.raises(ValueError, match=match):
             launch(**(good | bad))
 
 

@@ -85,8 +85,8 @@ def test_the_preparing_form_checks_its_arguments_before_any_launch():
                        ({"q": unaligned}, "q needs a 16-byte aligned base"),
                        ({"a_round": good["a_round"].float()}, "a_round must be contiguous"),
                        ({"a_round": good["a_round"][:-1]}, "a_round must be contiguous"),
-                       ({"factors": good["factors"][:-1]}, "factors must be contiguous fp32"),
-                       ({"factors": good["factors"].to("meta")}, "factors must be on k's device")):
+                       ({"factors": good["factors"][:-1]}, "factors must be contiguous"),
+                       ({"factors": good["factors"].to("meta")}, "factors must be on the inputs' device")):
         with pytest.raises(ValueError, match=match):
             launch(**(good | bad))
 

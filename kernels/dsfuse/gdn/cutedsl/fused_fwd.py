@@ -40,7 +40,7 @@ from dsfuse.gdn.cutedsl import fused_fwd_head
 from dsfuse.gdn.cutedsl.fused_fwd_head import FusedForwardHead
 from dsfuse.gdn.cutedsl.fused_fwd_tc import TC_DTYPES, FusedForwardTC
 from dsfuse.gdn.cutedsl.fused_fwd_ws import FusedForwardWS
-from dsfuse.gdn.cutedsl.ut_inverse import FACTORS
+from dsfuse.gdn.cutedsl.ut_inverse import FACTORS, prepared_reasons
 from dsfuse.gdn.cutedsl.ut_inverse import shape_reasons as _inverse_reasons
 from dsfuse.gdn.schedule import document_order
 
@@ -318,10 +318,11 @@ def launch_fused_forward(q, k, v, g, beta, a, chunk_indices, chunk_offsets, orde
         raise ValueError(f"launch_fused_forward: a_round and factors (the preparing inverse's) with the head_ws "
                          f"form and only there (form {form!r})")
     if form == "head_ws":
-        _check_prepared(v, a_round, factors, chunk_indices, gated)
-        if a_round.device != v.device or factors.device != v.device:
-            raise ValueError(f"launch_fused_forward: a_round and factors on v's device {v.device} (got "
-                             f"{a_round.device}, {factors.device})")
+        if not gated:
+            raise ValueError("launch_fused_forward: the head_ws form is gated only: pass the preparing inverse's g_cum")
+        if reasons := prepared_reasons(a_round, factors, v.shape[0], value_heads, chunk_indices.shape[0], v.dtype,
+                                       v.device):
+            raise ValueError("launch_fused_forward: " + "; ".join(reasons))
     arch = _cd.arch_of(k.device)
     fn = CACHE.get((k.dtype, heads, value_heads, dim_k, dim_v, use_qk_l2norm, form, gated, arch),
                    lambda: compile_fused_forward(k.dtype, heads, value_heads, dim_k, dim_v, use_qk_l2norm, arch,
@@ -333,20 +334,6 @@ def launch_fused_forward(q, k, v, g, beta, a, chunk_indices, chunk_offsets, orde
     else:  # not gated: g stands in for g_cum (not read)
         fn(q, k, v, g, beta, a, chunk_indices, chunk_offsets, order, h0, ht, o, g_cum if gated else g, float(scale))
     return o
-
-
-def _check_prepared(v, a_round, factors, chunk_indices, gated: bool):
-    """The ``head_ws`` form's inputs: the preparing inverse's ``a_round`` (``[T, HV, 64]`` in v's dtype,
-    contiguous, 16-byte aligned) and ``factors`` (fp32 ``[NC * 8, HV, 64]``, contiguous, 16-byte
-    aligned), and ``g_cum``."""
-    shape = (v.shape[0], v.shape[1], CHUNK)
-    rows = (chunk_indices.shape[0] * len(FACTORS), v.shape[1], CHUNK)
-    if not gated or a_round.shape != shape or a_round.dtype != v.dtype or factors.shape != rows or (
-            factors.dtype != torch.float32) or any(not x.is_contiguous() or x.data_ptr() % 16 for x in (a_round, factors)):
-        raise ValueError(f"launch_fused_forward: the head_ws form (gated only: pass the preparing inverse's g_cum) "
-                         f"reads a_round {shape} in v's dtype and fp32 "
-                         f"factors {rows}, contiguous and 16-byte aligned (got a_round {tuple(a_round.shape)}, "
-                         f"factors {tuple(factors.shape)} {factors.dtype})")
 
 
 def fused_forward(q, k, v, g, beta, scale=None, initial_state=None, cu_seqlens=None, use_qk_l2norm=False,

@@ -465,21 +465,31 @@ def _check_prepared(k, q, a, a_round, factors, chunk_indices, gate: bool):
     """The preparing form's arguments (`launch_ut_inverse`), each wrong one named before any launch."""
     if q is None or a_round is None or factors is None or not gate:
         raise ValueError("launch_ut_inverse: q, a_round and factors all or none, and only with g (the gating form)")
-    problems = [f"{name} must be on k's device {k.device} (got {x.device})"
-                for name, x in (("q", q), ("a_round", a_round), ("factors", factors)) if x.device != k.device]
+    problems = [] if q.device == k.device else [f"q must be on k's device {k.device} (got {q.device})"]
     if q.shape != k.shape or q.dtype != k.dtype or k.dtype == torch.float32:
         problems.append(f"q must be k's shape {tuple(k.shape)} and 16-bit dtype (got {tuple(q.shape)} {q.dtype})")
     problems += [f"{name} needs a 16-byte aligned base and token and head strides" for name, x in (("q", q), ("k", k))
                  if x.stride(-1) != 1 or not vector_reads(x)]
-    shape = (k.shape[0], a.shape[1], CHUNK)
-    if a_round.shape != shape or a_round.dtype != k.dtype or not a_round.is_contiguous():
-        problems.append(f"a_round must be contiguous {shape} in k's dtype (got {tuple(a_round.shape)} "
-                        f"{a_round.dtype})")
-    rows = (chunk_indices.shape[0] * len(FACTORS), a.shape[1], CHUNK)
-    if factors.shape != rows or factors.dtype != torch.float32 or not factors.is_contiguous():
-        problems.append(f"factors must be contiguous fp32 {rows} (got {tuple(factors.shape)} {factors.dtype})")
+    problems += prepared_reasons(a_round, factors, k.shape[0], a.shape[1], chunk_indices.shape[0], k.dtype, k.device)
     if problems:
         raise ValueError("launch_ut_inverse: " + "; ".join(problems))
+
+
+def prepared_reasons(a_round, factors, tokens: int, value_heads: int, chunks: int, dtype: torch.dtype,
+                     device: torch.device) -> list[str]:
+    """What is wrong with the preparing form's ``a_round`` and ``factors`` (empty when nothing): they
+    must be contiguous ``[T, HV, 64]`` in the inputs' dtype and fp32 ``[NC * 8, HV, 64]``, on the
+    inputs' device, 16-byte aligned (the fused kernel's 16-byte copies). Checked by the inverse that
+    writes them and the fused kernel that reads them."""
+    problems = []
+    for name, x, shape, want in (("a_round", a_round, (tokens, value_heads, CHUNK), dtype),
+                                 ("factors", factors, (chunks * len(FACTORS), value_heads, CHUNK), torch.float32)):
+        if x.shape != shape or x.dtype != want or not x.is_contiguous() or x.data_ptr() % 16:
+            problems.append(f"{name} must be contiguous {shape} {want}, 16-byte aligned (got {tuple(x.shape)} "
+                            f"{x.dtype})")
+        if x.device != device:
+            problems.append(f"{name} must be on the inputs' device {device} (got {x.device})")
+    return problems
 
 
 def _aot_specs() -> list[_cd.CuteAotSpec]:
