@@ -99,7 +99,8 @@ class FusedForward:
         new = functools.partial(torch.empty, device=v.device)
         g_cum = new((n, heads_v), dtype=torch.float32)
         form = form_of(v.device)
-        a = new((n if save or form != "head_ws" else 0, heads_v, CHUNK_SIZE), dtype=torch.float32)
+        keep_a = save or form != "head_ws"  # the head form reads A; head_ws reads round(A) and the factors
+        a = new((n if keep_a else 0, heads_v, CHUNK_SIZE), dtype=torch.float32)
         o = new((n, heads_v, dim_v), dtype=v.dtype)
         state_shape = (table.num_seqs, heads_v, dim_k, dim_v)
         final_state = new(state_shape, dtype=torch.float32)  # written whether or not it is returned
@@ -119,7 +120,7 @@ class FusedForward:
                                            g_cum=g_cum, **prepared)
 
         calls = [
-            ("ut_inverse", lambda: launch_ut_inverse(k_, beta_, table.indices, a if a.shape[0] == n else None,
+            ("ut_inverse", lambda: launch_ut_inverse(k_, beta_, table.indices, a if keep_a else None,
                                                      use_qk_l2norm=use_qk_l2norm, g=g_, g_cum=g_cum,
                                                      q=q_ if prepared else None, **prepared)),
             ("fused", fused),
