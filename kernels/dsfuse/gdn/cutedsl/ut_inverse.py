@@ -72,6 +72,7 @@ from dsfuse.gdn.cutedsl.chunk import (
 MAX_HEADS_AT_ONCE = 4  # value heads solved together, a column of A a thread: at most 256 threads
 WARPS = THREADS // 32  # the warps that load k and make its Gram matrix
 BLOCK = 16  # the diagonal blocks of the blocked inverse
+PIECE = 8  # A's rows leave in pieces of 8 columns (16 bytes of round(A), 32 of A), 8 pieces a row
 PITCH = CHUNK + 4  # fp32 row pitch of the Gram matrix and A: 16-byte aligned rows, banks shifted 4 a row
 HEAD_DIMS = (32, 64, 128)
 # the rows' factors of the preparing form, a row of 64 each (``factors[8 c + f, hv, r]``): the
@@ -252,35 +253,61 @@ class _UtInverse:
                 if active and col < 32:
                     chunk.cumulative_gate(col, sGate[slot, None])
             # 4. A = (I + M)^-1, M_ij = m_i G_ij rstd_j for j < i, by blocks of 16: each thread its
-            #    column's diagonal block, then (after the barrier) its rows below it, a block at a time
+            #    column's diagonal block, then (a barrier between) each block's rows left of it
             if active:
                 _diagonal_block(sG, sRow[slot, None], sA[slot, None, None], col)
-            cute.arch.sync_threads()
-            if active:
-                for blk in cutlass.range_constexpr(1, C // BLOCK):
-                    _block_row(sG, sRow[slot, None], sA[slot, None, None], col, blk)
-                # 5. the column's rows of the chunk (its own column: no barrier); gate: times
-                #    exp(G_i - G_col) on and below the diagonal (the fused forward's former formula), and
-                #    the column's row of G
                 if const_expr(self.gate):
                     g_col = sGate[slot, col]
                     if col < rows:
                         mGc[start + col, i_hv] = g_col
                     if const_expr(self.prepare):
                         self._factors(mF, i_c, i_hv, col, rows, beta, sGate[slot, None], sRstdQ, sRstd)
-                    # unrolled by 2, not 8: 80 registers a thread (ptxas, sm_90a); at 8 it took 106, and
-                    # the SM held two CTAs of 192 threads instead of three (about 40 % slower at (16, 48))
-                    for i in cutlass.range(rows, unroll=2):
+            for blk in cutlass.range_constexpr(1, C // BLOCK):
+                cute.arch.sync_threads()  # the rows above (and the diagonal block) solved
+                if active:
+                    _block_row(sG, sRow[slot, None], sA[slot, None, None], col, blk)
+            # 5. every row solved: the head's rows of A leave by 16-byte pieces, thread `col` the
+            #    8 columns 8 (col % 8) .. and the rows col // 8 + 8 j, zeros above the diagonal;
+            #    gate: times exp(G_i - G_c) on and below it (the fused forward's former formula)
+            cute.arch.sync_threads()
+            if active:
+                self._write_rows(mA, mAr, sA[slot, None, None], sGate[slot, None], start, rows, i_hv, col)
+
+    @cute.jit
+    def _write_rows(self, mA: cute.Tensor, mAr: cute.Tensor, sA: cute.Tensor, sGate: cute.Tensor, start: Int32,
+                    rows: Int32, i_hv: Int32, t: Int32):
+        """Thread ``t``'s pieces of one head's rows (step 5): columns ``c0 .. c0 + 7``, ``c0 = 8 (t % 8)``,
+        of rows ``t // 8 + 8 j`` below ``rows``; fp32 into ``mA`` (kept) and rounded into ``mAr``
+        (preparing)."""
+        c0 = (t % PIECE) * PIECE
+        g_cols = cute.make_rmem_tensor((PIECE,), Float32)
+        if const_expr(self.gate):
+            for j in cutlass.range_constexpr(PIECE):
+                g_cols[j] = sGate[c0 + j]
+        # unrolled by 2: 8 live values a row (the bound of `test_three_ctas_fit_an_sm`)
+        for j in cutlass.range(CHUNK // PIECE, unroll=2):
+            i = t // PIECE + PIECE * j
+            if i < rows:
+                piece = cute.make_rmem_tensor((PIECE,), Float32)
+                if const_expr(self.gate):
+                    g_row = sGate[i]
+                    for e in cutlass.range_constexpr(PIECE):
                         value = Float32(0.0)
-                        if col <= i:
-                            value = sA[slot, i, col] * cute.math.exp(sGate[slot, i] - g_col)
-                        if const_expr(self.keep_a):
-                            mA[start + i, i_hv, col] = value
-                        if const_expr(self.prepare):
-                            mAr[start + i, i_hv, col] = value.to(mAr.element_type)
+                        if c0 + e <= i:
+                            value = sA[i, c0 + e] * cute.math.exp(g_row - g_cols[e])
+                        piece[e] = value
                 else:
-                    for i in cutlass.range(rows, unroll=8):
-                        mA[start + i, i_hv, col] = sA[slot, i, col]
+                    for e in cutlass.range_constexpr(PIECE):
+                        value = Float32(0.0)
+                        if c0 + e <= i:
+                            value = sA[i, c0 + e]
+                        piece[e] = value
+                if const_expr(self.keep_a):
+                    cute.autovec_copy(piece, _piece(mA[start + i, i_hv, None], t % PIECE))
+                if const_expr(self.prepare):
+                    rounded = cute.make_rmem_tensor((PIECE,), mAr.element_type)
+                    rounded.store(piece.load().to(mAr.element_type))
+                    cute.autovec_copy(rounded, _piece(mAr[start + i, i_hv, None], t % PIECE))
 
     @cute.jit
     def _factors(self, mF: cute.Tensor, i_c: Int32, i_hv: Int32, r: Int32, rows: Int32, beta: Float32,
@@ -304,11 +331,16 @@ class _UtInverse:
             mF[row + f, i_hv, r] = value
 
 
+def _piece(row: cute.Tensor, index) -> cute.Tensor:
+    """Piece ``index`` (`PIECE` contiguous columns) of a row of 64, as a ``(PIECE,):(1,)`` tensor."""
+    return cute.make_tensor(cute.zipped_divide(row, (PIECE,))[None, index].iterator, cute.make_layout((PIECE,)))
+
+
 @cute.jit
 def _diagonal_block(sG: cute.Tensor, sM: cute.Tensor, sA: cute.Tensor, col: Int32):
     """Column ``col`` of the inverse of the diagonal block holding it, ``(I + M_bb)^-1``, by forward
-    substitution in registers, into ``sA`` with zeros above the diagonal (and in the first block's
-    rows when the column lies right of it). ``sM``: the rows' factors ``m``."""
+    substitution in registers, into ``sA`` with zeros above the diagonal. ``sM``: the rows' factors
+    ``m``."""
     b0 = col - col % BLOCK  # first row and column of the block
     local = col - b0
     x = []
@@ -324,35 +356,37 @@ def _diagonal_block(sG: cute.Tensor, sM: cute.Tensor, sA: cute.Tensor, col: Int3
             xi = Float32(0.0)
         x.append(xi)
         sA[r, col] = xi
-    if b0 > 0:  # the first block's rows (`_block_row` writes the zeros of the other blocks above)
-        for r in cutlass.range_constexpr(BLOCK):
-            sA[r, col] = Float32(0.0)
 
 
 @cute.jit
-def _block_row(sG: cute.Tensor, sM: cute.Tensor, sA: cute.Tensor, col: Int32, blk: cutlass.Constexpr):
-    """The rows of block ``blk`` in column ``col`` when the column lies left of the block:
-    ``X = -(I + M_aa)^-1 Y``, ``Y_r = m_r sum_{k < 16 blk} G_rk A_k,col`` (the rows above from this
-    thread's earlier steps, the diagonal block's inverse from the threads that solved it). Columns
-    right of the block get zeros; the block's own columns are left as solved."""
+def _block_row(sG: cute.Tensor, sM: cute.Tensor, sA: cute.Tensor, t: Int32, blk: cutlass.Constexpr):
+    """The rows of block ``blk`` left of its diagonal block, ``X = -(I + M_aa)^-1 Y``,
+    ``Y_r = m_r sum_k G_rk A_k,col`` over the rows ``k < 16 blk`` (rows above the column's own block
+    are zero and skipped: the same sums), by a head's 64 threads, work shared evenly: column
+    ``col`` (of ``16 blk``) and its rows ``r = rg + 4 j`` (``j < 4``) are lane ``rg`` of a quad, thread
+    ``t`` taking the columns ``t // 4 + 16 u`` (``u < blk``: column block ``u``, known at compile time),
+    the quad's ``Y`` exchanged by shuffles. Terms in ``k`` and ``j`` ascending, as a thread per column
+    took them. Nothing is written right of the diagonal block (step 5 writes zeros there)."""
     r0 = blk * BLOCK
-    here = col - col % BLOCK
-    if here < r0:
-        above = [sA[k, col] for k in range(r0)]  # this thread's own column
-        y = []
-        for r in cutlass.range_constexpr(BLOCK):
-            total = Float32(0.0)
-            for k in cutlass.range_constexpr(r0):
-                total = total + sG[r0 + r, k] * above[k]
-            y.append(sM[r0 + r] * total)
-        for r in cutlass.range_constexpr(BLOCK):
-            total = y[r]
-            for j in cutlass.range_constexpr(r):  # the unit lower triangular inverse of the diagonal block
-                total = total + sA[r0 + r, r0 + j] * y[j]
-            sA[r0 + r, col] = -total
-    elif here > r0:
-        for r in cutlass.range_constexpr(BLOCK):
-            sA[r0 + r, col] = Float32(0.0)
+    rg, quad = t % 4, (t % 32) - t % 4  # the quad's lanes hold one column's 16 rows, 4 each
+    cols = [t // 4 + BLOCK * u for u in range(blk)]
+    total = [[Float32(0.0)] * 4 for _ in range(blk)]
+    for k in cutlass.range_constexpr(r0):  # k outer: a row's G_rk read once for every column taking it
+        g_k = [sG[r0 + rg + 4 * j, k] for j in range(4)]
+        for u in cutlass.range_constexpr(k // BLOCK + 1):
+            a_k = sA[k, cols[u]]
+            for j in cutlass.range_constexpr(4):
+                total[u][j] = total[u][j] + g_k[j] * a_k
+    for u in cutlass.range_constexpr(blk):
+        y = [sM[r0 + rg + 4 * j] * total[u][j] for j in range(4)]
+        y_all = [cute.arch.shuffle_sync(y[r // 4], quad + r % 4) for r in range(BLOCK)]
+        for j in cutlass.range_constexpr(4):  # the unit lower triangular inverse of the diagonal block
+            r = rg + 4 * j
+            x = y[j]
+            for i in cutlass.range_constexpr(BLOCK - 1):
+                if i < r:
+                    x = x + sA[r0 + r, r0 + i] * y_all[i]
+            sA[r0 + r, cols[u]] = -x
 
 
 CACHE = _cd.KernelCache()  # (dtype, H, HV, K, l2norm, aligned, gate, arch) -> compiled function
@@ -371,7 +405,8 @@ def _fake_tensors(dtype: torch.dtype, heads: int, value_heads: int, dim_k: int, 
     beta = cute.runtime.make_fake_tensor(cdt, (tokens, value_heads), (cute.sym_int64(), cute.sym_int64()))
     table = cute.runtime.make_fake_tensor(Int32, (chunks, 3), (3, 1))
     # its own length: an empty stand-in when the preparing form keeps no A
-    a = cute.runtime.make_fake_tensor(Float32, (cute.sym_int(), value_heads, CHUNK), (value_heads * CHUNK, CHUNK, 1))
+    a = cute.runtime.make_fake_tensor(Float32, (cute.sym_int(), value_heads, CHUNK), (value_heads * CHUNK, CHUNK, 1),
+                                      assumed_align=16)
     gate_tokens = cute.sym_int()
 
     def gates():
@@ -382,7 +417,8 @@ def _fake_tensors(dtype: torch.dtype, heads: int, value_heads: int, dim_k: int, 
     q = cute.runtime.make_fake_tensor(cdt, (cute.sym_int(), heads, dim_k), (cute.sym_int64(divisibility=vector),
                                                                             cute.sym_int64(divisibility=vector), 1),
                                       assumed_align=16 if aligned else None)
-    a_round = cute.runtime.make_fake_tensor(cdt, (cute.sym_int(), value_heads, CHUNK), (value_heads * CHUNK, CHUNK, 1))
+    a_round = cute.runtime.make_fake_tensor(cdt, (cute.sym_int(), value_heads, CHUNK), (value_heads * CHUNK, CHUNK, 1),
+                                            assumed_align=16)
     factors = cute.runtime.make_fake_tensor(Float32, (cute.sym_int(), value_heads, CHUNK),
                                             (value_heads * CHUNK, CHUNK, 1))
     return k, beta, gates(), table, a, gates(), q, a_round, factors
@@ -437,8 +473,10 @@ def launch_ut_inverse(k: torch.Tensor, beta: torch.Tensor, chunk_indices: torch.
         a = k.new_empty((0, value_heads, CHUNK), dtype=torch.float32)  # not written: the signature's stand-in
     elif a.shape != (tokens, value_heads, CHUNK):
         raise ValueError(f"launch_ut_inverse: a must be [T, HV, 64] {(tokens, value_heads, CHUNK)}, got {tuple(a.shape)}")
-    if k.stride(-1) != 1 or beta.dtype != k.dtype or not a.is_contiguous() or a.dtype != torch.float32:
-        raise ValueError("launch_ut_inverse: k needs unit channel stride, beta k's dtype, a contiguous fp32")
+    if (k.stride(-1) != 1 or beta.dtype != k.dtype or not a.is_contiguous() or a.dtype != torch.float32
+            or a.data_ptr() % 16):
+        raise ValueError("launch_ut_inverse: k needs unit channel stride, beta k's dtype, a contiguous fp32 with a "
+                         "16-byte aligned base (its rows leave by 16-byte stores)")
     gate = g is not None
     if (g_cum is not None) != gate or gate and any(x.dtype != torch.float32 or x.shape != beta.shape
                                                    for x in (g, g_cum)):
