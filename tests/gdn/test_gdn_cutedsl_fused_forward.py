@@ -200,9 +200,9 @@ def test_the_role_split_form_meets_at_named_barriers(tmp_path):
     products, m64n32 for q k^T, m64n128 for the state update), the teams' registers set by
     ``setmaxnreg``, and each team's barriers in the order the protocol needs (module docstring of
     `dsfuse.gdn.cutedsl.fused_fwd_ws`): named barriers only (none is the CTA's), the state team's
-    four a chunk, its arrivals (3, 5) right after its own barrier with its writes fenced for the
-    tensor cores before it, and it alone waiting at 4 and 6; the output team waiting at 3 and 5 and
-    arriving at 4 and 6."""
+    three a chunk, its arrivals (3, 5) with its writes fenced for the tensor cores before them (3
+    after its own barrier, 5 after its wait at 6), and it alone waiting at 4 and 6; the output team
+    waiting at 3 and 5 and arriving at 4 and 6."""
     import collections
     import re
 
@@ -216,8 +216,8 @@ def test_the_role_split_form_meets_at_named_barriers(tmp_path):
         return ["fence" if m.group(1) else f"{m.group(2)} {m.group(3)}"
                 for m in re.finditer(r"(fence\.proxy\.async)|bar\.(sync|arrive)\s+(\d+)", text)]
 
-    state_chunk = ["sync 4", "fence", "sync 1", "arrive 3", "fence", "sync 1", "sync 6", "fence", "sync 1", "arrive 5",
-                   "sync 1"]
+    state_chunk = ["sync 4", "fence", "sync 1", "arrive 3", "fence", "sync 1", "fence", "sync 1", "sync 6", "fence",
+                   "arrive 5"]
     output_chunk = ["sync 3", "arrive 4", "fence", "sync 2", "sync 5", "arrive 6", "sync 2"]
     specs = [spec for spec in module.AOT_SPECS if "_head_ws" in spec.name]
     assert len(specs) == 2

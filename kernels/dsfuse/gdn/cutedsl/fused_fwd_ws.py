@@ -32,10 +32,12 @@ chunk, each arrived at by one team and waited at by the other (``bar.arrive`` / 
 A barrier is waited at once for each arrival, in order, and neither team can arrive twice before
 the other has waited (each arrival follows a wait on the other team's previous one), so a barrier's
 uses never overlap. The first chunk waits for no ``OUT_READ`` or ``VN_FREE`` and the last arrives at
-neither. The state team's chain is four of its own barriers a chunk: loads landed and ``round(S)``
-stored; X stored; ``v_new`` stored; the state updated. It starts the next chunk's loads while its
-``k S`` runs on the tensor cores (the addresses of five tensors' rows made in the product's shadow,
-a chunk before they are waited for).
+neither. The state team's chain is three of its own barriers a chunk: loads landed and ``round(S)``
+stored; X stored; the decayed ``v_new`` stored. Each product leaves other work in its shadow: the
+next chunk's loads (the addresses of five tensors' rows, a chunk before they are waited for) beside
+``k S``, the state's decay beside ``v_new``'s product, and ``round(v_new)``'s store for the output
+team (with the wait for it to be free) beside the state update. Shared-memory tiles move by
+``stmatrix`` and ``ldmatrix`` in the accumulators' layout.
 
 Shared memory at K = V = 128, bf16: two stages of q, k, v rows (96 KiB), of ``round(A0 * Gamma)``
 (16 KiB) and of the factors (4 KiB), ``round(S)`` 32 KiB, X, ``v_new``, its decayed copy and o
@@ -166,7 +168,6 @@ class FusedForwardWS(chunk.ChainKernel):
         mma_cv = _wg.tiled_mma(ab, C, V, True, False, TEAM_WARPGROUPS)
         mma_kv = _wg.tiled_mma(ab, K, V, False, False, TEAM_WARPGROUPS)
         opS, opX, opVd = _wg.transposed(sSb), _wg.transposed(sX), _wg.transposed(sVd)
-        thr_cv, thr_kv = mma_cv.get_slice(u), mma_kv.get_slice(u)
         cCV, cKV = _mma.coordinates(mma_cv, u, (C, V)), _mma.coordinates(mma_kv, u, (K, V))
 
         acc_s = _mma.accumulator(mma_kv, u, (K, V))  # the fp32 state, for the whole chain
@@ -188,7 +189,7 @@ class FusedForwardWS(chunk.ChainKernel):
             #    chunk is ready
             if i_c > first:
                 _wait(OUT_READ)
-            cute.autovec_copy(_mma.rounded(acc_s, ab), thr_kv.partition_C(sSb))
+            _wg.store_rounded(mma_kv, u, acc_s, sSb, ab)
             cute.arch.cp_async_wait_group(0)
             _wg.fence_writes()
             _team_sync(STATE_BAR)
@@ -200,7 +201,7 @@ class FusedForwardWS(chunk.ChainKernel):
             #    accumulator's layout by vector loads while the product runs)
             acc_p = _mma.accumulator(mma_cv, u, (C, V))
             v_acc = cute.make_fragment_like(acc_p, ab)
-            cute.autovec_copy(thr_cv.partition_C(sV), v_acc)
+            _wg.load_like(mma_cv, u, sV, v_acc)
             _wg.gemm(mma_cv, acc_p, _wg.operands(mma_cv, u, sK, opS), wait=False)
             if i_c + 1 < last:
                 self._start_chunk(u, stages, sources, mChunks, i_c + 1, 1 - stage, i_h, i_hv)
@@ -209,30 +210,37 @@ class FusedForwardWS(chunk.ChainKernel):
             for i in cutlass.range_constexpr(cute.size(acc_p)):
                 r = cCV[i][0]
                 acc_p[i] = sBeta[r] * (v_acc[i].to(Float32) - sEGk[r] * acc_p[i])
-            cute.autovec_copy(_mma.rounded(acc_p, ab), thr_cv.partition_C(sX))
+            _wg.store_rounded(mma_cv, u, acc_p, sX, ab)
             _wg.fence_writes()
             _team_sync(STATE_BAR)
 
-            # 3. v_new = round(A0 Gamma) round(X); once the output team has read the last one, stored
-            #    rounded (for the output team) and decayed to the chunk's end (for the state update)
+            # 3. v_new = round(A0 Gamma) round(X), the state decayed to the chunk's end while it runs;
+            #    v_new rounded (kept for the output team) and decayed to the chunk's end, stored for
+            #    the state update
             acc_vn = _mma.accumulator(mma_cv, u, (C, V))
-            _wg.gemm(mma_cv, acc_vn, _wg.operands(mma_cv, u, sA, opX))
-            if i_c > first:
-                _wait(VN_FREE)
-            cute.autovec_copy(_mma.rounded(acc_vn, ab), thr_cv.partition_C(sVn))
-            for i in cutlass.range_constexpr(cute.size(acc_vn)):
-                acc_vn[i] = acc_vn[i] * sDec[cCV[i][0]]
-            cute.autovec_copy(_mma.rounded(acc_vn, ab), thr_cv.partition_C(sVd))
-            _wg.fence_writes()
-            _team_sync(STATE_BAR)
-            _arrive(VN_READY)
-
-            # 4. S = exp(G_last) S + K^T round(Vd); the stage's k and Vd read before the next chunk's writes
+            _wg.gemm(mma_cv, acc_vn, _wg.operands(mma_cv, u, sA, opX), wait=False)
             last_decay = cute.math.exp(sG[C - 1])
             for i in cutlass.range_constexpr(cute.size(acc_s)):
                 acc_s[i] = last_decay * acc_s[i]
-            _wg.gemm(mma_kv, acc_s, _wg.operands(mma_kv, u, _wg.transposed(sK), opVd))
+            _wg.wait()
+            vn = _mma.rounded(acc_vn, ab)
+            for i in cutlass.range_constexpr(cute.size(acc_vn)):
+                acc_vn[i] = acc_vn[i] * sDec[cCV[i][0]]
+            _wg.store_rounded(mma_cv, u, acc_vn, sVd, ab)
+            _wg.fence_writes()
             _team_sync(STATE_BAR)
+
+            # 4. S = exp(G_last) S + K^T round(Vd); while it runs, round(v_new) stored once the output
+            #    team has read the last one. No barrier after it: the next chunk's first one orders
+            #    this product's reads of k and Vd before their next writes (the other stage's loads,
+            #    step 3), and the output team's own barriers order v_new's
+            _wg.gemm(mma_kv, acc_s, _wg.operands(mma_kv, u, _wg.transposed(sK), opVd), wait=False)
+            if i_c > first:
+                _wait(VN_FREE)
+            _wg.store(mma_cv, u, vn, sVn)
+            _wg.fence_writes()
+            _arrive(VN_READY)
+            _wg.wait()
 
         for i in cutlass.range_constexpr(cute.size(acc_s)):
             mHt[i_n, i_hv, cKV[i][0], cKV[i][1]] = acc_s[i]
@@ -248,7 +256,6 @@ class FusedForwardWS(chunk.ChainKernel):
         mma_cv = _wg.tiled_mma(ab, C, V, True, False, TEAM_WARPGROUPS)
         opS, opVn = _wg.transposed(sSb), _wg.transposed(sVn)
         ops_o = _wg.operands(mma_cv, u, sQKg, opVn)
-        thr_cc, thr_cv = mma_cc.get_slice(u), mma_cv.get_slice(u)
         cCC, cCV = _mma.coordinates(mma_cc, u, (C, C)), _mma.coordinates(mma_cv, u, (C, V))
 
         for i_c in cutlass.range(first, last):
@@ -270,7 +277,7 @@ class FusedForwardWS(chunk.ChainKernel):
                 acc_o[i] = sEGq[cCV[i][0]] * acc_o[i]
             if i_c + 1 < last:
                 _arrive(OUT_READ)
-            cute.autovec_copy(_mma.rounded(acc_f, ab), thr_cc.partition_C(sQKg))
+            _wg.store_rounded(mma_cc, u, acc_f, sQKg, ab)
             _wg.fence_writes()
             _team_sync(OUTPUT_BAR)
 
@@ -281,6 +288,6 @@ class FusedForwardWS(chunk.ChainKernel):
                 _arrive(VN_FREE)
             for i in cutlass.range_constexpr(cute.size(acc_o)):
                 acc_o[i] = scale * acc_o[i]
-            cute.autovec_copy(_mma.rounded(acc_o, ab), thr_cv.partition_C(sO))
+            _wg.store_rounded(mma_cv, u, acc_o, sO, ab)
             _team_sync(OUTPUT_BAR)
             chunk.store_rows(store_o, u, sO, mO, start, rows, i_hv)

@@ -15,7 +15,8 @@ swizzle rides on the pointer). The same storage serves a product three ways:
   accumulators' rounded stores, elementwise reads.
 
 `tiled_mma` spreads a product over warpgroups (4 of them: 512 threads); `operands` and `gemm` run it
-(``wgmma.fence``, the K blocks, commit, wait); `fence_writes` orders a thread's ordinary shared-memory
+(``wgmma.fence``, the K blocks, commit, wait); `store` and `store_rounded` put a (rounded) accumulator into a
+tile by ``stmatrix``, `load_like` a tile into a fragment in an accumulator's layout by ``ldmatrix``; `fence_writes` orders a thread's ordinary shared-memory
 writes (``st.shared``, ``cp.async``) before the tensor cores read them (``fence.proxy.async``; call it
 before the barrier that precedes the product). Accumulators, their coordinates and rounded copies
 are `dsfuse.gdn.cutedsl.mma`'s (`accumulator`, `coordinates`, `rounded`): the same calls for any tiled
@@ -96,6 +97,28 @@ def gemm(mma, acc, ops, wait: bool = True):
 def wait():
     """Wait for the products issued by `gemm` without ``wait``."""
     warpgroup.wait_group(0)
+
+
+def store(mma, tidx, frag: cute.Tensor, t: cute.Tensor):
+    """``frag``, a 16-bit fragment in the accumulator's layout, into the `tile` ``t`` (its ``(rows,
+    cols)`` view, the accumulator's ``(M, N)``) by ``stmatrix``: four 8 x 8 matrices a warp
+    instruction, where a plain copy takes a 32-bit store for every two values."""
+    atom = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), frag.element_type)
+    copy = cute.make_tiled_copy_C(atom, mma)
+    cute.copy(copy, copy.retile(frag), copy.get_slice(tidx).partition_D(t))
+
+
+def store_rounded(mma, tidx, acc, t: cute.Tensor, dtype):
+    """``acc`` rounded to ``dtype`` into the `tile` ``t`` by ``stmatrix`` (`store`)."""
+    store(mma, tidx, _mma.rounded(acc, dtype), t)
+
+
+def load_like(mma, tidx, t: cute.Tensor, frag: cute.Tensor):
+    """The `tile` ``t`` (``(rows, cols)`` = ``(M, N)``) into ``frag``, a 16-bit fragment in the
+    accumulator's layout, by ``ldmatrix`` (four 8 x 8 matrices a warp instruction)."""
+    atom = cute.make_copy_atom(cute.nvgpu.warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4), frag.element_type)
+    copy = cute.make_tiled_copy_C(atom, mma)
+    cute.copy(copy, copy.get_slice(tidx).partition_S(t), copy.retile(frag))
 
 
 def fence_writes():
