@@ -256,16 +256,16 @@ class _UtInverse:
             #    column's diagonal block, then (a barrier between) each block's rows left of it
             if active:
                 _diagonal_block(sG, sRow[slot, None], sA[slot, None, None], col)
-                if const_expr(self.gate):
-                    g_col = sGate[slot, col]
-                    if col < rows:
-                        mGc[start + col, i_hv] = g_col
-                    if const_expr(self.prepare):
-                        self._factors(mF, i_c, i_hv, col, rows, beta, sGate[slot, None], sRstdQ, sRstd)
             for blk in cutlass.range_constexpr(1, C // BLOCK):
-                cute.arch.sync_threads()  # the rows above (and the diagonal block) solved
+                cute.arch.sync_threads()  # the rows above (and the diagonal block, the gate's scan) done
                 if active:
                     _block_row(sG, sRow[slot, None], sA[slot, None, None], col, blk)
+            if active and const_expr(self.gate):  # the scan's G (after the first barrier above)
+                g_col = sGate[slot, col]
+                if col < rows:
+                    mGc[start + col, i_hv] = g_col
+                if const_expr(self.prepare):
+                    self._factors(mF, i_c, i_hv, col, rows, beta, sGate[slot, None], sRstdQ, sRstd)
             # 5. every row solved: the head's rows of A leave by 16-byte pieces, thread `col` the
             #    8 columns 8 (col % 8) .. and the rows col // 8 + 8 j, zeros above the diagonal;
             #    gate: times exp(G_i - G_c) on and below it (the fused forward's former formula)
