@@ -198,7 +198,7 @@ class FusedForwardWS(chunk.ChainKernel):
             # 2. k S; while it runs, the next chunk's loads started into the other stage (the output
             #    team is done with it: OUT_READ above), their addresses made off the product's wait;
             #    X = beta (v - exp(G) rstd_k k S), rounded into shared memory (v read in the
-            #    accumulator's layout by vector loads while the product runs)
+            #    accumulator's layout by ldmatrix before the product starts)
             acc_p = _mma.accumulator(mma_cv, u, (C, V))
             v_acc = cute.make_fragment_like(acc_p, ab)
             _wg.load_like(mma_cv, u, sV, v_acc)
@@ -232,8 +232,8 @@ class FusedForwardWS(chunk.ChainKernel):
 
             # 4. S = exp(G_last) S + K^T round(Vd); while it runs, round(v_new) stored once the output
             #    team has read the last one. No barrier after it: the next chunk's first one orders
-            #    this product's reads of k and Vd before their next writes (the other stage's loads,
-            #    step 3), and the output team's own barriers order v_new's
+            #    this product's reads of k and Vd before their next writes (k's stage by the loads of
+            #    step 2, Vd in step 3), and the arrivals above order v_new's
             _wg.gemm(mma_kv, acc_s, _wg.operands(mma_kv, u, _wg.transposed(sK), opVd), wait=False)
             if i_c > first:
                 _wait(VN_FREE)

@@ -26,13 +26,16 @@ L2-norm scales and the Gram matrix ``k k^T`` once (``mma.sync`` with fp32 accumu
 fp16 keys, whose products are exact in fp32; fp32 dot products in a fixed order for fp32 keys), its
 columns times the scales (``k`` itself is never rounded after normalising). Then per value head,
 with ``m_i = beta_i rstd_i`` and ``G`` the column-scaled Gram matrix (``M_ij = m_i G_ij``), the
-inverse by blocks of 16, thread ``c`` owning column ``c``:
+inverse by blocks of 16:
 
 1. the diagonal blocks ``D_b = (I + M_bb)^-1`` by forward substitution in registers, each thread its
    column of the block holding it;
-2. after a barrier, the rows of block ``a`` left of it, ``X_ab = -D_a m_a sum_{c < a} G_ac X_cb``,
-   a block at a time (the rows above from the thread's own column, ``D_a`` from the threads of
-   block ``a``; columns right of the block get zeros).
+2. then, a barrier before each, the rows of block ``a`` left of it,
+   ``X_ab = -D_a m_a sum_{b <= c < a} G_ac X_cb``, shared by the head's 64 threads (a column's 16
+   rows by the four lanes of a quad, exchanged by shuffles before ``D_a`` is applied; `_block_row`);
+3. A's rows written by 16-byte pieces, zeros above the diagonal (`_write_rows`). Nothing above the
+   diagonal of the shared-memory ``A`` is written or read: the sums of step 2 start at the
+   column's own block, and step 3 masks the rest.
 
 k's rows share the storage of ``A`` (k is read only before the barrier ahead of A's first write),
 so three CTAs fit an SM. No atomics: a fixed order everywhere, so a call is bitwise reproducible.
@@ -361,12 +364,14 @@ def _diagonal_block(sG: cute.Tensor, sM: cute.Tensor, sA: cute.Tensor, col: Int3
 @cute.jit
 def _block_row(sG: cute.Tensor, sM: cute.Tensor, sA: cute.Tensor, t: Int32, blk: cutlass.Constexpr):
     """The rows of block ``blk`` left of its diagonal block, ``X = -(I + M_aa)^-1 Y``,
-    ``Y_r = m_r sum_k G_rk A_k,col`` over the rows ``k < 16 blk`` (rows above the column's own block
-    are zero and skipped: the same sums), by a head's 64 threads, work shared evenly: column
-    ``col`` (of ``16 blk``) and its rows ``r = rg + 4 j`` (``j < 4``) are lane ``rg`` of a quad, thread
-    ``t`` taking the columns ``t // 4 + 16 u`` (``u < blk``: column block ``u``, known at compile time),
-    the quad's ``Y`` exchanged by shuffles. Terms in ``k`` and ``j`` ascending, as a thread per column
-    took them. Nothing is written right of the diagonal block (step 5 writes zeros there)."""
+    ``Y_r = m_r sum_k G_rk A_k,col`` over the rows ``16 u <= k < 16 blk`` of a column in block ``u``
+    (A is zero above that block: those entries of ``sA`` are never written, and never read here),
+    by a head's 64 threads, work shared evenly: column ``col`` (of ``16 blk``) and its rows
+    ``r = rg + 4 j`` (``j < 4``) are lane ``rg`` of a quad, thread ``t`` taking the columns
+    ``t // 4 + 16 u`` (``u < blk``: column block ``u``, known at compile time), the quad's ``Y``
+    exchanged by shuffles. Terms in ``k`` and in ``D_a``'s columns ascending, as a thread per column
+    took them (the same sums). Nothing is written right of the diagonal block (step 5 writes zeros
+    there)."""
     r0 = blk * BLOCK
     rg, quad = t % 4, (t % 32) - t % 4  # the quad's lanes hold one column's 16 rows, 4 each
     cols = [t // 4 + BLOCK * u for u in range(blk)]

@@ -15,8 +15,9 @@ swizzle rides on the pointer). The same storage serves a product three ways:
   accumulators' rounded stores, elementwise reads.
 
 `tiled_mma` spreads a product over warpgroups (4 of them: 512 threads); `operands` and `gemm` run it
-(``wgmma.fence``, the K blocks, commit, wait); `store` and `store_rounded` put a (rounded) accumulator into a
-tile by ``stmatrix``, `load_like` a tile into a fragment in an accumulator's layout by ``ldmatrix``; `fence_writes` orders a thread's ordinary shared-memory
+(``wgmma.fence``, the K blocks, commit, wait); `store` and `store_rounded` put a (rounded)
+accumulator into a tile by ``stmatrix``, `load_like` a tile into a fragment in an accumulator's
+layout by ``ldmatrix``; `fence_writes` orders a thread's ordinary shared-memory
 writes (``st.shared``, ``cp.async``) before the tensor cores read them (``fence.proxy.async``; call it
 before the barrier that precedes the product). Accumulators, their coordinates and rounded copies
 are `dsfuse.gdn.cutedsl.mma`'s (`accumulator`, `coordinates`, `rounded`): the same calls for any tiled
