@@ -59,7 +59,8 @@ def test_refuses_what_it_cannot_compile():
 
 
 def test_the_preparing_form_checks_its_arguments_before_any_launch():
-    """Refused by name (CPU tensors: no launch): no ``A`` kept without preparing, half of the
+    """Refused by name (CPU tensors: no launch): no ``A`` kept without preparing, an ``A`` off
+    16-byte alignment, half of the
     preparing form's tensors, preparing without the gate, q unlike k, a_round or factors of the
     wrong shape or dtype, q unaligned for the 16-byte copies, a tensor on another device."""
     cutedsl_or_skip()
@@ -76,6 +77,8 @@ def test_the_preparing_form_checks_its_arguments_before_any_launch():
 
     with pytest.raises(ValueError, match="a is None only with the preparing form"):
         launch(a=None)
+    with pytest.raises(ValueError, match="16-byte aligned base"):  # A's rows leave by 16-byte stores
+        launch(a=torch.zeros(t * hv * 64 + 1)[1:].view(t, hv, 64))
     with pytest.raises(ValueError, match="q, a_round and factors all or none"):
         launch(q=good["q"])
     with pytest.raises(ValueError, match="q, a_round and factors all or none, and only with g"):
