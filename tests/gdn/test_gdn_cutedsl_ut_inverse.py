@@ -60,9 +60,9 @@ def test_refuses_what_it_cannot_compile():
 
 def test_the_preparing_form_checks_its_arguments_before_any_launch():
     """Refused by name (CPU tensors: no launch): no ``A`` kept without preparing, an ``A`` off
-    16-byte alignment, half of the
-    preparing form's tensors, preparing without the gate, q unlike k, a_round or factors of the
-    wrong shape or dtype, q unaligned for the 16-byte copies, a tensor on another device."""
+    16-byte alignment, half of the preparing form's tensors, preparing without the gate, q unlike
+    k, a_round or factors of the wrong shape or dtype, q unaligned for the 16-byte copies, a tensor
+    on another device."""
     cutedsl_or_skip()
     from dsfuse.gdn.cutedsl.ut_inverse import launch_ut_inverse
 
