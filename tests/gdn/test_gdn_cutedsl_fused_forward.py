@@ -375,7 +375,7 @@ def test_matches_the_float64_reference(dtype, l2, dims):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("form", ["tensor_core", "head", "head_wgmma", "head_ws"])
+@pytest.mark.parametrize("form", ["tensor_core", "head", "head_wgmma", "head_ws", "head_rs"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("l2", [True, False])
 @pytest.mark.parametrize("dims", DIMS)
@@ -384,8 +384,10 @@ def test_tensor_core_forms_match_the_float64_reference(form, dtype, l2, dims):
     contract: relative RMS of o and of the final states <= 0.005 (``dsfuse.bench.gdn.TOLERANCES``)."""
     from dsfuse.bench.gdn import TOLERANCES
 
-    if form in ("head_wgmma", "head_ws") and torch.cuda.get_device_capability() != (9, 0):
+    if form in ("head_wgmma", "head_ws", "head_rs") and torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("wgmma runs on sm_90 only")
+    if form == "head_rs" and dims[3] != 128:
+        pytest.skip("the head_rs form takes V = 128 (test_the_transposed_state_form_meets_at_named_barriers)")
     if form.startswith("head") and dims[3] not in (64, 128):
         pytest.skip("the per-head form takes V = 64 or 128 (test_refuses_what_it_cannot_compile)")
     if form.startswith("head") and dtype == torch.float16 and l2:
@@ -440,9 +442,9 @@ def test_the_prepared_inputs_are_checked_before_any_launch():
         launch_fused_forward(q, k, v, g, beta, a, ci, co, order, h0, h0.clone(), o, 1.0, form=form, g_cum=g_cum,
                              **prepared)
 
-    with pytest.raises(ValueError, match="with the head_ws form and only there"):
+    with pytest.raises(ValueError, match="with the forms that read them"):
         launch()  # head_ws without them
-    with pytest.raises(ValueError, match="with the head_ws form and only there"):
+    with pytest.raises(ValueError, match="with the forms that read them"):
         launch(form="head", **good)
     with pytest.raises(ValueError, match="gated only: pass the preparing inverse's g_cum"):
         launch(g_cum=None, **good)

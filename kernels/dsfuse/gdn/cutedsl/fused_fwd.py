@@ -321,11 +321,11 @@ def launch_fused_forward(q, k, v, g, beta, a, chunk_indices, chunk_offsets, orde
                          f"read a gated A (got {tuple(g_cum.shape)} {g_cum.dtype}, form {form!r})")
     prepared = (form in PREPARED_FORMS, a_round is not None, factors is not None)
     if len(set(prepared)) > 1:
-        raise ValueError(f"launch_fused_forward: a_round and factors (the preparing inverse's) with the head_ws "
-                         f"form and only there (form {form!r})")
+        raise ValueError(f"launch_fused_forward: a_round and factors (the preparing inverse's) with the forms "
+                         f"that read them {PREPARED_FORMS} and only there (form {form!r})")
     if form in PREPARED_FORMS:
         if not gated:
-            raise ValueError("launch_fused_forward: the head_ws form is gated only: pass the preparing inverse's g_cum")
+            raise ValueError(f"launch_fused_forward: the {form} form is gated only: pass the preparing inverse's g_cum")
         if reasons := prepared_reasons(a_round, factors, v.shape[0], value_heads, chunk_indices.shape[0], v.dtype,
                                        v.device):
             raise ValueError("launch_fused_forward: " + "; ".join(reasons))

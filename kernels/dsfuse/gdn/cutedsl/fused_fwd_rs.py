@@ -10,13 +10,15 @@ every product of its chain takes its A operand from registers:
 Warpgroup ``w`` of the state team owns the value channels ``64 w .. 64 w + 63`` (the rows of
 ``S^T``) through the whole chain: no product's result goes through shared memory on the chain, so
 the team meets at one barrier a chunk (the chunk's loads landed), where ``head_ws`` has three.
-``round(S)`` and ``round(v_new)``, which the output team reads, are stored (``stmatrix.trans``
-into the same ``[K, V]`` and ``[C, V]`` tiles) while the products run.
+``round(S)`` and ``round(v_new)``, which the output team reads, go by ``stmatrix.trans`` into the
+same ``[K, V]`` and ``[C, V]`` tiles: ``round(S)`` before ``(k S)^T`` (its registers are that
+product's A operand, not to be read until its wait), ``round(v_new)`` while the state update runs
+(from registers of its own).
 
 The values are the same as ``head_ws``'s as far as the tensor cores sum a product's terms the
 same way whichever operand a value comes in as (the same products of the same rounded values,
-K blocks in the same order): the GPU tests compare the two forms bit for bit and both against
-float64.
+K blocks in the same order): a GPU test compares the two forms bit for bit, and the float64 test
+of the tensor-core forms takes ``head_rs`` too.
 """
 
 from __future__ import annotations
@@ -69,17 +71,18 @@ class FusedForwardRS(FusedForwardWS):
             _wg.fence_writes()
             _team_sync(STATE_BAR)
 
-            # 2. (k S)^T from round(S^T) in registers; while it runs: round(S) stored for the output
-            #    team once it is done with the last one, then the output team told the chunk is
-            #    ready, and the next chunk's loads started into the other stage
+            # 2. round(S) stored for the output team once it is done with the last one (before the
+            #    product that takes the same registers as its A: those are the product's until its
+            #    wait), the output team told the chunk is ready; (k S)^T from round(S^T) in registers,
+            #    the next chunk's loads started into the other stage while it runs
             s_round = _mma.rounded(acc_s, ab)
-            acc_p = _mma.accumulator(mma_vc, u, (V, C))
-            _wg.gemm(mma_vc, acc_p, _wg.operands_rs(mma_vc, u, s_round, sK), wait=False)
             if i_c > first:
                 _wait(OUT_READ)
             _wg.store(mma_vk, u, s_round, _wg.transposed(sSb), transpose=True)
             _wg.fence_writes()
             _arrive(READY)
+            acc_p = _mma.accumulator(mma_vc, u, (V, C))
+            _wg.gemm(mma_vc, acc_p, _wg.operands_rs(mma_vc, u, s_round, sK), wait=False)
             if i_c + 1 < last:
                 self._start_chunk(u, stages, sources, mChunks, i_c + 1, 1 - stage, i_h, i_hv)
             cute.arch.cp_async_commit_group()

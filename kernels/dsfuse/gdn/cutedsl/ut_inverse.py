@@ -33,9 +33,10 @@ inverse by blocks of 16:
 2. then, a barrier before each, the rows of block ``a`` left of it,
    ``X_ab = -D_a m_a sum_{b <= c < a} G_ac X_cb``, shared by the head's 64 threads (a column's 16
    rows by the four lanes of a quad, exchanged by shuffles before ``D_a`` is applied; `_block_row`);
-3. A's rows written by 16-byte pieces, zeros above the diagonal (`_write_rows`). Nothing above the
-   diagonal of the shared-memory ``A`` is written or read: the sums of step 2 start at the
-   column's own block, and step 3 masks the rest.
+3. A's rows written by 16-byte pieces, zeros above the diagonal (`_write_rows`). Above the
+   diagonal, the shared-memory ``A`` holds only the diagonal blocks' zeros (written in step 1 and
+   read by the sums of step 2, which start at the column's own block); the rest of it is neither
+   written nor read, and step 3 masks it.
 
 k's rows share the storage of ``A`` (k is read only before the barrier ahead of A's first write),
 so three CTAs fit an SM. No atomics: a fixed order everywhere, so a call is bitwise reproducible.
