@@ -43,7 +43,8 @@ FLUSH_BYTES = 256 << 20
 def case_rows(case, timer: Timer, samples: int, device: torch.device, only: set[str] | None = None) -> list[dict]:
     from dsfuse.gdn import chunk_gdn
     from dsfuse._common import cutedsl as _cd
-    from dsfuse.gdn.cutedsl.fused_fwd import ARCHS, CHUNK, FORMS, document_order, launch_fused_forward
+    from dsfuse.gdn.cutedsl.fused_fwd import (ARCHS, CHUNK, FORMS, PREPARED_FORMS, document_order,
+                                              launch_fused_forward)
     from dsfuse.gdn.cutedsl.ut_inverse import FACTORS, launch_ut_inverse
     from dsfuse.gdn.reference import prepare_chunk_indices, prepare_chunk_offsets
 
@@ -77,11 +78,11 @@ def case_rows(case, timer: Timer, samples: int, device: torch.device, only: set[
     def fused(form, gate=False):
         return lambda: launch_fused_forward(q, k, v, g, beta, a_gated if gate else a, ci, co, order, h0, ht, o, scale,
                                             use_qk_l2norm=l2, form=form, g_cum=g_cum if gate else None,
-                                            **(prepared if form == "head_ws" else {}))
+                                            **(prepared if form in PREPARED_FORMS else {}))
 
     def both(form, gate=False):
         def run():
-            inverse(gate, form == "head_ws")()
+            inverse(gate, form in PREPARED_FORMS)()
             fused(form, gate)()
         return run
 
@@ -95,14 +96,15 @@ def case_rows(case, timer: Timer, samples: int, device: torch.device, only: set[
                          output_final_state=True, cu_seqlens=inputs["cu_seqlens"], use_qk_l2norm_in_kernel=l2,
                          backend="triton")
 
-    suffix = {"cuda_core": "", "tensor_core": "_tc", "head": "_head", "head_wgmma": "_head_wgmma", "head_ws": "_head_ws"}
+    suffix = {"cuda_core": "", "tensor_core": "_tc", "head": "_head", "head_wgmma": "_head_wgmma", "head_ws": "_head_ws",
+              "head_rs": "_head_rs"}
     arch = _cd.arch_of(device)
     # the forms this GPU has the instructions of, and (with --parts) only those whose parts are timed
     forms = [f for f in FORMS if arch in ARCHS.get(f, (arch,))
              and (not only or {f"{n}{suffix[f]}" for n in ("fused", "cutedsl", "fused_gated", "cutedsl_gated")}
                   & only)]
     o_tri, ht_tri = triton()
-    ungated = [f for f in forms if f != "head_ws"]  # head_ws reads the preparing inverse's: gated only
+    ungated = [f for f in forms if f not in PREPARED_FORMS]  # they read the preparing inverse's: gated only
     for form, gate in [(f, False) for f in ungated] + [(f, True) for f in forms if f.startswith("head")]:
         o.fill_(float("nan"))
         ht.fill_(float("nan"))

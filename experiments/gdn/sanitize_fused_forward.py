@@ -27,10 +27,11 @@ def main(argv: list[str]) -> int:
     cu = [0, 1, 63, 63, 127, 192, 392]
     t, h, hv, d = cu[-1] + 7, 2, 6, 64
     q, k = torch.randn(t, h, d, device="cuda").bfloat16(), torch.randn(t, h, d, device="cuda").bfloat16()
-    v = torch.randn(t, hv, d, device="cuda").bfloat16()
+    dv = 128 if args.form == "head_rs" else d  # head_rs: two warpgroups of 64 value channels
+    v = torch.randn(t, hv, dv, device="cuda").bfloat16()
     g = -torch.rand(t, hv, device="cuda") * 0.3
     beta = torch.rand(t, hv, device="cuda").bfloat16()
-    h0 = torch.randn(len(cu) - 1, hv, d, d, device="cuda") * 0.1
+    h0 = torch.randn(len(cu) - 1, hv, d, dv, device="cuda") * 0.1
     o, ht, _ = fused_forward(q, k, v, g, beta, initial_state=h0, cu_seqlens=cu, use_qk_l2norm=True,
                              form=args.form, gated=args.gated)
     torch.cuda.synchronize()

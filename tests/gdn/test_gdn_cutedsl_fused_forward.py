@@ -142,8 +142,10 @@ def test_refuses_what_it_cannot_compile():
                                                   "gdn_fused_forward_head_wgmma_gated_bf16_l2",
                                                   "gdn_fused_forward_head_wgmma_gated_bf16",
                                                   "gdn_fused_forward_head_ws_gated_bf16_l2",
-                                                  "gdn_fused_forward_head_ws_gated_bf16"]
-    assert [s.archs for s in module.AOT_SPECS][-6:] == [("sm_90a",)] * 6  # wgmma: Hopper's instruction
+                                                  "gdn_fused_forward_head_ws_gated_bf16",
+                                                  "gdn_fused_forward_head_rs_gated_bf16_l2",
+                                                  "gdn_fused_forward_head_rs_gated_bf16"]
+    assert [s.archs for s in module.AOT_SPECS][-8:] == [("sm_90a",)] * 8  # wgmma: Hopper's instruction
     with pytest.raises(ValueError, match="reads a gated A in the forms"):
         module.compile_fused_forward(torch.bfloat16, 16, 48, 128, 128, True, "sm_90a", form="tensor_core", gated=True)
     with pytest.raises(ValueError, match="head_ws form reads the preparing inverse's gated A: gated only"):
@@ -267,6 +269,67 @@ def test_the_role_split_form_gives_the_same_bits(dtype, l2, dims):
     assert torch.equal(o0, o2) and torch.equal(ht0, ht2)
 
 
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("l2", [True, False])
+@pytest.mark.parametrize("dims", [(16, 48, 128, 128), (2, 4, 64, 128), (2, 16, 128, 128), (1, 5, 128, 128)])
+def test_the_transposed_state_form_gives_the_same_bits(dtype, l2, dims):
+    """``head_rs`` (the state kept transposed, the state chain's A operands in registers) and
+    ``head_ws`` on the same inputs (varlen with an empty and a one-token document, an initial
+    state): o and the final states bitwise equal, and a repeated call too. The same products of the
+    same rounded values, each operand in the other role: an assumption about the tensor cores'
+    sums this checks. V = 128 only (the form's two warpgroups own 64 value channels each)."""
+    cutedsl_or_skip()
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("wgmma runs on sm_90 only")
+    if dtype == torch.float16 and l2:
+        pytest.skip("the per-head forms take fp16 only without the L2 norm (test_refuses_what_it_cannot_compile)")
+    from dsfuse.gdn.cutedsl.fused_fwd import fused_forward
+
+    h, hv, dk, dv = dims
+    cu = _bounds()
+    q, k, v, g, beta, h0 = _inputs(cu[-1] + CHUNK_TAIL, h, hv, dk, dv, dtype, "cuda", seed=7, l2=l2)
+    args = {"initial_state": h0, "cu_seqlens": cu, "use_qk_l2norm": l2}
+    runs = [fused_forward(q, k, v, g, beta, form=form, gated=True, **args)[:2]
+            for form in ("head_ws", "head_rs", "head_rs")]
+    torch.cuda.synchronize()
+    (o0, ht0), (o1, ht1), (o2, ht2) = runs
+    assert not o1.isnan().any() and not ht1.isnan().any()
+    assert torch.equal(o1, o2) and torch.equal(ht1, ht2)
+    assert torch.equal(o0, o1) and torch.equal(ht0, ht1)
+
+
+def test_the_transposed_state_form_meets_at_named_barriers(tmp_path):
+    """The ``head_rs`` form's PTX (sm_90a, CPU), every spec: ``head_ws``'s 36 wgmma a chunk, the state
+    team's 16 taking A from registers, and its barriers: one of its own a chunk (the chunk's rows
+    landed), the teams' four named barriers as in ``head_ws`` (each arrival after its writes are
+    fenced); the output team's unchanged. V other than 128 refused by name."""
+    import collections
+    import re
+
+    from helpers import cute_spec_ptx
+
+    cutedsl_or_skip()
+    from dsfuse.gdn.cutedsl import fused_fwd as module
+
+    def barriers(text):
+        return ["fence" if m.group(1) else f"{m.group(2)} {m.group(3)}"
+                for m in re.finditer(r"(fence\.proxy\.async)|bar\.(sync|arrive)\s+(\d+)", text)]
+
+    specs = [spec for spec in module.AOT_SPECS if "_head_rs" in spec.name]
+    assert len(specs) == 2
+    for spec in specs:
+        ptx = cute_spec_ptx(spec, "sm_90a", tmp_path)
+        shapes = collections.Counter(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", ptx))
+        assert shapes == {"m64n32k16": 8, "m64n64k16": 24, "m64n128k16": 4}, (spec.name, shapes)
+        assert len(re.findall(r"wgmma\.mma_async[^;]*\{[^}]*\}, \{", ptx)) == 16  # A as registers
+        state, output = ptx.split("setmaxnreg.dec")
+        assert barriers(state) == ["fence", "sync 1", "sync 4", "fence", "arrive 3", "sync 6", "fence", "arrive 5"]
+        assert barriers(output) == ["sync 3", "arrive 4", "fence", "sync 2", "sync 5", "arrive 6", "sync 2"]
+    with pytest.raises(ValueError, match="head_rs form takes V = 128"):
+        module.compile_fused_forward(torch.bfloat16, 2, 4, 64, 64, False, "sm_90a", form="head_rs", gated=True)
+
 def _run_on_gpu(dtype, l2, dims, form):
     """``(o, ht, o_ref, ht_ref, cu)``: the fused forward on strided head views of one packed row (a
     second call bitwise equal, the tail's o zero, nothing left unwritten) and the float64 reference
@@ -312,7 +375,7 @@ def test_matches_the_float64_reference(dtype, l2, dims):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("form", ["tensor_core", "head", "head_wgmma", "head_ws"])
+@pytest.mark.parametrize("form", ["tensor_core", "head", "head_wgmma", "head_ws", "head_rs"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("l2", [True, False])
 @pytest.mark.parametrize("dims", DIMS)
@@ -321,8 +384,10 @@ def test_tensor_core_forms_match_the_float64_reference(form, dtype, l2, dims):
     contract: relative RMS of o and of the final states <= 0.005 (``dsfuse.bench.gdn.TOLERANCES``)."""
     from dsfuse.bench.gdn import TOLERANCES
 
-    if form in ("head_wgmma", "head_ws") and torch.cuda.get_device_capability() != (9, 0):
+    if form in ("head_wgmma", "head_ws", "head_rs") and torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("wgmma runs on sm_90 only")
+    if form == "head_rs" and dims[3] != 128:
+        pytest.skip("the head_rs form takes V = 128 (test_the_transposed_state_form_meets_at_named_barriers)")
     if form.startswith("head") and dims[3] not in (64, 128):
         pytest.skip("the per-head form takes V = 64 or 128 (test_refuses_what_it_cannot_compile)")
     if form.startswith("head") and dtype == torch.float16 and l2:
@@ -377,9 +442,9 @@ def test_the_prepared_inputs_are_checked_before_any_launch():
         launch_fused_forward(q, k, v, g, beta, a, ci, co, order, h0, h0.clone(), o, 1.0, form=form, g_cum=g_cum,
                              **prepared)
 
-    with pytest.raises(ValueError, match="with the head_ws form and only there"):
+    with pytest.raises(ValueError, match="with the forms that read them"):
         launch()  # head_ws without them
-    with pytest.raises(ValueError, match="with the head_ws form and only there"):
+    with pytest.raises(ValueError, match="with the forms that read them"):
         launch(form="head", **good)
     with pytest.raises(ValueError, match="gated only: pass the preparing inverse's g_cum"):
         launch(g_cum=None, **good)

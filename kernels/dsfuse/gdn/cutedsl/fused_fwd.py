@@ -39,6 +39,7 @@ from dsfuse.gdn.cutedsl.chunk import BV, CHUNK, DTYPES, THREADS
 from dsfuse.gdn.cutedsl import fused_fwd_head
 from dsfuse.gdn.cutedsl.fused_fwd_head import FusedForwardHead
 from dsfuse.gdn.cutedsl.fused_fwd_tc import TC_DTYPES, FusedForwardTC
+from dsfuse.gdn.cutedsl.fused_fwd_rs import FusedForwardRS
 from dsfuse.gdn.cutedsl.fused_fwd_ws import FusedForwardWS
 from dsfuse.gdn.cutedsl.ut_inverse import FACTORS, prepared_reasons
 from dsfuse.gdn.cutedsl.ut_inverse import shape_reasons as _inverse_reasons
@@ -47,15 +48,18 @@ from dsfuse.gdn.schedule import document_order
 ROWS = THREADS // BV  # 4 thread rows: a thread holds CHUNK / ROWS rows of a [C, BV] tile
 
 
-FORMS = ("cuda_core", "tensor_core", "head", "head_wgmma", "head_ws")
+FORMS = ("cuda_core", "tensor_core", "head", "head_wgmma", "head_ws", "head_rs")
 """The fused forward's forms, each a green step of the plan on the GDN page: ``cuda_core`` (this
 module's fp32 kernel, the reference-grade one), ``tensor_core`` (`dsfuse.gdn.cutedsl.fused_fwd_tc`:
 the same CTAs, products on ``mma.sync``), ``head`` (`dsfuse.gdn.cutedsl.fused_fwd_head`: one CTA per
 document and value head, results in registers), ``head_wgmma`` (the same kernel with its products on
 warpgroup instructions, `dsfuse.gdn.cutedsl.wgmma`: sm_90a only), ``head_ws`` (its warps split into
-a team for the state's chain and one for the output, `dsfuse.gdn.cutedsl.fused_fwd_ws`: sm_90a only)."""
-HEAD_FORMS = ("head", "head_wgmma", "head_ws")  # one CTA per document and value head, 16-byte row copies
-ARCHS = {"head_wgmma": ("sm_90a",), "head_ws": ("sm_90a",)}  # the forms an architecture lacks the instructions of
+a team for the state's chain and one for the output, `dsfuse.gdn.cutedsl.fused_fwd_ws`: sm_90a only),
+``head_rs`` (``head_ws`` with the state kept transposed, every product of the state's chain taking its
+A operand from registers, `dsfuse.gdn.cutedsl.fused_fwd_rs`: sm_90a only)."""
+HEAD_FORMS = ("head", "head_wgmma", "head_ws", "head_rs")  # one CTA per document and value head, 16-byte row copies
+PREPARED_FORMS = ("head_ws", "head_rs")  # reading the preparing inverse's round(A) and factors (gated only)
+ARCHS = {"head_wgmma": ("sm_90a",), "head_ws": ("sm_90a",), "head_rs": ("sm_90a",)}  # the forms an architecture lacks the instructions of
 
 
 def shape_reasons(dtype: torch.dtype, heads: int, value_heads: int, dim_k: int, dim_v: int,
@@ -72,6 +76,8 @@ def shape_reasons(dtype: torch.dtype, heads: int, value_heads: int, dim_k: int, 
         reasons.append(f"the {form} form takes {' or '.join(map(str, TC_DTYPES))} inputs, not {dtype}")
     if form in HEAD_FORMS:
         reasons += fused_fwd_head.shape_reasons(dim_k, dim_v, dtype, use_qk_l2norm)
+    if form == "head_rs" and dim_v != 128:  # each of the state team's two warpgroups owns 64 value channels
+        reasons.append(f"the head_rs form takes V = 128 (two warpgroups of 64 value channels), not {dim_v}")
     return reasons
 
 
@@ -233,7 +239,7 @@ def _fake_tensors(dtype: torch.dtype, heads: int, value_heads: int, dim_k: int, 
     ht = cute.runtime.make_fake_tensor(Float32, (docs, value_heads, dim_k, dim_v), state)
     o = cute.runtime.make_fake_tensor(cdt, (tokens, value_heads, dim_v), (value_heads * dim_v, dim_v, 1),
                                       assumed_align=align)
-    if form == "head_ws":  # (q, k, v, a_round, factors, ...): the preparing inverse's, aligned and contiguous
+    if form in PREPARED_FORMS:  # (q, k, v, a_round, factors, ...): the preparing inverse's, aligned and contiguous
         a_round = cute.runtime.make_fake_tensor(cdt, (tokens, value_heads, CHUNK), (value_heads * CHUNK, CHUNK, 1),
                                                 assumed_align=align)
         factors = cute.runtime.make_fake_tensor(Float32, (cute.sym_int(), value_heads, CHUNK),
@@ -258,13 +264,13 @@ def compile_fused_forward(dtype: torch.dtype, heads: int, value_heads: int, dim_
         raise ValueError(f"the CuTe DSL fused forward's {form} form compiles for {ARCHS[form]} only, not {arch}")
     if gated and form not in HEAD_FORMS:
         raise ValueError(f"the CuTe DSL fused forward reads a gated A in the forms {HEAD_FORMS} only")
-    if form == "head_ws" and not gated:
-        raise ValueError("the CuTe DSL fused forward's head_ws form reads the preparing inverse's gated A: gated only")
+    if form in PREPARED_FORMS and not gated:
+        raise ValueError(f"the CuTe DSL fused forward's {form} form reads the preparing inverse's gated A: gated only")
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     kernel = {"cuda_core": _FusedForward, "tensor_core": FusedForwardTC,
               "head": functools.partial(FusedForwardHead, gated=gated),
               "head_wgmma": functools.partial(FusedForwardHead, wgmma=True, gated=gated),
-              "head_ws": FusedForwardWS}[form]
+              "head_ws": FusedForwardWS, "head_rs": FusedForwardRS}[form]
     return _cd.compile(kernel(dtype, heads, value_heads, dim_k, dim_v, l2norm),
                        *_fake_tensors(dtype, heads, value_heads, dim_k, dim_v, form in HEAD_FORMS, form), Float32(1.0),
                        stream, arch=arch, keep_ptx=keep_ptx, dump_dir=dump_dir, keep_cubin=keep_cubin)
@@ -295,7 +301,7 @@ def launch_fused_forward(q, k, v, g, beta, a, chunk_indices, chunk_offsets, orde
     form). ``form``: one of `FORMS` (the tensor-core ones take bf16 / fp16)."""
     heads, dim_k = k.shape[1:]
     value_heads, dim_v = v.shape[1:]
-    if a is None and form == "head_ws":  # not read there: a stand-in for the checks below
+    if a is None and form in PREPARED_FORMS:  # not read there: a stand-in for the checks below
         a = v.new_empty((0, value_heads, CHUNK), dtype=torch.float32)
     if not (q.dtype == k.dtype == v.dtype == beta.dtype and g.dtype == a.dtype == torch.float32):
         raise ValueError("launch_fused_forward: q, k, v, beta in one dtype; g and a fp32")
@@ -313,13 +319,13 @@ def launch_fused_forward(q, k, v, g, beta, a, chunk_indices, chunk_offsets, orde
     if gated and (form not in HEAD_FORMS or g_cum.dtype != torch.float32 or g_cum.shape != g.shape):
         raise ValueError(f"launch_fused_forward: g_cum fp32 {tuple(g.shape)} and a per-head form {HEAD_FORMS} to "
                          f"read a gated A (got {tuple(g_cum.shape)} {g_cum.dtype}, form {form!r})")
-    prepared = (form == "head_ws", a_round is not None, factors is not None)
+    prepared = (form in PREPARED_FORMS, a_round is not None, factors is not None)
     if len(set(prepared)) > 1:
-        raise ValueError(f"launch_fused_forward: a_round and factors (the preparing inverse's) with the head_ws "
-                         f"form and only there (form {form!r})")
-    if form == "head_ws":
+        raise ValueError(f"launch_fused_forward: a_round and factors (the preparing inverse's) with the forms "
+                         f"that read them {PREPARED_FORMS} and only there (form {form!r})")
+    if form in PREPARED_FORMS:
         if not gated:
-            raise ValueError("launch_fused_forward: the head_ws form is gated only: pass the preparing inverse's g_cum")
+            raise ValueError(f"launch_fused_forward: the {form} form is gated only: pass the preparing inverse's g_cum")
         if reasons := prepared_reasons(a_round, factors, v.shape[0], value_heads, chunk_indices.shape[0], v.dtype,
                                        v.device):
             raise ValueError("launch_fused_forward: " + "; ".join(reasons))
@@ -329,7 +335,7 @@ def launch_fused_forward(q, k, v, g, beta, a, chunk_indices, chunk_offsets, orde
                                                  form=form, gated=gated))
     if chunk_offsets.shape[0] <= 1:
         return o
-    if form == "head_ws":
+    if form in PREPARED_FORMS:
         fn(q, k, v, a_round, factors, chunk_indices, chunk_offsets, order, h0, ht, o, float(scale))
     else:  # not gated: g stands in for g_cum (not read)
         fn(q, k, v, g, beta, a, chunk_indices, chunk_offsets, order, h0, ht, o, g_cum if gated else g, float(scale))
@@ -355,10 +361,10 @@ def fused_forward(q, k, v, g, beta, scale=None, initial_state=None, cu_seqlens=N
     n = len(bounds) - 1
     a = torch.empty(tokens, value_heads, CHUNK, device=dev, dtype=torch.float32)
     g = g.float()
-    gated = gated or form == "head_ws"  # its only mode
+    gated = gated or form in PREPARED_FORMS  # its only mode
     g_cum = torch.empty_like(g) if gated else None
     prepared = {}
-    if form == "head_ws":
+    if form in PREPARED_FORMS:
         prepared = {"a_round": torch.empty_like(a, dtype=k.dtype),
                     "factors": torch.empty(ci.shape[0] * len(FACTORS), value_heads, CHUNK, device=dev)}
     if ci.shape[0]:
@@ -377,9 +383,10 @@ def fused_forward(q, k, v, g, beta, scale=None, initial_state=None, cu_seqlens=N
 def _aot_specs() -> list[_cd.CuteAotSpec]:
     """The model's specialisation: H = 16, HV = 48, K = V = 128, bf16, with and without the L2 norm, every
     form; the per-head forms also as `chunk_gdn` launches them, reading the gated A."""
-    suffix = {"cuda_core": "", "tensor_core": "_tc", "head": "_head", "head_wgmma": "_head_wgmma", "head_ws": "_head_ws"}
+    suffix = {"cuda_core": "", "tensor_core": "_tc", "head": "_head", "head_wgmma": "_head_wgmma", "head_ws": "_head_ws",
+              "head_rs": "_head_rs"}
     variants = [(form, gated) for form in FORMS
-                for gated in ((True,) if form == "head_ws" else (False, True) if form in HEAD_FORMS else (False,))]
+                for gated in ((True,) if form in PREPARED_FORMS else (False, True) if form in HEAD_FORMS else (False,))]
     return [_cd.CuteAotSpec(f"gdn_fused_forward{suffix[form]}{'_gated' if gated else ''}_bf16{'_l2' if l2 else ''}",
                             lambda arch, dump_dir=None, l2=l2, form=form, gated=gated: compile_fused_forward(
                                 torch.bfloat16, 16, 48, 128, 128, l2, arch, form=form, gated=gated, keep_ptx=True,

@@ -65,14 +65,36 @@ def transposed(t: cute.Tensor) -> cute.Tensor:
     return cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 0]))
 
 
-def tiled_mma(dtype, m: int, n: int, a_k_major: bool, b_k_major: bool, warpgroups: int = WARPGROUPS):
+def tiled_mma(dtype, m: int, n: int, a_k_major: bool, b_k_major: bool, warpgroups: int = WARPGROUPS,
+              a_in_registers: bool = False):
     """The product of an ``(m, n)`` tile over ``warpgroups`` warpgroups, fp32 accumulators: the
-    warpgroups split M in 64-row slices first (``m / 64`` of them), then N."""
+    warpgroups split M in 64-row slices first (``m / 64`` of them), then N. ``a_in_registers``: A
+    comes from each thread's registers (`operands_rs`), K-major."""
     over_m = m // 64
     over_n = warpgroups // over_m
     major = {True: OperandMajorMode.K, False: OperandMajorMode.MN}
+    source = warpgroup.OperandSource.RMEM if a_in_registers else warpgroup.OperandSource.SMEM
     return sm90.make_trivial_tiled_mma(dtype, dtype, major[a_k_major], major[b_k_major], Float32,
-                                       (over_m, over_n, 1), (64, n // over_n))
+                                       (over_m, over_n, 1), (64, n // over_n), source)
+
+
+def as_operand_a(frag: cute.Tensor) -> cute.Tensor:
+    """A 16-bit fragment in the layout of an ``(M, N)`` product's accumulator, seen as the A operand
+    ``(M, K = N)`` of a product whose A comes from registers: each 8-column piece of the
+    accumulator's values pairs with the next into one 16-wide block of K (the same registers)."""
+    layout = frag.layout
+    values = cute.logical_divide(layout, ((None, None, 2), None, None))  # ((2, 2, (2, N / 16)), M, N)
+    a = cute.make_layout(((values.shape[0][0], values.shape[0][1], values.shape[0][2][0]), values.shape[1],
+                          (values.shape[0][2][1], values.shape[2])),
+                         stride=((values.stride[0][0], values.stride[0][1], values.stride[0][2][0]), values.stride[1],
+                                 (values.stride[0][2][1], values.stride[2])))
+    return cute.make_tensor(frag.iterator, a)
+
+
+def operands_rs(mma, tidx, frag: cute.Tensor, sB: cute.Tensor):
+    """The operands of a product whose A is ``frag`` (this thread's registers, `as_operand_a`) and whose
+    B is the tile ``sB`` ``(N, K)``."""
+    return as_operand_a(frag), mma.make_fragment_B(mma.get_slice(tidx).partition_B(sB))
 
 
 def operands(mma, tidx, sA: cute.Tensor, sB: cute.Tensor):
@@ -100,11 +122,13 @@ def wait():
     warpgroup.wait_group(0)
 
 
-def store(mma, tidx, frag: cute.Tensor, t: cute.Tensor):
+def store(mma, tidx, frag: cute.Tensor, t: cute.Tensor, transpose: bool = False):
     """``frag``, a 16-bit fragment in the accumulator's layout, into the `tile` ``t`` (its ``(rows,
     cols)`` view, the accumulator's ``(M, N)``) by ``stmatrix``: four 8 x 8 matrices a warp
-    instruction, where a plain copy takes a 32-bit store for every two values."""
-    atom = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), frag.element_type)
+    instruction, where a plain copy takes a 32-bit store for every two values; ``transpose``: ``t``
+    is a `transposed` view (``stmatrix.trans``)."""
+    atom = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=transpose, num_matrices=4),
+                               frag.element_type)
     copy = cute.make_tiled_copy_C(atom, mma)
     cute.copy(copy, copy.retile(frag), copy.get_slice(tidx).partition_D(t))
 
@@ -114,10 +138,12 @@ def store_rounded(mma, tidx, acc, t: cute.Tensor, dtype):
     store(mma, tidx, _mma.rounded(acc, dtype), t)
 
 
-def load_like(mma, tidx, t: cute.Tensor, frag: cute.Tensor):
+def load_like(mma, tidx, t: cute.Tensor, frag: cute.Tensor, transpose: bool = False):
     """The `tile` ``t`` (``(rows, cols)`` = ``(M, N)``) into ``frag``, a 16-bit fragment in the
-    accumulator's layout, by ``ldmatrix`` (four 8 x 8 matrices a warp instruction)."""
-    atom = cute.make_copy_atom(cute.nvgpu.warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4), frag.element_type)
+    accumulator's layout, by ``ldmatrix`` (four 8 x 8 matrices a warp instruction); ``transpose``:
+    ``t`` is a `transposed` view (``ldmatrix.trans``)."""
+    atom = cute.make_copy_atom(cute.nvgpu.warp.LdMatrix8x8x16bOp(transpose=transpose, num_matrices=4),
+                               frag.element_type)
     copy = cute.make_tiled_copy_C(atom, mma)
     cute.copy(copy, copy.get_slice(tidx).partition_S(t), copy.retile(frag))
 
