@@ -4,8 +4,9 @@ Two launches per call (`dsfuse.gdn.schedule.forward` runs them): ``ut_inverse`` 
 chunk, the gated ``A = A0 * Gamma`` (fp32) and the chunk-local cumulative gate ``g_cum``
 (`dsfuse.gdn.cutedsl.ut_inverse`, its gating form; on sm_90a its preparing form, which also writes
 ``round(A)`` in the input dtype and the rows' factors for the fused kernel); ``fused`` reads them
-and walks each (document, value head) chain with the state on chip (``gated``: the role-split
-``head_ws`` form of `dsfuse.gdn.cutedsl.fused_fwd_ws` on sm_90a, the ``head`` form of
+and walks each (document, value head) chain with the state on chip (``gated``: on sm_90a the role-split
+``head_rs`` form of `dsfuse.gdn.cutedsl.fused_fwd_rs` at V = 128 (``head_ws`` of
+`dsfuse.gdn.cutedsl.fused_fwd_ws` at other V), the ``head`` form of
 `dsfuse.gdn.cutedsl.fused_fwd_head` elsewhere). ``A`` and ``g_cum`` are what the
 Triton backward stages read, so the forward's outputs are `dsfuse.gdn.schedule.ForwardOutputs` as
 the Triton stages make them, and the backend's backward is the Triton stages
@@ -31,11 +32,15 @@ from dsfuse.gdn.cutedsl.ut_inverse import FACTORS, launch_ut_inverse
 from dsfuse.gdn.reference import CHUNK_SIZE, packed_cu_seqlens
 
 
-def form_of(device: torch.device) -> str:
-    """The per-head form the backend runs on ``device``: ``head_ws`` (warpgroups by role, wgmma) where
-    wgmma exists (sm_90a), ``head`` (``mma.sync``) elsewhere. ``head_ws`` gives the bits of
-    ``head_wgmma`` (a GPU test), ``head`` its own (the same contract)."""
-    return "head_ws" if _cd.arch_of(device) in fused_fwd.ARCHS["head_ws"] else "head"
+def form_of(device: torch.device, dim_v: int = 128) -> str:
+    """The per-head form the backend runs on ``device`` for value heads of ``dim_v`` channels: where
+    wgmma exists (sm_90a), ``head_rs`` (warpgroups by role, the state kept transposed, every product
+    of its chain taking A from registers) at V = 128, ``head_ws`` (the same roles, the state in shared
+    memory) at other V; ``head`` (``mma.sync``) elsewhere. ``head_rs`` and ``head_ws`` give the bits of
+    ``head_wgmma`` (GPU tests), ``head`` its own (the same contract)."""
+    if _cd.arch_of(device) not in fused_fwd.ARCHS["head_ws"]:
+        return "head"
+    return "head_rs" if dim_v == 128 else "head_ws"
 
 
 ARCHS = ("sm_90a", "sm_100a")  # the targets its kernels are compiled for (CI) and written for (shared memory)
@@ -53,7 +58,7 @@ def reasons(q, k, v, g, beta, initial_state=None, use_qk_l2norm: bool = False) -
         found.append("beta's dtype differs from q's (the fused forward reads it in q's)")
     heads, dim_k = k.shape[-2:]
     heads_v, dim_v = v.shape[-2:]
-    form = form_of(v.device) if not found and v.device.type == "cuda" else "head_ws"
+    form = form_of(v.device, dim_v) if not found and v.device.type == "cuda" else "head_ws"
     found += fused_fwd.shape_reasons(q.dtype, heads, heads_v, dim_k, dim_v, form, use_qk_l2norm)
     found += [f"{name} has channel stride {t.stride(-1)} (the kernels read unit-stride channels)"
               for name, t in (("q", q), ("k", k), ("v", v)) if t.stride(-1) != 1]
@@ -98,15 +103,16 @@ class FusedForward:
         table = schedule.chunk_table(bounds, v.device)
         new = functools.partial(torch.empty, device=v.device)
         g_cum = new((n, heads_v), dtype=torch.float32)
-        form = form_of(v.device)
-        keep_a = save or form != "head_ws"  # the head form reads A; head_ws reads round(A) and the factors
+        form = form_of(v.device, dim_v)
+        # the head form reads A; the prepared forms read round(A) and the factors
+        keep_a = save or form not in fused_fwd.PREPARED_FORMS
         a = new((n if keep_a else 0, heads_v, CHUNK_SIZE), dtype=torch.float32)
         o = new((n, heads_v, dim_v), dtype=v.dtype)
         state_shape = (table.num_seqs, heads_v, dim_k, dim_v)
         final_state = new(state_shape, dtype=torch.float32)  # written whether or not it is returned
         h0 = torch.zeros(state_shape, device=v.device, dtype=torch.float32) if initial_state is None else initial_state
-        prepared = {}  # head_ws: the preparing inverse's round(A) and rows' factors, read by the fused kernel
-        if form == "head_ws":
+        prepared = {}  # the preparing inverse's round(A) and rows' factors, read by a prepared form
+        if form in fused_fwd.PREPARED_FORMS:
             prepared = {"a_round": new((n, heads_v, CHUNK_SIZE), dtype=v.dtype),
                         "factors": new((table.indices.shape[0] * len(FACTORS), heads_v, CHUNK_SIZE),
                                        dtype=torch.float32)}
