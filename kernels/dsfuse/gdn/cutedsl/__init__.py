@@ -4,7 +4,7 @@
 
 * ``forward``: `dsfuse.gdn.cutedsl.forward.FusedForward`, the gating UT inverse (which also writes
   the chunk-local cumulative gate and the gated ``A`` the backward reads) and the fused per-head
-  kernel (``head_ws`` on sm_90a) that reads them; ``auto`` takes it first on Hopper (sm_90) where the ``cutedsl`` extra is
+  kernel (``head_rs`` on sm_90a at V = 128, ``head_ws`` at other V) that reads them; ``auto`` takes it first on Hopper (sm_90) where the ``cutedsl`` extra is
   installed and the call is one it serves (`dsfuse.gdn.cutedsl.forward.reasons`: an sm_90a or
   sm_100a GPU, K and V of 64 or 128, bf16, or fp16 without the L2 norm, beta in q's dtype, rows
   16-byte aligned), else Triton; on Blackwell it serves only calls that name it (``head`` form,
@@ -25,7 +25,9 @@ compiled for sm_90a and sm_100a by the CPU tests through their ``AOT_SPECS``):
   against), ``tensor_core`` (``fused_fwd_tc``: products on ``mma.sync``), ``head`` and ``head_wgmma``
   (``fused_fwd_head``: one CTA per document and value head, the state and the products' results in
   registers; on ``mma.sync`` or on wgmma), ``head_ws`` (``fused_fwd_ws``: the same with its warps
-  split into a state team and an output team meeting at named barriers); checked by ``tests/gdn/test_gdn_cutedsl_fused_forward.py``,
+  split into a state team and an output team meeting at named barriers), ``head_rs`` (``fused_fwd_rs``:
+  ``head_ws`` with the state kept transposed, every product of its chain taking A from registers,
+  V = 128); checked by ``tests/gdn/test_gdn_cutedsl_fused_forward.py``,
   timed by ``experiments/gdn/fused_forward_probe.py``.
 * ``chunk``: what those kernels do to a chunk alike (loads, L2-norm scales, cumulative gate, gate
   vectors) and the fused forwards' signature and grid (``ChainKernel``).
