@@ -586,6 +586,22 @@ def test_the_gated_launch_changes_nothing_else(form, l2, dims):
     assert_rel_rms(got_a, a_triton[: cu[-1]].to(F64).cpu(), 1e-3, "gated A against the Triton UT transform")
 
 
+def test_the_served_form_is_head_rs_on_hopper_at_v_128(monkeypatch):
+    """`dsfuse.gdn.cutedsl.forward.form_of`: ``head_rs`` on sm_90a at V = 128 (its two warpgroups of 64
+    value channels), ``head_ws`` there at other V, ``head`` where wgmma does not exist (the GPU's arch
+    stood in for on the CPU); both sm_90a forms read the preparing inverse's outputs."""
+    cutedsl_or_skip()
+    from dsfuse.gdn.cutedsl import forward, fused_fwd
+
+    arch = {"now": "sm_90a"}
+    monkeypatch.setattr(forward._cd, "arch_of", lambda device: arch["now"])
+    cuda = torch.device("cuda")
+    assert (forward.form_of(cuda, 128), forward.form_of(cuda, 64)) == ("head_rs", "head_ws")
+    assert {forward.form_of(cuda, 128), forward.form_of(cuda, 64)} <= set(fused_fwd.PREPARED_FORMS)
+    arch["now"] = "sm_100a"
+    assert (forward.form_of(cuda, 128), forward.form_of(cuda, 64)) == ("head", "head")
+
+
 def test_the_backends_reasons_name_what_the_kernels_cannot_take():
     """`dsfuse.gdn.cutedsl.forward.reasons` (CPU tensors: the GPU's arch aside): the model's call
     served, packed head views of one row served, and each thing the kernels cannot take refused by

@@ -32,7 +32,7 @@ from dsfuse.gdn.cutedsl.ut_inverse import FACTORS, launch_ut_inverse
 from dsfuse.gdn.reference import CHUNK_SIZE, packed_cu_seqlens
 
 
-def form_of(device: torch.device, dim_v: int = 128) -> str:
+def form_of(device: torch.device, dim_v: int) -> str:
     """The per-head form the backend runs on ``device`` for value heads of ``dim_v`` channels: where
     wgmma exists (sm_90a), ``head_rs`` (warpgroups by role, the state kept transposed, every product
     of its chain taking A from registers) at V = 128, ``head_ws`` (the same roles, the state in shared
