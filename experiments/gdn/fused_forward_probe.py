@@ -37,12 +37,15 @@ from dsfuse.bench.harness import Timer, capture_graph, load_config, rel_rms, wri
 from dsfuse.bench.paths import cli_path
 
 DEFAULT_CONFIG = "experiments/gdn/configs/h200.yaml"
+# other overlaps of the CuTe DSL forward's launches, as Overlap(leads, share) (parts chunk_gdn_cutedsl_<name>)
+OVERLAPS = {"leads0": (0,), "leads1": (1,), "leads2": (2,), "leads2_share1": (2, 1.0), "leads3_share1": (3, 1.0)}
 FLUSH_BYTES = 256 << 20
 
 
 def case_rows(case, timer: Timer, samples: int, device: torch.device, only: set[str] | None = None) -> list[dict]:
     from dsfuse.gdn import chunk_gdn
     from dsfuse._common import cutedsl as _cd
+    from dsfuse.gdn.cutedsl import forward
     from dsfuse.gdn.cutedsl.fused_fwd import (ARCHS, CHUNK, FORMS, PREPARED_FORMS, document_order,
                                               launch_fused_forward)
     from dsfuse.gdn.cutedsl.ut_inverse import FACTORS, launch_ut_inverse
@@ -86,7 +89,13 @@ def case_rows(case, timer: Timer, samples: int, device: torch.device, only: set[
             fused(form, gate)()
         return run
 
-    def served():  # chunk_gdn's forward on the CuTe DSL backend (the saving launch, checks, allocations)
+    def served(overlap=None):  # chunk_gdn's forward on the CuTe DSL backend (the saving launch, checks, allocations)
+        if overlap is not None:  # the forward under another overlap of its launches (the same bits)
+            saved, forward.OVERLAP = forward.OVERLAP, overlap
+            try:
+                return served()
+            finally:
+                forward.OVERLAP = saved
         return chunk_gdn(q[None], k[None], v[None], inputs["g"], inputs["beta"], initial_state=h0,
                          output_final_state=True, cu_seqlens=inputs["cu_seqlens"], use_qk_l2norm_in_kernel=l2,
                          backend="cutedsl")
@@ -126,6 +135,18 @@ def case_rows(case, timer: Timer, samples: int, device: torch.device, only: set[
     parts += [(f"{name}_gated{suffix[form]}", make(form, True)) for form in forms if form.startswith("head")
               for name, make in (("fused", fused), ("cutedsl", both))]
     parts += [("chunk_gdn_cutedsl", served), ("triton", triton)]
+    # chunk_gdn's forward under other overlaps of its launches (`dsfuse.gdn.cutedsl.forward.stages`):
+    # the same bits as the default's, checked here before timing
+    overlaps = {f"chunk_gdn_cutedsl_{name}": forward.Overlap(*args) for name, args in OVERLAPS.items()}
+    if not only or only & overlaps.keys():
+        o_ref, ht_ref = (x.clone() for x in served())
+        for part, overlap in overlaps.items():
+            o_, ht_ = served(overlap)
+            if not (torch.equal(o_, o_ref) and torch.equal(ht_, ht_ref)):
+                raise AssertionError(f"{case.name}: {part} changed the forward's bits")
+            plan = forward.stages(bounds, hv, torch.cuda.get_device_properties(device).multi_processor_count, overlap)
+            print(f"{case.name}: {part}, stages {plan}: the default's bits")
+            parts.append((part, lambda overlap=overlap: served(overlap)))
     for part, fn in parts:
         if only and part not in only:
             continue

@@ -8,6 +8,8 @@ import itertools
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from conftest import cutedsl_or_skip
 from dsfuse.gdn.reference import (
     L2NORM_EPS,
@@ -467,6 +469,111 @@ def test_documents_start_longest_first():
     assert document_order([0, 65, 193, 193, 194]) == [0, 1, 3, 2]
     assert document_order([0, 0]) == [0]
 
+
+
+BENCH_BOUNDS = [0, 8847, 11796, 22937, 28836, 32768]  # the experiment's five documents: 139, 47, 175, 93, 62 chunks
+
+
+def test_the_overlap_leads_with_the_longest_documents_where_the_sms_allow():
+    """`dsfuse.gdn.cutedsl.forward.stages` on the experiment's documents and an H200's 132 SMs: at 32
+    value heads the two longest documents lead (their chains on 64 SMs), at 48 the longest alone, at
+    96 none (one stage: the inverse, then every chain); equal lengths never lead; ``Overlap(0)`` is one
+    stage; a lead's chunk rows are its document's, the last stage's the rest (adjacent runs merged)."""
+    cutedsl_or_skip()
+    from dsfuse.gdn.cutedsl.forward import Overlap, stages
+
+    assert stages(BENCH_BOUNDS, 32, 132) == [(0, 1, [(186, 361)]), (1, 2, [(0, 139)]),
+                                             (2, 5, [(139, 186), (361, 516)])]
+    assert stages(BENCH_BOUNDS, 48, 132) == [(0, 1, [(186, 361)]), (1, 5, [(0, 186), (361, 516)])]
+    assert stages(BENCH_BOUNDS, 96, 132) == [(0, 5, [(0, 516)])]
+    assert stages(BENCH_BOUNDS, 32, 132, Overlap(0)) == [(0, 5, [(0, 516)])]
+    assert stages(BENCH_BOUNDS, 48, 132, Overlap(2, 1.0)) == [(0, 1, [(186, 361)]), (1, 2, [(0, 139)]),
+                                                              (2, 5, [(139, 186), (361, 516)])]
+    assert stages([0, 4097, 8194, 12291], 8, 132) == [(0, 3, [(0, 195)])]  # 65 chunks each
+    assert stages([0, 4097, 8194, 8300], 8, 132) == [(0, 1, [(0, 65)]), (1, 2, [(65, 130)]), (2, 3, [(130, 132)])]
+    assert stages([0, 5000], 8, 132) == [(0, 1, [(0, 79)])]
+    for bad in ((-1,), (1, 0.0), (1, 1.5)):
+        with pytest.raises(ValueError, match="Overlap"):
+            Overlap(*bad)
+
+
+@settings(max_examples=200, deadline=None)
+@given(lengths=st.lists(st.integers(0, 700), min_size=1, max_size=9), heads=st.integers(1, 96),
+       sms=st.integers(1, 200), leads=st.integers(0, 4), share=st.sampled_from([0.25, 0.5, 1.0]))
+def test_the_stages_cover_every_document_and_chunk_once(lengths, heads, sms, leads, share):
+    """Any documents, heads and SMs: the stages take `document_order` in consecutive pieces, every
+    document in one stage and every chunk row in one run of its document's stage; at most ``leads``
+    lead stages of one document each, their chains within ``share`` of the SMs, each lead longer than
+    every document of the last stage."""
+    cutedsl_or_skip()
+    from dsfuse.gdn.cutedsl.forward import Overlap, stages
+    from dsfuse.gdn.schedule import document_order
+
+    bounds = [0]
+    for n in lengths:
+        bounds.append(bounds[-1] + n)
+    chunks = [-(-n // 64) for n in lengths]
+    rows = [sum(chunks[:d]) for d in range(len(chunks) + 1)]
+    order = document_order(bounds)
+    plan = stages(bounds, heads, sms, Overlap(leads, share))
+    assert [first for first, _, _ in plan] == list(range(len(plan))) and plan[-1][1] == len(order)
+    assert len(plan) - 1 <= leads and (len(plan) - 1) * heads <= share * sms
+    rest = max((chunks[d] for d in order[plan[-1][0]:]), default=0)
+    assert all(chunks[order[first]] > rest for first, _, _ in plan[:-1])
+    covered = []
+    for first, end, runs in plan:
+        mine = {c for d in order[first:end] for c in range(rows[d], rows[d + 1])}
+        got = [c for c0, c1 in runs for c in range(c0, c1)]
+        assert sorted(got) == sorted(mine) and len(set(got)) == len(got)
+        assert all(c1 > c0 for c0, c1 in runs) and all(a[1] < b[0] for a, b in zip(runs, runs[1:]))
+        covered += got
+    assert sorted(covered) == list(range(rows[-1]))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("l2", [True, False])
+@pytest.mark.parametrize("heads", [(16, 32), (16, 48), (2, 4)])
+def test_the_overlapped_forward_gives_the_same_bits(l2, heads):
+    """`chunk_gdn` on the CuTe DSL backend, the experiment's five documents scaled to 8,192 tokens
+    with an initial state: o and the final states bitwise under every overlap of its launches
+    (``Overlap(0)``: the inverse, then every chain), eager and replayed from a CUDA Graph (the side
+    streams forked and joined in the capture), outputs poisoned with NaN before each replay."""
+    cutedsl_or_skip()
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the prepared forms (wgmma) run on sm_90 only")
+    from dsfuse.gdn import chunk_gdn
+    from dsfuse.gdn.cutedsl import forward
+
+    h, hv = heads
+    cu = [b // 4 for b in BENCH_BOUNDS[:-1]] + [8192]
+    q, k, v, g, beta, _ = _inputs(cu[-1], h, hv, 128, 128, torch.bfloat16, "cuda", seed=3, l2=l2)
+    h0 = torch.randn(len(cu) - 1, hv, 128, 128, device="cuda") * 0.1
+    cu_t = torch.tensor(cu, device="cuda", dtype=torch.int32)
+
+    def run():
+        return chunk_gdn(q[None], k[None], v[None], g[None], beta[None], initial_state=h0, output_final_state=True,
+                         cu_seqlens=cu_t, use_qk_l2norm_in_kernel=l2, backend="cutedsl")
+
+    results = {}
+    for overlap in (forward.Overlap(0), forward.Overlap(), forward.Overlap(1), forward.Overlap(3, 1.0)):
+        saved, forward.OVERLAP = forward.OVERLAP, overlap
+        try:
+            results[overlap] = [x.clone() for x in run()]
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                static = run()
+            for x in static:
+                x.fill_(float("nan"))
+            graph.replay()
+            torch.cuda.synchronize()
+            assert all(torch.equal(a, b) for a, b in zip(static, results[overlap])), f"{overlap}: graph replay"
+        finally:
+            forward.OVERLAP = saved
+    plain = results[forward.Overlap(0)]
+    assert not any(x.isnan().any() for x in plain)
+    for overlap, got in results.items():
+        assert all(torch.equal(a, b) for a, b in zip(got, plain)), f"{overlap} changed the bits"
+    assert len(forward.stages(cu, hv, torch.cuda.get_device_properties(0).multi_processor_count)) > 1
 
 CHUNK_TAIL = 64 + 7
 

@@ -28,9 +28,10 @@ DTYPES = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16, torc
 class ChainKernel:
     """A fused forward ``(q, k, v, g, beta, a, chunk_indices, chunk_offsets, order, h0, ht, o, g_cum, scale)``
     that writes ``o`` and ``ht`` (a form that reads a gated ``a`` reads the cumulative gate from
-    ``g_cum`` in place of ``g``): grid (V / block_v, HV, N) of ``threads`` threads (``BV`` and
-    ``THREADS`` unless a subclass says otherwise), CTA ``(.., .., z)`` walking document ``order[z]``
-    (longest first: `dsfuse.gdn.schedule.document_order`); a subclass defines ``kernel``."""
+    ``g_cum`` in place of ``g``): grid (V / block_v, HV, M) of ``threads`` threads (``BV`` and
+    ``THREADS`` unless a subclass says otherwise), ``M = len(order)``: CTA ``(.., .., z)`` walking document
+    ``order[z]`` (all documents longest first, `dsfuse.gdn.schedule.document_order`, or some of them:
+    `dsfuse.gdn.cutedsl.forward`'s stages); a subclass defines ``kernel``."""
 
     threads = THREADS
 
@@ -43,7 +44,7 @@ class ChainKernel:
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mG: cute.Tensor, mBeta: cute.Tensor,
                  mA: cute.Tensor, mChunks: cute.Tensor, mOffsets: cute.Tensor, mOrder: cute.Tensor, mH0: cute.Tensor,
                  mHt: cute.Tensor, mO: cute.Tensor, mGc: cute.Tensor, scale: Float32, stream):
-        grid = [self.dim_v // self.block_v, self.value_heads, mOffsets.shape[0] - 1]
+        grid = [self.dim_v // self.block_v, self.value_heads, mOrder.shape[0]]
         self.kernel(mQ, mK, mV, mG, mBeta, mA, mChunks, mOffsets, mOrder, mH0, mHt, mO, mGc, scale).launch(
             grid=grid, block=[self.threads, 1, 1], stream=stream)
 

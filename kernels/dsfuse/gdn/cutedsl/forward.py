@@ -12,6 +12,11 @@ Triton backward stages read, so the forward's outputs are `dsfuse.gdn.schedule.F
 the Triton stages make them, and the backend's backward is the Triton stages
 (`dsfuse.gdn.cutedsl.TABLE`).
 
+The launches overlap where the GPU has room (`stages`, `OVERLAP`): the inverse of the longest
+documents first, then their chains on a side stream while the inverse of the others runs, so the
+longest chain, which sets the forward's time when the value heads are few, starts early. Every
+chunk is computed as in one pair of launches (the same bits); only the start times change.
+
 What the fused kernel does not do, and so this forward does not: split long documents
 (`dsfuse.gdn.split`, whose segments need a separate state pass; ``segment_chunks`` is accepted and
 has no effect here: each document is one chain) or context parallelism's passes (the backend does not
@@ -41,6 +46,71 @@ def form_of(device: torch.device, dim_v: int) -> str:
     if _cd.arch_of(device) not in fused_fwd.ARCHS["head_ws"]:
         return "head"
     return "head_rs" if dim_v == 128 else "head_ws"
+
+
+@dataclass(frozen=True)
+class Overlap:
+    """How `stages` overlaps the inverse with the chains: at most ``leads`` lead stages, and their
+    chains (one CTA an SM: value heads x lead documents) on at most ``share`` of the SMs, the rest
+    left to the inverse of the later stages. ``Overlap(0)``: one stage, the inverse then the chains."""
+
+    leads: int = 2
+    share: float = 0.5
+
+    def __post_init__(self):
+        if self.leads < 0 or not 0 < self.share <= 1:
+            raise ValueError(f"Overlap: leads >= 0 and 0 < share <= 1, got {self.leads} and {self.share}")
+
+
+OVERLAP = Overlap()  # the forward's (read at each call; the outputs' bits do not depend on it)
+
+
+def stages(bounds: list[int], value_heads: int, sms: int, overlap: Overlap = OVERLAP) -> list[tuple]:
+    """The forward's launch stages of documents ``bounds`` (``[N + 1]`` python ints): ``(first, end,
+    runs)`` each, the documents ``document_order(bounds)[first:end]`` (longest first) whose chunk rows
+    are the runs ``[c0, c1)`` of the chunk table, in launch order (the last stage takes the rest).
+
+    Every stage's inverse runs on the caller's stream in stage order; a lead stage's chains then run
+    on a side stream of their own, the last stage's on the caller's stream after its inverse. Lead
+    stages are one document each, the longest first: at most ``overlap.leads``, while all leads'
+    chains fit ``overlap.share`` of the ``sms`` SMs and each lead is longer (in chunks) than every
+    document after the leads (equal lengths gain nothing from an early start). A rule on the lengths,
+    the head count and the SM count: the outputs are the same bits under any stages."""
+    chunks = [-(-(end - start) // CHUNK_SIZE) for start, end in zip(bounds, bounds[1:])]
+    order = schedule.document_order(bounds)
+    leads = 0
+    while (leads < min(overlap.leads, len(order) - 1)
+           and (leads + 1) * value_heads <= overlap.share * sms):
+        leads += 1
+    while leads and chunks[order[leads - 1]] <= chunks[order[leads]]:
+        leads -= 1
+    rows = [0]
+    for n in chunks:
+        rows.append(rows[-1] + n)
+
+    def runs(docs):  # the documents' chunk rows, adjacent ones merged
+        found = []
+        for d in sorted(docs):
+            if rows[d] == rows[d + 1]:
+                continue
+            if found and found[-1][1] == rows[d]:
+                found[-1] = (found[-1][0], rows[d + 1])
+            else:
+                found.append((rows[d], rows[d + 1]))
+        return found
+
+    spans = [(i, i + 1) for i in range(leads)] + [(leads, len(order))]
+    return [(first, end, runs(order[first:end])) for first, end in spans]
+
+
+@functools.cache
+def _side_streams(device: torch.device, count: int) -> tuple:
+    """Side streams for the lead stages' chains (created once per device)."""
+    return tuple(torch.cuda.Stream(device) for _ in range(count))
+
+
+def _sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
 ARCHS = ("sm_90a", "sm_100a")  # the targets its kernels are compiled for (CI) and written for (shared memory)
@@ -117,20 +187,47 @@ class FusedForward:
                         "factors": new((table.indices.shape[0] * len(FACTORS), heads_v, CHUNK_SIZE),
                                        dtype=torch.float32)}
 
-        def fused():
+        def inverse(c0: int = 0, c1: int | None = None):  # the chunk rows [c0, c1) (their factors' rows)
+            rows = slice(c0, c1)
+            part = {"a_round": prepared["a_round"],
+                    "factors": prepared["factors"].view(-1, len(FACTORS), heads_v, CHUNK_SIZE)[rows].flatten(0, 1)
+                    } if prepared else {}
+            launch_ut_inverse(k_, beta_, table.indices[rows], a if keep_a else None, use_qk_l2norm=use_qk_l2norm,
+                              g=g_, g_cum=g_cum, q=q_ if prepared else None, **part)
+
+        def fused(first: int = 0, end: int | None = None):  # the chains of documents order[first:end]
             if n == 0:  # no tokens: every document is empty, its final state its initial one (no launch)
                 final_state.copy_(h0)
                 return
-            fused_fwd.launch_fused_forward(q_, k_, v_, g_, beta_, a, table.indices, table.offsets, table.order, h0,
-                                           final_state, o, scale, use_qk_l2norm=use_qk_l2norm, form=form,
-                                           g_cum=g_cum, **prepared)
+            fused_fwd.launch_fused_forward(q_, k_, v_, g_, beta_, a, table.indices, table.offsets,
+                                           table.order[first:end], h0, final_state, o, scale,
+                                           use_qk_l2norm=use_qk_l2norm, form=form, g_cum=g_cum, **prepared)
 
-        calls = [
-            ("ut_inverse", lambda: launch_ut_inverse(k_, beta_, table.indices, a if keep_a else None,
-                                                     use_qk_l2norm=use_qk_l2norm, g=g_, g_cum=g_cum,
-                                                     q=q_ if prepared else None, **prepared)),
-            ("fused", fused),
-        ]
+        plan = stages(bounds, heads_v, _sms(v.device), OVERLAP) if n else []
+        if len(plan) <= 1:
+            calls = [("ut_inverse", inverse), ("fused", fused)]
+        else:
+            calls = [("ut_inverse and fused, overlapped", lambda: _overlapped(plan, inverse, fused, v.device))]
         outputs = schedule.ForwardOutputs(o.view(batch, tokens, heads_v, dim_v),
                                           final_state if output_final_state else None, g_cum, a if save else a[:0])
         return calls, outputs
+
+
+def _overlapped(plan: list[tuple], inverse, fused, device: torch.device):
+    """Run `stages`' plan: each stage's inverse on the current stream, a lead stage's chains on a side
+    stream that waits for it, the last stage's chains on the current stream; the current stream then
+    waits for the side streams (so every buffer is read and written before the caller's next work,
+    and a CUDA Graph capture forks and joins)."""
+    main = torch.cuda.current_stream(device)
+    sides = _side_streams(device, len(plan) - 1)
+    for (first, end, runs), side in zip(plan, sides + (None,)):
+        for c0, c1 in runs:
+            inverse(c0, c1)
+        if side is None:
+            fused(first, end)
+            continue
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            fused(first, end)
+    for side in sides:
+        main.wait_stream(side)

@@ -215,7 +215,7 @@ def _fake_tensors(dtype: torch.dtype, heads: int, value_heads: int, dim_k: int, 
     bases and strides, and ``a`` and ``o`` 16-byte aligned), the rest contiguous; the ``head_ws``
     form's own (`dsfuse.gdn.cutedsl.fused_fwd_ws.FusedForwardWS`)."""
     cdt = DTYPES[dtype]
-    tokens, chunks, docs, docs1 = cute.sym_int(), cute.sym_int(), cute.sym_int(), cute.sym_int()
+    tokens, chunks, docs, docs1, chains = (cute.sym_int() for _ in range(5))
     vector = 16 // dtype.itemsize if aligned else 1
     align = 16 if aligned else None
 
@@ -233,7 +233,7 @@ def _fake_tensors(dtype: torch.dtype, heads: int, value_heads: int, dim_k: int, 
                                       assumed_align=align)
     table = cute.runtime.make_fake_tensor(Int32, (chunks, 3), (3, 1))
     offsets = cute.runtime.make_fake_tensor(Int32, (docs1,), (1,))
-    order = cute.runtime.make_fake_tensor(Int32, (docs,), (1,))
+    order = cute.runtime.make_fake_tensor(Int32, (chains,), (1,))  # all documents or some (the grid's z)
     state = (value_heads * dim_k * dim_v, dim_k * dim_v, dim_v, 1)
     h0 = cute.runtime.make_fake_tensor(Float32, (docs, value_heads, dim_k, dim_v), state)
     ht = cute.runtime.make_fake_tensor(Float32, (docs, value_heads, dim_k, dim_v), state)
@@ -295,8 +295,9 @@ def launch_fused_forward(q, k, v, g, beta, a, chunk_indices, chunk_offsets, orde
     ``q``, ``k`` ``[T, H, K]``, ``v`` ``[T, HV, V]`` and ``beta`` ``[T, HV]`` in one dtype, unit
     channel stride; ``g`` fp32 ``[T, HV]`` (per-token log decay); ``a`` fp32 ``[T, HV, 64]`` from
     `dsfuse.gdn.cutedsl.ut_inverse.launch_ut_inverse` with the same k, beta and L2 norm;
-    ``chunk_indices`` int32 ``[NC, 3]``, ``chunk_offsets`` int32 ``[N + 1]``, ``order`` int32 ``[N]``
-    (`document_order`, any permutation of the documents); ``h0`` fp32 (zeros for
+    ``chunk_indices`` int32 ``[NC, 3]``, ``chunk_offsets`` int32 ``[N + 1]``, ``order`` int32 ``[M <= N]``
+    (`document_order`, or any M distinct documents: only their chains run, the other documents' ``o``
+    and ``ht`` are untouched); ``h0`` fp32 (zeros for
     none), ``ht``, ``o`` contiguous (``o`` ``[T, HV, V]`` in v's dtype; 16-byte aligned for the per-head
     form). ``form``: one of `FORMS` (the tensor-core ones take bf16 / fp16)."""
     heads, dim_k = k.shape[1:]
@@ -310,9 +311,10 @@ def launch_fused_forward(q, k, v, g, beta, a, chunk_indices, chunk_offsets, orde
                          f"got {tuple(o.shape)} {o.dtype}")
     if any(x.stride(-1) != 1 for x in (q, k, v)) or not all(x.is_contiguous() for x in (a, h0, ht, o)):
         raise ValueError("launch_fused_forward: q, k, v need unit channel stride; a, h0, ht, o contiguous")
-    if order.dtype != torch.int32 or order.shape != (chunk_offsets.shape[0] - 1,) or order.device != o.device:
-        raise ValueError("launch_fused_forward: order int32 [N] on o's device, a permutation of the documents "
-                         "(document_order; its values are not checked: that would read them back)")
+    if (order.dtype != torch.int32 or order.dim() != 1 or order.shape[0] > chunk_offsets.shape[0] - 1
+            or not order.is_contiguous() or order.device != o.device):
+        raise ValueError("launch_fused_forward: order int32 [M <= N] contiguous on o's device, distinct documents "
+                         "(document_order, or some of it; its values are not checked: that would read them back)")
     if form in HEAD_FORMS and (reasons := fused_fwd_head.aligned_reasons(q=q, k=k, v=v, a=a, o=o)):
         raise ValueError("launch_fused_forward: " + "; ".join(reasons))
     gated = g_cum is not None
@@ -333,7 +335,7 @@ def launch_fused_forward(q, k, v, g, beta, a, chunk_indices, chunk_offsets, orde
     fn = CACHE.get((k.dtype, heads, value_heads, dim_k, dim_v, use_qk_l2norm, form, gated, arch),
                    lambda: compile_fused_forward(k.dtype, heads, value_heads, dim_k, dim_v, use_qk_l2norm, arch,
                                                  form=form, gated=gated))
-    if chunk_offsets.shape[0] <= 1:
+    if chunk_offsets.shape[0] <= 1 or order.shape[0] == 0:
         return o
     if form in PREPARED_FORMS:
         fn(q, k, v, a_round, factors, chunk_indices, chunk_offsets, order, h0, ht, o, float(scale))

@@ -94,7 +94,7 @@ def _vectors(sF: cute.Tensor):
 
 class FusedForwardWS(chunk.ChainKernel):
     """The role-split form (module docstring): ``(q, k, v, a_round, factors, chunk_indices,
-    chunk_offsets, order, h0, ht, o, scale)``, grid (1, HV, N) of 512 threads; ``a_round`` and
+    chunk_offsets, order, h0, ht, o, scale)``, grid (1, HV, len(order)) of 512 threads; ``a_round`` and
     ``factors`` the preparing UT inverse's (`dsfuse.gdn.cutedsl.ut_inverse.launch_ut_inverse`)."""
 
     threads = THREADS
@@ -108,7 +108,7 @@ class FusedForwardWS(chunk.ChainKernel):
                  mChunks: cute.Tensor, mOffsets: cute.Tensor, mOrder: cute.Tensor, mH0: cute.Tensor, mHt: cute.Tensor,
                  mO: cute.Tensor, scale: Float32, stream):
         self.kernel(mQ, mK, mV, mA, mF, mChunks, mOffsets, mOrder, mH0, mHt, mO, scale).launch(
-            grid=[1, self.value_heads, mOffsets.shape[0] - 1], block=[THREADS, 1, 1], stream=stream)
+            grid=[1, self.value_heads, mOrder.shape[0]], block=[THREADS, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mA: cute.Tensor, mF: cute.Tensor,
