@@ -474,21 +474,23 @@ def test_documents_start_longest_first():
 BENCH_BOUNDS = [0, 8847, 11796, 22937, 28836, 32768]  # the experiment's five documents: 139, 47, 175, 93, 62 chunks
 
 
-def test_the_overlap_leads_with_the_longest_documents_where_the_sms_allow():
+def test_the_overlap_leads_with_the_longest_documents_where_the_chains_are_latency_bound():
     """`dsfuse.gdn.cutedsl.forward.stages` on the experiment's documents and an H200's 132 SMs: at 32
-    value heads the two longest documents lead (their chains on 64 SMs), at 48 the longest alone, at
-    96 none (one stage: the inverse, then every chain); equal lengths never lead; ``Overlap(0)`` is one
-    stage; a lead's chunk rows are its document's, the last stage's the rest (adjacent runs merged)."""
+    value heads (chains bound by the longest one: 516 x 32 chunk steps over 132 SMs are fewer than
+    175) the three longest documents lead (their chains on 96 SMs); at 48 (516 x 48 / 132 > 175) none:
+    one stage, the inverse then every chain; equal lengths never lead; ``Overlap(0)`` is one stage; a
+    lead's chunk rows are its document's, the last stage's the rest (adjacent runs merged)."""
     cutedsl_or_skip()
     from dsfuse.gdn.cutedsl.forward import Overlap, stages
 
-    assert stages(BENCH_BOUNDS, 32, 132) == [(0, 1, [(186, 361)]), (1, 2, [(0, 139)]),
-                                             (2, 5, [(139, 186), (361, 516)])]
-    assert stages(BENCH_BOUNDS, 48, 132) == [(0, 1, [(186, 361)]), (1, 5, [(0, 186), (361, 516)])]
-    assert stages(BENCH_BOUNDS, 96, 132) == [(0, 5, [(0, 516)])]
+    assert stages(BENCH_BOUNDS, 32, 132) == [(0, 1, [(186, 361)]), (1, 2, [(0, 139)]), (2, 3, [(361, 454)]),
+                                             (3, 5, [(139, 186), (454, 516)])]
+    assert stages(BENCH_BOUNDS, 48, 132) == [(0, 5, [(0, 516)])]
     assert stages(BENCH_BOUNDS, 32, 132, Overlap(0)) == [(0, 5, [(0, 516)])]
-    assert stages(BENCH_BOUNDS, 48, 132, Overlap(2, 1.0)) == [(0, 1, [(186, 361)]), (1, 2, [(0, 139)]),
+    assert stages(BENCH_BOUNDS, 32, 132, Overlap(2, 0.5)) == [(0, 1, [(186, 361)]), (1, 2, [(0, 139)]),
                                                               (2, 5, [(139, 186), (361, 516)])]
+    assert stages(BENCH_BOUNDS, 32, 132, Overlap(3, 0.5)) == stages(BENCH_BOUNDS, 32, 132, Overlap(2, 0.5))
+    assert stages(BENCH_BOUNDS, 48, 200, Overlap(1)) == [(0, 1, [(186, 361)]), (1, 5, [(0, 186), (361, 516)])]
     assert stages([0, 4097, 8194, 12291], 8, 132) == [(0, 3, [(0, 195)])]  # 65 chunks each
     assert stages([0, 4097, 8194, 8300], 8, 132) == [(0, 1, [(0, 65)]), (1, 2, [(65, 130)]), (2, 3, [(130, 132)])]
     assert stages([0, 5000], 8, 132) == [(0, 1, [(0, 79)])]
@@ -518,6 +520,8 @@ def test_the_stages_cover_every_document_and_chunk_once(lengths, heads, sms, lea
     plan = stages(bounds, heads, sms, Overlap(leads, share))
     assert [first for first, _, _ in plan] == list(range(len(plan))) and plan[-1][1] == len(order)
     assert len(plan) - 1 <= leads and (len(plan) - 1) * heads <= share * sms
+    if len(plan) > 1:  # leads only where the chains are latency-bound
+        assert heads * sum(chunks) < sms * max(chunks)
     rest = max((chunks[d] for d in order[plan[-1][0]:]), default=0)
     assert all(chunks[order[first]] > rest for first, _, _ in plan[:-1])
     covered = []
@@ -533,29 +537,31 @@ def test_the_stages_cover_every_document_and_chunk_once(lengths, heads, sms, lea
 @pytest.mark.gpu
 @pytest.mark.parametrize("l2", [True, False])
 @pytest.mark.parametrize("heads", [(16, 32), (16, 48), (2, 4)])
-def test_the_overlapped_forward_gives_the_same_bits(l2, heads):
+def test_the_overlapped_forward_gives_the_same_bits(l2, heads, monkeypatch):
     """`chunk_gdn` on the CuTe DSL backend, the experiment's five documents scaled to 8,192 tokens
     with an initial state: o and the final states bitwise under every overlap of its launches
     (``Overlap(0)``: the inverse, then every chain), eager and replayed from a CUDA Graph (the side
-    streams forked and joined in the capture), outputs poisoned with NaN before each replay."""
+    streams forked and joined in the capture), outputs poisoned with NaN before each replay. The
+    stages are planned for 1,000 SMs, so that the rule leads at every head count here."""
     cutedsl_or_skip()
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the prepared forms (wgmma) run on sm_90 only")
     from dsfuse.gdn import chunk_gdn
     from dsfuse.gdn.cutedsl import forward
 
+    monkeypatch.setattr(forward, "_sms", lambda device: 1000)
     h, hv = heads
     cu = [b // 4 for b in BENCH_BOUNDS[:-1]] + [8192]
     q, k, v, g, beta, _ = _inputs(cu[-1], h, hv, 128, 128, torch.bfloat16, "cuda", seed=3, l2=l2)
     h0 = torch.randn(len(cu) - 1, hv, 128, 128, device="cuda") * 0.1
-    cu_t = torch.tensor(cu, device="cuda", dtype=torch.int32)
+    cu_t = torch.tensor(cu, dtype=torch.int32)  # on the host: read while a CUDA Graph is captured
 
     def run():
         return chunk_gdn(q[None], k[None], v[None], g[None], beta[None], initial_state=h0, output_final_state=True,
                          cu_seqlens=cu_t, use_qk_l2norm_in_kernel=l2, backend="cutedsl")
 
     results = {}
-    for overlap in (forward.Overlap(0), forward.Overlap(), forward.Overlap(1), forward.Overlap(3, 1.0)):
+    for overlap in (forward.Overlap(0), forward.Overlap(), forward.Overlap(1), forward.Overlap(2, 0.5)):
         saved, forward.OVERLAP = forward.OVERLAP, overlap
         try:
             results[overlap] = [x.clone() for x in run()]
@@ -573,7 +579,7 @@ def test_the_overlapped_forward_gives_the_same_bits(l2, heads):
     assert not any(x.isnan().any() for x in plain)
     for overlap, got in results.items():
         assert all(torch.equal(a, b) for a, b in zip(got, plain)), f"{overlap} changed the bits"
-    assert len(forward.stages(cu, hv, torch.cuda.get_device_properties(0).multi_processor_count)) > 1
+    assert len(forward.stages(cu, hv, 1000, forward.Overlap(1))) > 1  # an overlap ran in every case
 
 CHUNK_TAIL = 64 + 7
 
