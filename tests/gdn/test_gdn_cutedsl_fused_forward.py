@@ -494,6 +494,7 @@ def test_the_overlap_leads_with_the_longest_documents_where_the_chains_are_laten
     assert stages([0, 4097, 8194, 12291], 8, 132) == [(0, 3, [(0, 195)])]  # 65 chunks each
     assert stages([0, 4097, 8194, 8300], 8, 132) == [(0, 1, [(0, 65)]), (1, 2, [(65, 130)]), (2, 3, [(130, 132)])]
     assert stages([0, 5000], 8, 132) == [(0, 1, [(0, 79)])]
+    assert not Overlap().eager  # eager calls keep the one pair of launches by default
     for bad in ((-1,), (1, 0.0), (1, 1.5)):
         with pytest.raises(ValueError, match="Overlap"):
             Overlap(*bad)
@@ -540,8 +541,9 @@ def test_the_stages_cover_every_document_and_chunk_once(lengths, heads, sms, lea
 def test_the_overlapped_forward_gives_the_same_bits(l2, heads, monkeypatch):
     """`chunk_gdn` on the CuTe DSL backend, the experiment's five documents scaled to 8,192 tokens
     with an initial state: o and the final states bitwise under every overlap of its launches
-    (``Overlap(0)``: the inverse, then every chain), eager and replayed from a CUDA Graph (the side
-    streams forked and joined in the capture), outputs poisoned with NaN before each replay. The
+    (``Overlap(0)``: the inverse, then every chain; the default overlaps in the capture only, the
+    others eagerly too), eager and replayed from a CUDA Graph (the side streams forked and joined in
+    the capture), outputs poisoned with NaN before each replay. The
     stages are planned for 1,000 SMs, so that the rule leads at every head count here."""
     cutedsl_or_skip()
     if torch.cuda.get_device_capability() != (9, 0):
@@ -561,7 +563,8 @@ def test_the_overlapped_forward_gives_the_same_bits(l2, heads, monkeypatch):
                          cu_seqlens=cu_t, use_qk_l2norm_in_kernel=l2, backend="cutedsl")
 
     results = {}
-    for overlap in (forward.Overlap(0), forward.Overlap(), forward.Overlap(1), forward.Overlap(2, 0.5)):
+    for overlap in (forward.Overlap(0), forward.Overlap(), forward.Overlap(eager=True), forward.Overlap(1, eager=True),
+                    forward.Overlap(2, 0.5, eager=True)):
         saved, forward.OVERLAP = forward.OVERLAP, overlap
         try:
             results[overlap] = [x.clone() for x in run()]

@@ -12,10 +12,11 @@ Triton backward stages read, so the forward's outputs are `dsfuse.gdn.schedule.F
 the Triton stages make them, and the backend's backward is the Triton stages
 (`dsfuse.gdn.cutedsl.TABLE`).
 
-The launches overlap where the GPU has room (`stages`, `OVERLAP`): the inverse of the longest
-documents first, then their chains on a side stream while the inverse of the others runs, so the
-longest chain, which sets the forward's time when the value heads are few, starts early. Every
-chunk is computed as in one pair of launches (the same bits); only the start times change.
+In a CUDA Graph capture the launches overlap where the GPU has room (`stages`, `OVERLAP`): the
+inverse of the longest documents first, then their chains on side streams while the inverse of the
+others runs, so the longest chain, which sets the forward's time when the value heads are few,
+starts early. Every chunk is computed as in one pair of launches (the same bits); only the start
+times change. An eager call keeps the one pair (`Overlap.eager`).
 
 What the fused kernel does not do, and so this forward does not: split long documents
 (`dsfuse.gdn.split`, whose segments need a separate state pass; ``segment_chunks`` is accepted and
@@ -53,10 +54,14 @@ class Overlap:
     """How `stages` overlaps the inverse with the chains: at most ``leads`` lead stages, and their
     chains (one CTA an SM: value heads x lead documents) on at most ``share`` of the SMs, the rest
     left to the inverse of the later stages. ``Overlap(0)``: one stage, the inverse then the chains.
-    The default is the best of those measured at the experiment's shapes on the H200 (GDN page)."""
+    ``eager``: overlap in calls outside a CUDA Graph capture too; off by default, because there the
+    GPU waits for the host's extra launches (each with its checks): on the H200 at (16, 32) the
+    overlapped eager call was slower than the plain one (GDN page). The default is the best of those
+    measured at the experiment's shapes on the H200."""
 
     leads: int = 3
     share: float = 1.0
+    eager: bool = False
 
     def __post_init__(self):
         if self.leads < 0 or not 0 < self.share <= 1:
@@ -208,7 +213,8 @@ class FusedForward:
                                            table.order[first:end], h0, final_state, o, scale,
                                            use_qk_l2norm=use_qk_l2norm, form=form, g_cum=g_cum, **prepared)
 
-        plan = stages(bounds, heads_v, _sms(v.device), OVERLAP) if n else []
+        overlap = OVERLAP if OVERLAP.eager or torch.cuda.is_current_stream_capturing() else Overlap(0)
+        plan = stages(bounds, heads_v, _sms(v.device), overlap) if n else []
         if len(plan) <= 1:
             calls = [("ut_inverse", inverse), ("fused", fused)]
         else:
