@@ -54,10 +54,10 @@ class Overlap:
     """How `stages` overlaps the inverse with the chains: at most ``leads`` lead stages, and their
     chains (one CTA an SM: value heads x lead documents) on at most ``share`` of the SMs, the rest
     left to the inverse of the later stages. ``Overlap(0)``: one stage, the inverse then the chains.
-    ``eager``: overlap in calls outside a CUDA Graph capture too; off by default, because there the
-    GPU waits for the host's extra launches (each with its checks): on the H200 at (16, 32) the
-    overlapped eager call was slower than the plain one (GDN page). The default is the best of those
-    measured at the experiment's shapes on the H200."""
+    ``eager``: overlap in calls outside a CUDA Graph capture too; off by default, because on the H200
+    at (16, 32) the overlapped eager call was slower than the plain one (GDN page, step 19; not
+    profiled: likely the host's time for the extra launches and their checks, which an eager GPU
+    waits for). The default is the best of those measured at the experiment's shapes on the H200."""
 
     leads: int = 3
     share: float = 1.0
