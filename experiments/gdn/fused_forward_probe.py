@@ -135,8 +135,8 @@ def case_rows(case, timer: Timer, samples: int, device: torch.device, only: set[
     parts += [(f"{name}_gated{suffix[form]}", make(form, True)) for form in forms if form.startswith("head")
               for name, make in (("fused", fused), ("cutedsl", both))]
     parts += [("chunk_gdn_cutedsl", served), ("triton", triton)]
-    # chunk_gdn's forward under other overlaps of its launches (`dsfuse.gdn.cutedsl.forward.stages`):
-    # the same bits as the default's, checked here before timing
+    # chunk_gdn's forward under other overlaps of its launches (`dsfuse.gdn.cutedsl.forward.stages`),
+    # eager calls too: the same bits as the plain eager call's, checked here before timing
     overlaps = {f"chunk_gdn_cutedsl_{name}": forward.Overlap(*args, eager=True)
                 for name, args in OVERLAPS.items()}
     if not only or only & overlaps.keys():
@@ -144,9 +144,9 @@ def case_rows(case, timer: Timer, samples: int, device: torch.device, only: set[
         for part, overlap in overlaps.items():
             o_, ht_ = served(overlap)
             if not (torch.equal(o_, o_ref) and torch.equal(ht_, ht_ref)):
-                raise AssertionError(f"{case.name}: {part} changed the forward's bits")
+                raise AssertionError(f"{case.name}: {part} changed the forward's bits (against one stage)")
             plan = forward.stages(bounds, hv, torch.cuda.get_device_properties(device).multi_processor_count, overlap)
-            print(f"{case.name}: {part}, stages {plan}: the default's bits")
+            print(f"{case.name}: {part}, stages {plan}: the bits of one stage")
             parts.append((part, lambda overlap=overlap: served(overlap)))
     for part, fn in parts:
         if only and part not in only:

@@ -8,8 +8,6 @@ import itertools
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
 from conftest import cutedsl_or_skip
 from dsfuse.gdn.reference import (
     L2NORM_EPS,
@@ -21,6 +19,8 @@ from dsfuse.gdn.reference import (
     ut_transform,
 )
 from helpers import assert_rel_rms
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 F64 = torch.float64
 LENGTHS = [1, 63, 0, 64, 65, 200]  # an empty document among them
@@ -530,7 +530,7 @@ def test_the_stages_cover_every_document_and_chunk_once(lengths, heads, sms, lea
         mine = {c for d in order[first:end] for c in range(rows[d], rows[d + 1])}
         got = [c for c0, c1 in runs for c in range(c0, c1)]
         assert sorted(got) == sorted(mine) and len(set(got)) == len(got)
-        assert all(c1 > c0 for c0, c1 in runs) and all(a[1] < b[0] for a, b in zip(runs, runs[1:]))
+        assert all(c1 > c0 for c0, c1 in runs) and all(a[1] < b[0] for a, b in itertools.pairwise(runs))
         covered += got
     assert sorted(covered) == list(range(rows[-1]))
 

@@ -27,6 +27,7 @@ serve the ``stages`` call; ``auto`` takes the Triton stages for a ``cp_group`` c
 from __future__ import annotations
 
 import functools
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -86,7 +87,7 @@ def stages(bounds: list[int], value_heads: int, sms: int, overlap: Overlap = OVE
     No lead where the chains are bound by throughput rather than by the longest one (all chunks of
     every value head, spread over the SMs, at least the longest document's chunks): an early start
     then only takes SMs from the inverse."""
-    chunks = [-(-(end - start) // CHUNK_SIZE) for start, end in zip(bounds, bounds[1:])]
+    chunks = [-(-(end - start) // CHUNK_SIZE) for start, end in itertools.pairwise(bounds)]
     order = schedule.document_order(bounds)
     leads = 0
     while (leads < min(overlap.leads, len(order) - 1) and value_heads * sum(chunks) < sms * chunks[order[0]]
@@ -115,7 +116,8 @@ def stages(bounds: list[int], value_heads: int, sms: int, overlap: Overlap = OVE
 
 @functools.cache
 def _side_streams(device: torch.device, count: int) -> tuple:
-    """Side streams for the lead stages' chains (created once per device)."""
+    """``count`` side streams for the lead stages' chains, created once per device and count; an eager
+    call makes them (`FusedForward.calls`), so that a CUDA Graph captured after it creates none."""
     return tuple(torch.cuda.Stream(device) for _ in range(count))
 
 
@@ -213,24 +215,27 @@ class FusedForward:
                                            table.order[first:end], h0, final_state, o, scale,
                                            use_qk_l2norm=use_qk_l2norm, form=form, g_cum=g_cum, **prepared)
 
-        overlap = OVERLAP if OVERLAP.eager or torch.cuda.is_current_stream_capturing() else Overlap(0)
+        capturing = torch.cuda.is_current_stream_capturing()
+        overlap = OVERLAP if OVERLAP.eager or capturing else Overlap(0)
+        if v.device.type == "cuda" and not capturing and OVERLAP.leads:
+            _side_streams(v.device, OVERLAP.leads)  # made outside any capture, for one to come
         plan = stages(bounds, heads_v, _sms(v.device), overlap) if n else []
         if len(plan) <= 1:
             calls = [("ut_inverse", inverse), ("fused", fused)]
         else:
-            calls = [("ut_inverse and fused, overlapped", lambda: _overlapped(plan, inverse, fused, v.device))]
+            sides = _side_streams(v.device, overlap.leads)[:len(plan) - 1]
+            calls = [("ut_inverse and fused, overlapped", lambda: _overlapped(plan, sides, inverse, fused, v.device))]
         outputs = schedule.ForwardOutputs(o.view(batch, tokens, heads_v, dim_v),
                                           final_state if output_final_state else None, g_cum, a if save else a[:0])
         return calls, outputs
 
 
-def _overlapped(plan: list[tuple], inverse, fused, device: torch.device):
-    """Run `stages`' plan: each stage's inverse on the current stream, a lead stage's chains on a side
-    stream that waits for it, the last stage's chains on the current stream; the current stream then
-    waits for the side streams (so every buffer is read and written before the caller's next work,
-    and a CUDA Graph capture forks and joins)."""
+def _overlapped(plan: list[tuple], sides: tuple, inverse, fused, device: torch.device):
+    """Run `stages`' plan: each stage's inverse on the current stream, a lead stage's chains on its
+    side stream (``sides``, one a lead), which waits for it, the last stage's chains on the current
+    stream; the current stream then waits for the side streams (so every buffer is read and written
+    before the caller's next work, and a CUDA Graph capture forks and joins)."""
     main = torch.cuda.current_stream(device)
-    sides = _side_streams(device, len(plan) - 1)
     for (first, end, runs), side in zip(plan, sides + (None,)):
         for c0, c1 in runs:
             inverse(c0, c1)
