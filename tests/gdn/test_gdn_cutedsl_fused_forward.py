@@ -565,24 +565,22 @@ def test_the_overlapped_forward_gives_the_same_bits(l2, heads, monkeypatch):
     results = {}
     for overlap in (forward.Overlap(0), forward.Overlap(), forward.Overlap(eager=True), forward.Overlap(1, eager=True),
                     forward.Overlap(2, 0.5, eager=True)):
-        saved, forward.OVERLAP = forward.OVERLAP, overlap
-        try:
-            results[overlap] = [x.clone() for x in run()]
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                static = run()
-            for x in static:
-                x.fill_(float("nan"))
-            graph.replay()
-            torch.cuda.synchronize()
-            assert all(torch.equal(a, b) for a, b in zip(static, results[overlap])), f"{overlap}: graph replay"
-        finally:
-            forward.OVERLAP = saved
+        monkeypatch.setattr(forward, "OVERLAP", overlap)
+        results[overlap] = [x.clone() for x in run()]
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static = run()
+        for x in static:
+            x.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert all(torch.equal(a, b) for a, b in zip(static, results[overlap])), f"{overlap}: graph replay"
     plain = results[forward.Overlap(0)]
     assert not any(x.isnan().any() for x in plain)
     for overlap, got in results.items():
         assert all(torch.equal(a, b) for a, b in zip(got, plain)), f"{overlap} changed the bits"
     assert len(forward.stages(cu, hv, 1000, forward.Overlap(1))) > 1  # an overlap ran in every case
+
 
 CHUNK_TAIL = 64 + 7
 
