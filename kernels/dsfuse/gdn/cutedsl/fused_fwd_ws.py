@@ -265,14 +265,17 @@ class FusedForwardWS(chunk.ChainKernel):
             sQ, sK = sQ2[None, None, stage], sK2[None, None, stage]
             sG, _, sEGq, _, _, sRstd = _vectors(sF2[None, None, stage])
 
-            # 1. q k^T and q S from what the state team stored; (q k^T) masked, decayed and scaled,
-            #    rounded into shared memory; q S scaled by exp(G) rstd_q in the accumulator
+            # 1. q k^T and q S from what the state team stored, issued together; (q k^T) masked,
+            #    decayed and scaled while q S runs, rounded into shared memory; q S scaled by
+            #    exp(G) rstd_q in the accumulator
             _wait(READY)
             acc_f = _mma.accumulator(mma_cc, u, (C, C))
-            _wg.gemm(mma_cc, acc_f, _wg.operands(mma_cc, u, sQ, sK))
+            _wg.gemm(mma_cc, acc_f, _wg.operands(mma_cc, u, sQ, sK), wait=False)
             acc_o = _mma.accumulator(mma_cv, u, (C, V))
-            _wg.gemm(mma_cv, acc_o, _wg.operands(mma_cv, u, sQ, opS))
+            _wg.gemm(mma_cv, acc_o, _wg.operands(mma_cv, u, sQ, opS), wait=False)
+            _wg.wait_for(1)  # q k^T done: gated while q S runs
             gate_qk(acc_f, cCC, sG, sRstd, self.l2norm)
+            _wg.wait()
             for i in cutlass.range_constexpr(cute.size(acc_o)):
                 acc_o[i] = sEGq[cCV[i][0]] * acc_o[i]
             if i_c + 1 < last:

@@ -122,6 +122,12 @@ def wait():
     warpgroup.wait_group(0)
 
 
+def wait_for(pending: int):
+    """Wait until at most the last ``pending`` of the products issued by `gemm` without ``wait`` still
+    run (they finish in the order they were issued)."""
+    warpgroup.wait_group(pending)
+
+
 def store(mma, tidx, frag: cute.Tensor, t: cute.Tensor, transpose: bool = False):
     """``frag``, a 16-bit fragment in the accumulator's layout, into the `tile` ``t`` (its ``(rows,
     cols)`` view, the accumulator's ``(M, N)``) by ``stmatrix``: four 8 x 8 matrices a warp
