@@ -746,3 +746,36 @@ def test_the_backends_reasons_name_what_the_kernels_cannot_take():
     # T = 1 with B > 1: the kernels see the batch stride as the token stride
     odd = torch.zeros(3, 1, 2 * 128 + 4, dtype=torch.bfloat16)[:, :, : 2 * 128].view(3, 1, 2, 128)
     assert any("q needs" in r for r in call(b=3, t=1, q=lambda _: odd))
+
+
+def test_the_backends_reasons_are_asked_once_for_the_same_tensors(monkeypatch):
+    """The table's own reasons (`dsfuse.gdn.cutedsl._forward_reasons`, which an eager call asks twice):
+    the second ask with the same tensors is answered without asking `forward.reasons` again, and the
+    same answer; a tensor at another address, or another flag, is asked anew (a refusal names the
+    tensor's own address, not a remembered one)."""
+    cutedsl_or_skip()
+    import dsfuse.gdn.cutedsl as table
+    from dsfuse.gdn.cutedsl import forward
+
+    asked = []
+    real = forward.reasons
+    monkeypatch.setattr(forward, "reasons", lambda *a: asked.append(a) or real(*a))
+    monkeypatch.setattr(table, "_REASONS", type(table._REASONS)())
+
+    def inputs(q=None):
+        x = [torch.zeros(1, 70, 2, 128, dtype=torch.bfloat16), torch.zeros(1, 70, 2, 128, dtype=torch.bfloat16),
+             torch.zeros(1, 70, 4, 128, dtype=torch.bfloat16), torch.zeros(1, 70, 4),
+             torch.zeros(1, 70, 4, dtype=torch.bfloat16)]
+        return [q if q is not None else x[0], *x[1:]]
+
+    args = (*inputs(), None, True)
+    assert table._forward_reasons(*args) == [] and table._forward_reasons(*args) == [] and len(asked) == 1
+    assert table._forward_reasons(*args[:-1], False) == [] and len(asked) == 2
+    for offset in (4, 12):  # 8 and 24 bytes off a 16-byte boundary: two addresses, each named
+        q = torch.zeros(1, 70, 2 * 128 + offset, dtype=torch.bfloat16)[:, :, offset:].view(1, 70, 2, 128)
+        found = table._forward_reasons(*inputs(q), None, True)
+        assert any(f"address {q.data_ptr()}" in r for r in found), found
+    assert len(asked) == 4
+    for _ in range(3 * table._REASONS_KEPT):  # a bounded memory
+        table._forward_reasons(*inputs(), None, True)
+    assert len(table._REASONS) <= table._REASONS_KEPT

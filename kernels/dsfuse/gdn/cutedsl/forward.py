@@ -34,8 +34,8 @@ import torch
 
 from dsfuse._common import cutedsl as _cd
 from dsfuse.gdn import schedule
-from dsfuse.gdn.cutedsl import fused_fwd, fused_fwd_head
-from dsfuse.gdn.cutedsl.ut_inverse import FACTORS, launch_ut_inverse
+from dsfuse.gdn.cutedsl import fused_fwd, fused_fwd_head, ut_inverse
+from dsfuse.gdn.cutedsl.ut_inverse import FACTORS
 from dsfuse.gdn.reference import CHUNK_SIZE, packed_cu_seqlens
 
 
@@ -114,6 +114,12 @@ def stages(bounds: list[int], value_heads: int, sms: int, overlap: Overlap = OVE
     return [(first, end, runs(order[first:end])) for first, end in spans]
 
 
+@functools.lru_cache(maxsize=64)
+def _stages(bounds: tuple, value_heads: int, sms: int, overlap: Overlap) -> list[tuple]:
+    """`stages`, remembered for the last document layouts (an eager call's plan is read, not changed)."""
+    return stages(list(bounds), value_heads, sms, overlap)
+
+
 @functools.cache
 def _side_streams(device: torch.device, count: int) -> tuple:
     """``count`` side streams for the lead stages' chains, created once per device and count; an eager
@@ -121,6 +127,7 @@ def _side_streams(device: torch.device, count: int) -> tuple:
     return tuple(torch.cuda.Stream(device) for _ in range(count))
 
 
+@functools.cache
 def _sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
@@ -199,27 +206,37 @@ class FusedForward:
                         "factors": new((table.indices.shape[0] * len(FACTORS), heads_v, CHUNK_SIZE),
                                        dtype=torch.float32)}
 
+        # The launches below take the kernels' private entry points: `reasons` checked the inputs
+        # (the backend's own reasons, asked before this call: shapes, dtypes, strides, 16-byte rows)
+        # and every other buffer is made here as the kernels need it, so the public launch
+        # functions' checks would only repeat that, for every launch of an eager call.
+        if prepared:
+            factor_rows = prepared["factors"].view(-1, len(FACTORS), heads_v, CHUNK_SIZE)
+            q_in, a_round = q_, prepared["a_round"]
+        else:  # not read: the compiled signature's stand-ins (`launch_ut_inverse`)
+            q_in, a_round = k_, new((0, heads_v, CHUNK_SIZE), dtype=k.dtype)
+
         def inverse(c0: int = 0, c1: int | None = None):  # the chunk rows [c0, c1) (their factors' rows)
-            rows = slice(c0, c1)
-            part = {"a_round": prepared["a_round"],
-                    "factors": prepared["factors"].view(-1, len(FACTORS), heads_v, CHUNK_SIZE)[rows].flatten(0, 1)
-                    } if prepared else {}
-            launch_ut_inverse(k_, beta_, table.indices[rows], a if keep_a else None, use_qk_l2norm=use_qk_l2norm,
-                              g=g_, g_cum=g_cum, q=q_ if prepared else None, **part)
+            rows = table.indices[c0:c1]
+            if rows.shape[0] == 0:
+                return
+            factors = factor_rows[c0:c1].flatten(0, 1) if prepared else a[:0]
+            ut_inverse._launch(k_, beta_, g_, rows, a, g_cum, q_in, a_round, factors, use_qk_l2norm, True,
+                               bool(prepared), keep_a)
 
         def fused(first: int = 0, end: int | None = None):  # the chains of documents order[first:end]
             if n == 0:  # no tokens: every document is empty, its final state its initial one (no launch)
                 final_state.copy_(h0)
                 return
-            fused_fwd.launch_fused_forward(q_, k_, v_, g_, beta_, a, table.indices, table.offsets,
-                                           table.order[first:end], h0, final_state, o, scale,
-                                           use_qk_l2norm=use_qk_l2norm, form=form, g_cum=g_cum, **prepared)
+            fused_fwd._launch(q_, k_, v_, g_, beta_, a, table.indices, table.offsets, table.order[first:end], h0,
+                              final_state, o, scale, use_qk_l2norm, form, g_cum, prepared.get("a_round"),
+                              prepared.get("factors"))
 
         capturing = torch.cuda.is_current_stream_capturing()
         overlap = OVERLAP if OVERLAP.eager or capturing else Overlap(0)
         if v.device.type == "cuda" and not capturing and OVERLAP.leads:
             _side_streams(v.device, OVERLAP.leads)  # made outside any capture, for one to come
-        plan = stages(bounds, heads_v, _sms(v.device), overlap) if n else []
+        plan = _stages(tuple(bounds), heads_v, _sms(v.device), overlap) if n else []
         if len(plan) <= 1:
             calls = [("ut_inverse", inverse), ("fused", fused)]
         else:

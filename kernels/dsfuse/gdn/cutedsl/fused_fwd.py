@@ -331,17 +331,29 @@ def launch_fused_forward(q, k, v, g, beta, a, chunk_indices, chunk_offsets, orde
         if reasons := prepared_reasons(a_round, factors, v.shape[0], value_heads, chunk_indices.shape[0], v.dtype,
                                        v.device):
             raise ValueError("launch_fused_forward: " + "; ".join(reasons))
+    _launch(q, k, v, g, beta, a, chunk_indices, chunk_offsets, order, h0, ht, o, scale, use_qk_l2norm, form, g_cum,
+            a_round, factors)
+    return o
+
+
+def _launch(q, k, v, g, beta, a, chunk_indices, chunk_offsets, order, h0, ht, o, scale: float, use_qk_l2norm: bool,
+            form: str, g_cum, a_round, factors):
+    """The kernel's launch on arguments `launch_fused_forward` checked (or that its caller made and
+    checked as it does: `dsfuse.gdn.cutedsl.forward`, which checks an eager call's inputs once for
+    its launches; ``a`` may then be None in a prepared form): no checks here."""
+    heads, dim_k = k.shape[1:]
+    value_heads, dim_v = v.shape[1:]
+    gated = g_cum is not None
     arch = _cd.arch_of(k.device)
     fn = CACHE.get((k.dtype, heads, value_heads, dim_k, dim_v, use_qk_l2norm, form, gated, arch),
                    lambda: compile_fused_forward(k.dtype, heads, value_heads, dim_k, dim_v, use_qk_l2norm, arch,
                                                  form=form, gated=gated))
     if chunk_offsets.shape[0] <= 1 or order.shape[0] == 0:
-        return o
+        return
     if form in PREPARED_FORMS:
         fn(q, k, v, a_round, factors, chunk_indices, chunk_offsets, order, h0, ht, o, float(scale))
     else:  # not gated: g stands in for g_cum (not read)
         fn(q, k, v, g, beta, a, chunk_indices, chunk_offsets, order, h0, ht, o, g_cum if gated else g, float(scale))
-    return o
 
 
 def fused_forward(q, k, v, g, beta, scale=None, initial_state=None, cu_seqlens=None, use_qk_l2norm=False,

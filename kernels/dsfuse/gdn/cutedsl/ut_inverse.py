@@ -496,13 +496,22 @@ def launch_ut_inverse(k: torch.Tensor, beta: torch.Tensor, chunk_indices: torch.
         g = g_cum = a.new_empty((0, value_heads))
     if not prepare:
         q, a_round, factors = k, k.new_empty((0, value_heads, CHUNK)), a.new_empty((0, value_heads, CHUNK))
+    _launch(k, beta, g, chunk_indices, a, g_cum, q, a_round, factors, use_qk_l2norm, gate, prepare, keep_a)
+    return a if keep_a else None
+
+
+def _launch(k, beta, g, chunk_indices, a, g_cum, q, a_round, factors, use_qk_l2norm: bool, gate: bool, prepare: bool,
+            keep_a: bool):
+    """The kernel's launch on arguments `launch_ut_inverse` checked (or that its caller made and
+    checked as it does: `dsfuse.gdn.cutedsl.forward`, which checks an eager call's inputs once for
+    its launches), with its stand-ins in place: no checks here."""
+    tokens, heads, dim_k = k.shape
     vector = vector_reads(k)
-    fn = CACHE.get((k.dtype, heads, value_heads, dim_k, use_qk_l2norm, vector, gate, prepare, keep_a,
-                    _cd.arch_of(k.device)),
-                   lambda: compile_ut_inverse(k.dtype, heads, value_heads, dim_k, use_qk_l2norm, _cd.arch_of(k.device),
+    arch = _cd.arch_of(k.device)
+    fn = CACHE.get((k.dtype, heads, beta.shape[1], dim_k, use_qk_l2norm, vector, gate, prepare, keep_a, arch),
+                   lambda: compile_ut_inverse(k.dtype, heads, beta.shape[1], dim_k, use_qk_l2norm, arch,
                                               aligned=vector, gate=gate, prepare=prepare, keep_a=keep_a))
     fn(k, beta, g, chunk_indices, a, g_cum, q, a_round, factors)
-    return a if keep_a else None
 
 
 def _check_prepared(k, q, a, a_round, factors, chunk_indices, gate: bool):
