@@ -505,7 +505,7 @@ def _launch(k, beta, g, chunk_indices, a, g_cum, q, a_round, factors, use_qk_l2n
     """The kernel's launch on arguments `launch_ut_inverse` checked (or that its caller made and
     checked as it does: `dsfuse.gdn.cutedsl.forward`, which checks an eager call's inputs once for
     its launches), with its stand-ins in place: no checks here."""
-    tokens, heads, dim_k = k.shape
+    _, heads, dim_k = k.shape
     vector = vector_reads(k)
     arch = _cd.arch_of(k.device)
     fn = CACHE.get((k.dtype, heads, beta.shape[1], dim_k, use_qk_l2norm, vector, gate, prepare, keep_a, arch),
