@@ -113,21 +113,13 @@ def profile(op: str, calls: int = 300, top: int = 25) -> str:
     import cProfile
     import io
     import pstats
-    import time
 
     dev = torch.device("cuda")
     text = []
     for call, provider, fn in op_calls(op, dev):
         if provider not in ("dsfuse", "dsfuse cutedsl") or " part: " in call:
             continue
-        for _ in range(50):
-            fn()
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        plain_us = (time.perf_counter() - start) / calls * 1e6
-        torch.cuda.synchronize()
+        (plain_us,) = host_us_samples(fn, dev, reps=1, calls=calls, warmup=50)
         prof = cProfile.Profile()
         prof.enable()
         for _ in range(calls):
