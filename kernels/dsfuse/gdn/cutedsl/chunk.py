@@ -23,6 +23,16 @@ THREADS = 128
 BV = 32  # value channels per CTA of a fused forward
 L2NORM_EPS = 1e-6  # dsfuse.gdn.reference.L2NORM_EPS
 DTYPES = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16, torch.float32: Float32}
+LOG2E = 1.4426950408889634
+
+
+def exp(x):
+    """``e^x`` as every CuTe DSL GDN kernel takes it (the gates' decays and the factors): ``2^(x log2 e)``
+    on the special-function unit (``ex2.approx``, a multiply and one ``MUFU.EX2``, where the accurate
+    ``expf`` is about ten instructions; it sits in the inverse's write loop and the output's ``q k^T``
+    gating). Within a few ulp of ``e^x`` below 1 (the decays' range: ``x <= 0``), results under fp32's
+    normal range flushed to zero; one function, so every form and the inverse make the same bits."""
+    return cute.math.exp2(x * Float32(LOG2E), fastmath=True)
 
 
 class ChainKernel:
@@ -194,8 +204,8 @@ def normalize_and_gates(tidx: Int32, sQ: cute.Tensor, sK: cute.Tensor, sRstd: cu
             sQ[r, c] = (sQ[r, c].to(Float32) * sRstd[r]).to(sQ.element_type)
             sK[r, c] = (sK[r, c].to(Float32) * sRstd[C + r]).to(sK.element_type)
     if tidx < C:
-        sEG[tidx] = cute.math.exp(sG[tidx])
-        sDec[tidx] = cute.math.exp(sG[C - 1] - sG[tidx])
+        sEG[tidx] = exp(sG[tidx])
+        sDec[tidx] = exp(sG[C - 1] - sG[tidx])
 
 
 def copy_rows(dtype, width: int, threads: int, store: bool = False):

@@ -150,7 +150,7 @@ class _FusedForward(chunk.ChainKernel):
                 i, j = chunk.cell(tidx, item, C)
                 gated, qk = Float32(0.0), Float32(0.0)
                 if j <= i:
-                    decay = cute.math.exp(sG[i] - sG[j])
+                    decay = chunk.exp(sG[i] - sG[j])
                     gated = sA[i, j] * decay
                     dot = Float32(0.0)
                     for c in cutlass.range(K):

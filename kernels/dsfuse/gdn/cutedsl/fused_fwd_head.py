@@ -120,7 +120,7 @@ def _gated_rows(copy: cute.TiledCopy, tidx: Int32, sA: cute.Tensor, sG: cute.Ten
             else:
                 value = Float32(0.0)
                 if j <= i:
-                    value = sA[i, j] * cute.math.exp(g_i - sG[j])
+                    value = sA[i, j] * chunk.exp(g_i - sG[j])
                 piece[e] = value.to(sAg.element_type)
         cute.autovec_copy(piece, tOs[None, m, 0])
 
@@ -132,7 +132,7 @@ def row_factors(t: Int32, sG: cute.Tensor, sRstd: cute.Tensor, sEGq: cute.Tensor
     ``exp(G) rstd_q`` (o), ``exp(G) rstd_k`` (X), ``exp(G_last - G) rstd_k`` (the state update)."""
     C = cute.size(sG)
     if t < C:
-        eg, dec = cute.math.exp(sG[t]), cute.math.exp(sG[C - 1] - sG[t])
+        eg, dec = chunk.exp(sG[t]), chunk.exp(sG[C - 1] - sG[t])
         rq, rk = Float32(1.0), Float32(1.0)
         if const_expr(l2norm):
             rq, rk = sRstd[t], sRstd[C + t]
@@ -148,7 +148,7 @@ def gate_qk(acc_f: cute.Tensor, cCC: cute.Tensor, sG: cute.Tensor, sRstd: cute.T
         r, c = cCC[i][0], cCC[i][1]
         qk = Float32(0.0)
         if c <= r:
-            qk = acc_f[i] * cute.math.exp(sG[r] - sG[c])
+            qk = acc_f[i] * chunk.exp(sG[r] - sG[c])
             if const_expr(l2norm):
                 qk = qk * (sRstd[r] * sRstd[C + c])
         acc_f[i] = qk
@@ -338,7 +338,7 @@ class FusedForwardHead(chunk.ChainKernel):
             for i in cutlass.range_constexpr(cute.size(acc_o)):
                 acc_o[i] = scale * acc_o[i]
             cute.autovec_copy(_mma.rounded(acc_o, ab), thr_cv.partition_C(sX))
-            last_decay = cute.math.exp(sG[C - 1])
+            last_decay = chunk.exp(sG[C - 1])
             for i in cutlass.range_constexpr(cute.size(acc_s)):
                 acc_s[i] = last_decay * acc_s[i]
             gemm(mma_kv, acc_s, ops_u)

@@ -28,6 +28,7 @@ from dsfuse._common import cutedsl as _cd
 cutlass, cute = _cd.require()
 from cutlass import Float32, Int32, const_expr
 
+from dsfuse.gdn.cutedsl import chunk
 from dsfuse.gdn.cutedsl import mma as _mma
 from dsfuse.gdn.cutedsl import wgmma as _wg
 from dsfuse.gdn.cutedsl.chunk import CHUNK
@@ -97,7 +98,7 @@ class FusedForwardRS(FusedForwardWS):
                 acc_p[i] = sBeta[t] * (v_t[i].to(Float32) - sEGk[t] * acc_p[i])
             acc_vn = _mma.accumulator(mma_vc, u, (V, C))
             _wg.gemm(mma_vc, acc_vn, _wg.operands_rs(mma_vc, u, _mma.rounded(acc_p, ab), sA), wait=False)
-            last_decay = cute.math.exp(sG[C - 1])
+            last_decay = chunk.exp(sG[C - 1])
             for i in cutlass.range_constexpr(cute.size(acc_s)):
                 acc_s[i] = last_decay * acc_s[i]
             _wg.wait()

@@ -98,7 +98,7 @@ class FusedForwardTC(chunk.ChainKernel):
                 i, j = chunk.cell(tidx, item, C)
                 gated = Float32(0.0)
                 if j <= i:
-                    gated = sF[i, j] * cute.math.exp(sG[i] - sG[j])
+                    gated = sF[i, j] * chunk.exp(sG[i] - sG[j])
                 sAg[i, j] = gated.to(ab)
             for item in cutlass.range(K * BV // THREADS, unroll=4):
                 r, c = chunk.cell(tidx, item, BV)
@@ -122,7 +122,7 @@ class FusedForwardTC(chunk.ChainKernel):
                 i, j = chunk.cell(tidx, item, C)
                 qk = Float32(0.0)
                 if j <= i:
-                    qk = sF[i, j] * cute.math.exp(sG[i] - sG[j])
+                    qk = sF[i, j] * chunk.exp(sG[i] - sG[j])
                 sQKg[i, j] = qk.to(ab)
             for item in cutlass.range(C * BV // THREADS, unroll=4):
                 r, c = chunk.cell(tidx, item, BV)

@@ -219,7 +219,7 @@ class FusedForwardWS(chunk.ChainKernel):
             #    the state update
             acc_vn = _mma.accumulator(mma_cv, u, (C, V))
             _wg.gemm(mma_cv, acc_vn, _wg.operands(mma_cv, u, sA, opX), wait=False)
-            last_decay = cute.math.exp(sG[C - 1])
+            last_decay = chunk.exp(sG[C - 1])
             for i in cutlass.range_constexpr(cute.size(acc_s)):
                 acc_s[i] = last_decay * acc_s[i]
             _wg.wait()

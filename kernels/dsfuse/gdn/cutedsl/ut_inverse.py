@@ -298,7 +298,7 @@ class _UtInverse:
                     for e in cutlass.range_constexpr(PIECE):
                         value = Float32(0.0)
                         if c0 + e <= i:
-                            value = sA[i, c0 + e] * cute.math.exp(g_row - g_cols[e])
+                            value = sA[i, c0 + e] * chunk.exp(g_row - g_cols[e])
                         piece[e] = value
                 else:
                     for e in cutlass.range_constexpr(PIECE):
@@ -325,7 +325,7 @@ class _UtInverse:
         g = g_last
         if r < rows:
             g = sG[r]
-        eg, dec = cute.math.exp(g), cute.math.exp(g_last - g)
+        eg, dec = chunk.exp(g), chunk.exp(g_last - g)
         rq, rk = Float32(1.0), Float32(1.0)
         if const_expr(self.l2norm):
             rq, rk = sRstdQ[r], sRstdK[r]
