@@ -37,11 +37,8 @@ from dsfuse.bench.harness import Timer, capture_graph, load_config, rel_rms, wri
 from dsfuse.bench.paths import cli_path
 
 DEFAULT_CONFIG = "experiments/gdn/configs/h200.yaml"
-# other overlaps of the CuTe DSL forward's launches, as Overlap's fields (parts chunk_gdn_cutedsl_<name>)
-OVERLAPS = {"leads0": {"leads": 0}, "leads1": {"leads": 1, "head": 0.0}, "leads2": {"leads": 2, "head": 0.0},
-            "leads2_half": {"leads": 2, "share": 0.5, "head": 0.0}, "leads3": {"leads": 3, "head": 0.0},
-            **{f"leads3_head{round(100 * f)}": {"leads": 3, "head": f} for f in (0.1, 0.2, 0.3, 0.45)},
-            **{f"leads1_head{round(100 * f)}": {"leads": 1, "head": f} for f in (0.2, 0.3)}}
+# other overlaps of the CuTe DSL forward's launches, as Overlap(leads, share) (parts chunk_gdn_cutedsl_<name>)
+OVERLAPS = {"leads0": (0,), "leads1": (1,), "leads2": (2,), "leads2_half": (2, 0.5), "leads3": (3,)}
 FLUSH_BYTES = 256 << 20
 
 
@@ -140,8 +137,8 @@ def case_rows(case, timer: Timer, samples: int, device: torch.device, only: set[
     parts += [("chunk_gdn_cutedsl", served), ("triton", triton)]
     # chunk_gdn's forward under other overlaps of its launches (`dsfuse.gdn.cutedsl.forward.stages`),
     # eager calls too: the same bits as the plain eager call's, checked here before timing
-    overlaps = {f"chunk_gdn_cutedsl_{name}": forward.Overlap(**fields, eager=True)
-                for name, fields in OVERLAPS.items()}
+    overlaps = {f"chunk_gdn_cutedsl_{name}": forward.Overlap(*args, eager=True)
+                for name, args in OVERLAPS.items()}
     if not only or only & overlaps.keys():
         o_ref, ht_ref = (x.clone() for x in served())
         for part, overlap in overlaps.items():

@@ -15,11 +15,8 @@ the Triton stages make them, and the backend's backward is the Triton stages
 In a CUDA Graph capture the launches overlap where the GPU has room (`stages`, `OVERLAP`): the
 inverse of the longest documents first, then their chains on side streams while the inverse of the
 others runs, so the longest chain, which sets the forward's time when the value heads are few,
-starts early. A lead's chain may start after the inverse of its first chunks only (`Overlap.head`,
-`head_chunks`): its chains then run in two launches, the first chunks, then the rest once their
-inverse is done, the fp32 state handed from one to the other through memory, exactly. Every chunk
-is computed as in one pair of launches (the same bits); only the start times change. An eager call
-keeps the one pair (`Overlap.eager`).
+starts early. Every chunk is computed as in one pair of launches (the same bits); only the start
+times change. An eager call keeps the one pair (`Overlap.eager`).
 
 What the fused kernel does not do, and so this forward does not: split long documents
 (`dsfuse.gdn.split`, whose segments need a separate state pass; ``segment_chunks`` is accepted and
@@ -31,7 +28,6 @@ from __future__ import annotations
 
 import functools
 import itertools
-from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -62,19 +58,15 @@ class Overlap:
     ``eager``: overlap in calls outside a CUDA Graph capture too; off by default, because on the H200
     at (16, 32) the overlapped eager call was slower than the plain one (GDN page, step 19; not
     profiled: likely the host's time for the extra launches and their checks, which an eager GPU
-    waits for). ``head``: the share of a lead's chunks whose inverse its chains wait for
-    (`head_chunks`; 0: all of them). The default is the best of those measured at the experiment's
-    shapes on the H200."""
+    waits for). The default is the best of those measured at the experiment's shapes on the H200."""
 
     leads: int = 3
     share: float = 1.0
     eager: bool = False
-    head: float = 0.0
 
     def __post_init__(self):
-        if self.leads < 0 or not 0 < self.share <= 1 or not 0 <= self.head < 1:
-            raise ValueError(f"Overlap: leads >= 0, 0 < share <= 1 and 0 <= head < 1, got {self.leads}, "
-                             f"{self.share} and {self.head}")
+        if self.leads < 0 or not 0 < self.share <= 1:
+            raise ValueError(f"Overlap: leads >= 0 and 0 < share <= 1, got {self.leads} and {self.share}")
 
 
 OVERLAP = Overlap()  # the forward's (read at each call; the outputs' bits do not depend on it)
@@ -122,15 +114,6 @@ def stages(bounds: list[int], value_heads: int, sms: int, overlap: Overlap = OVE
     return [(first, end, runs(order[first:end])) for first, end in spans]
 
 
-def head_chunks(chunks: int, overlap: Overlap = OVERLAP) -> int:
-    """The chunks of a lead document of ``chunks`` chunks whose chains start after their own inverse
-    (the head; the rest's inverse runs meanwhile, on the SMs the lead's chains leave): ``overlap.head``
-    of them, rounded, at least one; 0 (no head: the chains wait for the whole document's inverse)
-    where that leaves no rest."""
-    head = max(1, round(overlap.head * chunks)) if overlap.head else 0
-    return head if head < chunks else 0
-
-
 @functools.lru_cache(maxsize=64)
 def _stages(bounds: tuple, value_heads: int, sms: int, overlap: Overlap) -> list[tuple]:
     """`stages`, remembered for the last document layouts (an eager call's plan is read, not changed)."""
@@ -142,43 +125,6 @@ def _side_streams(device: torch.device, count: int) -> tuple:
     """``count`` side streams for the lead stages' chains, created once per device and count; an eager
     call makes them (`FusedForward.calls`), so that a CUDA Graph captured after it creates none."""
     return tuple(torch.cuda.Stream(device) for _ in range(count))
-
-
-_SEGMENTS: OrderedDict = OrderedDict()  # (c0, c1, c2, device) -> `_segment_offsets`, least recently used last
-
-
-def _segment_offsets(rows: tuple, device: torch.device) -> torch.Tensor:
-    """A lead's chunk rows ``(c0, c1, c2)`` (its head ``[c0, c1)``, the rest ``[c1, c2)``) as the chain
-    kernel's offsets on ``device``, int32: ``[c0, c1]`` at 0, ``[c1, c2]`` at 4 and the one-chain order
-    ``[0]`` at 8 (each view 16-byte aligned). Made by the first call with them (which waits for the copy),
-    reused after. A CUDA Graph capture cannot copy: ``RuntimeError`` where it would need to (an eager
-    call with the same documents first makes them, as it makes the chunk table)."""
-    key = (*rows, str(device))
-    if (found := _SEGMENTS.get(key)) is not None:
-        _SEGMENTS.move_to_end(key)
-        return found
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        raise RuntimeError("gdn: a lead document's split is not on the GPU yet, and it cannot be copied while a "
-                           "CUDA Graph is captured; call chunk_gdn once with the same cu_seqlens before capturing")
-    c0, c1, c2 = rows  # the head's offsets, the rest's and the one-chain order [0], each at 16 bytes
-    table = torch.tensor([c0, c1, 0, 0, c1, c2, 0, 0, 0], dtype=torch.int32).to(device)
-    if device.type == "cuda":
-        torch.cuda.current_stream(device).synchronize()
-    _SEGMENTS[key] = table
-    if len(_SEGMENTS) > 4 * schedule.TABLE_CACHE_SIZE:  # up to 3 leads a chunk table, as long-lived
-        _SEGMENTS.popitem(last=False)
-    return table
-
-
-def _lead_rows(plan: list[tuple], overlap: Overlap) -> list[tuple | None]:
-    """Each lead stage's ``(c0, c1, c2)`` (its document's chunk rows split after `head_chunks`), or
-    None where its chains run in one launch; the last stage None."""
-    found = []
-    for _, _, runs in plan[:-1]:
-        (c0, c2), = runs  # a lead is one document
-        head = head_chunks(c2 - c0, overlap)
-        found.append((c0, c0 + head, c2) if head else None)
-    return found + [None]
 
 
 @functools.cache
@@ -278,71 +224,43 @@ class FusedForward:
             ut_inverse._launch(k_, beta_, g_, rows, a, g_cum, q_in, a_round, factors, use_qk_l2norm, True,
                                bool(prepared), keep_a)
 
-        def launch(offsets, order, h0_, ht_):
-            fused_fwd._launch(q_, k_, v_, g_, beta_, a, table.indices, offsets, order, h0_, ht_, o, scale,
-                              use_qk_l2norm, form, g_cum, prepared.get("a_round"), prepared.get("factors"))
-
         def fused(first: int = 0, end: int | None = None):  # the chains of documents order[first:end]
             if n == 0:  # no tokens: every document is empty, its final state its initial one (no launch)
                 final_state.copy_(h0)
                 return
-            launch(table.offsets, table.order[first:end], h0, final_state)
-
-        def segment(lead: int, doc: int, rows: tuple, part: int):  # lead `lead`'s chains: its head (0), the rest (1)
-            split = _segment_offsets(rows, v.device)
-            h0_, ht_ = (h0[doc:doc + 1], middle[lead:lead + 1]) if part == 0 else (middle[lead:lead + 1],
-                                                                                   final_state[doc:doc + 1])
-            launch(split[4 * part:4 * part + 2], split[8:], h0_, ht_)
+            fused_fwd._launch(q_, k_, v_, g_, beta_, a, table.indices, table.offsets, table.order[first:end], h0,
+                              final_state, o, scale, use_qk_l2norm, form, g_cum, prepared.get("a_round"),
+                              prepared.get("factors"))
 
         capturing = torch.cuda.is_current_stream_capturing()
         overlap = OVERLAP if OVERLAP.eager or capturing else Overlap(0)
-        if v.device.type == "cuda" and not capturing and OVERLAP.leads and n:
-            # made outside any capture, for one to come: the side streams and the leads' splits
-            _side_streams(v.device, OVERLAP.leads)
-            for rows in _lead_rows(_stages(tuple(bounds), heads_v, _sms(v.device), OVERLAP), OVERLAP):
-                if rows:
-                    _segment_offsets(rows, v.device)
+        if v.device.type == "cuda" and not capturing and OVERLAP.leads:
+            _side_streams(v.device, OVERLAP.leads)  # made outside any capture, for one to come
         plan = _stages(tuple(bounds), heads_v, _sms(v.device), overlap) if n else []
         if len(plan) <= 1:
             calls = [("ut_inverse", inverse), ("fused", fused)]
         else:
             sides = _side_streams(v.device, overlap.leads)[:len(plan) - 1]
-            leads = _lead_rows(plan, overlap)
-            # the state between a lead's two launches (fp32, exact), one per lead: leads run at once
-            middle = new((len(plan) - 1, heads_v, dim_k, dim_v), dtype=torch.float32) if any(leads) else None
-            order = schedule.document_order(bounds)
-            calls = [("ut_inverse and fused, overlapped",
-                      lambda: _overlapped(plan, leads, order, sides, inverse, fused, segment, v.device))]
+            calls = [("ut_inverse and fused, overlapped", lambda: _overlapped(plan, sides, inverse, fused, v.device))]
         outputs = schedule.ForwardOutputs(o.view(batch, tokens, heads_v, dim_v),
                                           final_state if output_final_state else None, g_cum, a if save else a[:0])
         return calls, outputs
 
 
-def _overlapped(plan: list[tuple], leads: list, order: list[int], sides: tuple, inverse, fused, segment,
-                device: torch.device):
+def _overlapped(plan: list[tuple], sides: tuple, inverse, fused, device: torch.device):
     """Run `stages`' plan: each stage's inverse on the current stream, a lead stage's chains on its
     side stream (``sides``, one a lead), which waits for it, the last stage's chains on the current
     stream; the current stream then waits for the side streams (so every buffer is read and written
-    before the caller's next work, and a CUDA Graph capture forks and joins). A lead split in two
-    (``leads``: `_lead_rows`) runs the inverse of its head, its head's chains (on its side stream),
-    the inverse of the rest, then the rest's chains (after its head's, on the same side stream)."""
+    before the caller's next work, and a CUDA Graph capture forks and joins)."""
     main = torch.cuda.current_stream(device)
-    for lead, ((first, end, runs), rows, side) in enumerate(zip(plan, leads, sides + (None,))):
+    for (first, end, runs), side in zip(plan, sides + (None,)):
+        for c0, c1 in runs:
+            inverse(c0, c1)
         if side is None:
-            for c0, c1 in runs:
-                inverse(c0, c1)
             fused(first, end)
             continue
-        if rows is None:
-            inverse(*runs[0])
-            side.wait_stream(main)
-            with torch.cuda.stream(side):
-                fused(first, end)
-            continue
-        for part in (0, 1):
-            inverse(rows[part], rows[part + 1])
-            side.wait_stream(main)
-            with torch.cuda.stream(side):
-                segment(lead, order[first], rows, part)
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            fused(first, end)
     for side in sides:
         main.wait_stream(side)
