@@ -1,0 +1,104 @@
+"""The fused backward's algebra (`experiments/gdn/notes/fused-backward-design.md`) in float64 on the CPU,
+before any kernel: its reverse chain (``dS`` carried through the chunks without ``w``) and its
+per-chunk gradients (``A Gamma`` split into the ungated inverse and the decays, as the fused
+forward keeps them), written out with torch, against `chunk_gdn_backward_reference` (which the
+Triton stages are tested against). Every element within ``1e-10`` of the tensor's largest magnitude.
+Inputs and cases as ``test_gdn_reference_backward.py``'s (varlen with a one-token and an empty
+document, B = 2 without ``cu_seqlens``, grouped value heads, the L2 norm on and off, gates as the
+model makes them)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from dsfuse.gdn import chunk_gdn_stages, prepare_chunk_indices, to_chunks, ut_transform
+from dsfuse.gdn.reference import _prepare, chunk_local_cumsum, decay_matrix, from_chunks
+from dsfuse.gdn.reference_backward import (
+    _l2norm_backward,
+    _sum_value_heads,
+    chunk_gdn_backward_reference,
+    chunk_local_cumsum_backward,
+)
+from test_gdn_reference_backward import assert_close, make_inputs
+
+L2NORM_EPS = 1e-6
+
+
+def _t(x):
+    return x.transpose(-1, -2)
+
+
+def fused_backward_in_float64(q, k, v, g, beta, scale, h0, cu, l2, do, dht):
+    """``(dq, dk, dv, dg, dbeta, dh0)`` by the design's two passes: the reverse chain, then each chunk's
+    gradients from its state ``S`` (the forward's), the state gradient after it ``dS'`` (the chain's),
+    and the chunk's own rows."""
+    batch, tokens, heads = q.shape[:3]
+    st = chunk_gdn_stages(q, k, v, g, beta, scale, h0, cu, l2, torch.float64)
+    _, _, vv, gg, bb, scale, _, bounds = _prepare(q, k, v, g, beta, scale, h0, cu, False, torch.float64)
+    ci = st.chunk_indices
+    n_tok = st.q.shape[0]
+    qc, kc, vc, bc, doc = (to_chunks(x, ci) for x in (st.q, st.k, vv, bb, do.reshape(n_tok, *do.shape[-2:])))
+    G = chunk_local_cumsum(to_chunks(gg, ci))  # flat past a chunk's end, as the kernels pad
+    gamma = decay_matrix(G, include_diagonal=True)
+    a0 = ut_transform(kc, bc, torch.zeros_like(G))  # the ungated inverse
+    ag = a0 * gamma
+    eg, g_last = G.exp()[..., None], G[..., -1:]
+    dec = (g_last - G).exp()[..., None]  # exp(G_last - G)
+    S = st.h  # [NC, HV, K, V], the state at each chunk's start
+    x = bc[..., None] * (vc - eg * (kc @ S))
+    v_new = ag @ x
+    p = (qc @ _t(kc)) * gamma
+
+    # 1. the reverse chain: dS' of every chunk, dv_new and dX on the way
+    n_seq = len(bounds) - 1
+    carry = list(dht.unbind(0)) if dht is not None else [S.new_zeros(S.shape[1:]) for _ in range(n_seq)]
+    ds_after, dv_new, dx = [None] * len(ci), [None] * len(ci), [None] * len(ci)
+    for c in reversed(range(len(ci))):
+        n = int(ci[c, 0])
+        dsp = carry[n]
+        dvn = scale * (_t(p[c]) @ doc[c]) + dec[c] * (kc[c] @ dsp)
+        dxc = _t(ag[c]) @ dvn
+        carry[n] = (g_last[c].exp()[..., None] * dsp + scale * (_t(eg[c] * qc[c]) @ doc[c])
+                    - _t(bc[c][..., None] * eg[c] * kc[c]) @ dxc)
+        ds_after[c], dv_new[c], dx[c] = dsp, dvn, dxc
+    dsp, dvn, dxc = (torch.stack(t) for t in (ds_after, dv_new, dx))
+    dh0 = torch.stack(carry)
+
+    # 2. each chunk's gradients, independent of the others
+    dp = scale * (doc @ _t(v_new)) * (gamma != 0)  # o's intra-chunk term, lower triangle with its diagonal
+    dq = scale * eg * (doc @ _t(S)) + (dp * gamma) @ kc
+    dk = _t(dp * gamma) @ qc + (dec * v_new) @ _t(dsp) - bc[..., None] * eg * (dxc @ _t(S))
+    dv = bc[..., None] * dxc
+    dag = (dvn @ _t(x)) * (gamma != 0)
+    dm = -(_t(a0) @ (dag * gamma) @ _t(a0)).tril(-1)  # through A0 = (I + M)^-1, M strictly lower
+    kk = kc @ _t(kc)
+    dbeta = (dxc * (vc - eg * (kc @ S))).sum(-1) + (dm * kk).sum(-1)
+    dk = dk + (bc[..., None] * dm) @ kc + _t(bc[..., None] * dm) @ kc
+    e = dp * p + dag * ag  # the decays' gradient times the decays, by (i, j)
+    dG = e.sum(-1) - e.sum(-2)
+    dG = dG + scale * (eg * (qc @ S) * doc).sum(-1) - (bc[..., None] * eg * (kc @ S) * dxc).sum(-1)
+    t_row = ((kc @ dsp) * dec * v_new).sum(-1)  # through the state update's exp(G_last - G)
+    last = (g_last.exp()[..., None] * S * dsp).sum((-1, -2)) + t_row.sum(-1)
+    dG = dG - t_row
+    dG[..., -1] += last
+    dg = chunk_local_cumsum_backward(dG)
+
+    dq, dk, dv, dg, dbeta = (from_chunks(t, ci, n_tok) for t in (dq, dk, dv, dg, dbeta))
+    dq, dk = _sum_value_heads(dq, heads), _sum_value_heads(dk, heads)
+    if l2:
+        dq = _l2norm_backward(q.flatten(0, 1), dq, L2NORM_EPS)
+        dk = _l2norm_backward(k.flatten(0, 1), dk, L2NORM_EPS)
+    dq, dk, dv, dg, dbeta = (t.unflatten(0, (batch, tokens)) for t in (dq, dk, dv, dg, dbeta))
+    return dq, dk, dv, dg, dbeta, (dh0 if h0 is not None else None)
+
+
+@pytest.mark.parametrize("case", ["single", "varlen"])
+@pytest.mark.parametrize("heads", [(1, 1), (2, 6)])
+@pytest.mark.parametrize("l2", [False, True])
+def test_the_design_s_two_passes_give_the_reference_gradients(case, heads, l2):
+    q, k, v, g, beta, h0, cu, do, dht = make_inputs(case, *heads, with_state=True)
+    cu_t = None if cu is None else torch.tensor(cu)
+    got = fused_backward_in_float64(q, k, v, g, beta, None, h0, cu_t, l2, do, dht)
+    want = chunk_gdn_backward_reference(q, k, v, g, beta, None, h0, cu_t, l2, do=do, dht=dht)
+    for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), got, want):
+        assert_close(a, b, name=name)
