@@ -12,20 +12,15 @@ from __future__ import annotations
 import pytest
 import torch
 from dsfuse.gdn import chunk_gdn_stages, prepare_chunk_indices, to_chunks, ut_transform
-from dsfuse.gdn.reference import _prepare, chunk_local_cumsum, decay_matrix, from_chunks
+from dsfuse.gdn.reference import L2NORM_EPS, _prepare, chunk_local_cumsum, decay_matrix, from_chunks
 from dsfuse.gdn.reference_backward import (
     _l2norm_backward,
     _sum_value_heads,
+    _t,
     chunk_gdn_backward_reference,
     chunk_local_cumsum_backward,
 )
 from test_gdn_reference_backward import assert_close, make_inputs
-
-L2NORM_EPS = 1e-6
-
-
-def _t(x):
-    return x.transpose(-1, -2)
 
 
 def fused_backward_in_float64(q, k, v, g, beta, scale, h0, cu, l2, do, dht):
