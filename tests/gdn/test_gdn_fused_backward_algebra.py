@@ -11,8 +11,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dsfuse.gdn import chunk_gdn_stages, prepare_chunk_indices, to_chunks, ut_transform
-from dsfuse.gdn.reference import L2NORM_EPS, _prepare, chunk_local_cumsum, decay_matrix, from_chunks
+from dsfuse.gdn import chunk_gdn_stages, to_chunks, ut_transform
+from dsfuse.gdn.reference import (
+    L2NORM_EPS,
+    _prepare,
+    chunk_local_cumsum,
+    decay_matrix,
+    from_chunks,
+)
 from dsfuse.gdn.reference_backward import (
     _l2norm_backward,
     _sum_value_heads,
