@@ -14,7 +14,9 @@ instructions of), the gating inverse alone (``ut_inverse_gate``: also the cumula
 the gated fp32 ``A``; ``ut_inverse_prepare``: also ``round(A)`` and the rows' factors, the
 ``head_ws`` form's inputs), the per-head forms reading them (``fused_gated_head``,
 ``fused_gated_head_wgmma``) and the pair `chunk_gdn` launches (``cutedsl_gated_head``,
-``cutedsl_gated_head_wgmma``; ``_head_ws`` likewise for the role-split form), `chunk_gdn`'s whole forward on the CuTe DSL backend (``chunk_gdn_cutedsl``) and the Triton
+``cutedsl_gated_head_wgmma``; ``_head_ws`` likewise for the role-split form; a ``_states`` suffix:
+a prepared form saving ``round(S)`` at every chunk's start for a backward), `chunk_gdn`'s whole forward
+on the CuTe DSL backend (``chunk_gdn_cutedsl``) and the Triton
 forward (``triton``, `chunk_gdn`),
 each replayed from a CUDA Graph with the L2 overwritten before each call
 (`dsfuse.bench.harness.Timer`, evicted regime). Before timing, every timed form's ``o`` and final state
@@ -78,15 +80,19 @@ def case_rows(case, timer: Timer, samples: int, device: torch.device, only: set[
             return lambda: launch_ut_inverse(k, beta, ci, a_gated, use_qk_l2norm=l2, g=g, g_cum=g_cum)
         return lambda: launch_ut_inverse(k, beta, ci, a, use_qk_l2norm=l2)
 
-    def fused(form, gate=False):
+    # a prepared form's saved states, round(S) at every chunk's start [NC, K, HV, V] (for a backward)
+    states = torch.empty(ci.shape[0], q.shape[-1], hv, dv, device=device, dtype=v.dtype)
+
+    def fused(form, gate=False, save=False):
         return lambda: launch_fused_forward(q, k, v, g, beta, a_gated if gate else a, ci, co, order, h0, ht, o, scale,
                                             use_qk_l2norm=l2, form=form, g_cum=g_cum if gate else None,
+                                            states=states if save else None,
                                             **(prepared if form in PREPARED_FORMS else {}))
 
-    def both(form, gate=False):
+    def both(form, gate=False, save=False):
         def run():
             inverse(gate, form in PREPARED_FORMS)()
-            fused(form, gate)()
+            fused(form, gate, save)()
         return run
 
     def served(overlap=None):  # chunk_gdn's forward on the CuTe DSL backend (the saving launch, checks, allocations)
@@ -134,6 +140,9 @@ def case_rows(case, timer: Timer, samples: int, device: torch.device, only: set[
     # the per-head forms as chunk_gdn launches them (reading the gating inverse's A), and its whole forward
     parts += [(f"{name}_gated{suffix[form]}", make(form, True)) for form in forms if form.startswith("head")
               for name, make in (("fused", fused), ("cutedsl", both))]
+    # the prepared forms saving the states (a backward's round(S) from the forward): the same o and final state
+    parts += [(f"{name}_gated{suffix[form]}_states", make(form, True, True)) for form in forms
+              if form in PREPARED_FORMS for name, make in (("fused", fused), ("cutedsl", both))]
     parts += [("chunk_gdn_cutedsl", served), ("triton", triton)]
     # chunk_gdn's forward under other overlaps of its launches (`dsfuse.gdn.cutedsl.forward.stages`),
     # eager calls too: the same bits as the plain eager call's, checked here before timing

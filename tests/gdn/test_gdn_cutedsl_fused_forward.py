@@ -10,6 +10,7 @@ import pytest
 import torch
 from conftest import cutedsl_or_skip
 from dsfuse.gdn.reference import (
+    CHUNK_SIZE,
     L2NORM_EPS,
     chunk_gdn_reference,
     decay_matrix,
@@ -146,8 +147,13 @@ def test_refuses_what_it_cannot_compile():
                                                   "gdn_fused_forward_head_ws_gated_bf16_l2",
                                                   "gdn_fused_forward_head_ws_gated_bf16",
                                                   "gdn_fused_forward_head_rs_gated_bf16_l2",
-                                                  "gdn_fused_forward_head_rs_gated_bf16"]
-    assert [s.archs for s in module.AOT_SPECS][-8:] == [("sm_90a",)] * 8  # wgmma: Hopper's instruction
+                                                  "gdn_fused_forward_head_rs_gated_bf16",
+                                                  "gdn_fused_forward_head_rs_gated_states_bf16_l2",
+                                                  "gdn_fused_forward_head_rs_gated_states_bf16"]
+    assert [s.archs for s in module.AOT_SPECS][-10:] == [("sm_90a",)] * 10  # wgmma: Hopper's instruction
+    with pytest.raises(ValueError, match="saves the states in the forms"):
+        module.compile_fused_forward(torch.bfloat16, 16, 48, 128, 128, True, "sm_90a", form="head", gated=True,
+                                     save=True)
     with pytest.raises(ValueError, match="reads a gated A in the forms"):
         module.compile_fused_forward(torch.bfloat16, 16, 48, 128, 128, True, "sm_90a", form="tensor_core", gated=True)
     with pytest.raises(ValueError, match="head_ws form reads the preparing inverse's gated A: gated only"):
@@ -320,7 +326,8 @@ def test_the_transposed_state_form_meets_at_named_barriers(tmp_path):
                 for m in re.finditer(r"(fence\.proxy\.async)|bar\.(sync|arrive)\s+(\d+)", text)]
 
     specs = [spec for spec in module.AOT_SPECS if "_head_rs" in spec.name]
-    assert len(specs) == 2
+    assert len(specs) == 4  # with and without the L2 norm, saving the states and not
+    stores = {}
     for spec in specs:
         ptx = cute_spec_ptx(spec, "sm_90a", tmp_path)
         shapes = collections.Counter(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", ptx))
@@ -329,8 +336,58 @@ def test_the_transposed_state_form_meets_at_named_barriers(tmp_path):
         state, output = ptx.split("setmaxnreg.dec")
         assert barriers(state) == ["fence", "sync 1", "sync 4", "fence", "arrive 3", "sync 6", "fence", "arrive 5"]
         assert barriers(output) == ["sync 3", "arrive 4", "fence", "sync 2", "sync 5", "arrive 6", "sync 2"]
+        assert "ld.local" not in ptx and "st.local" not in ptx, spec.name  # no stack
+        stores[spec.name] = len(re.findall(r"st\.global\.v4\.b32", output))
+    for name, count in stores.items():  # saving adds the states' 16-byte stores to the output team's o
+        if "_states" in name:
+            assert count > stores[name.replace("_states", "")], stores
     with pytest.raises(ValueError, match="head_rs form takes V = 128"):
         module.compile_fused_forward(torch.bfloat16, 2, 4, 64, 64, False, "sm_90a", form="head_rs", gated=True)
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("form", ["head_ws", "head_rs"])
+@pytest.mark.parametrize("dtype, l2", [(torch.bfloat16, True), (torch.bfloat16, False), (torch.float16, False)])
+def test_the_saved_states_are_the_chains_own(form, dtype, l2):
+    """A prepared form saving its states (varlen with an empty and a one-token document, an initial
+    state, grouped value heads): chunk ``j`` of a document holds ``round(S)`` of that document's
+    first ``j`` chunks, bit for bit the final state of a run on those chunks alone (the documents cut
+    there, packed), rounded; every chunk written; o and the final states the bits of a run that does
+    not save; a repeated call the same bits."""
+    cutedsl_or_skip()
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the prepared forms (wgmma) run on sm_90 only")
+    from dsfuse.gdn.cutedsl.fused_fwd import fused_forward
+
+    h, hv, dk, dv = 2, 4, 128, 128
+    cu = _bounds()
+    q, k, v, g, beta, h0 = _inputs(cu[-1] + CHUNK_TAIL, h, hv, dk, dv, dtype, "cuda", seed=11, l2=l2)
+    args = {"initial_state": h0, "use_qk_l2norm": l2, "form": form, "gated": True}
+    ci = prepare_chunk_indices(cu).tolist()
+
+    def saved():
+        states = torch.full((len(ci), dk, hv, dv), float("nan"), device="cuda", dtype=dtype)
+        return fused_forward(q, k, v, g, beta, cu_seqlens=cu, states=states, **args)[:2], states
+
+    (o, ht), states = saved()
+    (o_again, ht_again), states_again = saved()
+    o_plain, ht_plain, _ = fused_forward(q, k, v, g, beta, cu_seqlens=cu, **args)
+    torch.cuda.synchronize()
+    assert not states.isnan().any()
+    assert torch.equal(states, states_again) and torch.equal(o, o_again) and torch.equal(ht, ht_again)
+    assert torch.equal(o, o_plain) and torch.equal(ht, ht_plain)
+    compared = 0
+    for j in range(max(-(-n // CHUNK_SIZE) for n in LENGTHS)):  # the documents cut after j chunks, packed
+        cut = [min(n, j * CHUNK_SIZE) for n in LENGTHS]
+        rows = torch.cat([torch.arange(cu[d], cu[d] + cut[d]) for d in range(len(LENGTHS))]).cuda()
+        bounds = [0] + list(itertools.accumulate(cut))
+        ht_cut = (fused_forward(q[rows], k[rows], v[rows], g[rows], beta[rows], cu_seqlens=bounds, **args)[1]
+                  if j else h0)  # no chunk yet: the initial state
+        for c, (d, start, _) in enumerate(ci):
+            if start - cu[d] == j * CHUNK_SIZE:  # chunk j of document d: the state after its first j chunks
+                assert torch.equal(states[c].transpose(0, 1), ht_cut[d].to(dtype)), (j, d)
+                compared += 1
+    assert compared == len(ci)
+
 
 def _run_on_gpu(dtype, l2, dims, form):
     """``(o, ht, o_ref, ht_ref, cu)``: the fused forward on strided head views of one packed row (a
@@ -457,6 +514,32 @@ def test_the_prepared_inputs_are_checked_before_any_launch():
                        ({"factors": good["factors"].to("meta")}, "factors must be on the inputs' device")):
         with pytest.raises(ValueError, match=match):
             launch(**(good | bad))
+
+
+def test_the_states_are_checked_before_any_launch():
+    """A prepared form's ``states``: refused by name in another shape, dtype or layout, or given to a form
+    that does not save them (CPU tensors: no launch)."""
+    cutedsl_or_skip()
+    from dsfuse.gdn.cutedsl.fused_fwd import launch_fused_forward
+
+    t, h, d = 70, 2, 64
+    q, k, v = (torch.zeros(t, h, d, dtype=torch.bfloat16) for _ in range(3))
+    g, beta, a = torch.zeros(t, h), torch.zeros(t, h, dtype=torch.bfloat16), torch.zeros(t, h, 64)
+    ci, co, order = torch.zeros(2, 3, dtype=torch.int32), torch.zeros(2, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
+    h0, o = torch.zeros(1, h, d, d), torch.zeros(t, h, d, dtype=torch.bfloat16)
+    good = {"a_round": torch.zeros(t, h, 64, dtype=torch.bfloat16), "factors": torch.zeros(2 * 8, h, 64)}
+    states = torch.zeros(2, d, h, d, dtype=torch.bfloat16)  # [NC, K, HV, V]
+
+    def launch(states, form="head_ws", prepared=good):
+        launch_fused_forward(q, k, v, g, beta, a, ci, co, order, h0, h0.clone(), o, 1.0, form=form, g_cum=g,
+                             states=states, **prepared)
+
+    for bad in (states[:1], states.float(), states.transpose(1, 2), states.to("meta"),
+                torch.zeros(2, h, d, d, dtype=torch.bfloat16)):
+        with pytest.raises(ValueError, match=r"states must be"):
+            launch(bad)
+    with pytest.raises(ValueError, match="save the states, not 'head'"):
+        launch(states, form="head", prepared={})
 
 
 def test_documents_start_longest_first():

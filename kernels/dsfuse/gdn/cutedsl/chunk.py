@@ -4,7 +4,7 @@ document, value head and ``BV`` value channels, or all of them in the per-head f
 rows, g and beta into shared memory (`load_gates` the last two; `read_gates` them into registers, for
 a later store); `cumulative_gate`, a chunk's cumulative gate by a warp scan; `rstd_and_cumsum`, the rows' L2-norm scales and the chunk-local
 cumulative gate; `normalize_and_gates`, the normalised rows (rounded to the tiles' dtype) and the gate
-vectors; `copy_rows`, `start_rows`, `store_rows`, `row_scales`, rows moved in 16-byte pieces (and the
+vectors; `copy_rows`, `start_rows`, `store_rows`, `store_tile`, `row_scales`, rows moved in 16-byte pieces (and the
 L2-norm scales of the pieces a thread moved). Each is traced into the calling kernel; the caller places
 the barriers between them."""
 
@@ -251,6 +251,15 @@ def store_rows(copy: cute.TiledCopy, tidx: Int32, sX: cute.Tensor, mX: cute.Tens
     for m in cutlass.range_constexpr(cute.size(tXs, mode=[1])):
         if tXc[0, m, 0][0] < rows:
             cute.copy(copy, tXs[None, m, None], tXg[None, m, None])
+
+
+@cute.jit
+def store_tile(copy: cute.TiledCopy, tidx: Int32, sX: cute.Tensor, mX: cute.Tensor, start: Int32, head: Int32):
+    """Every row of ``sX`` into rows ``start ..`` of ``mX[:, head, :]``, 16 bytes a store, two pieces a
+    thread at a time (a rolled loop: few registers, for a team that has few)."""
+    tXs, tXg, _ = row_pieces(copy, tidx, mX, sX, start, head, True)
+    for m in cutlass.range(cute.size(tXs, mode=[1]), unroll=2):
+        cute.copy(copy, tXs[None, m, None], tXg[None, m, None])
 
 
 @cute.jit

@@ -205,7 +205,7 @@ class _FusedForward(chunk.ChainKernel):
             mHt[i_n, i_hv, kk, v_col] = sS[kk, col]
 
 
-CACHE = _cd.KernelCache()  # (dtype, H, HV, K, V, l2norm, form, gated, arch) -> compiled function
+CACHE = _cd.KernelCache()  # (dtype, H, HV, K, V, l2norm, form, gated, save, arch) -> compiled function
 
 
 def _fake_tensors(dtype: torch.dtype, heads: int, value_heads: int, dim_k: int, dim_v: int,
@@ -244,20 +244,24 @@ def _fake_tensors(dtype: torch.dtype, heads: int, value_heads: int, dim_k: int, 
                                                 assumed_align=align)
         factors = cute.runtime.make_fake_tensor(Float32, (cute.sym_int(), value_heads, CHUNK),
                                                 (value_heads * CHUNK, CHUNK, 1), assumed_align=align)
-        return q, k, v, a_round, factors, table, offsets, order, h0, ht, o
+        # the saved states' rows [NC * K, HV, V] (an empty stand-in when not saving)
+        states = cute.runtime.make_fake_tensor(cdt, (cute.sym_int(), value_heads, dim_v), (value_heads * dim_v, dim_v, 1),
+                                               assumed_align=align)
+        return q, k, v, a_round, factors, table, offsets, order, h0, ht, o, states
     return q, k, v, g, beta, a, table, offsets, order, h0, ht, o, gates(Float32)
 
 
 def compile_fused_forward(dtype: torch.dtype, heads: int, value_heads: int, dim_k: int, dim_v: int, l2norm: bool,
-                          arch: str, *, form: str = "cuda_core", gated: bool = False, keep_ptx: bool = False,
-                          dump_dir: str | None = None, keep_cubin: bool = False):
+                          arch: str, *, form: str = "cuda_core", gated: bool = False, save: bool = False,
+                          keep_ptx: bool = False, dump_dir: str | None = None, keep_cubin: bool = False):
     """The kernel of one `FORMS` entry for one configuration, compiled for ``arch`` (``sm_90a``,
     ``sm_100a``; no GPU needed). Called as ``fn(q, k, v, g, beta, a, chunk_indices, chunk_offsets,
     order, h0, ht, o, g_cum, scale)``. ``gated`` (the per-head forms): the kernel reads the cumulative
     gate from ``g_cum`` and ``a`` as the gated ``A`` (the gating UT inverse's), not ``g`` and ``A0``;
-    without it ``g_cum`` is not read. The ``head_ws`` form is gated only and called as ``fn(q, k, v,
-    a_round, factors, chunk_indices, chunk_offsets, order, h0, ht, o, scale)`` (the preparing
-    inverse's outputs). ``keep_ptx``, ``keep_cubin``: as `dsfuse._common.cutedsl.compile`."""
+    without it ``g_cum`` is not read. The `PREPARED_FORMS` are gated only and called as ``fn(q, k, v,
+    a_round, factors, chunk_indices, chunk_offsets, order, h0, ht, o, states, scale)`` (the preparing
+    inverse's outputs; ``states`` ``[NC * K, HV, V]`` written with ``save``, those forms' only option,
+    else not touched). ``keep_ptx``, ``keep_cubin``: as `dsfuse._common.cutedsl.compile`."""
     if reasons := shape_reasons(dtype, heads, value_heads, dim_k, dim_v, form, l2norm):
         raise ValueError("the CuTe DSL fused forward cannot compile this: " + "; ".join(reasons))
     if arch not in ARCHS.get(form, (arch,)):
@@ -266,11 +270,14 @@ def compile_fused_forward(dtype: torch.dtype, heads: int, value_heads: int, dim_
         raise ValueError(f"the CuTe DSL fused forward reads a gated A in the forms {HEAD_FORMS} only")
     if form in PREPARED_FORMS and not gated:
         raise ValueError(f"the CuTe DSL fused forward's {form} form reads the preparing inverse's gated A: gated only")
+    if save and form not in PREPARED_FORMS:
+        raise ValueError(f"the CuTe DSL fused forward saves the states in the forms {PREPARED_FORMS} only, not {form!r}")
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     kernel = {"cuda_core": _FusedForward, "tensor_core": FusedForwardTC,
               "head": functools.partial(FusedForwardHead, gated=gated),
               "head_wgmma": functools.partial(FusedForwardHead, wgmma=True, gated=gated),
-              "head_ws": FusedForwardWS, "head_rs": FusedForwardRS}[form]
+              "head_ws": functools.partial(FusedForwardWS, save=save),
+              "head_rs": functools.partial(FusedForwardRS, save=save)}[form]
     return _cd.compile(kernel(dtype, heads, value_heads, dim_k, dim_v, l2norm),
                        *_fake_tensors(dtype, heads, value_heads, dim_k, dim_v, form in HEAD_FORMS, form), Float32(1.0),
                        stream, arch=arch, keep_ptx=keep_ptx, dump_dir=dump_dir, keep_cubin=keep_cubin)
@@ -279,7 +286,7 @@ def compile_fused_forward(dtype: torch.dtype, heads: int, value_heads: int, dim_
 def launch_fused_forward(q, k, v, g, beta, a, chunk_indices, chunk_offsets, order, h0, ht, o, scale: float,
                          *, use_qk_l2norm: bool = False, form: str = "cuda_core",
                          g_cum: torch.Tensor | None = None, a_round: torch.Tensor | None = None,
-                         factors: torch.Tensor | None = None) -> torch.Tensor:
+                         factors: torch.Tensor | None = None, states: torch.Tensor | None = None) -> torch.Tensor:
     """Write ``o`` ``[T, HV, V]`` (the chunks' tokens; others untouched) and ``ht`` fp32 ``[N, HV, K, V]``.
     With ``g_cum`` fp32 ``[T, HV]`` (a per-head form only; `chunk_gdn`'s launch), ``g_cum`` and ``a``
     are what the gating UT inverse wrote (``launch_ut_inverse(.., g=g, g_cum=g_cum)``): the chunk-local
@@ -290,7 +297,10 @@ def launch_fused_forward(q, k, v, g, beta, a, chunk_indices, chunk_offsets, orde
     factors=factors)``), and needs them (``a`` may be None there; ``g_cum`` is asked for, the
     inverse's, though not read); the other forms take neither. Nothing here can check that they
     were made from the same ``k``, ``beta``, ``g``, chunks and L2 norm as this launch's: the caller's
-    contract.
+    contract. ``states`` (the `PREPARED_FORMS` only): ``[NC, K, HV, V]`` in v's dtype, contiguous and
+    16-byte aligned, where the kernel writes ``round(S)`` at every chunk's start (chunk ``c`` of the
+    chunk table: ``states[c, :, hv, :]``), the values its products read, for a backward; the
+    launched documents' chunks only.
 
     ``q``, ``k`` ``[T, H, K]``, ``v`` ``[T, HV, V]`` and ``beta`` ``[T, HV]`` in one dtype, unit
     channel stride; ``g`` fp32 ``[T, HV]`` (per-token log decay); ``a`` fp32 ``[T, HV, 64]`` from
@@ -331,38 +341,60 @@ def launch_fused_forward(q, k, v, g, beta, a, chunk_indices, chunk_offsets, orde
         if reasons := prepared_reasons(a_round, factors, v.shape[0], value_heads, chunk_indices.shape[0], v.dtype,
                                        v.device):
             raise ValueError("launch_fused_forward: " + "; ".join(reasons))
+    if states is not None:
+        if reasons := states_reasons(states, chunk_indices.shape[0], dim_k, value_heads, dim_v, v.dtype, v.device):
+            raise ValueError("launch_fused_forward: " + "; ".join(reasons))
+        if form not in PREPARED_FORMS:
+            raise ValueError(f"launch_fused_forward: the forms {PREPARED_FORMS} save the states, not {form!r}")
     _launch(q, k, v, g, beta, a, chunk_indices, chunk_offsets, order, h0, ht, o, scale, use_qk_l2norm, form, g_cum,
-            a_round, factors)
+            a_round, factors, states)
     return o
 
 
+def states_reasons(states: torch.Tensor, chunks: int, dim_k: int, value_heads: int, dim_v: int, dtype: torch.dtype,
+                   device: torch.device) -> list[str]:
+    """Why ``states`` cannot take a forward's saved states (empty when it can): ``[NC, K, HV, V]`` in the
+    inputs' dtype, contiguous, 16-byte aligned, on their device."""
+    want = (chunks, dim_k, value_heads, dim_v)
+    if tuple(states.shape) != want or states.dtype != dtype or states.device != device:
+        return [f"states must be [NC, K, HV, V] = {want} in {dtype} on {device}, got {tuple(states.shape)} "
+                f"{states.dtype} on {states.device}"]
+    if not states.is_contiguous() or states.data_ptr() % fused_fwd_head.ALIGN:
+        return ["states must be contiguous with a 16-byte aligned base (the kernel stores 16 bytes at a time)"]
+    return []
+
+
 def _launch(q, k, v, g, beta, a, chunk_indices, chunk_offsets, order, h0, ht, o, scale: float, use_qk_l2norm: bool,
-            form: str, g_cum, a_round, factors):
+            form: str, g_cum, a_round, factors, states=None):
     """The kernel's launch on arguments `launch_fused_forward` checked (or that its caller made and
     checked as it does: `dsfuse.gdn.cutedsl.forward`, which checks an eager call's inputs once for
-    its launches; ``a`` may then be None in a prepared form): no checks here."""
+    its launches; ``a`` may then be None in a prepared form): no checks here. ``states``: as
+    `launch_fused_forward`'s, or None (a prepared form then compiled without saving)."""
     heads, dim_k = k.shape[1:]
     value_heads, dim_v = v.shape[1:]
     gated = g_cum is not None
     arch = _cd.arch_of(k.device)
-    fn = CACHE.get((k.dtype, heads, value_heads, dim_k, dim_v, use_qk_l2norm, form, gated, arch),
+    save = states is not None
+    fn = CACHE.get((k.dtype, heads, value_heads, dim_k, dim_v, use_qk_l2norm, form, gated, save, arch),
                    lambda: compile_fused_forward(k.dtype, heads, value_heads, dim_k, dim_v, use_qk_l2norm, arch,
-                                                 form=form, gated=gated))
+                                                 form=form, gated=gated, save=save))
     if chunk_offsets.shape[0] <= 1 or order.shape[0] == 0:
         return
     if form in PREPARED_FORMS:
-        fn(q, k, v, a_round, factors, chunk_indices, chunk_offsets, order, h0, ht, o, float(scale))
+        rows = (states.view(-1, value_heads, dim_v) if save  # [NC * K, HV, V]: chunk c's rows from c K
+                else o.new_empty((0, value_heads, dim_v)))
+        fn(q, k, v, a_round, factors, chunk_indices, chunk_offsets, order, h0, ht, o, rows, float(scale))
     else:  # not gated: g stands in for g_cum (not read)
         fn(q, k, v, g, beta, a, chunk_indices, chunk_offsets, order, h0, ht, o, g_cum if gated else g, float(scale))
 
 
 def fused_forward(q, k, v, g, beta, scale=None, initial_state=None, cu_seqlens=None, use_qk_l2norm=False,
-                  form="cuda_core", gated=False):
+                  form="cuda_core", gated=False, states=None):
     """``(o, final_state, a)`` of packed ``[T, ...]`` inputs (no batch dim): the UT inverse, then the
     fused kernel (``gated``, a per-head form only: the gating inverse and the kernel reading its gated
     ``A``, as `chunk_gdn` launches them; the ``head_ws`` form always, with the preparing
     inverse). Tokens in no document get ``o = 0``; ``a`` is what a backward would keep (ungated
-    unless ``gated``)."""
+    unless ``gated``). ``states``: as `launch_fused_forward`'s (a prepared form's saved states)."""
     from dsfuse.gdn.cutedsl.ut_inverse import launch_ut_inverse
     from dsfuse.gdn.reference import prepare_chunk_indices, prepare_chunk_offsets
 
@@ -390,22 +422,25 @@ def fused_forward(q, k, v, g, beta, scale=None, initial_state=None, cu_seqlens=N
     o = torch.zeros(tokens, value_heads, dim_v, device=dev, dtype=v.dtype)
     order = torch.tensor(document_order(bounds), device=dev, dtype=torch.int32)
     launch_fused_forward(q, k, v, g, beta, a, ci, co, order, h0, ht, o, dim_k**-0.5 if scale is None else scale,
-                         use_qk_l2norm=use_qk_l2norm, form=form, g_cum=g_cum, **prepared)
+                         use_qk_l2norm=use_qk_l2norm, form=form, g_cum=g_cum, states=states, **prepared)
     return o, ht, a
 
 
 def _aot_specs() -> list[_cd.CuteAotSpec]:
     """The model's specialisation: H = 16, HV = 48, K = V = 128, bf16, with and without the L2 norm, every
-    form; the per-head forms also as `chunk_gdn` launches them, reading the gated A."""
+    form; the per-head forms also as `chunk_gdn` launches them, reading the gated A; ``head_rs`` also
+    saving the states for a backward."""
     suffix = {"cuda_core": "", "tensor_core": "_tc", "head": "_head", "head_wgmma": "_head_wgmma", "head_ws": "_head_ws",
               "head_rs": "_head_rs"}
-    variants = [(form, gated) for form in FORMS
+    variants = [(form, gated, False) for form in FORMS
                 for gated in ((True,) if form in PREPARED_FORMS else (False, True) if form in HEAD_FORMS else (False,))]
-    return [_cd.CuteAotSpec(f"gdn_fused_forward{suffix[form]}{'_gated' if gated else ''}_bf16{'_l2' if l2 else ''}",
-                            lambda arch, dump_dir=None, l2=l2, form=form, gated=gated: compile_fused_forward(
-                                torch.bfloat16, 16, 48, 128, 128, l2, arch, form=form, gated=gated, keep_ptx=True,
-                                dump_dir=dump_dir), archs=ARCHS.get(form, ("sm_90a", "sm_100a")))
-            for form, gated in variants for l2 in (True, False)]
+    variants.append(("head_rs", True, True))
+    return [_cd.CuteAotSpec(f"gdn_fused_forward{suffix[form]}{'_gated' if gated else ''}{'_states' if save else ''}"
+                            f"_bf16{'_l2' if l2 else ''}",
+                            lambda arch, dump_dir=None, l2=l2, form=form, gated=gated, save=save: compile_fused_forward(
+                                torch.bfloat16, 16, 48, 128, 128, l2, arch, form=form, gated=gated, save=save,
+                                keep_ptx=True, dump_dir=dump_dir), archs=ARCHS.get(form, ("sm_90a", "sm_100a")))
+            for form, gated, save in variants for l2 in (True, False)]
 
 
 AOT_SPECS = _aot_specs()

@@ -94,26 +94,31 @@ def _vectors(sF: cute.Tensor):
 
 class FusedForwardWS(chunk.ChainKernel):
     """The role-split form (module docstring): ``(q, k, v, a_round, factors, chunk_indices,
-    chunk_offsets, order, h0, ht, o, scale)``, grid (1, HV, len(order)) of 512 threads; ``a_round`` and
-    ``factors`` the preparing UT inverse's (`dsfuse.gdn.cutedsl.ut_inverse.launch_ut_inverse`)."""
+    chunk_offsets, order, h0, ht, o, states, scale)``, grid (1, HV, len(order)) of 512 threads;
+    ``a_round`` and ``factors`` the preparing UT inverse's
+    (`dsfuse.gdn.cutedsl.ut_inverse.launch_ut_inverse`). With ``save``, the output team also writes
+    each chunk's ``round(S)`` (the state at the chunk's start, as every product of the chunk read it)
+    to ``states`` ``[NC * K, HV, V]``: chunk ``c``'s ``K`` rows from row ``c K``, for a backward;
+    without it ``states`` is not touched."""
 
     threads = THREADS
 
-    def __init__(self, *args):
+    def __init__(self, *args, save: bool = False):
         super().__init__(*args)
         self.block_v = self.dim_v
+        self.save = save
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mA: cute.Tensor, mF: cute.Tensor,
                  mChunks: cute.Tensor, mOffsets: cute.Tensor, mOrder: cute.Tensor, mH0: cute.Tensor, mHt: cute.Tensor,
-                 mO: cute.Tensor, scale: Float32, stream):
-        self.kernel(mQ, mK, mV, mA, mF, mChunks, mOffsets, mOrder, mH0, mHt, mO, scale).launch(
+                 mO: cute.Tensor, mStates: cute.Tensor, scale: Float32, stream):
+        self.kernel(mQ, mK, mV, mA, mF, mChunks, mOffsets, mOrder, mH0, mHt, mO, mStates, scale).launch(
             grid=[1, self.value_heads, mOrder.shape[0]], block=[THREADS, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mA: cute.Tensor, mF: cute.Tensor,
                mChunks: cute.Tensor, mOffsets: cute.Tensor, mOrder: cute.Tensor, mH0: cute.Tensor, mHt: cute.Tensor,
-               mO: cute.Tensor, scale: Float32):
+               mO: cute.Tensor, mStates: cute.Tensor, scale: Float32):
         K, V, C, ab = self.dim_k, self.dim_v, CHUNK, self.dtype
         tidx, _, _ = cute.arch.thread_idx()
         _, i_hv, i_z = cute.arch.block_idx()
@@ -136,7 +141,8 @@ class FusedForwardWS(chunk.ChainKernel):
                              mH0, mHt, first, last, i_n, i_h, i_hv)
         else:
             cute.arch.setmaxregister_decrease(OUTPUT_REGS)
-            self._output_team(tidx - TEAM, (sQ2, sK2, sF2, sSb, sVn, sQKg, sO), mChunks, mO, scale, first, last, i_hv)
+            self._output_team(tidx - TEAM, (sQ2, sK2, sF2, sSb, sVn, sQKg, sO), mChunks, mO, mStates, scale, first,
+                              last, i_hv)
 
     @cute.jit
     def _start_chunk(self, u: Int32, stages, sources, mChunks: cute.Tensor, i_c: Int32, stage: Int32, i_h: Int32,
@@ -246,12 +252,13 @@ class FusedForwardWS(chunk.ChainKernel):
             mHt[i_n, i_hv, cKV[i][0], cKV[i][1]] = acc_s[i]
 
     @cute.jit
-    def _output_team(self, u: Int32, tiles, mChunks: cute.Tensor, mO: cute.Tensor, scale: Float32,
-                     first: Int32, last: Int32, i_hv: Int32):
-        """The output team's part (thread ``u`` of 256): each chunk's ``o``."""
-        V, C, ab = self.dim_v, CHUNK, self.dtype
+    def _output_team(self, u: Int32, tiles, mChunks: cute.Tensor, mO: cute.Tensor, mStates: cute.Tensor,
+                     scale: Float32, first: Int32, last: Int32, i_hv: Int32):
+        """The output team's part (thread ``u`` of 256): each chunk's ``o`` (and with ``save`` its
+        ``round(S)`` to ``states``)."""
+        K, V, C, ab = self.dim_k, self.dim_v, CHUNK, self.dtype
         sQ2, sK2, sF2, sSb, sVn, sQKg, sO = tiles
-        store_o = chunk.copy_rows(ab, V, TEAM, store=True)
+        store_o = chunk.copy_rows(ab, V, TEAM, store=True)  # o's rows, and the saved states' (also V wide)
         mma_cc = _wg.tiled_mma(ab, C, C, True, True, TEAM_WARPGROUPS)
         mma_cv = _wg.tiled_mma(ab, C, V, True, False, TEAM_WARPGROUPS)
         opS, opVn = _wg.transposed(sSb), _wg.transposed(sVn)
@@ -273,6 +280,8 @@ class FusedForwardWS(chunk.ChainKernel):
             _wg.gemm(mma_cc, acc_f, _wg.operands(mma_cc, u, sQ, sK), wait=False)
             acc_o = _mma.accumulator(mma_cv, u, (C, V))
             _wg.gemm(mma_cv, acc_o, _wg.operands(mma_cv, u, sQ, opS), wait=False)
+            if const_expr(self.save):  # round(S) to memory while the products read it (before OUT_READ)
+                chunk.store_tile(store_o, u, sSb, mStates, i_c * K, i_hv)
             _wg.wait_for(1)  # q k^T done: gated while q S runs
             gate_qk(acc_f, cCC, sG, sRstd, self.l2norm)
             _wg.wait()
