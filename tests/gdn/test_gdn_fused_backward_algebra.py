@@ -29,11 +29,8 @@ from dsfuse.gdn.reference_backward import (
 from test_gdn_reference_backward import assert_close, make_inputs
 
 
-def fused_backward_in_float64(q, k, v, g, beta, scale, h0, cu, l2, do, dht):
-    """``(dq, dk, dv, dg, dbeta, dh0)`` by the design's two passes: the reverse chain, then each chunk's
-    gradients from its state ``S`` (the forward's), the state gradient after it ``dS'`` (the chain's),
-    and the chunk's own rows."""
-    batch, tokens, heads = q.shape[:3]
+def _chunk_terms(q, k, v, g, beta, scale, h0, cu, l2, do):
+    """The forward's chunk-layout terms in float64 that the backward's two passes read."""
     st = chunk_gdn_stages(q, k, v, g, beta, scale, h0, cu, l2, torch.float64)
     _, _, vv, gg, bb, scale, _, bounds = _prepare(q, k, v, g, beta, scale, h0, cu, False, torch.float64)
     ci = st.chunk_indices
@@ -42,17 +39,19 @@ def fused_backward_in_float64(q, k, v, g, beta, scale, h0, cu, l2, do, dht):
     G = chunk_local_cumsum(to_chunks(gg, ci))  # flat past a chunk's end, as the kernels pad
     gamma = decay_matrix(G, include_diagonal=True)
     a0 = ut_transform(kc, bc, torch.zeros_like(G))  # the ungated inverse
-    ag = a0 * gamma
+    return {"ci": ci, "n_tok": n_tok, "n_seq": len(bounds) - 1, "scale": scale, "S": st.h, "qc": qc, "kc": kc,
+            "vc": vc, "bc": bc, "doc": doc, "G": G, "gamma": gamma, "a0": a0, "ag": a0 * gamma}
+
+
+def _reverse_chain(t, dht):
+    """The design's kernel 2: ``(dS', dv_new, dX, dh0)`` of every chunk (``dS'`` the gradient of the
+    state after the chunk, ``[NC, HV, K, V]``), the chunks of each document last to first."""
+    ci, scale, qc, kc, bc, doc, G, ag = (t[name] for name in ("ci", "scale", "qc", "kc", "bc", "doc", "G", "ag"))
     eg, g_last = G.exp()[..., None], G[..., -1:]
     dec = (g_last - G).exp()[..., None]  # exp(G_last - G)
-    S = st.h  # [NC, HV, K, V], the state at each chunk's start
-    x = bc[..., None] * (vc - eg * (kc @ S))
-    v_new = ag @ x
-    p = (qc @ _t(kc)) * gamma
-
-    # 1. the reverse chain: dS' of every chunk, dv_new and dX on the way
-    n_seq = len(bounds) - 1
-    carry = list(dht.unbind(0)) if dht is not None else [S.new_zeros(S.shape[1:]) for _ in range(n_seq)]
+    p = (qc @ _t(kc)) * t["gamma"]
+    shape = t["S"].shape[1:]
+    carry = list(dht.unbind(0)) if dht is not None else [t["S"].new_zeros(shape) for _ in range(t["n_seq"])]
     ds_after, dv_new, dx = [None] * len(ci), [None] * len(ci), [None] * len(ci)
     for c in reversed(range(len(ci))):
         n = int(ci[c, 0])
@@ -62,8 +61,33 @@ def fused_backward_in_float64(q, k, v, g, beta, scale, h0, cu, l2, do, dht):
         carry[n] = (g_last[c].exp()[..., None] * dsp + scale * (_t(eg[c] * qc[c]) @ doc[c])
                     - _t(bc[c][..., None] * eg[c] * kc[c]) @ dxc)
         ds_after[c], dv_new[c], dx[c] = dsp, dvn, dxc
-    dsp, dvn, dxc = (torch.stack(t) for t in (ds_after, dv_new, dx))
-    dh0 = torch.stack(carry)
+    dsp, dvn, dxc = (torch.stack(x) for x in (ds_after, dv_new, dx))
+    return dsp, dvn, dxc, torch.stack(carry)
+
+
+def state_backward_in_float64(q, k, g, beta, scale, cu, l2, do, dht):
+    """The reverse state chain alone (kernel 2's oracle): ``(dS' [NC, HV, K, V], dh0 [N, HV, K, V])``."""
+    v = torch.zeros(*q.shape[:2], do.shape[-2], do.shape[-1], dtype=torch.float64)  # the chain reads no v
+    dsp, _, _, dh0 = _reverse_chain(_chunk_terms(q, k, v, g, beta, scale, None, cu, l2, do), dht)
+    return dsp, dh0
+
+
+def fused_backward_in_float64(q, k, v, g, beta, scale, h0, cu, l2, do, dht):
+    """``(dq, dk, dv, dg, dbeta, dh0)`` by the design's two passes: the reverse chain, then each chunk's
+    gradients from its state ``S`` (the forward's), the state gradient after it ``dS'`` (the chain's),
+    and the chunk's own rows."""
+    batch, tokens, heads = q.shape[:3]
+    t = _chunk_terms(q, k, v, g, beta, scale, h0, cu, l2, do)
+    ci, n_tok, scale, S, qc, kc, vc, bc, doc, G, gamma, a0, ag = (
+        t[name] for name in ("ci", "n_tok", "scale", "S", "qc", "kc", "vc", "bc", "doc", "G", "gamma", "a0", "ag"))
+    eg, g_last = G.exp()[..., None], G[..., -1:]
+    dec = (g_last - G).exp()[..., None]  # exp(G_last - G)
+    x = bc[..., None] * (vc - eg * (kc @ S))
+    v_new = ag @ x
+    p = (qc @ _t(kc)) * gamma
+
+    # 1. the reverse chain: dS' of every chunk, dv_new and dX on the way
+    dsp, dvn, dxc, dh0 = _reverse_chain(t, dht)
 
     # 2. each chunk's gradients, independent of the others
     dp = scale * (doc @ _t(v_new)) * (gamma != 0)  # o's intra-chunk term, lower triangle with its diagonal

@@ -29,6 +29,11 @@ compiled for sm_90a and sm_100a by the CPU tests through their ``AOT_SPECS``):
   ``head_ws`` with the state kept transposed, every product of its chain taking A from registers,
   V = 128); checked by ``tests/gdn/test_gdn_cutedsl_fused_forward.py``,
   timed by ``experiments/gdn/fused_forward_probe.py``.
+* ``state_bwd``: the fused backward's reverse state chain (kernel 2 of
+  ``experiments/gdn/notes/fused-backward-design.md``; not yet reachable from `chunk_gdn`): ``round(dS')``
+  of every chunk and ``dh0`` from the preparing inverse's ``round(A Gamma)`` and factors, ``dO`` and
+  the final state's gradient, sm_90a; checked against the design's float64 chain by
+  ``tests/gdn/test_gdn_cutedsl_state_backward.py``.
 * ``chunk``: what those kernels do to a chunk alike (loads, L2-norm scales, cumulative gate, gate
   vectors) and the fused forwards' signature and grid (``ChainKernel``).
 * ``mma`` and ``wgmma``: tensor-core products of shared-memory tiles (``mma.sync`` 16x8x16; sm_90a
@@ -46,8 +51,8 @@ import torch
 
 from dsfuse._common.backends import BackendTable
 
-KERNELS = ("dsfuse.gdn.cutedsl.ut_inverse", "dsfuse.gdn.cutedsl.fused_fwd", "dsfuse.gdn.cutedsl.mma",
-           "dsfuse.gdn.cutedsl.wgmma")
+KERNELS = ("dsfuse.gdn.cutedsl.ut_inverse", "dsfuse.gdn.cutedsl.fused_fwd", "dsfuse.gdn.cutedsl.state_bwd",
+           "dsfuse.gdn.cutedsl.mma", "dsfuse.gdn.cutedsl.wgmma")
 
 
 _REASONS: collections.OrderedDict = collections.OrderedDict()  # the last calls' arguments -> their reasons

@@ -1,0 +1,314 @@
+"""The reverse state chain of the Gated DeltaNet's fused backward (kernel 2 of
+``experiments/gdn/notes/fused-backward-design.md``), first form, sm_90a: one CTA of 256 threads (two
+warpgroups, all of them in every step) walks a (document, value head) chain from its last chunk to
+its first with the state's gradient ``dS`` fp32 ``[K, V]`` in its accumulators, and writes what the
+per-chunk gradients need of it: ``round(dS')`` for every chunk (``dS'`` the gradient of the state
+after the chunk) and ``dh0``, the gradient of the document's initial state.
+
+Per chunk, from the preparing UT inverse's ``round(A Gamma)`` and rows' factors (the forward's own,
+`dsfuse.gdn.cutedsl.ut_inverse`: ``exp(G) rstd_q``, ``exp(G) rstd_k``, ``exp(G_last - G) rstd_k``,
+``beta`` and the scales), q and k as read (the L2 norm's scales on the products' rows), ``dO``::
+
+    P      = tril(q k^T * Gamma) * rstd_q rstd_k^T             # as the forward's output team gates it
+    dv_new = scale round(P)^T dO + exp(G_last - G) rstd_k * (k round(dS'))
+    dX     = round(A Gamma)^T round(dv_new)
+    dS     = exp(G_last) dS' + q^T round(scale exp(G) rstd_q * dO) - k^T round(exp(G) rstd_k beta * dX)
+
+(the recurrence of `dsfuse.gdn.reference_backward.chunk_state_backward` written without ``w``:
+``w^T dv_new = (exp(G) rstd_k k)^T diag(beta) (A Gamma)^T dv_new``; the float64 form is
+``tests/gdn/test_gdn_fused_backward_algebra.py``'s). Every product on warpgroup instructions from
+128-byte-swizzled tiles (`dsfuse.gdn.cutedsl.wgmma`), fp32 accumulation; the row factors multiply
+an accumulator or, where they sit on the contracted dimension, the operand before its rounding.
+No atomics, a fixed order: the same bits on every run and any SM count.
+
+Per chunk, 4 barriers: (1) the chunk's rows and factors landed, ``round(dS')`` stored; (2) ``P``
+gated and stored rounded, ``round(scale exp(G) rstd_q dO)`` stored, ``k round(dS')`` made (the
+previous chunk's loads started meanwhile); (3) ``round(dv_new)`` stored; (4) the rounded ``dX``
+term stored; then the state's update (its products read tiles no later step writes before the next
+barrier 1). ``round(dS')`` goes to memory from shared memory in 16-byte stores.
+
+Shared memory at K = V = 128, bf16: two stages of q, k, dO rows (96 KiB), of ``round(A Gamma)``
+(16 KiB) and of the factors (4 KiB); ``round(dS')`` 32 KiB; ``round(P)`` 8 KiB; ``round(dv_new)``,
+the rounded dO and dX terms 16 KiB each: 204 KiB and the alignment, one CTA per SM.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dsfuse._common import cutedsl as _cd
+
+cutlass, cute = _cd.require()
+from cutlass import Float32, Int32, const_expr
+
+from dsfuse.gdn.cutedsl import chunk
+from dsfuse.gdn.cutedsl import mma as _mma
+from dsfuse.gdn.cutedsl import wgmma as _wg
+from dsfuse.gdn.cutedsl.chunk import CHUNK, DTYPES
+from dsfuse.gdn.cutedsl.fused_fwd_head import ALIGN, STAGES, aligned_reasons, gate_qk
+from dsfuse.gdn.cutedsl.fused_fwd_ws import FACTOR_THREADS, _vectors
+from dsfuse.gdn.cutedsl.ut_inverse import FACTORS, prepared_reasons
+
+THREADS = 256  # two warpgroups
+WARPGROUPS = 2
+ARCHS = ("sm_90a",)  # wgmma
+DIMS = (128,)  # K and V: the model's (the state's gradient over two warpgroups, the tiles' shared memory)
+TC_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def shape_reasons(dtype: torch.dtype, heads: int, value_heads: int, dim_k: int, dim_v: int) -> list[str]:
+    """Why this kernel cannot take these sizes (empty when it can)."""
+    reasons = []
+    if dtype not in TC_DTYPES:
+        reasons.append(f"the reverse state chain takes {' or '.join(map(str, TC_DTYPES))}, not {dtype}")
+    reasons += [f"the reverse state chain takes {name} = 128, not {dim}"
+                for name, dim in (("K", dim_k), ("V", dim_v)) if dim not in DIMS]
+    if heads <= 0 or value_heads % heads:
+        reasons.append(f"value heads ({value_heads}) must be a multiple of the qk heads ({heads})")
+    return reasons
+
+
+class StateBackward:
+    """``(q, k, do, a_round, factors, chunk_indices, chunk_offsets, order, dht, dh0, dstates, scale)``:
+    grid (1, HV, len(order)) of 256 threads, CTA ``(0, hv, z)`` walking document ``order[z]``
+    (module docstring)."""
+
+    def __init__(self, dtype: torch.dtype, heads: int, value_heads: int, dim_k: int, dim_v: int, l2norm: bool):
+        self.dtype, self.heads, self.value_heads, self.dim_k, self.dim_v, self.l2norm = (
+            DTYPES[dtype], heads, value_heads, dim_k, dim_v, l2norm)
+
+    @cute.jit
+    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mDO: cute.Tensor, mA: cute.Tensor, mF: cute.Tensor,
+                 mChunks: cute.Tensor, mOffsets: cute.Tensor, mOrder: cute.Tensor, mDht: cute.Tensor,
+                 mDh0: cute.Tensor, mDS: cute.Tensor, scale: Float32, stream):
+        self.kernel(mQ, mK, mDO, mA, mF, mChunks, mOffsets, mOrder, mDht, mDh0, mDS, scale).launch(
+            grid=[1, self.value_heads, mOrder.shape[0]], block=[THREADS, 1, 1], stream=stream)
+
+    @cute.jit
+    def _start_chunk(self, u: Int32, stages, sources, mChunks: cute.Tensor, i_c: Int32, stage: Int32, i_h: Int32,
+                     i_hv: Int32):
+        """Start the ``cp.async`` copies of chunk ``i_c``'s q, k, dO, ``round(A Gamma)`` rows and its
+        factors into ``stage`` (the caller commits them as a group): zeros past the chunk's rows."""
+        K, V, C, ab = self.dim_k, self.dim_v, CHUNK, self.dtype
+        sQ2, sK2, sDO2, sA2, sF2 = stages
+        mQ, mK, mDO, mA, mF = sources
+        copy_k, copy_v, copy_c = (chunk.copy_rows(ab, K, THREADS), chunk.copy_rows(ab, V, THREADS),
+                                  chunk.copy_rows(ab, C, THREADS))
+        start = mChunks[i_c, 1]
+        rows = mChunks[i_c, 2] - start
+        for copy, m, t, head in ((copy_k, mQ, sQ2, i_h), (copy_k, mK, sK2, i_h), (copy_v, mDO, sDO2, i_hv),
+                                 (copy_c, mA, sA2, i_hv)):
+            chunk.start_rows(copy, u, m, t[None, None, stage], start, rows, head)
+        if u < FACTOR_THREADS:
+            chunk.start_rows(chunk.copy_rows(Float32, C, FACTOR_THREADS), u, mF, sF2[None, None, stage],
+                             i_c * len(FACTORS), len(FACTORS), i_hv)
+
+    @cute.kernel
+    def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mDO: cute.Tensor, mA: cute.Tensor, mF: cute.Tensor,
+               mChunks: cute.Tensor, mOffsets: cute.Tensor, mOrder: cute.Tensor, mDht: cute.Tensor, mDh0: cute.Tensor,
+               mDS: cute.Tensor, scale: Float32):
+        K, V, C, ab = self.dim_k, self.dim_v, CHUNK, self.dtype
+        u, _, _ = cute.arch.thread_idx()
+        _, i_hv, i_z = cute.arch.block_idx()
+        i_n = mOrder[i_z]
+        i_h = i_hv // (self.value_heads // self.heads)
+
+        smem = cutlass.memory.SmemAllocator()
+        tile = _wg.tile
+        sQ2, sK2, sDO2 = tile(smem, ab, C, K, STAGES), tile(smem, ab, C, K, STAGES), tile(smem, ab, C, V, STAGES)
+        sA2 = tile(smem, ab, C, C, STAGES)  # round(A Gamma), as the preparing inverse wrote it
+        sF2 = chunk.tile(smem, Float32, len(FACTORS), C, STAGES)
+        sDSb = tile(smem, ab, K, V)  # round(dS'), the gradient of the state after the chunk
+        sP = tile(smem, ab, C, C)  # round(P)
+        sDvn, sDOs, sDXs = tile(smem, ab, C, V), tile(smem, ab, C, V), tile(smem, ab, C, V)
+
+        # q k^T; (C, V) products with a K-major A (k round(dS')) and an M-major one (round(P)^T dO,
+        # round(A Gamma)^T round(dv_new)); the state's update (K, V), A = q^T or k^T
+        mma_cc = _wg.tiled_mma(ab, C, C, True, True, WARPGROUPS)
+        mma_kd = _wg.tiled_mma(ab, C, V, True, False, WARPGROUPS)
+        mma_tc = _wg.tiled_mma(ab, C, V, False, False, WARPGROUPS)
+        mma_kv = _wg.tiled_mma(ab, K, V, False, False, WARPGROUPS)
+        T = _wg.transposed
+        cCC, cCV, cKV = (_mma.coordinates(mma_cc, u, (C, C)), _mma.coordinates(mma_kd, u, (C, V)),
+                         _mma.coordinates(mma_kv, u, (K, V)))
+        store_ds = chunk.copy_rows(ab, V, THREADS, store=True)
+
+        acc_s = _mma.accumulator(mma_kv, u, (K, V))  # dS, fp32, for the whole chain
+        for i in cutlass.range_constexpr(cute.size(acc_s)):
+            acc_s[i] = mDht[i_n, i_hv, cKV[i][0], cKV[i][1]]
+
+        first, last = mOffsets[i_n], mOffsets[i_n + 1]
+        stages, sources = (sQ2, sK2, sDO2, sA2, sF2), (mQ, mK, mDO, mA, mF)
+        if first < last:
+            self._start_chunk(u, stages, sources, mChunks, last - 1, 0, i_h, i_hv)
+        cute.arch.cp_async_commit_group()
+
+        for j in cutlass.range(last - first):
+            i_c = last - 1 - j
+            stage = j % STAGES
+            sQ, sK, sDO, sA = (t[None, None, stage] for t in (sQ2, sK2, sDO2, sA2))
+            sG, sBeta, sEGq, sEGk, sDec, sRstd = _vectors(sF2[None, None, stage])
+
+            # 1. this chunk's rows and factors landed; round(dS') stored (the last reads of its tile,
+            #    and of the other stage, were before this barrier)
+            _wg.store_rounded(mma_kv, u, acc_s, sDSb, ab)
+            cute.arch.cp_async_wait_group(0)
+            _wg.fence_writes()
+            cute.arch.sync_threads()
+
+            # 2. q k^T and k round(dS') issued; the previous chunk's loads started into the other stage;
+            #    round(dS') to memory; P gated and stored rounded; round(scale exp(G) rstd_q dO) stored
+            acc_f = _mma.accumulator(mma_cc, u, (C, C))
+            _wg.gemm(mma_cc, acc_f, _wg.operands(mma_cc, u, sQ, sK), wait=False)
+            acc_k = _mma.accumulator(mma_kd, u, (C, V))
+            _wg.gemm(mma_kd, acc_k, _wg.operands(mma_kd, u, sK, T(sDSb)), wait=False)
+            if j + 1 < last - first:
+                self._start_chunk(u, stages, sources, mChunks, i_c - 1, 1 - stage, i_h, i_hv)
+            cute.arch.cp_async_commit_group()  # empty after the first chunk: one group a chunk all the same
+            chunk.store_tile(store_ds, u, sDSb, mDS, i_c * K, i_hv)
+            do_t = cute.make_fragment_like(acc_k, ab)
+            _wg.load_like(mma_kd, u, sDO, do_t)
+            for i in cutlass.range_constexpr(cute.size(do_t)):
+                do_t[i] = (scale * sEGq[cCV[i][0]] * do_t[i].to(Float32)).to(ab)
+            _wg.store(mma_kd, u, do_t, sDOs)
+            _wg.wait_for(1)  # q k^T done
+            gate_qk(acc_f, cCC, sG, sRstd, self.l2norm)
+            _wg.store_rounded(mma_cc, u, acc_f, sP, ab)
+            _wg.wait()
+            for i in cutlass.range_constexpr(cute.size(acc_k)):
+                acc_k[i] = sDec[cCV[i][0]] * acc_k[i]
+            _wg.fence_writes()
+            cute.arch.sync_threads()
+
+            # 3. dv_new = scale round(P)^T dO + exp(G_last - G) rstd_k (k round(dS')), stored rounded
+            acc_v = _mma.accumulator(mma_tc, u, (C, V))
+            _wg.gemm(mma_tc, acc_v, _wg.operands(mma_tc, u, T(sP), T(sDO)))
+            for i in cutlass.range_constexpr(cute.size(acc_v)):
+                acc_v[i] = scale * acc_v[i] + acc_k[i]
+            _wg.store_rounded(mma_tc, u, acc_v, sDvn, ab)
+            _wg.fence_writes()
+            cute.arch.sync_threads()
+
+            # 4. dX = round(A Gamma)^T round(dv_new); its term of dS, round(-exp(G) rstd_k beta dX), stored
+            acc_x = _mma.accumulator(mma_tc, u, (C, V))
+            _wg.gemm(mma_tc, acc_x, _wg.operands(mma_tc, u, T(sA), T(sDvn)))
+            for i in cutlass.range_constexpr(cute.size(acc_x)):
+                t = cCV[i][0]
+                acc_x[i] = -(sEGk[t] * sBeta[t]) * acc_x[i]
+            _wg.store_rounded(mma_tc, u, acc_x, sDXs, ab)
+            _wg.fence_writes()
+            cute.arch.sync_threads()
+
+            # 5. dS = exp(G_last) dS' + q^T round(scale exp(G) rstd_q dO) + k^T round(-exp(G) rstd_k beta dX)
+            last_decay = chunk.exp(sG[C - 1])
+            for i in cutlass.range_constexpr(cute.size(acc_s)):
+                acc_s[i] = last_decay * acc_s[i]
+            _wg.gemm(mma_kv, acc_s, _wg.operands(mma_kv, u, T(sQ), T(sDOs)), wait=False)
+            _wg.gemm(mma_kv, acc_s, _wg.operands(mma_kv, u, T(sK), T(sDXs)))
+
+        for i in cutlass.range_constexpr(cute.size(acc_s)):
+            mDh0[i_n, i_hv, cKV[i][0], cKV[i][1]] = acc_s[i]
+
+
+CACHE = _cd.KernelCache()  # (dtype, H, HV, K, V, l2norm, arch) -> compiled function
+
+
+def _fake_tensors(dtype: torch.dtype, heads: int, value_heads: int, dim_k: int, dim_v: int) -> tuple:
+    """Fake tensors of the compiled signature: symbolic tokens, chunks and documents; q, k, dO rows with
+    any 16-byte aligned token and head strides (packed views), the rest contiguous and aligned."""
+    cdt = DTYPES[dtype]
+    tokens, chunks, docs, docs1, chains = (cute.sym_int() for _ in range(5))
+    vector = 16 // dtype.itemsize
+
+    def rows(heads_, dim):  # [T, heads, dim]: token and head strides, unit channel stride
+        return cute.runtime.make_fake_tensor(cdt, (tokens, heads_, dim), (cute.sym_int64(divisibility=vector),
+                                                                          cute.sym_int64(divisibility=vector), 1),
+                                             assumed_align=ALIGN)
+
+    a_round = cute.runtime.make_fake_tensor(cdt, (tokens, value_heads, CHUNK), (value_heads * CHUNK, CHUNK, 1),
+                                            assumed_align=ALIGN)
+    factors = cute.runtime.make_fake_tensor(Float32, (cute.sym_int(), value_heads, CHUNK),
+                                            (value_heads * CHUNK, CHUNK, 1), assumed_align=ALIGN)
+    table = cute.runtime.make_fake_tensor(Int32, (chunks, 3), (3, 1))
+    offsets = cute.runtime.make_fake_tensor(Int32, (docs1,), (1,))
+    order = cute.runtime.make_fake_tensor(Int32, (chains,), (1,))
+    state = (value_heads * dim_k * dim_v, dim_k * dim_v, dim_v, 1)
+    dht = cute.runtime.make_fake_tensor(Float32, (docs, value_heads, dim_k, dim_v), state)
+    dh0 = cute.runtime.make_fake_tensor(Float32, (docs, value_heads, dim_k, dim_v), state)
+    dstates = cute.runtime.make_fake_tensor(cdt, (cute.sym_int(), value_heads, dim_v), (value_heads * dim_v, dim_v, 1),
+                                            assumed_align=ALIGN)
+    return (rows(heads, dim_k), rows(heads, dim_k), rows(value_heads, dim_v), a_round, factors, table, offsets, order,
+            dht, dh0, dstates)
+
+
+def compile_state_backward(dtype: torch.dtype, heads: int, value_heads: int, dim_k: int, dim_v: int, l2norm: bool,
+                           arch: str, *, keep_ptx: bool = False, dump_dir: str | None = None, keep_cubin: bool = False):
+    """The kernel for one configuration, compiled for ``arch`` (sm_90a; no GPU needed), called as
+    ``fn(q, k, do, a_round, factors, chunk_indices, chunk_offsets, order, dht, dh0, dstates, scale)``
+    with ``dstates`` ``[NC * K, HV, V]`` (`launch_state_backward`'s, a view)."""
+    if reasons := shape_reasons(dtype, heads, value_heads, dim_k, dim_v):
+        raise ValueError("the CuTe DSL reverse state chain cannot compile this: " + "; ".join(reasons))
+    if arch not in ARCHS:
+        raise ValueError(f"the CuTe DSL reverse state chain compiles for {ARCHS} only (wgmma), not {arch}")
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    return _cd.compile(StateBackward(dtype, heads, value_heads, dim_k, dim_v, l2norm),
+                       *_fake_tensors(dtype, heads, value_heads, dim_k, dim_v), Float32(1.0), stream, arch=arch,
+                       keep_ptx=keep_ptx, dump_dir=dump_dir, keep_cubin=keep_cubin)
+
+
+def launch_state_backward(q, k, do, a_round, factors, chunk_indices, chunk_offsets, order, dht, dh0, dstates,
+                          scale: float, *, use_qk_l2norm: bool = False) -> torch.Tensor:
+    """Write ``dstates`` ``[NC, K, HV, V]`` (``dstates[c, :, hv, :]`` = ``round(dS')``, the gradient of the
+    state after chunk ``c``, in q's dtype) and ``dh0`` fp32 ``[N, HV, K, V]`` (the gradient of each
+    document's initial state) for the documents ``order`` (int32, as `launch_fused_forward`'s; only
+    their chunks and rows are written); returns ``dh0``.
+
+    ``q``, ``k`` ``[T, H, K]``, ``do`` ``[T, HV, V]`` in one 16-bit dtype, unit channel stride, 16-byte
+    aligned rows; ``a_round``, ``factors``: the preparing UT inverse's of the forward
+    (`dsfuse.gdn.cutedsl.ut_inverse.launch_ut_inverse`, the same k, beta, g, chunks and L2 norm: the
+    caller's contract, not checkable here); ``dht`` fp32 ``[N, HV, K, V]`` (zeros for none), ``dh0``
+    likewise, contiguous; ``chunk_indices``, ``chunk_offsets`` as the forward's."""
+    heads, dim_k = k.shape[1:]
+    value_heads, dim_v = do.shape[1:]
+    if reasons := shape_reasons(q.dtype, heads, value_heads, dim_k, dim_v):
+        raise ValueError("launch_state_backward: " + "; ".join(reasons))
+    if not (q.dtype == k.dtype == do.dtype) or q.shape != k.shape or do.shape[0] != q.shape[0]:
+        raise ValueError("launch_state_backward: q, k [T, H, K] and do [T, HV, V] in one dtype")
+    if any(x.stride(-1) != 1 for x in (q, k, do)):
+        raise ValueError("launch_state_backward: q, k, do need unit channel stride")
+    if reasons := aligned_reasons(q=q, k=k, do=do):
+        raise ValueError("launch_state_backward: " + "; ".join(reasons))
+    chunks, docs = chunk_indices.shape[0], chunk_offsets.shape[0] - 1
+    if reasons := prepared_reasons(a_round, factors, q.shape[0], value_heads, chunks, q.dtype, q.device):
+        raise ValueError("launch_state_backward: " + "; ".join(reasons))
+    shape = (docs, value_heads, dim_k, dim_v)
+    for name, x in (("dht", dht), ("dh0", dh0)):
+        if tuple(x.shape) != shape or x.dtype != torch.float32 or not x.is_contiguous() or x.device != q.device:
+            raise ValueError(f"launch_state_backward: {name} must be fp32 {shape} contiguous on q's device, "
+                             f"got {tuple(x.shape)} {x.dtype}")
+    want = (chunks, dim_k, value_heads, dim_v)
+    if (tuple(dstates.shape) != want or dstates.dtype != q.dtype or not dstates.is_contiguous()
+            or dstates.data_ptr() % ALIGN or dstates.device != q.device):
+        raise ValueError(f"launch_state_backward: dstates must be [NC, K, HV, V] = {want} in {q.dtype}, contiguous, "
+                         f"16-byte aligned, on q's device; got {tuple(dstates.shape)} {dstates.dtype}")
+    if order.dtype != torch.int32 or order.dim() != 1 or order.shape[0] > docs or order.device != q.device:
+        raise ValueError("launch_state_backward: order int32 [M <= N] on q's device (distinct documents)")
+    fn = CACHE.get((q.dtype, heads, value_heads, dim_k, dim_v, use_qk_l2norm, _cd.arch_of(q.device)),
+                   lambda: compile_state_backward(q.dtype, heads, value_heads, dim_k, dim_v, use_qk_l2norm,
+                                                  _cd.arch_of(q.device)))
+    if docs and order.shape[0]:
+        fn(q, k, do, a_round, factors, chunk_indices, chunk_offsets, order, dht, dh0,
+           dstates.view(-1, value_heads, dim_v), float(scale))
+    return dh0
+
+
+def _aot_specs() -> list[_cd.CuteAotSpec]:
+    """The model's specialisation: H = 16, HV = 48, K = V = 128, bf16, with and without the L2 norm."""
+    return [_cd.CuteAotSpec(f"gdn_state_backward_bf16{'_l2' if l2 else ''}",
+                            lambda arch, dump_dir=None, l2=l2: compile_state_backward(
+                                torch.bfloat16, 16, 48, 128, 128, l2, arch, keep_ptx=True, dump_dir=dump_dir),
+                            archs=ARCHS)
+            for l2 in (True, False)]
+
+
+AOT_SPECS = _aot_specs()
