@@ -5,16 +5,16 @@ backward stages they replace, at the experiment's shape.
         [--samples 10]
 
 For each case of the config (its tokens, documents, value heads and L2 norm settings; q, k, v head
-views of one packed row, initial state, dO and the final state's gradient): the preparing UT inverse
-(``ut_inverse_prepare``: ``round(A Gamma)`` and the rows' factors, which the backward reads), the
-reverse state chain (``state_bwd``, `dsfuse.gdn.cutedsl.state_bwd`: ``round(dS')`` of every chunk
-and ``dh0``), and the Triton backward's stages it replaces or makes unnecessary (``triton_dv_local``,
-``triton_state_backward``: the intra-chunk part of dv_new and the reverse state pass; and
-``triton_recompute_h``, which the saved forward states make unnecessary), each replayed from a
+views of one packed row, initial state, dO and the final state's gradient): the CuTe DSL forward
+saving what the fused backward reads (``forward_saving``: the preparing UT inverse, ``head_rs``
+writing ``round(S)`` of every chunk), the fused backward's kernels (``state_bwd``, the reverse
+state chain; ``chunk_bwd``, the per-chunk gradients; ``finalize``, the Triton stages' sum of the
+value heads and the L2 norm's backward) and all three (``fused_backward``), beside the Triton
+backward (``triton_backward``) and each of its stages (``triton_<stage>``), each replayed from a
 CUDA Graph with the L2 overwritten before each call (`dsfuse.bench.harness.Timer`, evicted regime),
-after one whole Triton forward and backward on the same inputs. Before timing, the chain's ``dh0``
-is checked against the Triton backward's (relative RMS <= 1e-2: two approximations of one float64
-result; the float64 checks of ``dh0`` and of every ``round(dS')`` are the GPU tests'). Writes
+after one whole Triton forward and backward on the same inputs. Before timing, the fused
+backward's dq, dk, dv, dg, dbeta and dh0 are checked against the Triton backward's (relative RMS
+<= 2e-2: two approximations of one float64 result; the float64 checks are the GPU tests'). Writes
 ``samples.csv`` (case, tokens, value heads, l2norm, part, sample, us) and ``env.json`` under
 OUT_DIR and prints the medians.
 """
@@ -38,10 +38,13 @@ FLUSH_BYTES = 256 << 20
 
 def case_rows(case, timer: Timer, samples: int, device: torch.device) -> list[dict]:
     from dsfuse.gdn import schedule
+    from dsfuse.gdn.cutedsl.chunk_bwd import launch_chunk_backward
+    from dsfuse.gdn.cutedsl.fused_fwd import launch_fused_forward
     from dsfuse.gdn.cutedsl.state_bwd import launch_state_backward
     from dsfuse.gdn.cutedsl.ut_inverse import FACTORS, launch_ut_inverse
     from dsfuse.gdn.packed import packed_grad_row
     from dsfuse.gdn.triton import BACKWARD, FORWARD
+    from dsfuse.gdn.triton.finalize import launch_qk_finalize
 
     p = case.params
     x = gdn.make_inputs(case, device, seed=0)
@@ -54,39 +57,68 @@ def case_rows(case, timer: Timer, samples: int, device: torch.device) -> list[di
     _, dq, dk, dv = packed_grad_row(q, k, v)
     bwd_calls, grads = schedule.backward_calls(BACKWARD, q, k, v, x["beta"], out.g_cum, out.A, x["do"], x["dht"],
                                                dq=dq, dk=dk, dv=dv, **common)
-    wanted = {"recompute h", "dv_local", "state backward"}
-    for name, launch in bwd_calls:
+    for _, launch in bwd_calls:
         launch()
+
+    # the CuTe DSL forward saving its states, then the fused backward's kernels, on the same views
     table = schedule.chunk_table(p["bounds"], device)
     ci, co, order = table.indices, table.offsets, table.order
     tokens, hv, dim = q.shape[1], p["value_heads"], p["head_dim"]
-    q_, k_, do_ = q[0], k[0], x["do"][0]
+    q_, k_, v_, do_ = q[0], k[0], v[0], x["do"][0]
     g_, beta_ = x["g"][0], x["beta"][0]
-
-    a_round = torch.empty(tokens, hv, 64, device=device, dtype=q.dtype)
-    factors = torch.empty(ci.shape[0] * len(FACTORS), hv, 64, device=device)
+    new = torch.empty
+    a_round = new(tokens, hv, 64, device=device, dtype=q.dtype)
+    factors = new(ci.shape[0] * len(FACTORS), hv, 64, device=device)
     g_cum = torch.empty_like(g_)
-    dstates = torch.empty(ci.shape[0], dim, hv, dim, device=device, dtype=q.dtype)
-    dh0 = torch.empty_like(x["dht"])
+    states, dstates = (new(ci.shape[0], dim, hv, dim, device=device, dtype=q.dtype) for _ in range(2))
+    o, ht, dh0 = new(tokens, hv, dim, device=device, dtype=q.dtype), torch.empty_like(x["dht"]), torch.empty_like(x["dht"])
+    dq_hv, dk_hv = (new(tokens, hv, dim, device=device) for _ in range(2))
+    f_dq, f_dk, f_dv = (torch.zeros_like(t[0]) for t in (q, k, v))
+    f_dg, f_dbeta = torch.zeros_like(g_), torch.zeros_like(beta_)
 
-    def inverse():
+    def forward():
         launch_ut_inverse(k_, beta_, ci, None, use_qk_l2norm=l2, g=g_, g_cum=g_cum, q=q_, a_round=a_round,
                           factors=factors)
+        launch_fused_forward(q_, k_, v_, g_, beta_, None, ci, co, order, x["initial_state"], ht, o, scale,
+                             use_qk_l2norm=l2, form="head_rs", g_cum=g_cum, a_round=a_round, factors=factors,
+                             states=states)
 
     def chain():
         launch_state_backward(q_, k_, do_, a_round, factors, ci, co, order, x["dht"], dh0, dstates, scale,
                               use_qk_l2norm=l2)
 
-    inverse()
-    chain()
-    torch.cuda.synchronize(device)
-    err = rel_rms(dh0, grads.dh0)
-    if not err <= 1e-2:
-        raise AssertionError(f"{case.name}: the chain's dh0 differs from the Triton backward's: {err:.2e}")
-    print(f"{case.name}: state_bwd dh0, relative RMS against the Triton backward: {err:.1e}")
+    def per_chunk():
+        launch_chunk_backward(q_, k_, v_, do_, a_round, factors, states, dstates, ci, dq_hv, dk_hv, f_dv, f_dg,
+                              f_dbeta, scale, use_qk_l2norm=l2)
 
-    parts = [("ut_inverse_prepare", inverse), ("state_bwd", chain)]
-    parts += [(f"triton_{name.replace(' ', '_')}", launch) for name, launch in bwd_calls if name in wanted]
+    def finalize():
+        launch_qk_finalize(q_, k_, dq_hv, dk_hv, f_dq, f_dk, use_qk_l2norm=l2)
+
+    def fused():
+        chain()
+        per_chunk()
+        finalize()
+
+    def triton():
+        for _, launch in bwd_calls:
+            launch()
+
+    forward()
+    fused()
+    torch.cuda.synchronize(device)
+    ours = {"dq": f_dq, "dk": f_dk, "dv": f_dv, "dg": f_dg, "dbeta": f_dbeta, "dh0": dh0}
+    theirs = {"dq": grads.dq[0], "dk": grads.dk[0], "dv": grads.dv[0], "dg": grads.dg[0], "dbeta": grads.dbeta[0],
+              "dh0": grads.dh0}
+    errors = {name: rel_rms(ours[name], theirs[name]) for name in ours}
+    bad = {name: err for name, err in errors.items() if not err <= 2e-2}
+    if bad:
+        raise AssertionError(f"{case.name}: the fused backward differs from the Triton backward: {bad}")
+    print(f"{case.name}: fused backward, relative RMS against the Triton backward: "
+          + ", ".join(f"{name} {err:.1e}" for name, err in errors.items()))
+
+    parts = [("forward_saving", forward), ("state_bwd", chain), ("chunk_bwd", per_chunk), ("finalize", finalize),
+             ("fused_backward", fused), ("triton_backward", triton)]
+    parts += [(f"triton_{name.replace(' ', '_').replace(',', '')}", launch) for name, launch in bwd_calls]
     rows = []
     for part, fn in parts:
         graph, _ = capture_graph(lambda fn=fn: (fn(),), device)

@@ -34,6 +34,12 @@ compiled for sm_90a and sm_100a by the CPU tests through their ``AOT_SPECS``):
   of every chunk and ``dh0`` from the preparing inverse's ``round(A Gamma)`` and factors, ``dO`` and
   the final state's gradient, sm_90a; checked against the design's float64 chain by
   ``tests/gdn/test_gdn_cutedsl_state_backward.py``.
+* ``chunk_bwd``: the fused backward's per-chunk gradients (kernel 3 of the same note; not yet reachable
+  from `chunk_gdn`): dv, dg, dbeta and each value head's dq, dk from the forward's saved states and
+  the chain's ``round(dS')``, one CTA per chunk and value head, sm_90a; ``backward.fused_backward``
+  strings the forward and the three kernels together (the value heads' sum and the L2 norm's
+  backward by the Triton stages' ``finalize``), checked against the float64 reference by
+  ``tests/gdn/test_gdn_cutedsl_chunk_backward.py``.
 * ``chunk``: what those kernels do to a chunk alike (loads, L2-norm scales, cumulative gate, gate
   vectors) and the fused forwards' signature and grid (``ChainKernel``).
 * ``mma`` and ``wgmma``: tensor-core products of shared-memory tiles (``mma.sync`` 16x8x16; sm_90a
@@ -52,7 +58,7 @@ import torch
 from dsfuse._common.backends import BackendTable
 
 KERNELS = ("dsfuse.gdn.cutedsl.ut_inverse", "dsfuse.gdn.cutedsl.fused_fwd", "dsfuse.gdn.cutedsl.state_bwd",
-           "dsfuse.gdn.cutedsl.mma", "dsfuse.gdn.cutedsl.wgmma")
+           "dsfuse.gdn.cutedsl.chunk_bwd", "dsfuse.gdn.cutedsl.mma", "dsfuse.gdn.cutedsl.wgmma")
 
 
 _REASONS: collections.OrderedDict = collections.OrderedDict()  # the last calls' arguments -> their reasons

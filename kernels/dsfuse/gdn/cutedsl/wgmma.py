@@ -53,10 +53,16 @@ def tile(smem, dtype, rows: int, cols: int, stages: int = 1) -> cute.Tensor:
     tiles one after the other, ``[rows, cols, stages]``: a stage is ``t[None, None, s]``."""
     if rows % 8 or cols % 64:  # whole 8 x 64 swizzle atoms: each stage then starts 1024-byte aligned
         raise ValueError(f"a wgmma tile is whole 8 x 64 atoms, not [{rows}, {cols}]")
+    return tile_over(smem.allocate(rows * cols * stages * dtype.width // 8, 1024), dtype, rows, cols, stages)
+
+
+def tile_over(storage, dtype, rows: int, cols: int, stages: int = 1) -> cute.Tensor:
+    """A `tile` on ``storage`` (a 1024-byte aligned shared-memory pointer with room for it): two tiles
+    on the same storage share it, for a kernel whose tiles take turns (the second written only after
+    every read of the first)."""
     shape = (rows, cols) if stages == 1 else (rows, cols, stages)
     layout = cute.tile_to_shape(warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, dtype),
                                 shape, tuple(range(len(shape))))
-    storage = smem.allocate(rows * cols * stages * dtype.width // 8, 1024)
     return cute.make_tensor(cute.recast_ptr(storage, layout.inner, dtype=dtype), layout.outer)
 
 

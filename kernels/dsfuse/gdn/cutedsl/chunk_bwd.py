@@ -1,0 +1,437 @@
+"""The per-chunk gradients of the Gated DeltaNet's fused backward (kernel 3 of
+``experiments/gdn/notes/fused-backward-design.md``), first form, sm_90a: one CTA of 256 threads
+(two warpgroups, all of them in every step) per (chunk, value head), all independent, from the
+forward's saved ``round(S)`` at the chunk's start (`dsfuse.gdn.cutedsl.fused_fwd`, ``states``), the
+reverse chain's ``round(dS')`` after it (`dsfuse.gdn.cutedsl.state_bwd`), the preparing UT inverse's
+``round(A Gamma)`` and rows' factors, and the chunk's q, k, v and dO rows. It writes dv, dbeta and
+dg of the chunk's tokens, and dq, dk of the value head with respect to the L2-normalised q and k in
+fp32 (``[T, HV, K]``): the value heads of a qk head are summed, then the L2 norm's backward applied,
+by a finalising kernel (the Triton stages' ``finalize`` in this form; in a fixed order).
+
+With ``^`` the L2-normalised rows (``q^ = rstd_q q``; no scale without the L2 norm), ``G`` the
+chunk-local cumulative gate, ``Gamma_ij = exp(G_i - G_j)`` for ``j <= i``, ``A`` the gated inverse
+``A0 Gamma``, ``dec = exp(G_last - G)``, ``beta`` and ``scale`` as the forward's (every product of
+rounded operands, fp32 accumulation; the row factors on an accumulator or, where they sit on the
+contracted dimension, on the operand before its rounding)::
+
+    X      = beta (v - exp(G) (k^ S))          v_new = A X
+    P      = tril(q^ k^^T Gamma)               dv_new = scale P^T dO + dec (k^ dS')
+    dX     = A^T dv_new                        dv = beta dX
+    dP     = scale tril(dO v_new^T)            dA = tril(dv_new X^T)
+    dM     = -tril((A^T dA A^T) Gamma, -1)     (the inverse's backward, through the gated A)
+    dq^    = scale exp(G) (dO S^T) + (dP Gamma) k^
+    dk^    = (dP Gamma)^T q^ + dec (v_new dS'^T) - beta exp(G) (dX S^T) + (beta dM) k^ + (beta dM)^T k^
+    dbeta  = rowsum(dX (v - exp(G) k^ S)) + rowsum(dM (k^ k^^T))
+    dG     = rowsum(E) - colsum(E) + scale exp(G) rowsum((q^ S) dO) - beta exp(G) rowsum((k^ S) dX)
+             - dec rowsum((k^ dS') v_new),  E = dP P + dA A;  dG_last += exp(G_last) <S, dS'> + sum of the last term
+    dg     = the reverse cumulative sum of dG over the chunk
+
+(``tests/gdn/test_gdn_fused_backward_algebra.py`` holds these in float64 against the reference, with
+the ungated inverse; here ``A0^T (dA Gamma) A0^T = D^-1 (A^T dA A^T) D`` for ``D = diag(exp(G))``
+puts them on the gated ``A`` the forward keeps.) ``rowsum((q^ S) dO)`` is read off ``dO S^T`` as
+``rowsum((dO S^T) q^)``, and ``rowsum((k^ S) dX)`` off ``dX S^T``: no product for them alone.
+
+Sums over a row of an accumulator: each thread's values of its two rows, the row's four lanes by
+butterfly shuffles, the two warpgroups' halves through shared memory, added in that order: the same
+bits every call. Seven phases, a barrier after each of the first five and one inside the last.
+Shared memory at K = V = 128, bf16 (tiles that take turns share storage): about 213 KiB, one CTA
+per SM.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dsfuse._common import cutedsl as _cd
+
+cutlass, cute = _cd.require()
+from cutlass import Float32, Int32
+
+from dsfuse.gdn.cutedsl import chunk
+from dsfuse.gdn.cutedsl import mma as _mma
+from dsfuse.gdn.cutedsl import wgmma as _wg
+from dsfuse.gdn.cutedsl.chunk import CHUNK, DTYPES
+from dsfuse.gdn.cutedsl.fused_fwd_head import ALIGN, aligned_reasons, gate_qk
+from dsfuse.gdn.cutedsl.fused_fwd_ws import _vectors
+from dsfuse.gdn.cutedsl.state_bwd import ARCHS, shape_reasons
+from dsfuse.gdn.cutedsl.ut_inverse import FACTORS, prepared_reasons
+
+THREADS = 256  # two warpgroups
+WARPGROUPS = 2
+FACTOR_THREADS = len(FACTORS) * CHUNK * 4 // 16
+
+
+@cute.jit
+def row_sums(vals: cute.Tensor, coords: cute.Tensor, sPart: cute.Tensor, u: Int32):
+    """Each row's sum of ``vals`` (fp32, an accumulator's layout over two warpgroups that split N) into
+    ``sPart[w, row]`` for warpgroup ``w``'s columns: a thread's two rows (``r`` and ``r + 8``), then the
+    row's four lanes by shuffles. The caller adds ``sPart[0, row] + sPart[1, row]`` after a barrier."""
+    r0 = coords[0][0]
+    s0, s1 = Float32(0.0), Float32(0.0)
+    for i in cutlass.range_constexpr(cute.size(vals)):
+        if coords[i][0] == r0:
+            s0 = s0 + vals[i]
+        else:
+            s1 = s1 + vals[i]
+    s0 = cute.arch.warp_reduction(s0, lambda a, b: a + b, threads_in_group=4)
+    s1 = cute.arch.warp_reduction(s1, lambda a, b: a + b, threads_in_group=4)
+    if u % 4 == 0:
+        sPart[u // 128, r0] = s0
+        sPart[u // 128, r0 + 8] = s1
+
+
+class ChunkBackward:
+    """``(q, k, v, do, a_round, factors, states, dstates, chunk_indices, dq, dk, dv, dg, dbeta, scale)``:
+    grid (NC, HV) of 256 threads (module docstring); ``states``, ``dstates`` ``[NC * K, HV, V]``,
+    ``dq``, ``dk`` fp32 ``[T, HV, K]``."""
+
+    def __init__(self, dtype: torch.dtype, heads: int, value_heads: int, dim_k: int, dim_v: int, l2norm: bool):
+        self.dtype, self.heads, self.value_heads, self.dim_k, self.dim_v, self.l2norm = (
+            DTYPES[dtype], heads, value_heads, dim_k, dim_v, l2norm)
+
+    @cute.jit
+    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mDO: cute.Tensor, mA: cute.Tensor,
+                 mF: cute.Tensor, mS: cute.Tensor, mDS: cute.Tensor, mChunks: cute.Tensor, mDq: cute.Tensor,
+                 mDk: cute.Tensor, mDv: cute.Tensor, mDg: cute.Tensor, mDbeta: cute.Tensor, scale: Float32, stream):
+        self.kernel(mQ, mK, mV, mDO, mA, mF, mS, mDS, mChunks, mDq, mDk, mDv, mDg, mDbeta, scale).launch(
+            grid=[mChunks.shape[0], self.value_heads, 1], block=[THREADS, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mDO: cute.Tensor, mA: cute.Tensor,
+               mF: cute.Tensor, mS: cute.Tensor, mDS: cute.Tensor, mChunks: cute.Tensor, mDq: cute.Tensor,
+               mDk: cute.Tensor, mDv: cute.Tensor, mDg: cute.Tensor, mDbeta: cute.Tensor, scale: Float32):
+        K, V, C, ab = self.dim_k, self.dim_v, CHUNK, self.dtype
+        u, _, _ = cute.arch.thread_idx()
+        i_c, i_hv, _ = cute.arch.block_idx()
+        i_h = i_hv // (self.value_heads // self.heads)
+        start = mChunks[i_c, 1]
+        rows = mChunks[i_c, 2] - start
+
+        smem = cutlass.memory.SmemAllocator()
+        tile, over = _wg.tile, _wg.tile_over
+        sQ, sK, sDO = tile(smem, ab, C, K), tile(smem, ab, C, K), tile(smem, ab, C, V)
+        buf_s = smem.allocate(K * V * 2, 1024)  # round(S) at the chunk's start, then E (fp32)
+        sS = over(buf_s, ab, K, V)
+        sE = cute.make_tensor(cute.recast_ptr(buf_s, dtype=Float32), cute.make_layout((C, C), stride=(C, 1)))
+        sDS = tile(smem, ab, K, V)  # round(dS'), the gradient of the state after the chunk
+        sA = tile(smem, ab, C, C)  # round(A Gamma)
+        sF = chunk.tile(smem, Float32, len(FACTORS), C)
+        buf_v = smem.allocate(C * V * 2, 1024)  # v, then round(dv_new), then round(A^T dA)
+        sV, sDvn, sT1 = over(buf_v, ab, C, V), over(buf_v, ab, C, V), over(buf_v, ab, C, C)
+        buf_x = smem.allocate(C * V * 2, 1024)  # round(X), then W3 = beta dM rstd_k (rows)
+        sX, sW3 = over(buf_x, ab, C, V), over(buf_x, ab, C, C)
+        buf_p = smem.allocate(C * C * 2, 1024)  # round(P), then round(dA), then W2 = beta dM rstd_k (columns)
+        sP, sDag, sW2 = over(buf_p, ab, C, C), over(buf_p, ab, C, C), over(buf_p, ab, C, C)
+        sVn, sDX = tile(smem, ab, C, V), tile(smem, ab, C, V)  # round(v_new), round(dX)
+        sW1, sW4 = tile(smem, ab, C, C), tile(smem, ab, C, C)  # dP Gamma rstd_q (rows), rstd_k (columns)
+        # rows' partial sums by warpgroup (`row_sums`): the state term of dG, dbeta's two terms, and
+        # rowsum((dO S^T) q), rowsum((dX S^T) k); the warps' parts of <S, dS'>
+        sTrow, sB1, sB2, sOS, sXS = (chunk.tile(smem, Float32, 2, C) for _ in range(5))
+        sLast = chunk.vector(smem, THREADS // 32)
+        sDG = chunk.vector(smem, C)
+        sG, sBeta, sEGq, sEGk, sDec, sRstd = _vectors(sF)
+
+        # 0. the chunk's rows, states and factors (zeros past the chunk's rows)
+        copy_k, copy_v, copy_c = (chunk.copy_rows(ab, K, THREADS), chunk.copy_rows(ab, V, THREADS),
+                                  chunk.copy_rows(ab, C, THREADS))
+        for copy, m, t, head in ((copy_k, mQ, sQ, i_h), (copy_k, mK, sK, i_h), (copy_v, mV, sV, i_hv),
+                                 (copy_v, mDO, sDO, i_hv), (copy_c, mA, sA, i_hv)):
+            chunk.start_rows(copy, u, m, t, start, rows, head)
+        for m, t in ((mS, sS), (mDS, sDS)):
+            chunk.start_rows(copy_v, u, m, t, i_c * K, K, i_hv)
+        if u < FACTOR_THREADS:
+            chunk.start_rows(chunk.copy_rows(Float32, C, FACTOR_THREADS), u, mF, sF, i_c * len(FACTORS),
+                             len(FACTORS), i_hv)
+        cute.arch.cp_async_commit_group()
+        cute.arch.cp_async_wait_group(0)
+        _wg.fence_writes()
+        cute.arch.sync_threads()
+
+        T = _wg.transposed
+        mma_cv_kn = _wg.tiled_mma(ab, C, V, True, False, WARPGROUPS)  # A K-major, B N-major
+        mma_cv_nn = _wg.tiled_mma(ab, C, V, False, False, WARPGROUPS)
+        mma_cc_kk = _wg.tiled_mma(ab, C, C, True, True, WARPGROUPS)
+        mma_cc_nn = _wg.tiled_mma(ab, C, C, False, False, WARPGROUPS)
+        mma_ck_kk = _wg.tiled_mma(ab, C, K, True, True, WARPGROUPS)
+        mma_ck_kn = _wg.tiled_mma(ab, C, K, True, False, WARPGROUPS)
+        mma_ck_nn = _wg.tiled_mma(ab, C, K, False, False, WARPGROUPS)
+        # (C, V) and (C, K) accumulators share a layout at K = V (`shape_reasons`)
+        cCV, cCC = _mma.coordinates(mma_cv_kn, u, (C, V)), _mma.coordinates(mma_cc_kk, u, (C, C))
+        acc = _mma.accumulator
+
+        # 1. k S, q k^T, k dS', k k^T; X = beta (v - exp(G) rstd_k k S) stored rounded, P gated and
+        #    stored rounded (kept), dec rstd_k (k dS') and rstd_k rstd_k^T (k k^T) kept
+        acc_ks, acc_kd = acc(mma_cv_kn, u, (C, V)), acc(mma_cv_kn, u, (C, V))
+        acc_p, acc_kk = acc(mma_cc_kk, u, (C, C)), acc(mma_cc_kk, u, (C, C))
+        _wg.gemm(mma_cv_kn, acc_ks, _wg.operands(mma_cv_kn, u, sK, T(sS)), wait=False)
+        _wg.gemm(mma_cc_kk, acc_p, _wg.operands(mma_cc_kk, u, sQ, sK), wait=False)
+        _wg.gemm(mma_cv_kn, acc_kd, _wg.operands(mma_cv_kn, u, sK, T(sDS)), wait=False)
+        _wg.gemm(mma_cc_kk, acc_kk, _wg.operands(mma_cc_kk, u, sK, sK), wait=False)
+        v_r = cute.make_fragment_like(acc_ks, ab)
+        _wg.load_like(mma_cv_kn, u, sV, v_r)
+        _wg.wait()
+        for i in cutlass.range_constexpr(cute.size(acc_ks)):
+            r = cCV[i][0]
+            acc_ks[i] = sBeta[r] * (v_r[i].to(Float32) - sEGk[r] * acc_ks[i])
+            acc_kd[i] = sDec[r] * acc_kd[i]
+        _wg.store_rounded(mma_cv_kn, u, acc_ks, sX, ab)
+        gate_qk(acc_p, cCC, sG, sRstd, self.l2norm)
+        _wg.store_rounded(mma_cc_kk, u, acc_p, sP, ab)
+        for i in cutlass.range_constexpr(cute.size(acc_kk)):
+            acc_kk[i] = acc_kk[i] * (sRstd[C + cCC[i][0]] * sRstd[C + cCC[i][1]])
+        _wg.fence_writes()
+        cute.arch.sync_threads()
+
+        # 2. v_new = round(A) round(X) (stored rounded); the state term of dG, rowsum(dec rstd_k (k dS')
+        #    v_new); dv_new = scale round(P)^T dO + dec rstd_k (k dS'), stored rounded (on v's storage)
+        acc_vn, acc_dvn = acc(mma_cv_kn, u, (C, V)), acc(mma_cv_nn, u, (C, V))
+        _wg.gemm(mma_cv_kn, acc_vn, _wg.operands(mma_cv_kn, u, sA, T(sX)), wait=False)
+        _wg.gemm(mma_cv_nn, acc_dvn, _wg.operands(mma_cv_nn, u, T(sP), T(sDO)), wait=False)
+        _wg.wait()
+        _wg.store_rounded(mma_cv_kn, u, acc_vn, sVn, ab)
+        for i in cutlass.range_constexpr(cute.size(acc_kd)):
+            acc_dvn[i] = scale * acc_dvn[i] + acc_kd[i]
+            acc_kd[i] = acc_kd[i] * acc_vn[i]
+        row_sums(acc_kd, cCV, sTrow, u)
+        _wg.store_rounded(mma_cv_nn, u, acc_dvn, sDvn, ab)
+        _wg.fence_writes()
+        cute.arch.sync_threads()
+
+        # 3. dX = round(A)^T round(dv_new): dv = beta dX to memory, rowsum(dX v), round(dX) stored;
+        #    dA = tril(round(dv_new) round(X)^T), stored rounded (on P's storage); dP = scale
+        #    tril(dO round(v_new)^T); E = dP P + dA A kept; W1 = dP Gamma rstd_q (rows) and
+        #    W4 = dP Gamma rstd_k (columns) stored rounded
+        acc_dx, acc_da, acc_dp = acc(mma_cv_nn, u, (C, V)), acc(mma_cc_kk, u, (C, C)), acc(mma_cc_kk, u, (C, C))
+        _wg.gemm(mma_cv_nn, acc_dx, _wg.operands(mma_cv_nn, u, T(sA), T(sDvn)), wait=False)
+        _wg.gemm(mma_cc_kk, acc_da, _wg.operands(mma_cc_kk, u, sDvn, sX), wait=False)
+        _wg.gemm(mma_cc_kk, acc_dp, _wg.operands(mma_cc_kk, u, sDO, sVn), wait=False)
+        a_r = cute.make_fragment_like(acc_da, ab)
+        _wg.load_like(mma_cc_kk, u, sA, a_r)
+        _wg.wait()
+        _wg.store_rounded(mma_cv_nn, u, acc_dx, sDX, ab)
+        for i in cutlass.range_constexpr(cute.size(acc_dx)):
+            r, c = cCV[i][0], cCV[i][1]
+            if r < rows:
+                mDv[start + r, i_hv, c] = (sBeta[r] * acc_dx[i]).to(mDv.element_type)
+            acc_dx[i] = acc_dx[i] * v_r[i].to(Float32)
+        row_sums(acc_dx, cCV, sB1, u)
+        w1 = cute.make_fragment_like(acc_dp, ab)
+        for i in cutlass.range_constexpr(cute.size(acc_dp)):
+            r, c = cCC[i][0], cCC[i][1]
+            dp, da, decay = Float32(0.0), Float32(0.0), Float32(0.0)
+            if c <= r:
+                dp, da, decay = scale * acc_dp[i], acc_da[i], chunk.exp(sG[r] - sG[c])
+            acc_da[i] = da
+            acc_p[i] = dp * acc_p[i] + da * a_r[i].to(Float32)  # E, kept until P's storage frees up
+            w1[i] = (dp * decay * sRstd[r]).to(ab)
+            acc_dp[i] = dp * decay * sRstd[C + c]
+        _wg.store_rounded(mma_cc_kk, u, acc_da, sDag, ab)
+        _wg.store(mma_cc_kk, u, w1, sW1)
+        _wg.store_rounded(mma_cc_kk, u, acc_dp, sW4, ab)
+        _wg.fence_writes()
+        cute.arch.sync_threads()
+
+        # 4. round(A^T dA) stored (on v's storage); dO S^T, dX S^T, v_new dS'^T into dq's and dk's
+        #    accumulators; rowsum((dO S^T) q) and rowsum((dX S^T) k) before the rows' factors;
+        #    <S, dS'> by all threads (S's last reads: E takes its storage next)
+        acc_t1 = acc(mma_cc_nn, u, (C, C))
+        _wg.gemm(mma_cc_nn, acc_t1, _wg.operands(mma_cc_nn, u, T(sA), T(sDag)), wait=False)
+        acc_q, acc_b, acc_k = acc(mma_ck_kk, u, (C, K)), acc(mma_ck_kk, u, (C, K)), acc(mma_ck_kk, u, (C, K))
+        _wg.gemm(mma_ck_kk, acc_q, _wg.operands(mma_ck_kk, u, sDO, sS), wait=False)
+        _wg.gemm(mma_ck_kk, acc_b, _wg.operands(mma_ck_kk, u, sDX, sS), wait=False)
+        _wg.gemm(mma_ck_kk, acc_k, _wg.operands(mma_ck_kk, u, sVn, sDS), wait=False)
+        part = Float32(0.0)
+        for item in cutlass.range(K * V // THREADS, unroll=8):
+            kk, vv = chunk.cell(u, item, V, THREADS)
+            part = part + sS[kk, vv].to(Float32) * sDS[kk, vv].to(Float32)
+        part = cute.arch.warp_reduction(part, lambda a, b: a + b)
+        if u % 32 == 0:
+            sLast[u // 32] = part
+        x_r = cute.make_fragment_like(acc_q, ab)
+        _wg.wait_for(3)
+        _wg.store_rounded(mma_cc_nn, u, acc_t1, sT1, ab)
+        _wg.wait()
+        prod = cute.make_fragment_like(acc_q)
+        _wg.load_like(mma_ck_kk, u, sQ, x_r)
+        for i in cutlass.range_constexpr(cute.size(acc_q)):
+            prod[i] = acc_q[i] * x_r[i].to(Float32)
+        row_sums(prod, cCV, sOS, u)
+        _wg.load_like(mma_ck_kk, u, sK, x_r)
+        for i in cutlass.range_constexpr(cute.size(acc_b)):
+            prod[i] = acc_b[i] * x_r[i].to(Float32)
+        row_sums(prod, cCV, sXS, u)
+        for i in cutlass.range_constexpr(cute.size(acc_q)):
+            r = cCV[i][0]
+            eg = chunk.exp(sG[r])
+            acc_q[i] = scale * eg * acc_q[i]
+            acc_k[i] = chunk.exp(sG[C - 1] - sG[r]) * acc_k[i] - sBeta[r] * eg * acc_b[i]
+        _wg.fence_writes()
+        cute.arch.sync_threads()
+
+        # 5. E stored (fp32, on S's storage); dM = -tril(round(A^T dA) round(A)^T Gamma, -1);
+        #    rowsum(dM k^ k^^T); W2 = beta dM rstd_k (columns, on dA's storage), W3 = beta dM rstd_k
+        #    (rows, on X's) stored rounded
+        acc_dm = acc(mma_cc_kk, u, (C, C))
+        _wg.gemm(mma_cc_kk, acc_dm, _wg.operands(mma_cc_kk, u, sT1, sA), wait=False)
+        for i in cutlass.range_constexpr(cute.size(acc_p)):
+            sE[cCC[i][0], cCC[i][1]] = acc_p[i]
+        _wg.wait()
+        w3 = cute.make_fragment_like(acc_dm, ab)
+        for i in cutlass.range_constexpr(cute.size(acc_dm)):
+            r, c = cCC[i][0], cCC[i][1]
+            dm = Float32(0.0)
+            if c < r:
+                dm = -acc_dm[i] * chunk.exp(sG[r] - sG[c])
+            acc_kk[i] = dm * acc_kk[i]
+            w3[i] = (sBeta[r] * dm * sRstd[C + r]).to(ab)
+            acc_dm[i] = sBeta[r] * dm * sRstd[C + c]
+        row_sums(acc_kk, cCC, sB2, u)
+        _wg.store_rounded(mma_cc_kk, u, acc_dm, sW2, ab)
+        _wg.store(mma_cc_kk, u, w3, sW3)
+        _wg.fence_writes()
+        cute.arch.sync_threads()
+
+        # 6. dq^ += W4 k; dk^ += W1^T q + W2 k + W3^T k; both to memory (fp32, the chunk's rows)
+        _wg.gemm(mma_ck_kn, acc_q, _wg.operands(mma_ck_kn, u, sW4, T(sK)), wait=False)
+        _wg.gemm(mma_ck_nn, acc_k, _wg.operands(mma_ck_nn, u, T(sW1), T(sQ)), wait=False)
+        _wg.gemm(mma_ck_kn, acc_k, _wg.operands(mma_ck_kn, u, sW2, T(sK)), wait=False)
+        _wg.gemm(mma_ck_nn, acc_k, _wg.operands(mma_ck_nn, u, T(sW3), T(sK)), wait=False)
+        _wg.wait()
+        for i in cutlass.range_constexpr(cute.size(acc_q)):
+            r, c = cCV[i][0], cCV[i][1]
+            if r < rows:
+                mDq[start + r, i_hv, c] = acc_q[i]
+                mDk[start + r, i_hv, c] = acc_k[i]
+
+        # 7. dbeta and dG by the chunk's rows (threads t < C): E's row and column sums, the partial
+        #    sums by warpgroup in order; dG_last takes exp(G_last) <S, dS'> and the state terms' sum;
+        #    dg = the reverse cumulative sum of dG, in order
+        t = u
+        if t < C:
+            row, col = Float32(0.0), Float32(0.0)
+            for j in cutlass.range(C, unroll=8):
+                row = row + sE[t, j]
+                col = col + sE[j, t]
+            xs = sXS[0, t] + sXS[1, t]
+            dbeta = (sB1[0, t] + sB1[1, t]) - sEGk[t] * xs + (sB2[0, t] + sB2[1, t])
+            sDG[t] = (row - col + scale * sEGq[t] * (sOS[0, t] + sOS[1, t]) - sBeta[t] * sEGk[t] * xs
+                      - (sTrow[0, t] + sTrow[1, t]))
+            if t < rows:
+                mDbeta[start + t, i_hv] = dbeta.to(mDbeta.element_type)
+        cute.arch.sync_threads()
+        if t < C:
+            total = Float32(0.0)
+            for w in cutlass.range_constexpr(THREADS // 32):
+                total = total + sLast[w]
+            dg = chunk.exp(sG[C - 1]) * total
+            for j in cutlass.range(C, unroll=8):
+                dg = dg + (sTrow[0, j] + sTrow[1, j])
+            for j in cutlass.range(C - 1 - t, unroll=1):  # dG of the rows after t, last first
+                dg = dg + sDG[C - 1 - j]
+            dg = dg + sDG[t]
+            if t < rows:
+                mDg[start + t, i_hv] = dg
+
+
+CACHE = _cd.KernelCache()  # (dtype, H, HV, K, V, l2norm, arch) -> compiled function
+
+
+def _fake_tensors(dtype: torch.dtype, heads: int, value_heads: int, dim_k: int, dim_v: int) -> tuple:
+    """Fake tensors of the compiled signature: q, k, v, dO and dv rows with any 16-byte aligned token and
+    head strides (packed views), the rest contiguous."""
+    cdt = DTYPES[dtype]
+    tokens, chunks = cute.sym_int(), cute.sym_int()
+    vector = 16 // dtype.itemsize
+
+    def rows(heads_, dim):
+        return cute.runtime.make_fake_tensor(cdt, (tokens, heads_, dim), (cute.sym_int64(divisibility=vector),
+                                                                          cute.sym_int64(divisibility=vector), 1),
+                                             assumed_align=ALIGN)
+
+    a_round = cute.runtime.make_fake_tensor(cdt, (tokens, value_heads, CHUNK), (value_heads * CHUNK, CHUNK, 1),
+                                            assumed_align=ALIGN)
+    factors = cute.runtime.make_fake_tensor(Float32, (cute.sym_int(), value_heads, CHUNK),
+                                            (value_heads * CHUNK, CHUNK, 1), assumed_align=ALIGN)
+    states = [cute.runtime.make_fake_tensor(cdt, (cute.sym_int(), value_heads, dim_v), (value_heads * dim_v, dim_v, 1),
+                                            assumed_align=ALIGN) for _ in range(2)]
+    table = cute.runtime.make_fake_tensor(Int32, (chunks, 3), (3, 1))
+    dq, dk = (cute.runtime.make_fake_tensor(Float32, (tokens, value_heads, dim_k), (value_heads * dim_k, dim_k, 1),
+                                            assumed_align=ALIGN) for _ in range(2))
+    gates = [cute.runtime.make_fake_tensor(elem, (tokens, value_heads), (cute.sym_int64(), cute.sym_int64()))
+             for elem in (Float32, cdt)]
+    return (rows(heads, dim_k), rows(heads, dim_k), rows(value_heads, dim_v), rows(value_heads, dim_v), a_round,
+            factors, *states, table, dq, dk, rows(value_heads, dim_v), *gates)
+
+
+def compile_chunk_backward(dtype: torch.dtype, heads: int, value_heads: int, dim_k: int, dim_v: int, l2norm: bool,
+                           arch: str, *, keep_ptx: bool = False, dump_dir: str | None = None, keep_cubin: bool = False):
+    """The kernel for one configuration, compiled for ``arch`` (sm_90a; no GPU needed), called as
+    ``fn(q, k, v, do, a_round, factors, states, dstates, chunk_indices, dq, dk, dv, dg, dbeta, scale)``
+    (`launch_chunk_backward`'s, ``states`` and ``dstates`` as ``[NC * K, HV, V]`` views)."""
+    if reasons := shape_reasons(dtype, heads, value_heads, dim_k, dim_v):
+        raise ValueError("the CuTe DSL per-chunk gradients cannot compile this: " + "; ".join(reasons))
+    if arch not in ARCHS:
+        raise ValueError(f"the CuTe DSL per-chunk gradients compile for {ARCHS} only (wgmma), not {arch}")
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    return _cd.compile(ChunkBackward(dtype, heads, value_heads, dim_k, dim_v, l2norm),
+                       *_fake_tensors(dtype, heads, value_heads, dim_k, dim_v), Float32(1.0), stream, arch=arch,
+                       keep_ptx=keep_ptx, dump_dir=dump_dir, keep_cubin=keep_cubin)
+
+
+def launch_chunk_backward(q, k, v, do, a_round, factors, states, dstates, chunk_indices, dq, dk, dv, dg, dbeta,
+                          scale: float, *, use_qk_l2norm: bool = False) -> None:
+    """Write, for the tokens of every chunk of ``chunk_indices``, ``dv`` ``[T, HV, V]`` (v's dtype), ``dg``
+    fp32 and ``dbeta`` (beta's dtype, q's) ``[T, HV]``, and ``dq``, ``dk`` fp32 ``[T, HV, K]``: each value
+    head's gradients with respect to the L2-normalised q and k (the rows as read without the L2
+    norm), before the value heads of a qk head are summed.
+
+    ``q``, ``k`` ``[T, H, K]``, ``v``, ``do``, ``dv`` ``[T, HV, V]`` in one 16-bit dtype, unit channel
+    stride, 16-byte aligned rows; ``a_round``, ``factors``: the forward's preparing UT inverse's;
+    ``states``: the forward's saved ``round(S)`` (`dsfuse.gdn.cutedsl.fused_fwd.launch_fused_forward`),
+    ``dstates``: the reverse chain's ``round(dS')`` (`dsfuse.gdn.cutedsl.state_bwd.launch_state_backward`),
+    both ``[NC, K, HV, V]`` contiguous; ``dq``, ``dk`` contiguous."""
+    heads, dim_k = k.shape[1:]
+    value_heads, dim_v = v.shape[1:]
+    if reasons := shape_reasons(q.dtype, heads, value_heads, dim_k, dim_v):
+        raise ValueError("launch_chunk_backward: " + "; ".join(reasons))
+    tokens, chunks = q.shape[0], chunk_indices.shape[0]
+    if not (q.dtype == k.dtype == v.dtype == do.dtype == dv.dtype == dbeta.dtype) or q.shape != k.shape or any(
+            x.shape != v.shape for x in (do, dv)) or v.shape[0] != tokens:
+        raise ValueError("launch_chunk_backward: q, k [T, H, K], v, do, dv [T, HV, V] and dbeta in one dtype")
+    if any(x.stride(-1) != 1 for x in (q, k, v, do, dv)):
+        raise ValueError("launch_chunk_backward: q, k, v, do, dv need unit channel stride")
+    if reasons := aligned_reasons(q=q, k=k, v=v, do=do, dv=dv):
+        raise ValueError("launch_chunk_backward: " + "; ".join(reasons))
+    if reasons := prepared_reasons(a_round, factors, tokens, value_heads, chunks, q.dtype, q.device):
+        raise ValueError("launch_chunk_backward: " + "; ".join(reasons))
+    want = (chunks, dim_k, value_heads, dim_v)
+    for name, x in (("states", states), ("dstates", dstates)):
+        if (tuple(x.shape) != want or x.dtype != q.dtype or not x.is_contiguous() or x.data_ptr() % ALIGN
+                or x.device != q.device):
+            raise ValueError(f"launch_chunk_backward: {name} must be [NC, K, HV, V] = {want} in {q.dtype}, "
+                             f"contiguous, 16-byte aligned; got {tuple(x.shape)} {x.dtype}")
+    for name, x in (("dq", dq), ("dk", dk)):
+        if (tuple(x.shape) != (tokens, value_heads, dim_k) or x.dtype != torch.float32 or not x.is_contiguous()
+                or x.data_ptr() % ALIGN):
+            raise ValueError(f"launch_chunk_backward: {name} must be fp32 [T, HV, K] contiguous, got "
+                             f"{tuple(x.shape)} {x.dtype}")
+    if dg.shape != (tokens, value_heads) or dg.dtype != torch.float32 or dbeta.shape != dg.shape:
+        raise ValueError("launch_chunk_backward: dg fp32 and dbeta [T, HV]")
+    fn = CACHE.get((q.dtype, heads, value_heads, dim_k, dim_v, use_qk_l2norm, _cd.arch_of(q.device)),
+                   lambda: compile_chunk_backward(q.dtype, heads, value_heads, dim_k, dim_v, use_qk_l2norm,
+                                                  _cd.arch_of(q.device)))
+    if chunks:
+        fn(q, k, v, do, a_round, factors, states.view(-1, value_heads, dim_v), dstates.view(-1, value_heads, dim_v),
+           chunk_indices, dq, dk, dv, dg, dbeta, float(scale))
+
+
+def _aot_specs() -> list[_cd.CuteAotSpec]:
+    """The model's specialisation: H = 16, HV = 48, K = V = 128, bf16, with and without the L2 norm."""
+    return [_cd.CuteAotSpec(f"gdn_chunk_backward_bf16{'_l2' if l2 else ''}",
+                            lambda arch, dump_dir=None, l2=l2: compile_chunk_backward(
+                                torch.bfloat16, 16, 48, 128, 128, l2, arch, keep_ptx=True, dump_dir=dump_dir),
+                            archs=ARCHS)
+            for l2 in (True, False)]
+
+
+AOT_SPECS = _aot_specs()

@@ -1,0 +1,128 @@
+"""The per-chunk gradients of the fused backward (``dsfuse.gdn.cutedsl.chunk_bwd``, kernel 3 of
+``experiments/gdn/notes/fused-backward-design.md``) and the fused backward they complete
+(``dsfuse.gdn.cutedsl.backward.fused_backward``: the saving forward, the reverse state chain, the
+per-chunk gradients, the finalising sum of the value heads): compilation and refusals on the CPU;
+on an H200 every gradient against the float64 reference within the op's contract
+(``dsfuse.bench.gdn.TOLERANCES``), with varlen documents (empty, one token, partial chunks), tokens
+in no document, grouped value heads, an initial state and a final-state gradient, bitwise run to
+run."""
+
+import itertools
+
+import pytest
+import torch
+from conftest import cutedsl_or_skip
+from helpers import assert_rel_rms
+
+LENGTHS = [1, 63, 0, 64, 65, 200]  # an empty and a one-token document among them
+TAIL = 7  # tokens in no document
+F64 = torch.float64
+
+
+def test_compiles_the_model_and_refuses_the_rest(tmp_path):
+    """The AOT specs (sm_90a, the model's shapes): the design's products on wgmma (12 of ``(C, K or V)``,
+    6 of ``(C, C)``) and its barriers; other sizes and architectures refused by name."""
+    import collections
+    import re
+
+    from helpers import cute_spec_ptx
+
+    cutedsl_or_skip()
+    from dsfuse.gdn.cutedsl import chunk_bwd as module
+
+    assert [s.name for s in module.AOT_SPECS] == ["gdn_chunk_backward_bf16_l2", "gdn_chunk_backward_bf16"]
+    for spec in module.AOT_SPECS:
+        ptx = cute_spec_ptx(spec, "sm_90a", tmp_path)
+        shapes = collections.Counter(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", ptx))
+        assert shapes == {"m64n64k16": 68, "m64n32k16": 40}, (spec.name, shapes)
+        assert len(re.findall(r"bar\.sync", ptx)) == 7, spec.name
+    with pytest.raises(ValueError, match="compile for"):
+        module.compile_chunk_backward(torch.bfloat16, 16, 48, 128, 128, True, "sm_100a")
+    with pytest.raises(ValueError, match="cannot compile this"):
+        module.compile_chunk_backward(torch.bfloat16, 2, 4, 64, 128, False, "sm_90a")
+
+
+def test_checks_its_arguments_before_any_launch():
+    """Wrong shapes, dtypes and layouts refused by name (CPU tensors: no launch)."""
+    cutedsl_or_skip()
+    from dsfuse.gdn.cutedsl.chunk_bwd import launch_chunk_backward
+
+    t, h, hv, d = 70, 1, 2, 128
+    q, k = (torch.zeros(t, h, d, dtype=torch.bfloat16) for _ in range(2))
+    v, do, dv = (torch.zeros(t, hv, d, dtype=torch.bfloat16) for _ in range(3))
+    a_round, factors = torch.zeros(t, hv, 64, dtype=torch.bfloat16), torch.zeros(2 * 8, hv, 64)
+    states, dstates = (torch.zeros(2, d, hv, d, dtype=torch.bfloat16) for _ in range(2))
+    ci = torch.zeros(2, 3, dtype=torch.int32)
+    dq, dk = torch.zeros(t, hv, d), torch.zeros(t, hv, d)
+    dg, dbeta = torch.zeros(t, hv), torch.zeros(t, hv, dtype=torch.bfloat16)
+    good = {"q": q, "k": k, "v": v, "do": do, "a_round": a_round, "factors": factors, "states": states,
+            "dstates": dstates, "chunk_indices": ci, "dq": dq, "dk": dk, "dv": dv, "dg": dg, "dbeta": dbeta,
+            "scale": 1.0}
+    for bad, match in (({"do": do.half()}, "in one dtype"),
+                       ({"dv": dv[:-1]}, "in one dtype"),
+                       ({"states": states[:1]}, "states must be"),
+                       ({"dstates": dstates.float()}, "dstates must be"),
+                       ({"dq": dq.bfloat16()}, "dq must be fp32"),
+                       ({"dk": dk[:, :1]}, "dk must be fp32"),
+                       ({"dg": dg.double()}, "dg fp32"),
+                       ({"factors": factors[:-1]}, "factors must be"),
+                       ({"q": q[..., :64], "k": k[..., :64]}, "K = 128")):
+        with pytest.raises(ValueError, match=match):
+            launch_chunk_backward(**(good | bad))
+
+
+def _inputs(h, hv, dtype, l2, seed):
+    gen = torch.Generator().manual_seed(seed)
+    t, d = sum(LENGTHS) + TAIL, 128
+    q, k = torch.randn(t, h, d, generator=gen, dtype=F64), torch.randn(t, h, d, generator=gen, dtype=F64)
+    if not l2:
+        q, k = (x / x.norm(dim=-1, keepdim=True) * 0.9 for x in (q, k))
+    v = torch.randn(t, hv, d, generator=gen, dtype=F64)
+    g = -torch.rand(t, hv, generator=gen, dtype=F64) * 0.3
+    beta = torch.rand(t, hv, generator=gen, dtype=F64)
+    do = torch.randn(t, hv, d, generator=gen, dtype=F64)
+    n = len(LENGTHS)
+    h0, dht = (torch.randn(n, hv, d, d, generator=gen, dtype=F64) * 0.1 for _ in range(2))
+    return {"q": q.to(dtype), "k": k.to(dtype), "v": v.to(dtype), "g": g.float(), "beta": beta.to(dtype),
+            "do": do.to(dtype), "h0": h0.float(), "dht": dht.float()}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype, l2", [(torch.bfloat16, True), (torch.bfloat16, False), (torch.float16, False)])
+@pytest.mark.parametrize("heads", [(2, 4), (1, 3)])
+def test_the_fused_backward_matches_the_float64_reference(dtype, l2, heads):
+    """dq, dk, dv, dg, dbeta and dh0 against ``chunk_gdn_backward_reference`` in float64 on the same
+    rounded inputs: relative RMS per document within the op's contract (dq, dk, dv, dh0 0.008; dg,
+    dbeta 0.02); the tail's gradients zero; a second call the same bits."""
+    cutedsl_or_skip()
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("wgmma runs on sm_90 only")
+    from dsfuse.bench.gdn import TOLERANCES
+    from dsfuse.gdn.cutedsl.backward import fused_backward
+    from dsfuse.gdn.reference_backward import chunk_gdn_backward_reference
+
+    h, hv = heads
+    x = _inputs(h, hv, dtype, l2, seed=5)
+    cu = [0, *itertools.accumulate(LENGTHS)]
+    gpu = {name: t.cuda() for name, t in x.items()}
+
+    def run():
+        return fused_backward(gpu["q"], gpu["k"], gpu["v"], gpu["g"], gpu["beta"], gpu["do"],
+                              initial_state=gpu["h0"], dht=gpu["dht"], cu_seqlens=cu, use_qk_l2norm=l2)
+
+    got, again = run(), run()
+    torch.cuda.synchronize()
+    for name in ("dq", "dk", "dv", "dg", "dbeta", "dh0", "dstates", "states"):
+        assert torch.equal(got[name], again[name]), name
+    want = chunk_gdn_backward_reference(*(x[name].to(F64)[None] for name in ("q", "k", "v", "g", "beta")),
+                                        initial_state=x["h0"].to(F64), cu_seqlens=torch.tensor(cu),
+                                        use_qk_l2norm_in_kernel=l2, do=x["do"].to(F64)[None], dht=x["dht"].to(F64))
+    names = ("dq", "dk", "dv", "dg", "dbeta")
+    for name, ref in zip(names, want[:5]):
+        out = got[name].double().cpu()
+        assert (out[cu[-1]:] == 0).all(), f"{name}: the tail's gradients"
+        for n, (bos, eos) in enumerate(itertools.pairwise(cu)):
+            if eos > bos:
+                assert_rel_rms(out[bos:eos], ref[0, bos:eos], TOLERANCES[name], f"{name}, document {n}")
+    for n in range(len(LENGTHS)):
+        assert_rel_rms(got["dh0"][n].double().cpu(), want[5][n], TOLERANCES["dh0"], f"dh0, document {n}")
