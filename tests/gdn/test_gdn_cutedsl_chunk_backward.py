@@ -126,3 +126,60 @@ def test_the_fused_backward_matches_the_float64_reference(dtype, l2, heads):
                 assert_rel_rms(out[bos:eos], ref[0, bos:eos], TOLERANCES[name], f"{name}, document {n}")
     for n in range(len(LENGTHS)):
         assert_rel_rms(got["dh0"][n].double().cpu(), want[5][n], TOLERANCES["dh0"], f"dh0, document {n}")
+
+
+@pytest.mark.parametrize("tokens, docs", [(1, 1), (392 + TAIL, 6), (32768, 5), (65, 2)])
+def test_the_saved_buffer_holds_its_three_parts_apart(tokens, docs):
+    """`saved_views` of a buffer of `saved_rows`: ``round(A Gamma)``, the factors and the states in bounds,
+    16-byte aligned, not overlapping, for the most chunks the documents can have (CPU)."""
+    from dsfuse.gdn.cutedsl.backward import saved_rows, saved_views
+
+    hv, d = 3, 128
+    chunks = -(-tokens // 64) + docs
+    saved = torch.zeros(saved_rows(tokens, docs, d, d), hv, 64)
+    parts = saved_views(saved, tokens, chunks, d, d)
+    assert [tuple(p.shape) for p in parts] == [(tokens, hv, 64), (chunks * 8, hv, 64), (chunks, d, hv, d)]
+    assert [p.dtype for p in parts] == [torch.bfloat16, torch.float32, torch.bfloat16]
+    spans = sorted((p.data_ptr(), p.data_ptr() + p.numel() * p.element_size()) for p in parts)
+    base, end = saved.data_ptr(), saved.data_ptr() + saved.numel() * 4
+    assert all(p.is_contiguous() and p.data_ptr() % 16 == 0 for p in parts)
+    assert spans[0][0] >= base and spans[-1][1] <= end
+    assert all(a[1] <= b[0] for a, b in itertools.pairwise(spans))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("l2", [True, False])
+def test_chunk_gdn_runs_the_fused_backward(l2):
+    """``chunk_gdn(backend="cutedsl")`` at K = V = 128 keeps the fused backward's buffer (its shape the
+    traced forward's, `_forward_fake`) and its gradients are the bits of `fused_backward` on the same
+    inputs (not the Triton stages'); a forward without grad keeps nothing."""
+    cutedsl_or_skip()
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("wgmma runs on sm_90 only")
+    from dsfuse.gdn import chunk_gdn
+    from dsfuse.gdn.api import _forward_fake, forward_ops
+    from dsfuse.gdn.cutedsl.backward import fused_backward
+
+    x = {name: t.cuda() for name, t in _inputs(2, 4, torch.bfloat16, l2, seed=9).items()}
+    cu = [0, *itertools.accumulate(LENGTHS)]
+    t = sum(LENGTHS)
+    leaves = {name: x[name][:t][None].clone().requires_grad_() for name in ("q", "k", "v", "g", "beta")}
+    h0 = x["h0"].clone().requires_grad_()
+    cu_t = torch.tensor(cu, dtype=torch.int32, device="cuda")
+    o, ht = chunk_gdn(**leaves, initial_state=h0, output_final_state=True, cu_seqlens=cu_t,
+                      use_qk_l2norm_in_kernel=l2, backend="cutedsl")
+    torch.autograd.backward((o, ht), (x["do"][:t][None], x["dht"]))
+    want = fused_backward(*(x[name][:t] for name in ("q", "k", "v", "g", "beta", "do")), initial_state=x["h0"],
+                          dht=x["dht"], cu_seqlens=cu, use_qk_l2norm=l2)
+    assert torch.equal(o[0], want["o"]) and torch.equal(ht, want["final_state"])
+    for name in ("q", "k", "v", "g", "beta"):
+        assert torch.equal(leaves[name].grad[0], want[f"d{name}"]), name
+    assert torch.equal(h0.grad, want["dh0"])
+
+    args = (*(leaves[name].detach() for name in ("q", "k", "v", "g", "beta")), x["h0"], cu_t.cpu().long(),
+            128**-0.5, True, l2)
+    for save in (True, False):
+        real = forward_ops["cutedsl"](*args, save)
+        fake = _forward_fake("cutedsl", *args, save)
+        assert [tuple(r.shape) for r in real] == [tuple(f.shape) for f in fake], save
+    assert real[3].shape[0] == 0  # no backward: nothing kept

@@ -7,7 +7,9 @@ under ``dsfuse.gdn``; context parallelism asks for a backend that serves the ``s
 (``dsfuse._common.declare_backend_ops``) as ``dsfuse::gdn_fwd`` and ``dsfuse::gdn_bwd`` (the first
 backend's; another backend's carry its name as a suffix): one opaque node each under
 ``torch.compile``, an ``autograd.Function`` eagerly. The forward keeps ``g_cum`` and
-``A`` for the backward, which recomputes ``w``, ``u``, ``h`` and ``v_new``.
+``A`` for the backward, which recomputes ``w``, ``u``, ``h`` and ``v_new`` (the Triton stages), or,
+on the ``cutedsl`` backend where its fused backward serves the call, what that backward reads in
+``A``'s place (``dsfuse.gdn.cutedsl.backward.saved_views``).
 """
 
 from __future__ import annotations
@@ -114,7 +116,9 @@ def chunk_gdn(
     stage kernels, or a fused forward with the same outputs), declared as the ops
     ``dsfuse::gdn_fwd`` and ``dsfuse::gdn_bwd``: one opaque node each under ``torch.compile``, an
     ``autograd.Function`` eagerly. The forward keeps the chunk-local cumulative gate and ``A`` for
-    the backward, which recomputes ``w``, ``u``, ``h`` and ``v_new``.
+    the backward, which recomputes ``w``, ``u``, ``h`` and ``v_new``; the ``cutedsl`` backend's
+    forward on Hopper at K = V = 128 keeps instead what its fused backward reads (the rounded gated
+    ``A``, the rows' factors and the rounded state at every chunk's start).
 
     Args:
         q: ``[B, T, H, K]`` queries (bf16/fp16/fp32 fused; any token and head strides, unit
@@ -268,16 +272,26 @@ def _forward(backend: str):
                                                        cu_seqlens, ctx.scale, ctx.use_qk_l2norm, packed=True)
         return dq, dk, dv, dg, dbeta, dh0 if initial_state is not None else None
 
-    return _forward, {"backward": _forward_grad}
+    def _fake(*args):
+        return _forward_fake(backend, *args)
+
+    return _forward, {"backward": _forward_grad, "fake": _fake}
 
 
-def _forward_fake(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state, use_qk_l2norm, save):
+def _forward_fake(backend, q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state, use_qk_l2norm,
+                  save):
     batch, tokens, heads_v, dim_v = v.shape
     num_seqs = batch if cu_seqlens is None else cu_seqlens.shape[0] - 1
     state_shape = (num_seqs, heads_v, k.shape[-1], dim_v) if output_final_state else (0,)
+    rows = batch * tokens if save else 0  # A for the Triton stages' backward
+    if save and backend == "cutedsl":  # what its fused backward reads, where it serves the call
+        from dsfuse.gdn.cutedsl import backward as fused
+
+        if fused.serves(v.device, k.shape[-1], dim_v, v.dtype):
+            rows = fused.saved_rows(batch * tokens, num_seqs, k.shape[-1], dim_v)
     return (v.new_empty(v.shape), v.new_empty(state_shape, dtype=torch.float32),
             v.new_empty((batch * tokens, heads_v), dtype=torch.float32),
-            v.new_empty((batch * tokens if save else 0, heads_v, CHUNK_SIZE), dtype=torch.float32))
+            v.new_empty((rows, heads_v, CHUNK_SIZE), dtype=torch.float32))
 
 
 def _run_backward(backend, q, k, v, beta, g_cum, A, do, dht, initial_state, cu_seqlens, scale, use_qk_l2norm,
@@ -326,5 +340,4 @@ def _save(ctx, inputs, output):
     ctx.scale, ctx.use_qk_l2norm = scale, use_qk_l2norm
 
 
-forward_ops = declare_backend_ops(BACKENDS, "gdn_fwd", "forward", _forward, fake=_forward_fake, setup=_save,
-                                  non_differentiable=(2, 3))
+forward_ops = declare_backend_ops(BACKENDS, "gdn_fwd", "forward", _forward, setup=_save, non_differentiable=(2, 3))

@@ -291,9 +291,12 @@ def backward_calls(stages: BackwardStages, q, k, v, beta, g_cum, A, do, dht, *, 
     return calls, Gradients(dq, dk, dv, dg, dbeta, dh0)
 
 
-def backward(stages: BackwardStages, *args, **kwargs) -> Gradients:
-    """The gradients of a forward (arguments as `backward_calls`)."""
-    calls, grads = backward_calls(stages, *args, **kwargs)
+def backward(stages, *args, **kwargs) -> Gradients:
+    """The gradients of a forward (arguments as `backward_calls`) by a backend's backward table:
+    `BackwardStages`, or another object with a ``calls`` method of `backward_calls`' signature and
+    result (a fused backward that is not these stages)."""
+    calls, grads = (stages.calls(*args, **kwargs) if hasattr(stages, "calls")
+                    else backward_calls(stages, *args, **kwargs))
     for _, launch in calls:
         launch()
     return grads

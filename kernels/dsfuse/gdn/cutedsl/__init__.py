@@ -1,4 +1,5 @@
-"""The CuTe DSL backend of the Gated DeltaNet: the fused forward on Hopper, the Triton stages' backward.
+"""The CuTe DSL backend of the Gated DeltaNet: the fused forward on Hopper, and the fused backward where
+the forward ran ``head_rs`` (the Triton stages' backward elsewhere).
 
 ``TABLE`` serves two calls of `chunk_gdn`:
 
@@ -9,8 +10,12 @@
   sm_100a GPU, K and V of 64 or 128, bf16, or fp16 without the L2 norm, beta in q's dtype, rows
   16-byte aligned), else Triton; on Blackwell it serves only calls that name it (``head`` form,
   not measured there);
-* ``backward``: the Triton stages (`dsfuse.gdn.triton`), from what the forward saved: a stated
-  fallback until the fused backward lands.
+* ``backward``: `dsfuse.gdn.cutedsl.backward.FusedBackward`: where the saving forward ran ``head_rs``
+  at K = 128 (`dsfuse.gdn.cutedsl.backward.serves`: sm_90a, K = V = 128, bf16 or fp16), the fused
+  backward from what it kept (``round(A Gamma)``, the rows' factors, ``round(S)`` of every chunk):
+  the reverse state chain, the per-chunk gradients, and the Triton stages' ``finalize`` for the
+  value heads' sum and the L2 norm's backward; elsewhere the Triton stages (`dsfuse.gdn.triton`)
+  from the fp32 ``A`` the forward kept for them.
 
 It does not serve ``stages`` (the state-pass split of long documents and context parallelism's
 passes): a ``cp_group`` call under ``auto`` runs the Triton stages. Kernel modules (``KERNELS``,
@@ -30,12 +35,11 @@ compiled for sm_90a and sm_100a by the CPU tests through their ``AOT_SPECS``):
   V = 128); checked by ``tests/gdn/test_gdn_cutedsl_fused_forward.py``,
   timed by ``experiments/gdn/fused_forward_probe.py``.
 * ``state_bwd``: the fused backward's reverse state chain (kernel 2 of
-  ``experiments/gdn/notes/fused-backward-design.md``; not yet reachable from `chunk_gdn`): ``round(dS')``
+  ``experiments/gdn/notes/fused-backward-design.md``): ``round(dS')``
   of every chunk and ``dh0`` from the preparing inverse's ``round(A Gamma)`` and factors, ``dO`` and
   the final state's gradient, sm_90a; checked against the design's float64 chain by
   ``tests/gdn/test_gdn_cutedsl_state_backward.py``.
-* ``chunk_bwd``: the fused backward's per-chunk gradients (kernel 3 of the same note; not yet reachable
-  from `chunk_gdn`): dv, dg, dbeta and each value head's dq, dk from the forward's saved states and
+* ``chunk_bwd``: the fused backward's per-chunk gradients (kernel 3 of the same note): dv, dg, dbeta and each value head's dq, dk from the forward's saved states and
   the chain's ``round(dS')``, one CTA per chunk and value head, sm_90a; ``backward.fused_backward``
   strings the forward and the three kernels together (the value heads' sum and the L2 norm's
   backward by the Triton stages' ``finalize``), checked against the float64 reference by
@@ -101,9 +105,9 @@ def _backward_reasons(*args) -> list[str]:
 
 def _load() -> dict:
     from dsfuse.gdn import triton
-    from dsfuse.gdn.cutedsl import forward
+    from dsfuse.gdn.cutedsl import backward, forward
 
-    return {"forward": forward.FusedForward(), "backward": triton.TABLE.launchers()["backward"]}
+    return {"forward": forward.FusedForward(), "backward": backward.FusedBackward(triton.TABLE.launchers()["backward"])}
 
 
 TABLE = BackendTable("cutedsl", dtypes=(torch.bfloat16, torch.float16),

@@ -1,7 +1,8 @@
 """The fused backward of the Gated DeltaNet in CuTe DSL as a sequence of launches (sm_90a), the plan of
-``experiments/gdn/notes/fused-backward-design.md``; not yet reachable from `chunk_gdn` (whose
-``cutedsl`` backend still runs the Triton stages' backward). `fused_backward` runs it on packed
-``[T, ...]`` inputs, for its tests and probe:
+``experiments/gdn/notes/fused-backward-design.md``. `FusedBackward` is the ``cutedsl`` backend's
+backward table (`chunk_gdn`'s backward where the forward ran ``head_rs`` and saved for it, the Triton
+stages otherwise); `fused_backward` runs the forward and the backward on packed ``[T, ...]``
+inputs, for the kernels' tests and probe:
 
 1. the forward's preparing UT inverse and its chain kernel in the saving mode (``head_rs``): o, the
    final state, ``round(A Gamma)``, the rows' factors and ``round(S)`` of every chunk (what a forward
@@ -15,6 +16,9 @@
 
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass
+
 import torch
 
 from dsfuse.gdn.cutedsl.chunk_bwd import launch_chunk_backward
@@ -22,7 +26,42 @@ from dsfuse.gdn.cutedsl.fused_fwd import launch_fused_forward
 from dsfuse.gdn.cutedsl.state_bwd import launch_state_backward
 from dsfuse.gdn.cutedsl.ut_inverse import FACTORS, launch_ut_inverse
 from dsfuse.gdn.reference import CHUNK_SIZE, prepare_chunk_indices, prepare_chunk_offsets
+from dsfuse.gdn import schedule
+from dsfuse.gdn.reference import packed_cu_seqlens
 from dsfuse.gdn.schedule import document_order
+
+
+def saved_rows(tokens: int, docs: int, dim_k: int, dim_v: int) -> int:
+    """Rows of ``[HV, 64]`` fp32 (``256 HV`` bytes each) of what the saving forward keeps for the fused
+    backward, `saved_views`: ``round(A Gamma)`` (``[T, HV, 64]``, half a row a token), the rows'
+    factors (8 rows a chunk) and ``round(S)`` of every chunk (``K V / 128`` rows a chunk, 128 at
+    K = V = 128), for at most ``ceil(T / 64) + N`` chunks (a document adds at most one partial chunk):
+    a size of the shapes alone, so that a traced forward (``torch.compile``) knows it."""
+    chunks = -(-tokens // CHUNK_SIZE) + docs
+    return -(-tokens // 2) + chunks * (len(FACTORS) + dim_k * dim_v // 128)
+
+
+def saved_views(saved: torch.Tensor, tokens: int, chunks: int, dim_k: int, dim_v: int):
+    """``(a_round, factors, states)``: views of ``saved`` (fp32 ``[saved_rows(..), HV, 64]``, contiguous)
+    as ``[T, HV, 64]`` and ``[NC, K, HV, V]`` in bf16 and ``[NC * 8, HV, 64]`` fp32, each 16-byte aligned."""
+    value_heads = saved.shape[1]
+    flat = saved.view(saved.shape[0], -1)  # rows of 64 HV fp32
+    a_rows = -(-tokens // 2)
+    a_round = flat[:a_rows].view(torch.bfloat16).reshape(-1)[: tokens * value_heads * CHUNK_SIZE]
+    factors = flat[a_rows: a_rows + chunks * len(FACTORS)].view(-1, value_heads, CHUNK_SIZE)
+    first = a_rows + chunks * len(FACTORS)
+    states = flat[first: first + chunks * dim_k * dim_v // 128].view(torch.bfloat16)
+    return (a_round.view(tokens, value_heads, CHUNK_SIZE), factors,
+            states.reshape(chunks, dim_k, value_heads, dim_v))
+
+
+def serves(device: torch.device, dim_k: int, dim_v: int, dtype: torch.dtype) -> bool:
+    """Whether a saving forward on ``device`` keeps what the fused backward reads (and the backend's
+    backward then runs it): the ``head_rs`` form (sm_90a, V = 128), K = 128, bf16 or fp16."""
+    from dsfuse.gdn.cutedsl import forward, state_bwd
+
+    return (device.type == "cuda" and forward.form_of(device, dim_v) == "head_rs"
+            and not state_bwd.shape_reasons(dtype, 1, 1, dim_k, dim_v))
 
 
 def fused_backward(q, k, v, g, beta, do, scale=None, initial_state=None, dht=None, cu_seqlens=None,
@@ -73,3 +112,62 @@ def fused_backward(q, k, v, g, beta, do, scale=None, initial_state=None, dht=Non
                           out["dk_hv"], out["dv"], out["dg"], out["dbeta"], scale, use_qk_l2norm=use_qk_l2norm)
     launch_qk_finalize(q, k, out["dq_hv"], out["dk_hv"], out["dq"], out["dk"], use_qk_l2norm=use_qk_l2norm)
     return out
+
+
+@dataclass(frozen=True)
+class FusedBackward:
+    """The ``cutedsl`` backend's backward table (`dsfuse.gdn.schedule.backward` runs its ``calls``): the
+    fused backward where the forward kept what it reads (`serves`: ``A`` is then the saved buffer of
+    `saved_rows`), the Triton stages (``fallback``) otherwise."""
+
+    fallback: schedule.BackwardStages
+
+    def calls(self, q, k, v, beta, g_cum, A, do, dht, *, scale: float, initial_state, cu_seqlens,
+              use_qk_l2norm: bool, dq=None, dk=None, dv=None, segment_chunks=None):
+        """``(calls, Gradients)`` as `dsfuse.gdn.schedule.backward_calls` (``segment_chunks`` has no
+        effect on the fused backward: each document is one chain)."""
+        batch, tokens, heads_v, dim_v = v.shape
+        heads, dim_k = k.shape[2:]
+        if not serves(v.device, dim_k, dim_v, v.dtype):
+            kwargs = {} if segment_chunks is None else {"segment_chunks": segment_chunks}
+            return schedule.backward_calls(self.fallback, q, k, v, beta, g_cum, A, do, dht, scale=scale,
+                                           initial_state=initial_state, cu_seqlens=cu_seqlens,
+                                           use_qk_l2norm=use_qk_l2norm, dq=dq, dk=dk, dv=dv, **kwargs)
+        from dsfuse.gdn.triton.finalize import launch_qk_finalize
+
+        n = batch * tokens
+        q_, k_, v_, do_ = (t.reshape(n, *t.shape[2:]) for t in (q, k, v, do))
+        bounds = packed_cu_seqlens(cu_seqlens, batch, tokens)
+        table = schedule.chunk_table(bounds, v.device)
+        chunks = table.indices.shape[0]
+        a_round, factors, states = saved_views(A, n, chunks, dim_k, dim_v)
+        new = functools.partial(torch.empty, device=v.device)
+        dq = new((batch, tokens, heads, dim_k), dtype=q.dtype) if dq is None else dq
+        dk = new((batch, tokens, heads, dim_k), dtype=k.dtype) if dk is None else dk
+        dv = new((batch, tokens, heads_v, dim_v), dtype=v.dtype) if dv is None else dv
+        dg = new((batch, tokens, heads_v), dtype=torch.float32)
+        dbeta = new((batch, tokens, heads_v), dtype=beta.dtype)
+        state_shape = (table.num_seqs, heads_v, dim_k, dim_v)
+        dh0 = new(state_shape, dtype=torch.float32)
+        dht_ = torch.zeros(state_shape, device=v.device) if dht is None else dht
+        dstates = new((chunks, dim_k, heads_v, dim_v), dtype=v.dtype)
+        dq_hv, dk_hv = (new((n, heads_v, dim_k), dtype=torch.float32) for _ in range(2))
+        dv_, dg_, dbeta_ = dv.view(n, heads_v, dim_v), dg.view(n, heads_v), dbeta.view(n, heads_v)
+        ci = table.indices
+
+        def tails():  # tokens in no chunk (past the last document): zero gradients, as the stages give
+            if bounds[-1] < n:
+                for t in (dv_, dg_, dbeta_, dq_hv, dk_hv):
+                    t[bounds[-1]:].zero_()
+
+        calls = [
+            ("state backward", lambda: launch_state_backward(q_, k_, do_, a_round, factors, ci, table.offsets,
+                                                             table.order, dht_, dh0, dstates, scale,
+                                                             use_qk_l2norm=use_qk_l2norm)),
+            ("per-chunk gradients", lambda: (tails(), launch_chunk_backward(
+                q_, k_, v_, do_, a_round, factors, states, dstates, ci, dq_hv, dk_hv, dv_, dg_, dbeta_, scale,
+                use_qk_l2norm=use_qk_l2norm))),
+            ("finalize", lambda: launch_qk_finalize(q_, k_, dq_hv, dk_hv, dq.view(n, heads, dim_k),
+                                                    dk.view(n, heads, dim_k), use_qk_l2norm=use_qk_l2norm)),
+        ]
+        return calls, schedule.Gradients(dq, dk, dv, dg, dbeta, dh0 if initial_state is not None else None)

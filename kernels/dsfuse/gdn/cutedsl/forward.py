@@ -34,6 +34,7 @@ import torch
 
 from dsfuse._common import cutedsl as _cd
 from dsfuse.gdn import schedule
+from dsfuse.gdn.cutedsl import backward as _backward
 from dsfuse.gdn.cutedsl import fused_fwd, fused_fwd_head, ut_inverse
 from dsfuse.gdn.cutedsl.ut_inverse import FACTORS
 from dsfuse.gdn.reference import CHUNK_SIZE, packed_cu_seqlens
@@ -182,7 +183,11 @@ class FusedForward:
         (``segment_chunks`` has no effect: module docstring). ``save`` False (a forward no backward
         will read): ``ForwardOutputs.A`` is empty (``[0, HV, 64]``) and on sm_90a the fp32 ``A`` is
         not written at all; o and the final state are the same bits either way (the fused kernel
-        reads the preparing inverse's ``round(A)``, not ``A``)."""
+        reads the preparing inverse's ``round(A)``, not ``A``). ``save`` where the fused backward
+        serves the call (`dsfuse.gdn.cutedsl.backward.serves`: ``head_rs``, K = 128):
+        ``ForwardOutputs.A`` is the buffer it reads (`dsfuse.gdn.cutedsl.backward.saved_views`: the
+        preparing inverse's ``round(A)`` and factors, and ``round(S)`` of every chunk, which the
+        chain kernel saves), not the fp32 ``A``."""
         batch, tokens, heads_v, dim_v = v.shape
         dim_k = k.shape[-1]
         n = batch * tokens
@@ -193,15 +198,22 @@ class FusedForward:
         new = functools.partial(torch.empty, device=v.device)
         g_cum = new((n, heads_v), dtype=torch.float32)
         form = form_of(v.device, dim_v)
-        # the head form reads A; the prepared forms read round(A) and the factors
-        keep_a = save or form not in fused_fwd.PREPARED_FORMS
+        fused_saves = save and _backward.serves(v.device, dim_k, dim_v, v.dtype)  # what the fused backward reads
+        # the head form reads A; the prepared forms read round(A) and the factors; the Triton backward A
+        keep_a = (save and not fused_saves) or form not in fused_fwd.PREPARED_FORMS
         a = new((n if keep_a else 0, heads_v, CHUNK_SIZE), dtype=torch.float32)
         o = new((n, heads_v, dim_v), dtype=v.dtype)
         state_shape = (table.num_seqs, heads_v, dim_k, dim_v)
         final_state = new(state_shape, dtype=torch.float32)  # written whether or not it is returned
         h0 = torch.zeros(state_shape, device=v.device, dtype=torch.float32) if initial_state is None else initial_state
         prepared = {}  # the preparing inverse's round(A) and rows' factors, read by a prepared form
-        if form in fused_fwd.PREPARED_FORMS:
+        states = None  # round(S) of every chunk, for the fused backward
+        if fused_saves:
+            saved = new((_backward.saved_rows(n, table.num_seqs, dim_k, dim_v), heads_v, CHUNK_SIZE),
+                        dtype=torch.float32)
+            a_round, factors, states = _backward.saved_views(saved, n, table.indices.shape[0], dim_k, dim_v)
+            prepared = {"a_round": a_round, "factors": factors.view(-1, heads_v, CHUNK_SIZE)}
+        elif form in fused_fwd.PREPARED_FORMS:
             prepared = {"a_round": new((n, heads_v, CHUNK_SIZE), dtype=v.dtype),
                         "factors": new((table.indices.shape[0] * len(FACTORS), heads_v, CHUNK_SIZE),
                                        dtype=torch.float32)}
@@ -230,7 +242,7 @@ class FusedForward:
                 return
             fused_fwd._launch(q_, k_, v_, g_, beta_, a, table.indices, table.offsets, table.order[first:end], h0,
                               final_state, o, scale, use_qk_l2norm, form, g_cum, prepared.get("a_round"),
-                              prepared.get("factors"))
+                              prepared.get("factors"), states)
 
         capturing = torch.cuda.is_current_stream_capturing()
         overlap = OVERLAP if OVERLAP.eager or capturing else Overlap(0)
@@ -242,8 +254,9 @@ class FusedForward:
         else:
             sides = _side_streams(v.device, overlap.leads)[:len(plan) - 1]
             calls = [("ut_inverse and fused, overlapped", lambda: _overlapped(plan, sides, inverse, fused, v.device))]
+        kept = saved if fused_saves else a if save else a[:0]
         outputs = schedule.ForwardOutputs(o.view(batch, tokens, heads_v, dim_v),
-                                          final_state if output_final_state else None, g_cum, a if save else a[:0])
+                                          final_state if output_final_state else None, g_cum, kept)
         return calls, outputs
 
 
