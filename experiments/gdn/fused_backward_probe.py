@@ -16,7 +16,9 @@ after one whole Triton forward and backward on the same inputs. Before timing, t
 backward's dq, dk, dv, dg, dbeta and dh0 are checked against the Triton backward's (relative RMS
 <= 2e-2: two approximations of one float64 result; the float64 checks are the GPU tests'). Writes
 ``samples.csv`` (case, tokens, value heads, l2norm, part, sample, us) and ``env.json`` under
-OUT_DIR and prints the medians.
+OUT_DIR and prints the medians. First, for each case, `chunk_gdn`'s step through autograd (q, k, v
+head views of one packed row) on the ``cutedsl`` backend and on the Triton stages: its peak memory
+above what was allocated before it and its eager time (``steps.csv``; ``--steps-only``: that alone).
 """
 
 from __future__ import annotations
@@ -129,11 +131,56 @@ def case_rows(case, timer: Timer, samples: int, device: torch.device) -> list[di
     return rows
 
 
+def step_rows(case, device: torch.device, repeats: int = 5) -> list[dict]:
+    """`chunk_gdn`'s forward and backward through autograd on the ``cutedsl`` backend (the fused backward
+    where it serves) and on the Triton stages: peak memory above what was allocated before the step
+    (the inputs and their gradients' buffers excluded, the outputs and gradients included) and the
+    eager step's time (CUDA events around the whole call, host work included), median of ``repeats``."""
+    from dsfuse.gdn import chunk_gdn
+
+    p = case.params
+    x = gdn.make_inputs(case, device, seed=0)
+    rows = []
+    for backend in ("cutedsl", "triton"):
+        row = x["row"].detach().requires_grad_()
+        h0 = x["initial_state"].detach().requires_grad_()
+        g, beta = x["g"].detach().requires_grad_(), x["beta"].detach().requires_grad_()
+
+        def step():
+            q, k, v = gdn.split_views(row, p["heads"], p["value_heads"])
+            o, ht = chunk_gdn(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                              cu_seqlens=x["cu_seqlens"], use_qk_l2norm_in_kernel=p["l2norm"], backend=backend)
+            torch.autograd.backward((o, ht), (x["do"], x["dht"]))
+
+        step()
+        torch.cuda.synchronize(device)
+        times = []
+        for _ in range(repeats):
+            for t in (row, h0, g, beta):
+                t.grad = None
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            base = torch.cuda.memory_allocated(device)
+            start.record()
+            step()
+            end.record()
+            torch.cuda.synchronize(device)
+            times.append(start.elapsed_time(end) * 1e3)
+            peak = torch.cuda.max_memory_allocated(device) - base
+        times.sort()
+        rows.append({"case": case.name, "value_heads": p["value_heads"], "l2norm": p["l2norm"], "backend": backend,
+                     "peak_mib": peak / 2**20, "step_us_eager": times[len(times) // 2]})
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path, help="output folder (created)")
     parser.add_argument("--config", default=DEFAULT_CONFIG, help=f"experiment config (default {DEFAULT_CONFIG})")
     parser.add_argument("--samples", type=int, default=10, help="timed replays per part (default 10)")
+    parser.add_argument("--steps-only", action="store_true",
+                        help="only chunk_gdn's step through autograd: peak memory and eager time (steps.csv)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("fused_backward_probe.py needs a CUDA GPU: run it on the GPU machine.", file=sys.stderr)
@@ -144,9 +191,15 @@ def main(argv: list[str] | None = None) -> int:
     config = load_config(cli_path(args.config))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "env.json").write_text(json.dumps(env_mod.collect(device, op=gdn.OP), indent=2) + "\n")
+    cases = gdn.cases(config | {"modes": ["fwd+bwd"]})
+    steps = [row for case in cases for row in step_rows(case, device)]
+    write_csv(args.out / "steps.csv", steps)
+    print("chunk_gdn forward + backward through autograd (peak MiB above the inputs; eager us, median of 5)")
+    print(pd.DataFrame(steps).round(1).to_string(index=False))
+    if args.steps_only:
+        return 0
     timer = Timer(device, FLUSH_BYTES)
-    rows = [row for case in gdn.cases(config | {"modes": ["fwd+bwd"]})
-            for row in case_rows(case, timer, args.samples, device)]
+    rows = [row for case in cases for row in case_rows(case, timer, args.samples, device)]
     write_csv(args.out / "samples.csv", rows)
     table = pd.DataFrame(rows).groupby(["case", "part"], sort=False)["us"].median().unstack("part")
     print(f"median us per call, CUDA Graph replay, L2 evicted ({args.samples} samples)")
