@@ -380,6 +380,23 @@ def define_env(env):
         return statistics.median(values)
 
     @env.macro
+    def raw_field(run: str, file: str, column: str, **match) -> float:
+        """The one value of ``column`` in the row of ``<run>/<file>`` (a raw CSV, or its compacted
+        ``.gz``) whose columns equal ``match`` (as text); none or several raise."""
+        import csv
+        import gzip
+
+        from dsfuse.bench.paths import raw_file
+
+        path = raw_file(root / run, file)
+        with (gzip.open if path.suffix == ".gz" else open)(path, "rt", newline="") as fh:
+            values = [float(row[column]) for row in csv.DictReader(fh)
+                      if all(row.get(key) == str(want) for key, want in match.items())]
+        if len(values) != 1:
+            raise ValueError(f"{len(values)} rows of {run}/{file} match {match}, not one")
+        return values[0]
+
+    @env.macro
     def raw_median_us(run: str, **match) -> str:
         """The median ``us`` of a raw folder's samples (relative to the repository root) whose columns
         equal ``match``: a probe's or a run's figure, formatted as the tables format it."""
