@@ -8,8 +8,8 @@ For each case of the config (its tokens, documents, value heads and L2 norm sett
 views of one packed row, initial state, dO and the final state's gradient): the CuTe DSL forward
 saving what the fused backward reads (``forward_saving``: the preparing UT inverse, ``head_rs``
 writing ``round(S)`` of every chunk), the fused backward's kernels (``state_bwd``, the reverse
-state chain; ``chunk_bwd``, the per-chunk gradients; ``finalize``, the Triton stages' sum of the
-value heads and the L2 norm's backward) and all three (``fused_backward``), beside the Triton
+state chain; ``chunk_bwd``, the per-chunk gradients, the value heads' sum of dq and dk and the
+L2 norm's backward included) and both (``fused_backward``), beside the Triton
 backward (``triton_backward``) and each of its stages (``triton_<stage>``), each replayed from a
 CUDA Graph with the L2 overwritten before each call (`dsfuse.bench.harness.Timer`, evicted regime),
 after one whole Triton forward and backward on the same inputs. Before timing, the fused
@@ -46,7 +46,6 @@ def case_rows(case, timer: Timer, samples: int, device: torch.device) -> list[di
     from dsfuse.gdn.cutedsl.ut_inverse import FACTORS, launch_ut_inverse
     from dsfuse.gdn.packed import packed_grad_row
     from dsfuse.gdn.triton import BACKWARD, FORWARD
-    from dsfuse.gdn.triton.finalize import launch_qk_finalize
 
     p = case.params
     x = gdn.make_inputs(case, device, seed=0)
@@ -74,7 +73,6 @@ def case_rows(case, timer: Timer, samples: int, device: torch.device) -> list[di
     g_cum = torch.empty_like(g_)
     states, dstates = (new(ci.shape[0], dim, hv, dim, device=device, dtype=q.dtype) for _ in range(2))
     o, ht, dh0 = new(tokens, hv, dim, device=device, dtype=q.dtype), torch.empty_like(x["dht"]), torch.empty_like(x["dht"])
-    dq_hv, dk_hv = (new(tokens, hv, dim, device=device) for _ in range(2))
     f_dq, f_dk, f_dv = (torch.zeros_like(t[0]) for t in (q, k, v))
     f_dg, f_dbeta = torch.zeros_like(g_), torch.zeros_like(beta_)
 
@@ -90,16 +88,12 @@ def case_rows(case, timer: Timer, samples: int, device: torch.device) -> list[di
                               use_qk_l2norm=l2)
 
     def per_chunk():
-        launch_chunk_backward(q_, k_, v_, do_, a_round, factors, states, dstates, ci, dq_hv, dk_hv, f_dv, f_dg,
+        launch_chunk_backward(q_, k_, v_, do_, a_round, factors, states, dstates, ci, f_dq, f_dk, f_dv, f_dg,
                               f_dbeta, scale, use_qk_l2norm=l2)
-
-    def finalize():
-        launch_qk_finalize(q_, k_, dq_hv, dk_hv, f_dq, f_dk, use_qk_l2norm=l2)
 
     def fused():
         chain()
         per_chunk()
-        finalize()
 
     def triton():
         for _, launch in bwd_calls:
@@ -118,8 +112,8 @@ def case_rows(case, timer: Timer, samples: int, device: torch.device) -> list[di
     print(f"{case.name}: fused backward, relative RMS against the Triton backward: "
           + ", ".join(f"{name} {err:.1e}" for name, err in errors.items()))
 
-    parts = [("forward_saving", forward), ("state_bwd", chain), ("chunk_bwd", per_chunk), ("finalize", finalize),
-             ("fused_backward", fused), ("triton_backward", triton)]
+    parts = [("forward_saving", forward), ("state_bwd", chain), ("chunk_bwd", per_chunk), ("fused_backward", fused),
+             ("triton_backward", triton)]
     parts += [(f"triton_{name.replace(' ', '_').replace(',', '')}", launch) for name, launch in bwd_calls]
     rows = []
     for part, fn in parts:

@@ -21,7 +21,9 @@ F64 = torch.float64
 
 def test_compiles_the_model_and_refuses_the_rest(tmp_path):
     """The AOT specs (sm_90a, the model's shapes): the design's products on wgmma (12 of ``(C, K or V)``,
-    6 of ``(C, C)``) and its barriers; other sizes and architectures refused by name."""
+    6 of ``(C, C)``), its barriers, the cluster's two barriers and its reads of the value heads' dq
+    and dk partials from the peers' shared memory (3 value heads, 4 channels a lane, dq and dk);
+    other sizes and architectures refused by name."""
     import collections
     import re
 
@@ -36,10 +38,13 @@ def test_compiles_the_model_and_refuses_the_rest(tmp_path):
         shapes = collections.Counter(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", ptx))
         assert shapes == {"m64n64k16": 68, "m64n32k16": 40}, (spec.name, shapes)
         assert len(re.findall(r"bar\.sync", ptx)) == 7, spec.name
+        assert ptx.count("barrier.cluster.arrive") == ptx.count("barrier.cluster.wait") == 2, spec.name
+        assert len(re.findall(r"ld\.shared::cluster\.f32", ptx)) == 2 * 4 * 3, spec.name
     with pytest.raises(ValueError, match="compile for"):
         module.compile_chunk_backward(torch.bfloat16, 16, 48, 128, 128, True, "sm_100a")
     with pytest.raises(ValueError, match="cannot compile this"):
         module.compile_chunk_backward(torch.bfloat16, 2, 4, 64, 128, False, "sm_90a")
+    assert "at most 8 value heads per qk head" in module.shape_reasons(torch.bfloat16, 1, 16, 128, 128)[0]
 
 
 def test_checks_its_arguments_before_any_launch():
@@ -53,7 +58,7 @@ def test_checks_its_arguments_before_any_launch():
     a_round, factors = torch.zeros(t, hv, 64, dtype=torch.bfloat16), torch.zeros(2 * 8, hv, 64)
     states, dstates = (torch.zeros(2, d, hv, d, dtype=torch.bfloat16) for _ in range(2))
     ci = torch.zeros(2, 3, dtype=torch.int32)
-    dq, dk = torch.zeros(t, hv, d), torch.zeros(t, hv, d)
+    dq, dk = torch.zeros(t, h, d, dtype=torch.bfloat16), torch.zeros(t, h, d, dtype=torch.bfloat16)
     dg, dbeta = torch.zeros(t, hv), torch.zeros(t, hv, dtype=torch.bfloat16)
     good = {"q": q, "k": k, "v": v, "do": do, "a_round": a_round, "factors": factors, "states": states,
             "dstates": dstates, "chunk_indices": ci, "dq": dq, "dk": dk, "dv": dv, "dg": dg, "dbeta": dbeta,
@@ -62,8 +67,9 @@ def test_checks_its_arguments_before_any_launch():
                        ({"dv": dv[:-1]}, "in one dtype"),
                        ({"states": states[:1]}, "states must be"),
                        ({"dstates": dstates.float()}, "dstates must be"),
-                       ({"dq": dq.bfloat16()}, "dq must be fp32"),
-                       ({"dk": dk[:, :1]}, "dk must be fp32"),
+                       ({"dq": dq.float()}, "in one dtype"),
+                       ({"dk": dk[:-1]}, "in one dtype"),
+                       ({"dq": dq.transpose(1, 2)}, "in one dtype"),
                        ({"dg": dg.double()}, "dg fp32"),
                        ({"factors": factors[:-1]}, "factors must be"),
                        ({"q": q[..., :64], "k": k[..., :64]}, "K = 128")):

@@ -287,7 +287,7 @@ def _forward_fake(backend, q, k, v, g, beta, initial_state, cu_seqlens, scale, o
     if save and backend == "cutedsl":  # what its fused backward reads, where it serves the call
         from dsfuse.gdn.cutedsl import backward as fused
 
-        if fused.serves(v.device, k.shape[-1], dim_v, v.dtype):
+        if fused.serves(v.device, k.shape[-2], heads_v, k.shape[-1], dim_v, v.dtype):
             rows = fused.saved_rows(batch * tokens, num_seqs, k.shape[-1], dim_v)
     return (v.new_empty(v.shape), v.new_empty(state_shape, dtype=torch.float32),
             v.new_empty((batch * tokens, heads_v), dtype=torch.float32),

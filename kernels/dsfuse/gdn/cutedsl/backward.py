@@ -8,10 +8,9 @@ inputs, for the kernels' tests and probe:
    final state, ``round(A Gamma)``, the rows' factors and ``round(S)`` of every chunk (what a forward
    keeps for this backward);
 2. the reverse state chain (`dsfuse.gdn.cutedsl.state_bwd`): ``round(dS')`` of every chunk, ``dh0``;
-3. the per-chunk gradients (`dsfuse.gdn.cutedsl.chunk_bwd`): dv, dg, dbeta, and each value head's
-   dq and dk with respect to the normalised q and k, fp32;
-4. the value heads of each qk head summed in head order and the L2 norm's backward: the Triton
-   stages' ``finalize`` (`dsfuse.gdn.triton.finalize`), for now.
+3. the per-chunk gradients (`dsfuse.gdn.cutedsl.chunk_bwd`): dv, dg, dbeta, and dq, dk (the value
+   heads of each qk head summed in head order by a cluster of their CTAs, the L2 norm's backward
+   applied, in the kernel).
 """
 
 from __future__ import annotations
@@ -55,13 +54,14 @@ def saved_views(saved: torch.Tensor, tokens: int, chunks: int, dim_k: int, dim_v
             states.reshape(chunks, dim_k, value_heads, dim_v))
 
 
-def serves(device: torch.device, dim_k: int, dim_v: int, dtype: torch.dtype) -> bool:
+def serves(device: torch.device, heads: int, value_heads: int, dim_k: int, dim_v: int, dtype: torch.dtype) -> bool:
     """Whether a saving forward on ``device`` keeps what the fused backward reads (and the backend's
-    backward then runs it): the ``head_rs`` form (sm_90a, V = 128), K = 128, bf16 or fp16."""
-    from dsfuse.gdn.cutedsl import forward, state_bwd
+    backward then runs it): the ``head_rs`` form (sm_90a, V = 128), K = 128, bf16 or fp16, at most
+    8 value heads per qk head (`dsfuse.gdn.cutedsl.chunk_bwd.shape_reasons`)."""
+    from dsfuse.gdn.cutedsl import chunk_bwd, forward
 
     return (device.type == "cuda" and forward.form_of(device, dim_v) == "head_rs"
-            and not state_bwd.shape_reasons(dtype, 1, 1, dim_k, dim_v))
+            and not chunk_bwd.shape_reasons(dtype, heads, value_heads, dim_k, dim_v))
 
 
 def fused_backward(q, k, v, g, beta, do, scale=None, initial_state=None, dht=None, cu_seqlens=None,
@@ -71,9 +71,7 @@ def fused_backward(q, k, v, g, beta, do, scale=None, initial_state=None, dht=Non
     fp32 ``[T, HV]``; ``initial_state``, ``dht`` fp32 ``[N, HV, K, V]`` or None (zeros).
 
     Returns a dict of ``o``, ``final_state``, ``dq``, ``dk``, ``dv``, ``dg``, ``dbeta``, ``dh0``
-    and the intermediates ``states``, ``dstates`` (``[NC, K, HV, V]``), ``dq_hv``, ``dk_hv``."""
-    from dsfuse.gdn.triton.finalize import launch_qk_finalize
-
+    and the intermediates ``states``, ``dstates`` (``[NC, K, HV, V]``)."""
     tokens, value_heads, dim_v = v.shape
     heads, dim_k = k.shape[1:]
     bounds = [0, tokens] if cu_seqlens is None else [int(x) for x in cu_seqlens]
@@ -99,18 +97,15 @@ def fused_backward(q, k, v, g, beta, do, scale=None, initial_state=None, dht=Non
            "states": new(chunks, dim_k, value_heads, dim_v, device=dev, dtype=v.dtype),
            "dstates": new(chunks, dim_k, value_heads, dim_v, device=dev, dtype=v.dtype),
            "dh0": new(state_shape, device=dev),
-           "dq_hv": torch.zeros(tokens, value_heads, dim_k, device=dev),
-           "dk_hv": torch.zeros(tokens, value_heads, dim_k, device=dev),
            "dv": torch.zeros_like(v), "dg": torch.zeros_like(g), "dbeta": torch.zeros_like(beta),
-           "dq": torch.empty_like(q), "dk": torch.empty_like(k)}
+           "dq": torch.zeros_like(q), "dk": torch.zeros_like(k)}
     launch_fused_forward(q, k, v, g, beta, None, ci, co, order, h0, out["final_state"], out["o"], scale,
                          use_qk_l2norm=use_qk_l2norm, form="head_rs", g_cum=g_cum, a_round=a_round, factors=factors,
                          states=out["states"])
     launch_state_backward(q, k, do, a_round, factors, ci, co, order, dht, out["dh0"], out["dstates"], scale,
                           use_qk_l2norm=use_qk_l2norm)
-    launch_chunk_backward(q, k, v, do, a_round, factors, out["states"], out["dstates"], ci, out["dq_hv"],
-                          out["dk_hv"], out["dv"], out["dg"], out["dbeta"], scale, use_qk_l2norm=use_qk_l2norm)
-    launch_qk_finalize(q, k, out["dq_hv"], out["dk_hv"], out["dq"], out["dk"], use_qk_l2norm=use_qk_l2norm)
+    launch_chunk_backward(q, k, v, do, a_round, factors, out["states"], out["dstates"], ci, out["dq"], out["dk"],
+                          out["dv"], out["dg"], out["dbeta"], scale, use_qk_l2norm=use_qk_l2norm)
     return out
 
 
@@ -128,13 +123,11 @@ class FusedBackward:
         effect on the fused backward: each document is one chain)."""
         batch, tokens, heads_v, dim_v = v.shape
         heads, dim_k = k.shape[2:]
-        if not serves(v.device, dim_k, dim_v, v.dtype):
+        if not serves(v.device, heads, heads_v, dim_k, dim_v, v.dtype):
             kwargs = {} if segment_chunks is None else {"segment_chunks": segment_chunks}
             return schedule.backward_calls(self.fallback, q, k, v, beta, g_cum, A, do, dht, scale=scale,
                                            initial_state=initial_state, cu_seqlens=cu_seqlens,
                                            use_qk_l2norm=use_qk_l2norm, dq=dq, dk=dk, dv=dv, **kwargs)
-        from dsfuse.gdn.triton.finalize import launch_qk_finalize
-
         n = batch * tokens
         q_, k_, v_, do_ = (t.reshape(n, *t.shape[2:]) for t in (q, k, v, do))
         bounds = packed_cu_seqlens(cu_seqlens, batch, tokens)
@@ -151,13 +144,13 @@ class FusedBackward:
         dh0 = new(state_shape, dtype=torch.float32)
         dht_ = torch.zeros(state_shape, device=v.device) if dht is None else dht
         dstates = new((chunks, dim_k, heads_v, dim_v), dtype=v.dtype)
-        dq_hv, dk_hv = (new((n, heads_v, dim_k), dtype=torch.float32) for _ in range(2))
+        dq_, dk_ = dq.view(n, heads, dim_k), dk.view(n, heads, dim_k)
         dv_, dg_, dbeta_ = dv.view(n, heads_v, dim_v), dg.view(n, heads_v), dbeta.view(n, heads_v)
         ci = table.indices
 
         def tails():  # tokens in no chunk (past the last document): zero gradients, as the stages give
             if bounds[-1] < n:
-                for t in (dv_, dg_, dbeta_, dq_hv, dk_hv):
+                for t in (dq_, dk_, dv_, dg_, dbeta_):
                     t[bounds[-1]:].zero_()
 
         calls = [
@@ -165,9 +158,7 @@ class FusedBackward:
                                                              table.order, dht_, dh0, dstates, scale,
                                                              use_qk_l2norm=use_qk_l2norm)),
             ("per-chunk gradients", lambda: (tails(), launch_chunk_backward(
-                q_, k_, v_, do_, a_round, factors, states, dstates, ci, dq_hv, dk_hv, dv_, dg_, dbeta_, scale,
+                q_, k_, v_, do_, a_round, factors, states, dstates, ci, dq_, dk_, dv_, dg_, dbeta_, scale,
                 use_qk_l2norm=use_qk_l2norm))),
-            ("finalize", lambda: launch_qk_finalize(q_, k_, dq_hv, dk_hv, dq.view(n, heads, dim_k),
-                                                    dk.view(n, heads, dim_k), use_qk_l2norm=use_qk_l2norm)),
         ]
         return calls, schedule.Gradients(dq, dk, dv, dg, dbeta, dh0 if initial_state is not None else None)

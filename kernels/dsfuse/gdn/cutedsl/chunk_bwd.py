@@ -4,9 +4,11 @@
 forward's saved ``round(S)`` at the chunk's start (`dsfuse.gdn.cutedsl.fused_fwd`, ``states``), the
 reverse chain's ``round(dS')`` after it (`dsfuse.gdn.cutedsl.state_bwd`), the preparing UT inverse's
 ``round(A Gamma)`` and rows' factors, and the chunk's q, k, v and dO rows. It writes dv, dbeta and
-dg of the chunk's tokens, and dq, dk of the value head with respect to the L2-normalised q and k in
-fp32 (``[T, HV, K]``): the value heads of a qk head are summed, then the L2 norm's backward applied,
-by a finalising kernel (the Triton stages' ``finalize`` in this form; in a fixed order).
+dg of the chunk's tokens, and dq, dk: the CTAs of a qk head's value heads on a chunk are one
+**cluster**; each leaves its fp32 dq, dk (with respect to the L2-normalised q and k) in its shared
+memory, and each sums a share of the chunk's rows over the cluster's value heads in head order,
+reading the others' partials through distributed shared memory, applies the L2 norm's backward and
+writes the rows once, rounded (no fp32 per-value-head gradients in memory, no atomics).
 
 With ``^`` the L2-normalised rows (``q^ = rstd_q q``; no scale without the L2 norm), ``G`` the
 chunk-local cumulative gate, ``Gamma_ij = exp(G_i - G_j)`` for ``j <= i``, ``A`` the gated inverse
@@ -33,9 +35,9 @@ puts them on the gated ``A`` the forward keeps.) ``rowsum((q^ S) dO)`` is read o
 
 Sums over a row of an accumulator: each thread's values of its two rows, the row's four lanes by
 butterfly shuffles, the two warpgroups' halves through shared memory, added in that order: the same
-bits every call. Seven phases, a barrier after each of the first five and one inside the last.
-Shared memory at K = V = 128, bf16 (tiles that take turns share storage): about 213 KiB, one CTA
-per SM.
+bits every call. Eight phases: a barrier after each of the first five, one inside the seventh, and
+the cluster's barriers around the eighth (the sum). Shared memory at K = V = 128, bf16 (tiles that
+take turns share storage): about 213 KiB, one CTA per SM.
 """
 
 from __future__ import annotations
@@ -45,7 +47,10 @@ import torch
 from dsfuse._common import cutedsl as _cd
 
 cutlass, cute = _cd.require()
-from cutlass import Float32, Int32
+from cutlass import Float32, Int32, const_expr
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T as _types
+from cutlass.cutlass_dsl import dsl_user_op
 
 from dsfuse.gdn.cutedsl import chunk
 from dsfuse.gdn.cutedsl import mma as _mma
@@ -53,12 +58,34 @@ from dsfuse.gdn.cutedsl import wgmma as _wg
 from dsfuse.gdn.cutedsl.chunk import CHUNK, DTYPES
 from dsfuse.gdn.cutedsl.fused_fwd_head import ALIGN, aligned_reasons, gate_qk
 from dsfuse.gdn.cutedsl.fused_fwd_ws import _vectors
-from dsfuse.gdn.cutedsl.state_bwd import ARCHS, shape_reasons
+from dsfuse.gdn.cutedsl import state_bwd
+from dsfuse.gdn.cutedsl.state_bwd import ARCHS
 from dsfuse.gdn.cutedsl.ut_inverse import FACTORS, prepared_reasons
 
 THREADS = 256  # two warpgroups
 WARPGROUPS = 2
 FACTOR_THREADS = len(FACTORS) * CHUNK * 4 // 16
+MAX_GROUP = 8  # value heads per qk head: a cluster of that many CTAs (8, the portable cluster size)
+
+
+def shape_reasons(dtype: torch.dtype, heads: int, value_heads: int, dim_k: int, dim_v: int) -> list[str]:
+    """Why this kernel cannot take these sizes (empty when it can): the reverse chain's, and at most
+    `MAX_GROUP` value heads per qk head (a cluster of their CTAs sums dq and dk)."""
+    reasons = state_bwd.shape_reasons(dtype, heads, value_heads, dim_k, dim_v)
+    if heads > 0 and value_heads % heads == 0 and value_heads // heads > MAX_GROUP:
+        reasons.append(f"the per-chunk gradients take at most {MAX_GROUP} value heads per qk head (a cluster of "
+                       f"their CTAs), not {value_heads // heads}")
+    return reasons
+
+
+@dsl_user_op
+def _load_cluster(ptr, *, loc=None, ip=None) -> Float32:
+    """An fp32 load from a cluster peer's shared memory (``ptr`` from ``cute.arch.map_dsmem_ptr``):
+    ``ld.shared::cluster``, which the DSL's element access does not emit for such a pointer."""
+    addr = Int32(ptr.toint(loc=loc, ip=ip)).ir_value(loc=loc, ip=ip)
+    return Float32(llvm.inline_asm(_types.f32(), [addr], "ld.shared::cluster.f32 $0, [$1];", "=f,r",
+                                   has_side_effects=True, is_align_stack=False,
+                                   asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
 
 
 @cute.jit
@@ -82,8 +109,8 @@ def row_sums(vals: cute.Tensor, coords: cute.Tensor, sPart: cute.Tensor, u: Int3
 
 class ChunkBackward:
     """``(q, k, v, do, a_round, factors, states, dstates, chunk_indices, dq, dk, dv, dg, dbeta, scale)``:
-    grid (NC, HV) of 256 threads (module docstring); ``states``, ``dstates`` ``[NC * K, HV, V]``,
-    ``dq``, ``dk`` fp32 ``[T, HV, K]``."""
+    grid (NC, HV) of 256 threads in clusters of ``HV / H`` (module docstring); ``states``, ``dstates``
+    ``[NC * K, HV, V]``, ``dq``, ``dk`` ``[T, H, K]``."""
 
     def __init__(self, dtype: torch.dtype, heads: int, value_heads: int, dim_k: int, dim_v: int, l2norm: bool):
         self.dtype, self.heads, self.value_heads, self.dim_k, self.dim_v, self.l2norm = (
@@ -94,7 +121,8 @@ class ChunkBackward:
                  mF: cute.Tensor, mS: cute.Tensor, mDS: cute.Tensor, mChunks: cute.Tensor, mDq: cute.Tensor,
                  mDk: cute.Tensor, mDv: cute.Tensor, mDg: cute.Tensor, mDbeta: cute.Tensor, scale: Float32, stream):
         self.kernel(mQ, mK, mV, mDO, mA, mF, mS, mDS, mChunks, mDq, mDk, mDv, mDg, mDbeta, scale).launch(
-            grid=[mChunks.shape[0], self.value_heads, 1], block=[THREADS, 1, 1], stream=stream)
+            grid=[mChunks.shape[0], self.value_heads, 1], block=[THREADS, 1, 1],
+            cluster=[1, self.value_heads // self.heads, 1], stream=stream)
 
     @cute.kernel
     def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mDO: cute.Tensor, mA: cute.Tensor,
@@ -113,7 +141,10 @@ class ChunkBackward:
         buf_s = smem.allocate(K * V * 2, 1024)  # round(S) at the chunk's start, then E (fp32)
         sS = over(buf_s, ab, K, V)
         sE = cute.make_tensor(cute.recast_ptr(buf_s, dtype=Float32), cute.make_layout((C, C), stride=(C, 1)))
-        sDS = tile(smem, ab, K, V)  # round(dS'), the gradient of the state after the chunk
+        buf_ds = smem.allocate(K * V * 2, 1024)  # round(dS'), the gradient of the state after the chunk,
+        sDS = over(buf_ds, ab, K, V)              # then this value head's dq^ (fp32) for the cluster's sum
+        sDqP = cute.make_tensor(cute.recast_ptr(buf_ds, dtype=Float32), cute.make_layout((C, K), stride=(K, 1)))
+        sDkP = cute.make_tensor(cute.recast_ptr(buf_s, dtype=Float32), cute.make_layout((C, K), stride=(K, 1)))
         sA = tile(smem, ab, C, C)  # round(A Gamma)
         sF = chunk.tile(smem, Float32, len(FACTORS), C)
         buf_v = smem.allocate(C * V * 2, 1024)  # v, then round(dv_new), then round(A^T dA)
@@ -291,17 +322,15 @@ class ChunkBackward:
         _wg.fence_writes()
         cute.arch.sync_threads()
 
-        # 6. dq^ += W4 k; dk^ += W1^T q + W2 k + W3^T k; both to memory (fp32, the chunk's rows)
+        # 6. dq^ += W4 k; dk^ += W1^T q + W2 k + W3^T k; dq^ into shared memory (fp32, on dS''s
+        #    storage) for the cluster's sum
         _wg.gemm(mma_ck_kn, acc_q, _wg.operands(mma_ck_kn, u, sW4, T(sK)), wait=False)
         _wg.gemm(mma_ck_nn, acc_k, _wg.operands(mma_ck_nn, u, T(sW1), T(sQ)), wait=False)
         _wg.gemm(mma_ck_kn, acc_k, _wg.operands(mma_ck_kn, u, sW2, T(sK)), wait=False)
         _wg.gemm(mma_ck_nn, acc_k, _wg.operands(mma_ck_nn, u, T(sW3), T(sK)), wait=False)
         _wg.wait()
         for i in cutlass.range_constexpr(cute.size(acc_q)):
-            r, c = cCV[i][0], cCV[i][1]
-            if r < rows:
-                mDq[start + r, i_hv, c] = acc_q[i]
-                mDk[start + r, i_hv, c] = acc_k[i]
+            sDqP[cCV[i][0], cCV[i][1]] = acc_q[i]
 
         # 7. dbeta and dG by the chunk's rows (threads t < C): E's row and column sums, the partial
         #    sums by warpgroup in order; dG_last takes exp(G_last) <S, dS'> and the state terms' sum;
@@ -331,6 +360,38 @@ class ChunkBackward:
             dg = dg + sDG[t]
             if t < rows:
                 mDg[start + t, i_hv] = dg
+        for i in cutlass.range_constexpr(cute.size(acc_k)):  # E's last reads were before the barrier above
+            sDkP[cCV[i][0], cCV[i][1]] = acc_k[i]
+
+        # 8. the cluster (the qk head's value heads, this chunk) sums dq^ and dk^ in head order, each CTA
+        #    a share of the rows, reading the others' partials from their shared memory; then the L2
+        #    norm's backward, dx = rstd (dx^ - x^ (dx^ . x^)), and the rows rounded into dq, dk
+        cute.arch.cluster_arrive()
+        cute.arch.cluster_wait()
+        group = self.value_heads // self.heads
+        rank = cute.arch.block_idx_in_cluster()
+        warp, lane = u // 32, u % 32
+        for part, sX, mOut, first in ((sDqP, sQ, mDq, 0), (sDkP, sK, mDk, C)):
+            for r in cutlass.range(rank * C // group + warp, (rank + 1) * C // group, THREADS // 32, unroll=1):
+                vals = cute.make_rmem_tensor((K // 32,), Float32)
+                for j in cutlass.range_constexpr(K // 32):
+                    total = Float32(0.0)
+                    for g in cutlass.range_constexpr(group):
+                        total = total + _load_cluster(cute.arch.map_dsmem_ptr(part.iterator + (r * K + lane + 32 * j), g))
+                    vals[j] = total
+                if const_expr(self.l2norm):
+                    rstd = sRstd[first + r]
+                    dot = Float32(0.0)
+                    for j in cutlass.range_constexpr(K // 32):
+                        dot = dot + vals[j] * (sX[r, lane + 32 * j].to(Float32) * rstd)
+                    dot = cute.arch.warp_reduction(dot, lambda a, b: a + b)
+                    for j in cutlass.range_constexpr(K // 32):
+                        vals[j] = rstd * (vals[j] - sX[r, lane + 32 * j].to(Float32) * rstd * dot)
+                if r < rows:
+                    for j in cutlass.range_constexpr(K // 32):
+                        mOut[start + r, i_h, lane + 32 * j] = vals[j].to(mOut.element_type)
+        cute.arch.cluster_arrive()  # the partials stay until every CTA of the cluster has read them
+        cute.arch.cluster_wait()
 
 
 CACHE = _cd.KernelCache()  # (dtype, H, HV, K, V, l2norm, arch) -> compiled function
@@ -355,12 +416,10 @@ def _fake_tensors(dtype: torch.dtype, heads: int, value_heads: int, dim_k: int, 
     states = [cute.runtime.make_fake_tensor(cdt, (cute.sym_int(), value_heads, dim_v), (value_heads * dim_v, dim_v, 1),
                                             assumed_align=ALIGN) for _ in range(2)]
     table = cute.runtime.make_fake_tensor(Int32, (chunks, 3), (3, 1))
-    dq, dk = (cute.runtime.make_fake_tensor(Float32, (tokens, value_heads, dim_k), (value_heads * dim_k, dim_k, 1),
-                                            assumed_align=ALIGN) for _ in range(2))
     gates = [cute.runtime.make_fake_tensor(elem, (tokens, value_heads), (cute.sym_int64(), cute.sym_int64()))
              for elem in (Float32, cdt)]
     return (rows(heads, dim_k), rows(heads, dim_k), rows(value_heads, dim_v), rows(value_heads, dim_v), a_round,
-            factors, *states, table, dq, dk, rows(value_heads, dim_v), *gates)
+            factors, *states, table, rows(heads, dim_k), rows(heads, dim_k), rows(value_heads, dim_v), *gates)
 
 
 def compile_chunk_backward(dtype: torch.dtype, heads: int, value_heads: int, dim_k: int, dim_v: int, l2norm: bool,
@@ -381,26 +440,27 @@ def compile_chunk_backward(dtype: torch.dtype, heads: int, value_heads: int, dim
 def launch_chunk_backward(q, k, v, do, a_round, factors, states, dstates, chunk_indices, dq, dk, dv, dg, dbeta,
                           scale: float, *, use_qk_l2norm: bool = False) -> None:
     """Write, for the tokens of every chunk of ``chunk_indices``, ``dv`` ``[T, HV, V]`` (v's dtype), ``dg``
-    fp32 and ``dbeta`` (beta's dtype, q's) ``[T, HV]``, and ``dq``, ``dk`` fp32 ``[T, HV, K]``: each value
-    head's gradients with respect to the L2-normalised q and k (the rows as read without the L2
-    norm), before the value heads of a qk head are summed.
+    fp32 and ``dbeta`` (beta's dtype, q's) ``[T, HV]``, and ``dq``, ``dk`` ``[T, H, K]`` (q's dtype): the
+    gradients of the inputs, the value heads of each qk head summed in head order in fp32 and the
+    L2 norm's backward applied (with ``use_qk_l2norm``) before one rounding.
 
     ``q``, ``k`` ``[T, H, K]``, ``v``, ``do``, ``dv`` ``[T, HV, V]`` in one 16-bit dtype, unit channel
     stride, 16-byte aligned rows; ``a_round``, ``factors``: the forward's preparing UT inverse's;
     ``states``: the forward's saved ``round(S)`` (`dsfuse.gdn.cutedsl.fused_fwd.launch_fused_forward`),
     ``dstates``: the reverse chain's ``round(dS')`` (`dsfuse.gdn.cutedsl.state_bwd.launch_state_backward`),
-    both ``[NC, K, HV, V]`` contiguous; ``dq``, ``dk`` contiguous."""
+    both ``[NC, K, HV, V]`` contiguous; ``dq``, ``dk`` any token and head strides (head views of a packed
+    gradient row), unit channel stride."""
     heads, dim_k = k.shape[1:]
     value_heads, dim_v = v.shape[1:]
     if reasons := shape_reasons(q.dtype, heads, value_heads, dim_k, dim_v):
         raise ValueError("launch_chunk_backward: " + "; ".join(reasons))
     tokens, chunks = q.shape[0], chunk_indices.shape[0]
-    if not (q.dtype == k.dtype == v.dtype == do.dtype == dv.dtype == dbeta.dtype) or q.shape != k.shape or any(
-            x.shape != v.shape for x in (do, dv)) or v.shape[0] != tokens:
-        raise ValueError("launch_chunk_backward: q, k [T, H, K], v, do, dv [T, HV, V] and dbeta in one dtype")
-    if any(x.stride(-1) != 1 for x in (q, k, v, do, dv)):
-        raise ValueError("launch_chunk_backward: q, k, v, do, dv need unit channel stride")
-    if reasons := aligned_reasons(q=q, k=k, v=v, do=do, dv=dv):
+    if not (q.dtype == k.dtype == v.dtype == do.dtype == dv.dtype == dbeta.dtype == dq.dtype == dk.dtype) or any(
+            x.shape != q.shape for x in (k, dq, dk)) or any(x.shape != v.shape for x in (do, dv)) or v.shape[0] != tokens:
+        raise ValueError("launch_chunk_backward: q, k, dq, dk [T, H, K], v, do, dv [T, HV, V] and dbeta in one dtype")
+    if any(x.stride(-1) != 1 for x in (q, k, v, do, dv, dq, dk)):
+        raise ValueError("launch_chunk_backward: q, k, v, do, dv, dq, dk need unit channel stride")
+    if reasons := aligned_reasons(q=q, k=k, v=v, do=do, dv=dv, dq=dq, dk=dk):
         raise ValueError("launch_chunk_backward: " + "; ".join(reasons))
     if reasons := prepared_reasons(a_round, factors, tokens, value_heads, chunks, q.dtype, q.device):
         raise ValueError("launch_chunk_backward: " + "; ".join(reasons))
@@ -410,11 +470,6 @@ def launch_chunk_backward(q, k, v, do, a_round, factors, states, dstates, chunk_
                 or x.device != q.device):
             raise ValueError(f"launch_chunk_backward: {name} must be [NC, K, HV, V] = {want} in {q.dtype}, "
                              f"contiguous, 16-byte aligned; got {tuple(x.shape)} {x.dtype}")
-    for name, x in (("dq", dq), ("dk", dk)):
-        if (tuple(x.shape) != (tokens, value_heads, dim_k) or x.dtype != torch.float32 or not x.is_contiguous()
-                or x.data_ptr() % ALIGN):
-            raise ValueError(f"launch_chunk_backward: {name} must be fp32 [T, HV, K] contiguous, got "
-                             f"{tuple(x.shape)} {x.dtype}")
     if dg.shape != (tokens, value_heads) or dg.dtype != torch.float32 or dbeta.shape != dg.shape:
         raise ValueError("launch_chunk_backward: dg fp32 and dbeta [T, HV]")
     fn = CACHE.get((q.dtype, heads, value_heads, dim_k, dim_v, use_qk_l2norm, _cd.arch_of(q.device)),

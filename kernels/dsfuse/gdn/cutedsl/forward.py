@@ -198,7 +198,7 @@ class FusedForward:
         new = functools.partial(torch.empty, device=v.device)
         g_cum = new((n, heads_v), dtype=torch.float32)
         form = form_of(v.device, dim_v)
-        fused_saves = save and _backward.serves(v.device, dim_k, dim_v, v.dtype)  # what the fused backward reads
+        fused_saves = save and _backward.serves(v.device, k.shape[-2], heads_v, dim_k, dim_v, v.dtype)  # its reads
         # the head form reads A; the prepared forms read round(A) and the factors; the Triton backward A
         keep_a = (save and not fused_saves) or form not in fused_fwd.PREPARED_FORMS
         a = new((n if keep_a else 0, heads_v, CHUNK_SIZE), dtype=torch.float32)
