@@ -11,11 +11,11 @@ the forward ran ``head_rs`` (the Triton stages' backward elsewhere).
   16-byte aligned), else Triton; on Blackwell it serves only calls that name it (``head`` form,
   not measured there);
 * ``backward``: `dsfuse.gdn.cutedsl.backward.FusedBackward`: where the saving forward ran ``head_rs``
-  at K = 128 (`dsfuse.gdn.cutedsl.backward.serves`: sm_90a, K = V = 128, bf16 or fp16), the fused
-  backward from what it kept (``round(A Gamma)``, the rows' factors, ``round(S)`` of every chunk):
-  the reverse state chain, the per-chunk gradients, and the Triton stages' ``finalize`` for the
-  value heads' sum and the L2 norm's backward; elsewhere the Triton stages (`dsfuse.gdn.triton`)
-  from the fp32 ``A`` the forward kept for them.
+  at K = 128 (`dsfuse.gdn.cutedsl.backward.serves`: sm_90a, K = V = 128, bf16 or fp16, at most 8
+  value heads per qk head), the fused backward from what it kept (``round(A Gamma)``, the rows'
+  factors, ``round(S)`` of every chunk): the reverse state chain, then the per-chunk gradients with
+  the value heads' sum and the L2 norm's backward; elsewhere the Triton stages
+  (`dsfuse.gdn.triton`) from the fp32 ``A`` the forward kept for them.
 
 It does not serve ``stages`` (the state-pass split of long documents and context parallelism's
 passes): a ``cp_group`` call under ``auto`` runs the Triton stages. Kernel modules (``KERNELS``,
@@ -39,10 +39,11 @@ compiled for sm_90a and sm_100a by the CPU tests through their ``AOT_SPECS``):
   of every chunk and ``dh0`` from the preparing inverse's ``round(A Gamma)`` and factors, ``dO`` and
   the final state's gradient, sm_90a; checked against the design's float64 chain by
   ``tests/gdn/test_gdn_cutedsl_state_backward.py``.
-* ``chunk_bwd``: the fused backward's per-chunk gradients (kernel 3 of the same note): dv, dg, dbeta and each value head's dq, dk from the forward's saved states and
-  the chain's ``round(dS')``, one CTA per chunk and value head, sm_90a; ``backward.fused_backward``
-  strings the forward and the three kernels together (the value heads' sum and the L2 norm's
-  backward by the Triton stages' ``finalize``), checked against the float64 reference by
+* ``chunk_bwd``: the fused backward's per-chunk gradients (kernel 3 of the same note): dv, dg, dbeta,
+  and dq, dk summed over a qk head's value heads by a cluster of their CTAs (distributed shared
+  memory, head order) with the L2 norm's backward, from the forward's saved states and the chain's
+  ``round(dS')``, one CTA per chunk and value head, sm_90a; ``backward.fused_backward`` strings the
+  forward and the two backward kernels together, checked against the float64 reference by
   ``tests/gdn/test_gdn_cutedsl_chunk_backward.py``.
 * ``chunk``: what those kernels do to a chunk alike (loads, L2-norm scales, cumulative gate, gate
   vectors) and the fused forwards' signature and grid (``ChainKernel``).
