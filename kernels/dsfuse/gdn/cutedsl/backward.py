@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from dsfuse.gdn.cutedsl.chunk_bwd import launch_chunk_backward
+from dsfuse.gdn.cutedsl.fused_fwd_head import aligned_reasons
 from dsfuse.gdn.cutedsl.fused_fwd import launch_fused_forward
 from dsfuse.gdn.cutedsl.state_bwd import launch_state_backward
 from dsfuse.gdn.cutedsl.ut_inverse import FACTORS, launch_ut_inverse
@@ -130,6 +131,8 @@ class FusedBackward:
                                            use_qk_l2norm=use_qk_l2norm, dq=dq, dk=dk, dv=dv, **kwargs)
         n = batch * tokens
         q_, k_, v_, do_ = (t.reshape(n, *t.shape[2:]) for t in (q, k, v, do))
+        if aligned_reasons(do=do_):  # rows the 16-byte copies cannot read: a copy (the same values)
+            do_ = do_.contiguous()
         bounds = packed_cu_seqlens(cu_seqlens, batch, tokens)
         table = schedule.chunk_table(bounds, v.device)
         chunks = table.indices.shape[0]
