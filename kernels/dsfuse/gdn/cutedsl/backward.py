@@ -132,7 +132,7 @@ class FusedBackward:
         n = batch * tokens
         q_, k_, v_, do_ = (t.reshape(n, *t.shape[2:]) for t in (q, k, v, do))
         if aligned_reasons(do=do_):  # rows the 16-byte copies cannot read: a copy (the same values)
-            do_ = do_.contiguous()
+            do_ = do_.clone(memory_format=torch.contiguous_format)
         bounds = packed_cu_seqlens(cu_seqlens, batch, tokens)
         table = schedule.chunk_table(bounds, v.device)
         chunks = table.indices.shape[0]
