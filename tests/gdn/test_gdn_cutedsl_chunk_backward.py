@@ -134,8 +134,9 @@ def test_the_fused_backward_matches_the_float64_reference(dtype, l2, heads):
         assert_rel_rms(got["dh0"][n].double().cpu(), want[5][n], TOLERANCES["dh0"], f"dh0, document {n}")
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("tokens, docs", [(1, 1), (392 + TAIL, 6), (32768, 5), (65, 2)])
-def test_the_saved_buffer_holds_its_three_parts_apart(tokens, docs):
+def test_the_saved_buffer_holds_its_three_parts_apart(tokens, docs, dtype):
     """`saved_views` of a buffer of `saved_rows`: ``round(A Gamma)``, the factors and the states in bounds,
     16-byte aligned, not overlapping, for the most chunks the documents can have (CPU)."""
     from dsfuse.gdn.cutedsl.backward import saved_rows, saved_views
@@ -143,9 +144,9 @@ def test_the_saved_buffer_holds_its_three_parts_apart(tokens, docs):
     hv, d = 3, 128
     chunks = -(-tokens // 64) + docs
     saved = torch.zeros(saved_rows(tokens, docs, d, d), hv, 64)
-    parts = saved_views(saved, tokens, chunks, d, d)
+    parts = saved_views(saved, tokens, chunks, d, d, dtype)
     assert [tuple(p.shape) for p in parts] == [(tokens, hv, 64), (chunks * 8, hv, 64), (chunks, d, hv, d)]
-    assert [p.dtype for p in parts] == [torch.bfloat16, torch.float32, torch.bfloat16]
+    assert [p.dtype for p in parts] == [dtype, torch.float32, dtype]
     spans = sorted((p.data_ptr(), p.data_ptr() + p.numel() * p.element_size()) for p in parts)
     base, end = saved.data_ptr(), saved.data_ptr() + saved.numel() * 4
     assert all(p.is_contiguous() and p.data_ptr() % 16 == 0 for p in parts)
@@ -154,8 +155,8 @@ def test_the_saved_buffer_holds_its_three_parts_apart(tokens, docs):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("l2", [True, False])
-def test_chunk_gdn_runs_the_fused_backward(l2):
+@pytest.mark.parametrize("dtype, l2", [(torch.bfloat16, True), (torch.bfloat16, False), (torch.float16, False)])
+def test_chunk_gdn_runs_the_fused_backward(dtype, l2):
     """``chunk_gdn(backend="cutedsl")`` at K = V = 128 keeps the fused backward's buffer (its shape the
     traced forward's, `_forward_fake`) and its gradients are the bits of `fused_backward` on the same
     inputs (not the Triton stages'); a forward without grad keeps nothing."""
@@ -166,7 +167,7 @@ def test_chunk_gdn_runs_the_fused_backward(l2):
     from dsfuse.gdn.api import _forward_fake, forward_ops
     from dsfuse.gdn.cutedsl.backward import fused_backward
 
-    x = {name: t.cuda() for name, t in _inputs(2, 4, torch.bfloat16, l2, seed=9).items()}
+    x = {name: t.cuda() for name, t in _inputs(2, 4, dtype, l2, seed=9).items()}
     cu = [0, *itertools.accumulate(LENGTHS)]
     t = sum(LENGTHS)
     leaves = {name: x[name][:t][None].clone().requires_grad_() for name in ("q", "k", "v", "g", "beta")}

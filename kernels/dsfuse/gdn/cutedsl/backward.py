@@ -41,16 +41,17 @@ def saved_rows(tokens: int, docs: int, dim_k: int, dim_v: int) -> int:
     return -(-tokens // 2) + chunks * (len(FACTORS) + dim_k * dim_v // 128)
 
 
-def saved_views(saved: torch.Tensor, tokens: int, chunks: int, dim_k: int, dim_v: int):
+def saved_views(saved: torch.Tensor, tokens: int, chunks: int, dim_k: int, dim_v: int, dtype: torch.dtype):
     """``(a_round, factors, states)``: views of ``saved`` (fp32 ``[saved_rows(..), HV, 64]``, contiguous)
-    as ``[T, HV, 64]`` and ``[NC, K, HV, V]`` in bf16 and ``[NC * 8, HV, 64]`` fp32, each 16-byte aligned."""
+    as ``[T, HV, 64]`` and ``[NC, K, HV, V]`` in ``dtype`` (the inputs', 16-bit) and ``[NC * 8, HV, 64]``
+    fp32, each 16-byte aligned."""
     value_heads = saved.shape[1]
     flat = saved.view(saved.shape[0], -1)  # rows of 64 HV fp32
     a_rows = -(-tokens // 2)
-    a_round = flat[:a_rows].view(torch.bfloat16).reshape(-1)[: tokens * value_heads * CHUNK_SIZE]
+    a_round = flat[:a_rows].view(dtype).reshape(-1)[: tokens * value_heads * CHUNK_SIZE]
     factors = flat[a_rows: a_rows + chunks * len(FACTORS)].view(-1, value_heads, CHUNK_SIZE)
     first = a_rows + chunks * len(FACTORS)
-    states = flat[first: first + chunks * dim_k * dim_v // 128].view(torch.bfloat16)
+    states = flat[first: first + chunks * dim_k * dim_v // 128].view(dtype)
     return (a_round.view(tokens, value_heads, CHUNK_SIZE), factors,
             states.reshape(chunks, dim_k, value_heads, dim_v))
 
@@ -136,7 +137,7 @@ class FusedBackward:
         bounds = packed_cu_seqlens(cu_seqlens, batch, tokens)
         table = schedule.chunk_table(bounds, v.device)
         chunks = table.indices.shape[0]
-        a_round, factors, states = saved_views(A, n, chunks, dim_k, dim_v)
+        a_round, factors, states = saved_views(A, n, chunks, dim_k, dim_v, v.dtype)
         new = functools.partial(torch.empty, device=v.device)
         dq = new((batch, tokens, heads, dim_k), dtype=q.dtype) if dq is None else dq
         dk = new((batch, tokens, heads, dim_k), dtype=k.dtype) if dk is None else dk

@@ -211,7 +211,7 @@ class FusedForward:
         if fused_saves:
             saved = new((_backward.saved_rows(n, table.num_seqs, dim_k, dim_v), heads_v, CHUNK_SIZE),
                         dtype=torch.float32)
-            a_round, factors, states = _backward.saved_views(saved, n, table.indices.shape[0], dim_k, dim_v)
+            a_round, factors, states = _backward.saved_views(saved, n, table.indices.shape[0], dim_k, dim_v, v.dtype)
             prepared = {"a_round": a_round, "factors": factors.view(-1, heads_v, CHUNK_SIZE)}
         elif form in fused_fwd.PREPARED_FORMS:
             prepared = {"a_round": new((n, heads_v, CHUNK_SIZE), dtype=v.dtype),
