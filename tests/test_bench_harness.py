@@ -310,3 +310,37 @@ def test_own_process_names_listed_providers_and_raises_the_workers_errors(tmp_pa
     with pytest.raises(RuntimeError, match=r"(?s)own process of \['control'\], 'check_before'.*KeyError: 'tiny_fwd'"):
         harness.run_experiment(fake_apart_experiment2, config, tmp_path / "raw", torch.device("cpu"), run_id="cut")
     assert (tmp_path / "raw" / "cut" / harness.UNFINISHED).exists()
+
+
+def test_graph_part_rows_time_each_part_from_its_own_graph(monkeypatch, tmp_path, capsys):
+    """A probe's parts: each captured once, its replays timed in the evicted regime, one row per sample
+    with the caller's columns; `write_part_medians` writes them and prints the medians by case and part."""
+    from dsfuse.bench import harness
+
+    captured, timed = [], []
+
+    class Graph:
+        def __init__(self, fn):
+            self.replay = fn
+
+    def capture(fn, device):
+        captured.append(fn())
+        return Graph(fn), None
+
+    class FakeTimer:
+        def samples(self, fn, regime, n, reps):
+            timed.append((fn(), regime, n, reps))
+            return [float(10 * len(timed) + i) for i in range(n)]
+
+    monkeypatch.setattr(harness, "capture_graph", capture)
+    parts = [("a", lambda: "ran a"), ("b", lambda: "ran b")]
+    rows = harness.graph_part_rows(parts, FakeTimer(), 3, None, case="c1", l2norm=True)
+    assert captured == [("ran a",), ("ran b",)]
+    assert timed == [(("ran a",), "evicted", 3, 1), (("ran b",), "evicted", 3, 1)]
+    assert rows[0] == {"case": "c1", "l2norm": True, "part": "a", "sample": 0, "us": 10.0}
+    assert [(r["part"], r["us"]) for r in rows] == [("a", 10.0), ("a", 11.0), ("a", 12.0),
+                                                    ("b", 20.0), ("b", 21.0), ("b", 22.0)]
+    harness.write_part_medians(tmp_path, rows, 3)
+    assert (tmp_path / "samples.csv").read_text().splitlines()[0] == "case,l2norm,part,sample,us"
+    out = capsys.readouterr().out
+    assert "11.0" in out and "21.0" in out

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 from dsfuse.bench import env as env_mod
 from dsfuse.bench import gdn
-from dsfuse.bench.harness import Timer, capture_graph, load_config, rel_rms, write_csv
+from dsfuse.bench.harness import Timer, graph_part_rows, load_config, rel_rms, write_csv, write_part_medians
 from dsfuse.bench.paths import cli_path
 
 DEFAULT_CONFIG = "experiments/gdn/configs/h200-fwd.yaml"
@@ -115,14 +115,8 @@ def case_rows(case, timer: Timer, samples: int, device: torch.device) -> list[di
     parts = [("forward_saving", forward), ("state_bwd", chain), ("chunk_bwd", per_chunk), ("fused_backward", fused),
              ("triton_backward", triton)]
     parts += [(f"triton_{name.replace(' ', '_').replace(',', '')}", launch) for name, launch in bwd_calls]
-    rows = []
-    for part, fn in parts:
-        graph, _ = capture_graph(lambda fn=fn: (fn(),), device)
-        for i, us in enumerate(timer.samples(graph.replay, "evicted", samples, 1)):
-            rows.append({"case": case.name, "tokens": p["tokens"], "value_heads": hv, "l2norm": l2, "part": part,
-                         "sample": i, "us": us})
-        del graph
-    return rows
+    return graph_part_rows(parts, timer, samples, device, case=case.name, tokens=p["tokens"], value_heads=hv,
+                           l2norm=l2)
 
 
 def step_rows(case, device: torch.device, repeats: int = 5) -> list[dict]:
@@ -194,11 +188,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     timer = Timer(device, FLUSH_BYTES)
     rows = [row for case in cases for row in case_rows(case, timer, args.samples, device)]
-    write_csv(args.out / "samples.csv", rows)
-    table = pd.DataFrame(rows).groupby(["case", "part"], sort=False)["us"].median().unstack("part")
-    print(f"median us per call, CUDA Graph replay, L2 evicted ({args.samples} samples)")
-    print(table.round(1).to_string())
-    print(f"wrote {args.out / 'samples.csv'}, {args.out / 'env.json'}")
+    write_part_medians(args.out, rows, args.samples)
     return 0
 
 

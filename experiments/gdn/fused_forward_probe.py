@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 from dsfuse.bench import env as env_mod
 from dsfuse.bench import gdn
-from dsfuse.bench.harness import Timer, capture_graph, load_config, rel_rms, write_csv
+from dsfuse.bench.harness import Timer, graph_part_rows, load_config, rel_rms, write_part_medians
 from dsfuse.bench.paths import cli_path
 
 DEFAULT_CONFIG = "experiments/gdn/configs/h200.yaml"
@@ -157,15 +157,8 @@ def case_rows(case, timer: Timer, samples: int, device: torch.device, only: set[
             plan = forward.stages(bounds, hv, torch.cuda.get_device_properties(device).multi_processor_count, overlap)
             print(f"{case.name}: {part}, stages {plan}: the bits of one stage")
             parts.append((part, lambda overlap=overlap: served(overlap)))
-    for part, fn in parts:
-        if only and part not in only:
-            continue
-        graph, _ = capture_graph(lambda fn=fn: (fn(),), device)
-        for i, us in enumerate(timer.samples(graph.replay, "evicted", samples, 1)):
-            rows.append({"case": case.name, "tokens": p["tokens"], "value_heads": hv, "l2norm": l2, "part": part,
-                         "sample": i, "us": us})
-        del graph
-    return rows
+    return rows + graph_part_rows([(part, fn) for part, fn in parts if not only or part in only], timer, samples,
+                                  device, case=case.name, tokens=p["tokens"], value_heads=hv, l2norm=l2)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -180,7 +173,6 @@ def main(argv: list[str] | None = None) -> int:
         print("fused_forward_probe.py needs a CUDA GPU and the cutedsl extra. Run it on the GPU machine.",
               file=sys.stderr)
         return 2
-    import pandas as pd
 
     device = torch.device("cuda")
     config = load_config(cli_path(args.config)) | {"modes": ["fwd"]}
@@ -189,11 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     timer = Timer(device, FLUSH_BYTES)
     only = set(args.parts.split(",")) if args.parts else None
     rows = [row for case in gdn.cases(config)[: args.cases] for row in case_rows(case, timer, args.samples, device, only)]
-    write_csv(args.out / "samples.csv", rows)
-    table = pd.DataFrame(rows).groupby(["case", "part"], sort=False)["us"].median().unstack("part")
-    print(f"median us per call, CUDA Graph replay, L2 evicted ({args.samples} samples)")
-    print(table.round(1).to_string())
-    print(f"wrote {args.out / 'samples.csv'}, {args.out / 'env.json'}")
+    write_part_medians(args.out, rows, args.samples)
     return 0
 
 

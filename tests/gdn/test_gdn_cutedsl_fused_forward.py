@@ -484,18 +484,25 @@ def test_the_per_head_form_refuses_rows_it_cannot_copy_in_16_bytes():
             launch_fused_forward(q, k, v, g, beta, a, ci, co, order, h0, h0.clone(), bad, 1.0, form="head")
 
 
+def _cpu_launch_args():
+    """``(t, h, d, (q, k, v, g, beta, a, ci, co, order, h0, o), prepared)``: CPU tensors of a prepared form's
+    launch (two chunks, one document), for the checks that refuse before any launch."""
+    t, h, d = 70, 2, 64
+    q, k, v = (torch.zeros(t, h, d, dtype=torch.bfloat16) for _ in range(3))
+    g, beta, a = torch.zeros(t, h), torch.zeros(t, h, dtype=torch.bfloat16), torch.zeros(t, h, 64)
+    ci, co, order = torch.zeros(2, 3, dtype=torch.int32), torch.zeros(2, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
+    h0, o = torch.zeros(1, h, d, d), torch.zeros(t, h, d, dtype=torch.bfloat16)
+    prepared = {"a_round": torch.zeros(t, h, 64, dtype=torch.bfloat16), "factors": torch.zeros(2 * 8, h, 64)}
+    return t, h, d, (q, k, v, g, beta, a, ci, co, order, h0, o), prepared
+
+
 def test_the_prepared_inputs_are_checked_before_any_launch():
     """The ``head_ws`` form's ``a_round`` and ``factors``: refused by name when missing, given to another
     form, of the wrong shape or dtype, or on another device than v (CPU tensors: no launch)."""
     cutedsl_or_skip()
     from dsfuse.gdn.cutedsl.fused_fwd import launch_fused_forward
 
-    t, h, d = 70, 2, 64
-    q, k, v = (torch.zeros(t, h, d, dtype=torch.bfloat16) for _ in range(3))
-    g, beta, a = torch.zeros(t, h), torch.zeros(t, h, dtype=torch.bfloat16), torch.zeros(t, h, 64)
-    ci, co, order = torch.zeros(2, 3, dtype=torch.int32), torch.zeros(2, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
-    h0, o = torch.zeros(1, h, d, d), torch.zeros(t, h, d, dtype=torch.bfloat16)
-    good = {"a_round": torch.zeros(t, h, 64, dtype=torch.bfloat16), "factors": torch.zeros(2 * 8, h, 64)}
+    t, h, d, (q, k, v, g, beta, a, ci, co, order, h0, o), good = _cpu_launch_args()
 
     def launch(form="head_ws", g_cum=g, **prepared):
         launch_fused_forward(q, k, v, g, beta, a, ci, co, order, h0, h0.clone(), o, 1.0, form=form, g_cum=g_cum,
@@ -522,12 +529,7 @@ def test_the_states_are_checked_before_any_launch():
     cutedsl_or_skip()
     from dsfuse.gdn.cutedsl.fused_fwd import launch_fused_forward
 
-    t, h, d = 70, 2, 64
-    q, k, v = (torch.zeros(t, h, d, dtype=torch.bfloat16) for _ in range(3))
-    g, beta, a = torch.zeros(t, h), torch.zeros(t, h, dtype=torch.bfloat16), torch.zeros(t, h, 64)
-    ci, co, order = torch.zeros(2, 3, dtype=torch.int32), torch.zeros(2, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
-    h0, o = torch.zeros(1, h, d, d), torch.zeros(t, h, d, dtype=torch.bfloat16)
-    good = {"a_round": torch.zeros(t, h, 64, dtype=torch.bfloat16), "factors": torch.zeros(2 * 8, h, 64)}
+    t, h, d, (q, k, v, g, beta, a, ci, co, order, h0, o), good = _cpu_launch_args()
     states = torch.zeros(2, d, h, d, dtype=torch.bfloat16)  # [NC, K, HV, V]
 
     def launch(states, form="head_ws", prepared=good):

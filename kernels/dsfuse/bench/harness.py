@@ -255,6 +255,31 @@ def capture_graph(fn: Callable[[], Outputs], device: torch.device) -> tuple[torc
     return graph, outputs
 
 
+def graph_part_rows(parts: list[tuple[str, Callable[[], Any]]], timer: Timer, samples: int, device: torch.device,
+                    **row) -> list[dict]:
+    """A probe's timing: each ``(part, fn)`` captured alone in a CUDA Graph and replayed ``samples`` times
+    with the L2 overwritten before each (the evicted regime); rows of ``row``'s columns, ``part``,
+    ``sample`` and ``us``."""
+    rows = []
+    for part, fn in parts:
+        graph, _ = capture_graph(lambda fn=fn: (fn(),), device)
+        rows += [row | {"part": part, "sample": i, "us": us}
+                 for i, us in enumerate(timer.samples(graph.replay, "evicted", samples, 1))]
+        del graph
+    return rows
+
+
+def write_part_medians(out: Path, rows: list[dict], samples: int) -> None:
+    """Write a probe's rows (`graph_part_rows`) to ``out/samples.csv`` and print their medians by case and part."""
+    import pandas as pd
+
+    write_csv(out / "samples.csv", rows)
+    table = pd.DataFrame(rows).groupby(["case", "part"], sort=False)["us"].median().unstack("part")
+    print(f"median us per call, CUDA Graph replay, L2 evicted ({samples} samples)")
+    print(table.round(1).to_string())
+    print(f"wrote {out / 'samples.csv'}")
+
+
 def checked_graph_samples(fn: Callable[[], Any], outputs: Outputs, expected: Outputs, timer: Timer, what: str, *,
                           rtol: float = 2**-8, n: int = 20) -> list[float]:
     """For launch-constant sweeps: poison ``outputs`` with NaN, run ``fn`` once and require a

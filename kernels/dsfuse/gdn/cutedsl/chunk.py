@@ -4,7 +4,7 @@ document, value head and ``BV`` value channels, or all of them in the per-head f
 rows, g and beta into shared memory (`load_gates` the last two; `read_gates` them into registers, for
 a later store); `cumulative_gate`, a chunk's cumulative gate by a warp scan; `rstd_and_cumsum`, the rows' L2-norm scales and the chunk-local
 cumulative gate; `normalize_and_gates`, the normalised rows (rounded to the tiles' dtype) and the gate
-vectors; `copy_rows`, `start_rows`, `store_rows`, `store_tile`, `row_scales`, rows moved in 16-byte pieces (and the
+vectors; `copy_rows`, `start_rows`, `start_prepared_rows`, `store_rows`, `store_tile`, `row_scales`, rows moved in 16-byte pieces (and the
 L2-norm scales of the pieces a thread moved). Each is traced into the calling kernel; the caller places
 the barriers between them."""
 
@@ -251,6 +251,30 @@ def store_rows(copy: cute.TiledCopy, tidx: Int32, sX: cute.Tensor, mX: cute.Tens
     for m in cutlass.range_constexpr(cute.size(tXs, mode=[1])):
         if tXc[0, m, 0][0] < rows:
             cute.copy(copy, tXs[None, m, None], tXg[None, m, None])
+
+
+@cute.jit
+def start_prepared_rows(u: Int32, threads: cutlass.Constexpr, tiles, sources, start: Int32, rows: Int32,
+                        factor_row: Int32, factor_rows: cutlass.Constexpr, i_h: Int32, i_hv: Int32):
+    """Start the ``cp.async`` copies of a chunk's rows for the kernels that read the preparing UT
+    inverse's outputs (the role-split forward, the fused backward), by ``threads`` threads (thread
+    ``u``): q and k of qk head ``i_h``, then a value head's rows (v or dO) and ``round(A Gamma)`` of
+    value head ``i_hv``, rows ``start ..`` (zeros past ``rows``), into ``tiles`` (their shared-memory
+    tiles, in that order); then the ``factor_rows`` fp32 rows of the factors from ``factor_row``, by
+    the first threads (a 16-byte piece each). The caller commits them as a group."""
+    sQ, sK, sV, sA, sF = tiles
+    mQ, mK, mV, mA, mF = sources
+    ab = sQ.element_type
+    copy_k = copy_rows(ab, cute.size(sQ, mode=[1]), threads)
+    copy_v = copy_rows(ab, cute.size(sV, mode=[1]), threads)
+    copy_c = copy_rows(ab, cute.size(sA, mode=[1]), threads)
+    for copy, m, t, head in ((copy_k, mQ, sQ, i_h), (copy_k, mK, sK, i_h), (copy_v, mV, sV, i_hv),
+                             (copy_c, mA, sA, i_hv)):
+        start_rows(copy, u, m, t, start, rows, head)
+    width = cute.size(sF, mode=[1])
+    factor_threads = factor_rows * width * 4 // 16
+    if u < factor_threads:
+        start_rows(copy_rows(Float32, width, factor_threads), u, mF, sF, factor_row, factor_rows, i_hv)
 
 
 @cute.jit

@@ -64,7 +64,6 @@ from dsfuse.gdn.cutedsl.ut_inverse import FACTORS, prepared_reasons
 
 THREADS = 256  # two warpgroups
 WARPGROUPS = 2
-FACTOR_THREADS = len(FACTORS) * CHUNK * 4 // 16
 MAX_GROUP = 8  # value heads per qk head: a cluster of that many CTAs (8, the portable cluster size)
 
 
@@ -163,16 +162,11 @@ class ChunkBackward:
         sG, sBeta, sEGq, sEGk, sDec, sRstd = _vectors(sF)
 
         # 0. the chunk's rows, states and factors (zeros past the chunk's rows)
-        copy_k, copy_v, copy_c = (chunk.copy_rows(ab, K, THREADS), chunk.copy_rows(ab, V, THREADS),
-                                  chunk.copy_rows(ab, C, THREADS))
-        for copy, m, t, head in ((copy_k, mQ, sQ, i_h), (copy_k, mK, sK, i_h), (copy_v, mV, sV, i_hv),
-                                 (copy_v, mDO, sDO, i_hv), (copy_c, mA, sA, i_hv)):
-            chunk.start_rows(copy, u, m, t, start, rows, head)
-        for m, t in ((mS, sS), (mDS, sDS)):
-            chunk.start_rows(copy_v, u, m, t, i_c * K, K, i_hv)
-        if u < FACTOR_THREADS:
-            chunk.start_rows(chunk.copy_rows(Float32, C, FACTOR_THREADS), u, mF, sF, i_c * len(FACTORS),
-                             len(FACTORS), i_hv)
+        chunk.start_prepared_rows(u, THREADS, (sQ, sK, sV, sA, sF), (mQ, mK, mV, mA, mF), start, rows,
+                                  i_c * len(FACTORS), len(FACTORS), i_h, i_hv)
+        copy_v = chunk.copy_rows(ab, V, THREADS)
+        for m, t, first, count in ((mDO, sDO, start, rows), (mS, sS, i_c * K, K), (mDS, sDS, i_c * K, K)):
+            chunk.start_rows(copy_v, u, m, t, first, count, i_hv)  # dO's rows, the two states' K rows
         cute.arch.cp_async_commit_group()
         cute.arch.cp_async_wait_group(0)
         _wg.fence_writes()
@@ -480,13 +474,4 @@ def launch_chunk_backward(q, k, v, do, a_round, factors, states, dstates, chunk_
            chunk_indices, dq, dk, dv, dg, dbeta, float(scale))
 
 
-def _aot_specs() -> list[_cd.CuteAotSpec]:
-    """The model's specialisation: H = 16, HV = 48, K = V = 128, bf16, with and without the L2 norm."""
-    return [_cd.CuteAotSpec(f"gdn_chunk_backward_bf16{'_l2' if l2 else ''}",
-                            lambda arch, dump_dir=None, l2=l2: compile_chunk_backward(
-                                torch.bfloat16, 16, 48, 128, 128, l2, arch, keep_ptx=True, dump_dir=dump_dir),
-                            archs=ARCHS)
-            for l2 in (True, False)]
-
-
-AOT_SPECS = _aot_specs()
+AOT_SPECS = state_bwd.model_specs("gdn_chunk_backward", compile_chunk_backward)

@@ -26,7 +26,7 @@ from __future__ import annotations
 from dsfuse._common import cutedsl as _cd
 
 cutlass, cute = _cd.require()
-from cutlass import Float32, Int32, const_expr
+from cutlass import Float32, Int32
 
 from dsfuse.gdn.cutedsl import chunk
 from dsfuse.gdn.cutedsl import mma as _mma

@@ -68,7 +68,6 @@ STATE_REGS, OUTPUT_REGS = 160, 96
 ARCHS = ("sm_90a",)  # wgmma
 # named barriers (0 is the CTA's): each team's own, then the four between the teams (module docstring)
 STATE_BAR, OUTPUT_BAR, READY, OUT_READ, VN_READY, VN_FREE = 1, 2, 3, 4, 5, 6
-FACTOR_THREADS = len(FACTORS) * CHUNK * 4 // 16  # a chunk's factors, a 16-byte piece a thread
 assert F_RK == F_RQ + 1, "the rows' scales are read as one vector of 128: rstd_k's row right after rstd_q's"
 
 
@@ -149,18 +148,9 @@ class FusedForwardWS(chunk.ChainKernel):
                      i_hv: Int32):
         """Start the ``cp.async`` copies of chunk ``i_c``'s rows and factors into ``stage`` (the caller
         commits them as a group): zeros past the chunk's rows."""
-        K, V, C, ab = self.dim_k, self.dim_v, CHUNK, self.dtype
-        sQ2, sK2, sV2, sA2, sF2 = stages
-        mQ, mK, mV, mA, mF = sources
-        copy_k, copy_v, copy_c = chunk.copy_rows(ab, K, TEAM), chunk.copy_rows(ab, V, TEAM), chunk.copy_rows(ab, C, TEAM)
         start = mChunks[i_c, 1]
-        rows = mChunks[i_c, 2] - start
-        for copy, m, t, head in ((copy_k, mQ, sQ2, i_h), (copy_k, mK, sK2, i_h), (copy_v, mV, sV2, i_hv),
-                                 (copy_c, mA, sA2, i_hv)):
-            chunk.start_rows(copy, u, m, t[None, None, stage], start, rows, head)
-        if u < FACTOR_THREADS:
-            chunk.start_rows(chunk.copy_rows(Float32, C, FACTOR_THREADS), u, mF, sF2[None, None, stage],
-                             i_c * len(FACTORS), len(FACTORS), i_hv)
+        chunk.start_prepared_rows(u, TEAM, tuple(t[None, None, stage] for t in stages), sources, start,
+                                  mChunks[i_c, 2] - start, i_c * len(FACTORS), len(FACTORS), i_h, i_hv)
 
     @cute.jit
     def _state_team(self, u: Int32, stages, tiles, sources, mChunks: cute.Tensor, mH0: cute.Tensor, mHt: cute.Tensor,

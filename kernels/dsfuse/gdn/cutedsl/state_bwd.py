@@ -39,14 +39,14 @@ import torch
 from dsfuse._common import cutedsl as _cd
 
 cutlass, cute = _cd.require()
-from cutlass import Float32, Int32, const_expr
+from cutlass import Float32, Int32
 
 from dsfuse.gdn.cutedsl import chunk
 from dsfuse.gdn.cutedsl import mma as _mma
 from dsfuse.gdn.cutedsl import wgmma as _wg
 from dsfuse.gdn.cutedsl.chunk import CHUNK, DTYPES
 from dsfuse.gdn.cutedsl.fused_fwd_head import ALIGN, STAGES, aligned_reasons, gate_qk
-from dsfuse.gdn.cutedsl.fused_fwd_ws import FACTOR_THREADS, _vectors
+from dsfuse.gdn.cutedsl.fused_fwd_ws import _vectors
 from dsfuse.gdn.cutedsl.ut_inverse import FACTORS, prepared_reasons
 
 THREADS = 256  # two warpgroups
@@ -89,19 +89,9 @@ class StateBackward:
                      i_hv: Int32):
         """Start the ``cp.async`` copies of chunk ``i_c``'s q, k, dO, ``round(A Gamma)`` rows and its
         factors into ``stage`` (the caller commits them as a group): zeros past the chunk's rows."""
-        K, V, C, ab = self.dim_k, self.dim_v, CHUNK, self.dtype
-        sQ2, sK2, sDO2, sA2, sF2 = stages
-        mQ, mK, mDO, mA, mF = sources
-        copy_k, copy_v, copy_c = (chunk.copy_rows(ab, K, THREADS), chunk.copy_rows(ab, V, THREADS),
-                                  chunk.copy_rows(ab, C, THREADS))
         start = mChunks[i_c, 1]
-        rows = mChunks[i_c, 2] - start
-        for copy, m, t, head in ((copy_k, mQ, sQ2, i_h), (copy_k, mK, sK2, i_h), (copy_v, mDO, sDO2, i_hv),
-                                 (copy_c, mA, sA2, i_hv)):
-            chunk.start_rows(copy, u, m, t[None, None, stage], start, rows, head)
-        if u < FACTOR_THREADS:
-            chunk.start_rows(chunk.copy_rows(Float32, C, FACTOR_THREADS), u, mF, sF2[None, None, stage],
-                             i_c * len(FACTORS), len(FACTORS), i_hv)
+        chunk.start_prepared_rows(u, THREADS, tuple(t[None, None, stage] for t in stages), sources, start,
+                                  mChunks[i_c, 2] - start, i_c * len(FACTORS), len(FACTORS), i_h, i_hv)
 
     @cute.kernel
     def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mDO: cute.Tensor, mA: cute.Tensor, mF: cute.Tensor,
@@ -302,13 +292,15 @@ def launch_state_backward(q, k, do, a_round, factors, chunk_indices, chunk_offse
     return dh0
 
 
-def _aot_specs() -> list[_cd.CuteAotSpec]:
-    """The model's specialisation: H = 16, HV = 48, K = V = 128, bf16, with and without the L2 norm."""
-    return [_cd.CuteAotSpec(f"gdn_state_backward_bf16{'_l2' if l2 else ''}",
-                            lambda arch, dump_dir=None, l2=l2: compile_state_backward(
-                                torch.bfloat16, 16, 48, 128, 128, l2, arch, keep_ptx=True, dump_dir=dump_dir),
+def model_specs(stem: str, compile_fn) -> list[_cd.CuteAotSpec]:
+    """The fused backward kernels' AOT specs: the model's specialisation (H = 16, HV = 48, K = V = 128,
+    bf16), with and without the L2 norm, sm_90a; ``compile_fn`` takes the shapes, the L2 norm and the
+    architecture as `compile_state_backward` does."""
+    return [_cd.CuteAotSpec(f"{stem}_bf16{'_l2' if l2 else ''}",
+                            lambda arch, dump_dir=None, l2=l2: compile_fn(torch.bfloat16, 16, 48, 128, 128, l2, arch,
+                                                                          keep_ptx=True, dump_dir=dump_dir),
                             archs=ARCHS)
             for l2 in (True, False)]
 
 
-AOT_SPECS = _aot_specs()
+AOT_SPECS = model_specs("gdn_state_backward", compile_state_backward)
