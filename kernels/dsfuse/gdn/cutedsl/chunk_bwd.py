@@ -395,23 +395,11 @@ def _fake_tensors(dtype: torch.dtype, heads: int, value_heads: int, dim_k: int, 
     """Fake tensors of the compiled signature: q, k, v, dO and dv rows with any 16-byte aligned token and
     head strides (packed views), the rest contiguous."""
     cdt = DTYPES[dtype]
-    tokens, chunks = cute.sym_int(), cute.sym_int()
-    vector = 16 // dtype.itemsize
-
-    def rows(heads_, dim):
-        return cute.runtime.make_fake_tensor(cdt, (tokens, heads_, dim), (cute.sym_int64(divisibility=vector),
-                                                                          cute.sym_int64(divisibility=vector), 1),
-                                             assumed_align=ALIGN)
-
-    a_round = cute.runtime.make_fake_tensor(cdt, (tokens, value_heads, CHUNK), (value_heads * CHUNK, CHUNK, 1),
-                                            assumed_align=ALIGN)
-    factors = cute.runtime.make_fake_tensor(Float32, (cute.sym_int(), value_heads, CHUNK),
-                                            (value_heads * CHUNK, CHUNK, 1), assumed_align=ALIGN)
+    rows, a_round, factors, table = state_bwd.fake_prepared(dtype, value_heads)
     states = [cute.runtime.make_fake_tensor(cdt, (cute.sym_int(), value_heads, dim_v), (value_heads * dim_v, dim_v, 1),
                                             assumed_align=ALIGN) for _ in range(2)]
-    table = cute.runtime.make_fake_tensor(Int32, (chunks, 3), (3, 1))
-    gates = [cute.runtime.make_fake_tensor(elem, (tokens, value_heads), (cute.sym_int64(), cute.sym_int64()))
-             for elem in (Float32, cdt)]
+    gates = [cute.runtime.make_fake_tensor(elem, (cute.sym_int(), value_heads), (cute.sym_int64(), cute.sym_int64()))
+             for elem in (Float32, cdt)]  # dg, dbeta [T, HV]: any strides
     return (rows(heads, dim_k), rows(heads, dim_k), rows(value_heads, dim_v), rows(value_heads, dim_v), a_round,
             factors, *states, table, rows(heads, dim_k), rows(heads, dim_k), rows(value_heads, dim_v), *gates)
 

@@ -203,14 +203,16 @@ class StateBackward:
 CACHE = _cd.KernelCache()  # (dtype, H, HV, K, V, l2norm, arch) -> compiled function
 
 
-def _fake_tensors(dtype: torch.dtype, heads: int, value_heads: int, dim_k: int, dim_v: int) -> tuple:
-    """Fake tensors of the compiled signature: symbolic tokens, chunks and documents; q, k, dO rows with
-    any 16-byte aligned token and head strides (packed views), the rest contiguous and aligned."""
+def fake_prepared(dtype: torch.dtype, value_heads: int):
+    """What the fused backward kernels' compiled signatures share: ``(rows, a_round, factors, table)``,
+    ``rows(heads, dim)`` a fake ``[T, heads, dim]`` of symbolic tokens with any 16-byte aligned token and
+    head strides (packed views), the preparing inverse's ``round(A Gamma)`` and factors (contiguous,
+    aligned), the chunk table."""
     cdt = DTYPES[dtype]
-    tokens, chunks, docs, docs1, chains = (cute.sym_int() for _ in range(5))
+    tokens, chunks = cute.sym_int(), cute.sym_int()
     vector = 16 // dtype.itemsize
 
-    def rows(heads_, dim):  # [T, heads, dim]: token and head strides, unit channel stride
+    def rows(heads_, dim):
         return cute.runtime.make_fake_tensor(cdt, (tokens, heads_, dim), (cute.sym_int64(divisibility=vector),
                                                                           cute.sym_int64(divisibility=vector), 1),
                                              assumed_align=ALIGN)
@@ -219,7 +221,15 @@ def _fake_tensors(dtype: torch.dtype, heads: int, value_heads: int, dim_k: int, 
                                             assumed_align=ALIGN)
     factors = cute.runtime.make_fake_tensor(Float32, (cute.sym_int(), value_heads, CHUNK),
                                             (value_heads * CHUNK, CHUNK, 1), assumed_align=ALIGN)
-    table = cute.runtime.make_fake_tensor(Int32, (chunks, 3), (3, 1))
+    return rows, a_round, factors, cute.runtime.make_fake_tensor(Int32, (chunks, 3), (3, 1))
+
+
+def _fake_tensors(dtype: torch.dtype, heads: int, value_heads: int, dim_k: int, dim_v: int) -> tuple:
+    """Fake tensors of the compiled signature (`fake_prepared`'s, then symbolic documents), the rest
+    contiguous and aligned."""
+    cdt = DTYPES[dtype]
+    docs, docs1, chains = (cute.sym_int() for _ in range(3))
+    rows, a_round, factors, table = fake_prepared(dtype, value_heads)
     offsets = cute.runtime.make_fake_tensor(Int32, (docs1,), (1,))
     order = cute.runtime.make_fake_tensor(Int32, (chains,), (1,))
     state = (value_heads * dim_k * dim_v, dim_k * dim_v, dim_v, 1)
