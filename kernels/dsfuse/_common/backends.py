@@ -205,7 +205,7 @@ class BackendTable:
         return self._loaded[0]
 
 
-_LOAD_LOCK = threading.RLock()  # reentrant: a table's load may load another's (the CuTe DSL GDN backward is the Triton stages)
+_LOAD_LOCK = threading.RLock()  # reentrant: a table's load may load another's (the CuTe DSL GDN backward falls back to the Triton stages)
 
 
 @dataclass(frozen=True)

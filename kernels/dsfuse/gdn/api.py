@@ -140,7 +140,8 @@ def chunk_gdn(
         use_qk_l2norm_in_kernel: normalise q and k over the head dim first
             (``x * rsqrt(sum(x^2) + 1e-6)``).
         backend: ``"auto"``, ``"triton"``, ``"cutedsl"`` or ``"reference"``. ``auto`` takes the CuTe
-            DSL forward on Hopper where it serves the call (its backward is the Triton stages'),
+            DSL forward on Hopper where it serves the call (its backward the fused CuTe DSL one at
+            K = V = 128, the Triton stages' elsewhere),
             the Triton stages elsewhere on a GPU, the reference on the CPU; with ``cp_group``,
             the Triton stages (the backend that serves context parallelism's passes). Under
             ``torch.compile`` ``auto`` does not take the CuTe DSL forward (its reasons need data

@@ -7,9 +7,10 @@ chunk, the gated ``A = A0 * Gamma`` (fp32) and the chunk-local cumulative gate `
 and walks each (document, value head) chain with the state on chip (``gated``: on sm_90a the role-split
 ``head_rs`` form of `dsfuse.gdn.cutedsl.fused_fwd_rs` at V = 128 (``head_ws`` of
 `dsfuse.gdn.cutedsl.fused_fwd_ws` at other V), the ``head`` form of
-`dsfuse.gdn.cutedsl.fused_fwd_head` elsewhere). ``A`` and ``g_cum`` are what the
-Triton backward stages read, so the forward's outputs are `dsfuse.gdn.schedule.ForwardOutputs` as
-the Triton stages make them, and the backend's backward is the Triton stages
+`dsfuse.gdn.cutedsl.fused_fwd_head` elsewhere). Its outputs are `dsfuse.gdn.schedule.ForwardOutputs`:
+where the backend's fused backward serves the call (`dsfuse.gdn.cutedsl.backward.serves`), ``A`` is
+the buffer that backward reads (the chain kernel saves the states into it); elsewhere ``A`` and
+``g_cum`` are what the Triton backward stages read, as the Triton stages make them
 (`dsfuse.gdn.cutedsl.TABLE`).
 
 In a CUDA Graph capture the launches overlap where the GPU has room (`stages`, `OVERLAP`): the
