@@ -538,7 +538,12 @@ def test_the_states_are_checked_before_any_launch():
 
     for bad in (states[:1], states.float(), states.transpose(1, 2), states.to("meta"),
                 torch.zeros(2, h, d, d, dtype=torch.bfloat16)):
-        with pytest.raises(ValueError, match=r"states must be"):
+        with pytest.raises(ValueError, match=r"states must be \[NC, K, HV, V\]"):
+            launch(bad)
+    strided = torch.zeros(2, d, h, 2 * d, dtype=torch.bfloat16)[..., ::2]  # the right shape, not contiguous
+    misaligned = torch.zeros(states.numel() + 1, dtype=torch.bfloat16)[1:].view(states.shape)
+    for bad in (strided, misaligned):
+        with pytest.raises(ValueError, match="states must be contiguous with a 16-byte aligned base"):
             launch(bad)
     with pytest.raises(ValueError, match="save the states, not 'head'"):
         launch(states, form="head", prepared={})

@@ -63,6 +63,9 @@ def test_checks_its_arguments_before_any_launch():
                        ({"dh0": dh0.double()}, "dh0 must be fp32"),
                        ({"dstates": dstates[:1]}, "dstates must be"),
                        ({"dstates": dstates.transpose(1, 2)}, "dstates must be"),
+                       ({"dstates": torch.zeros(2, d, hv, 2 * d, dtype=torch.bfloat16)[..., ::2]}, "dstates must be"),
+                       ({"dstates": torch.zeros(dstates.numel() + 1, dtype=torch.bfloat16)[1:].view(dstates.shape)},
+                        "dstates must be"),
                        ({"a_round": a_round[:-1]}, "a_round must be"),
                        ({"order": order.long()}, "order int32"),
                        ({"q": q[..., :64], "k": k[..., :64]}, "K = 128")):
