@@ -2,7 +2,7 @@
 backward stages they replace, at the experiment's shape.
 
     python experiments/gdn/fused_backward_probe.py OUT_DIR [--config experiments/gdn/configs/h200-fwd.yaml]
-        [--samples 10]
+        [--samples 10] [--steps-only] [--cases N]
 
 For each case of the config (its tokens, documents, value heads and L2 norm settings; q, k, v head
 views of one packed row, initial state, dO and the final state's gradient): the CuTe DSL forward
@@ -169,6 +169,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--samples", type=int, default=10, help="timed replays per part (default 10)")
     parser.add_argument("--steps-only", action="store_true",
                         help="only chunk_gdn's step through autograd: peak memory and eager time (steps.csv)")
+    parser.add_argument("--cases", type=int, default=None,
+                        help="only the config's first CASES cases (e.g. 1 under Nsight Compute)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("fused_backward_probe.py needs a CUDA GPU: run it on the GPU machine.", file=sys.stderr)
@@ -179,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     config = load_config(cli_path(args.config))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "env.json").write_text(json.dumps(env_mod.collect(device, op=gdn.OP), indent=2) + "\n")
-    cases = gdn.cases(config | {"modes": ["fwd+bwd"]})
+    cases = gdn.cases(config | {"modes": ["fwd+bwd"]})[: args.cases]
     steps = [row for case in cases for row in step_rows(case, device)]
     write_csv(args.out / "steps.csv", steps)
     print("chunk_gdn forward + backward through autograd (peak MiB above the inputs; eager us, median of 5)")
