@@ -159,7 +159,8 @@ def test_the_saved_buffer_holds_its_three_parts_apart(tokens, docs, dtype):
 def test_chunk_gdn_runs_the_fused_backward(dtype, l2):
     """``chunk_gdn(backend="cutedsl")`` at K = V = 128 keeps the fused backward's buffer (its shape the
     traced forward's, `_forward_fake`) and its gradients are the bits of `fused_backward` on the same
-    inputs (not the Triton stages'); a forward without grad keeps nothing."""
+    inputs (not the Triton stages'), also from a dO whose rows are misaligned for 16-byte loads; a forward
+    without grad keeps nothing."""
     cutedsl_or_skip()
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("wgmma runs on sm_90 only")
@@ -182,6 +183,18 @@ def test_chunk_gdn_runs_the_fused_backward(dtype, l2):
     for name in ("q", "k", "v", "g", "beta"):
         assert torch.equal(leaves[name].grad[0], want[f"d{name}"]), name
     assert torch.equal(h0.grad, want["dh0"])
+
+    # a dO whose rows the kernel's 16-byte loads cannot read (one element off) is copied: the same bits
+    do = x["do"][:t][None]
+    shifted = torch.empty(do.numel() + 1, dtype=do.dtype, device="cuda")[1:].view_as(do).copy_(do)
+    again = {name: leaves[name].detach().clone().requires_grad_() for name in leaves}
+    h0_again = x["h0"].clone().requires_grad_()
+    o2, ht2 = chunk_gdn(**again, initial_state=h0_again, output_final_state=True, cu_seqlens=cu_t,
+                        use_qk_l2norm_in_kernel=l2, backend="cutedsl")
+    torch.autograd.backward((o2, ht2), (shifted, x["dht"]))
+    for name in ("q", "k", "v", "g", "beta"):
+        assert torch.equal(again[name].grad[0], want[f"d{name}"]), f"misaligned dO: d{name}"
+    assert torch.equal(h0_again.grad, want["dh0"])
 
     args = (*(leaves[name].detach() for name in ("q", "k", "v", "g", "beta")), x["h0"], cu_t.cpu().long(),
             128**-0.5, True, l2)
