@@ -176,3 +176,55 @@ def test_the_long_document_config():
         gdn.cases(config | {"documents": 5})
     with pytest.raises(ValueError, match="multiple of 64"):  # several documents still end in a partial chunk
         gdn.document_bounds(128, [64, 64])
+
+
+def _synthetic_run(run_dir: Path, memory: list[dict] | None) -> Path:
+    """A GPU run folder of two cases and four providers (the config's order is neither alphabetical nor
+    memory.csv's), with ``memory`` as its memory.csv (none: a run made before memory was measured)."""
+    import json
+
+    import yaml
+
+    providers = ["dsfuse-split", "flashqla", "dsfuse-packed", "fla"]
+    cases = ["T64_l2_fwd", "T64_l2_fwd+bwd"]
+    run_dir.mkdir(parents=True)
+    samples = [dict(case="copy", mode="copy", provider="copy", regime="evicted", clock="graph", block=0, sample=0,
+                    us=1.0)]
+    samples += [dict(case=c, mode=c.split("_")[-1], provider=p, regime="evicted", clock="graph", block=0, sample=0,
+                     us=10.0 + i) for c in cases for i, p in enumerate(providers)]
+    pd.DataFrame(samples).to_csv(run_dir / "samples.csv", index=False)
+    pd.DataFrame([dict(case=c, mode="", provider=p, role="control", form="", check="relrms", stage="before",
+                       status="pass", mismatches=0, max_abs_diff=0.0, error="")
+                  for c in cases for p in providers]).to_csv(run_dir / "validation.csv", index=False)
+    pd.DataFrame([dict(case="copy", mode="copy", bytes=1_000_000, flops=0, params="{}")]
+                 + [dict(case=c, mode=c.split("_")[-1], bytes=1_000_000, flops=10**9, params="{}")
+                    for c in cases]).to_csv(run_dir / "cases.csv", index=False)
+    (run_dir / "env.json").write_text(json.dumps(dict(gpu_name="NVIDIA H200")))
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(dict(providers=providers)))
+    if memory is not None:
+        pd.DataFrame(memory).to_csv(run_dir / "memory.csv", index=False)
+    return run_dir
+
+
+def test_report_extra_tables_each_providers_extra_peak_memory(tmp_path):
+    """One row per case, one column per provider in the config's order, whole MiB; n/a where a provider
+    has no row; between the packed/split table and the FLOPs; no such section for a run without memory.csv."""
+    peaks = {("T64_l2_fwd", "fla"): 1234.4, ("T64_l2_fwd", "dsfuse-packed"): 99.6,
+             ("T64_l2_fwd", "dsfuse-split"): 100.2, ("T64_l2_fwd", "flashqla"): 7.0,
+             ("T64_l2_fwd+bwd", "fla"): 4321.0, ("T64_l2_fwd+bwd", "dsfuse-packed"): 2048.4,
+             ("T64_l2_fwd+bwd", "dsfuse-split"): 2560.6}  # flashqla has no fwd+bwd row
+    memory = [dict(case=c, mode=c.split("_")[-1], provider=p, peak_mib=v, retained_mib=0.0)
+              for (c, p), v in peaks.items()]
+    lines = gdn.report_extra(_synthetic_run(tmp_path / "with", memory))
+    headings = [line for line in lines if line.startswith("### ")]
+    assert headings == ["### Packed views against plain split views", "### Extra peak memory", "### FLOPs"]
+    start = lines.index("### Extra peak memory")
+    assert "torch.cuda.max_memory_allocated" in lines[start + 2] and "`bwd`" in lines[start + 2]
+    table = lines[start + 4].splitlines()
+    cells = [[c.strip() for c in line.strip("|").split("|")] for line in table]
+    assert cells[0] == ["case", "dsfuse-split", "flashqla", "dsfuse-packed", "fla"]
+    assert cells[2:] == [["T64_l2_fwd", "100", "7", "100", "1234"],
+                         ["T64_l2_fwd+bwd", "2561", "n/a", "2048", "4321"]]
+
+    without = gdn.report_extra(_synthetic_run(tmp_path / "without", None))
+    assert "### FLOPs" in without and not any("peak memory" in line.lower() for line in without)

@@ -344,3 +344,120 @@ def test_graph_part_rows_time_each_part_from_its_own_graph(monkeypatch, tmp_path
     assert (tmp_path / "samples.csv").read_text().splitlines()[0] == "case,l2norm,part,sample,us"
     out = capsys.readouterr().out
     assert "11.0" in out and "21.0" in out
+
+
+class _FakeAllocator:
+    """Stand-ins for the ``torch.cuda`` memory counters: ``live`` bytes held by `_Block`s (freed when the
+    last reference goes), ``peak`` since the last reset; each call is logged with the bytes live then."""
+
+    def __init__(self):
+        self.live = self.peak = 0
+        self.log: list[tuple[str, int]] = []
+
+    def block(self, nbytes: int) -> "_Block":
+        return _Block(self, nbytes)
+
+    def install(self, monkeypatch):
+        def logged(name, value=lambda: None):
+            def call(*args, **kwargs):
+                self.log.append((name, self.live))
+                return value()
+            return call
+
+        monkeypatch.setattr(torch.cuda, "synchronize", logged("synchronize"))
+        monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", logged("reset", self._reset))
+        monkeypatch.setattr(torch.cuda, "memory_allocated", logged("allocated", lambda: self.live))
+        monkeypatch.setattr(torch.cuda, "max_memory_allocated", logged("max", lambda: self.peak))
+
+    def _reset(self):
+        self.peak = self.live
+
+
+class _Block:
+    def __init__(self, allocator: _FakeAllocator, nbytes: int):
+        self.allocator, self.nbytes = allocator, nbytes
+        allocator.live += nbytes
+        allocator.peak = max(allocator.peak, allocator.live)
+
+    def __del__(self):
+        self.allocator.live -= self.nbytes
+
+
+def test_peak_memory_row_counts_one_call_above_what_was_allocated_before(monkeypatch):
+    """Peak: the call's temporaries and outputs above the bytes held before it (inputs, a reset's copy
+    excluded), read while the outputs are alive; retained: what the call keeps once they are dropped.
+    No row on the CPU or for a call that raises."""
+    mib = 2**20
+    alloc = _FakeAllocator()
+    alloc.install(monkeypatch)
+    inputs = alloc.block(100 * mib)  # allocated before the call: never counted
+    kept = []
+    resets = []
+
+    def runner():
+        temporary = alloc.block(3 * mib)  # freed inside the call: in the peak only
+        out = alloc.block(5 * mib)
+        kept.append(alloc.block(2 * mib))  # a workspace the runner keeps: in the peak and retained
+        del temporary
+        return (out,)
+
+    def reset():
+        resets.append(alloc.live)
+        scratch = alloc.block(50 * mib)  # a reset's scratch: before the counters are reset, never counted
+        del scratch
+
+    runner.reset = reset
+    case, provider = Case("c_fwd", "fwd", {}, bytes=0), Provider("p", build=None)
+    row = harness.peak_memory_row(case, provider, runner, torch.device("cuda"))
+    assert row == dict(case="c_fwd", mode="fwd", provider="p", peak_mib=10.0, retained_mib=2.0)
+    assert resets == [100 * mib]
+    names = [name for name, _ in alloc.log]
+    assert names.index("reset") < names.index("allocated") < names.index("max") < len(names) - 1
+    assert dict(alloc.log)["max"] == 107 * mib  # the counters read while the outputs were alive
+    assert alloc.log[-1] == ("allocated", 102 * mib)  # retained: read after the outputs were dropped
+    del inputs
+
+    alloc.log.clear()
+    assert harness.peak_memory_row(case, provider, runner, torch.device("cpu")) is None
+    assert alloc.log == []  # the CPU has no counters: none read
+    assert harness.peak_memory_row(case, provider, lambda: 1 / 0, torch.device("cuda")) is None
+
+
+def test_memory_rows_of_both_processes_reach_memory_csv(tmp_path, monkeypatch):
+    """`CaseRun.build` measures each runnable provider (`peak_memory_row`; faked here, the CPU has no
+    counters) and the own process its own; both reach ``memory.csv`` and `report.load_run`. A run
+    without rows (the CPU) writes no ``memory.csv`` and loads an empty table."""
+    here, there = tmp_path / "here", tmp_path / "there"
+    here.mkdir(), there.mkdir()
+    # in the worker alone (only there is `only_in_the_worker` importable): 2 MiB, with the worker's pid
+    worker_fake = ("\ntry:\n    import only_in_the_worker  # noqa: F401\nexcept ImportError:\n    pass\nelse:\n"
+                   "    import os\n    from dsfuse.bench import harness\n"
+                   "    harness.peak_memory_row = lambda case, provider, runner, device: dict(\n"
+                   "        case=case.name, mode=case.mode, provider=provider.name, peak_mib=2.0, retained_mib=0.0,\n"
+                   "        pid=os.getpid())\n")
+    (here / "fake_memory_experiment.py").write_text(_APART_EXPERIMENT + worker_fake)
+    (there / "only_in_the_worker.py").write_text("TWO = 2\n")
+    monkeypatch.syspath_prepend(str(here))
+    monkeypatch.setenv("DSFUSE_OWN_PROCESS_PYTHONPATH", f"{here}:{there}")
+    import os
+
+    import fake_memory_experiment
+
+    plain = harness.run_experiment(_fake_experiment(), {"timing": {"blocks": 1, "samples": 1}}, tmp_path / "raw",
+                                   torch.device("cpu"), run_id="plain")
+    assert not (plain / "memory.csv").exists()
+    assert report.load_run(plain)["memory"].empty
+    assert list(report.load_run(plain)["memory"].columns) == report.MEMORY_COLUMNS
+
+    config = {"providers": ["good", "control"], "own_process": ["control"], "timing": {"blocks": 1, "samples": 1}}
+    monkeypatch.setattr(harness, "peak_memory_row", lambda case, provider, runner, device: dict(
+        case=case.name, mode=case.mode, provider=provider.name, peak_mib=1.0, retained_mib=0.0, pid=os.getpid()))
+    run_dir = harness.run_experiment(fake_memory_experiment, config, tmp_path / "raw", torch.device("cpu"),
+                                     run_id="r")
+    memory = report.load_run(run_dir)["memory"]
+    assert sorted(zip(memory["case"], memory["provider"], memory["peak_mib"])) == [
+        ("small_fwd", "control", 2.0), ("small_fwd", "good", 1.0), ("tiny_fwd", "control", 2.0),
+        ("tiny_fwd", "good", 1.0)]
+    pids = memory.groupby("provider")["pid"].agg(set)
+    assert pids["good"] == {os.getpid()} and len(pids["control"]) == 1 and pids["control"] != {os.getpid()}
+    assert not list(run_dir.glob(".*.partial"))

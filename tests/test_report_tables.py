@@ -203,3 +203,17 @@ def test_checks_summary_names_the_providers_that_did_not_pass():
                           ["b", "eager", "bitwise", "fail", "", "x"]], columns=tables.CHECK_COLUMNS)
     assert report.checks_summary(table) == ("1 of 3 (case, provider) pairs passed every check they ran. Not passed "
                                             "(never the baseline where it did not pass): eager fail in 2 cases.")
+
+
+def test_load_run_reads_memory_csv_where_the_run_has_one(tmp_path):
+    """Runs made before the harness measured memory (and CPU runs) have no memory.csv: an empty table
+    with its columns; a run with one (plain or compacted) loads its rows."""
+    _write_run(tmp_path / "old", [])
+    memory = report.load_run(tmp_path / "old")["memory"]
+    assert memory.empty and list(memory.columns) == report.MEMORY_COLUMNS
+    assert report.summarize(report.load_run(tmp_path / "old"))[0]["us"].tolist() == [4.0, 8.0]
+
+    _write_run(tmp_path / "new", [])
+    rows = pd.DataFrame([dict(case="c_fwd", mode="fwd", provider="dsfuse", peak_mib=12.5, retained_mib=0.0)])
+    rows.to_csv(tmp_path / "new" / "memory.csv.gz", index=False)
+    assert report.load_run(tmp_path / "new")["memory"].to_dict("records") == rows.to_dict("records")

@@ -588,9 +588,10 @@ def providers(config: dict) -> list[Provider]:
 
 
 def report_extra(run_dir: Path) -> list[str]:
-    """Packed against split views per case (the concatenation's cost), and the FLOPs: achieved TFLOP/s
-    per provider and, where the config names ``peak_tflops``, the FLOPs floor (graph clock, L2 evicted;
-    the wall clock of a smoke run)."""
+    """Packed against split views per case (the concatenation's cost), each provider's extra peak memory
+    per case (where the run has ``memory.csv``), and the FLOPs: achieved TFLOP/s per provider and, where
+    the config names ``peak_tflops``, the FLOPs floor (graph clock, L2 evicted; the wall clock of a smoke
+    run)."""
     from tabulate import tabulate
 
     from dsfuse.bench.report import _fmt, load_run, summarize, valid_providers
@@ -623,6 +624,8 @@ def report_extra(run_dir: Path) -> list[str]:
                   tabulate(rows, headers=["case", "clock/cache", "split us", "packed us", "split - packed",
                                           "split / packed", "checks pass"], tablefmt="github", floatfmt=".12g"), ""]
 
+    lines += memory_table(run, list(cases["case"]))
+
     peak = run["config"].get("peak_tflops")
     rows = []
     for r in cases.itertuples():
@@ -647,6 +650,31 @@ def report_extra(run_dir: Path) -> list[str]:
                 "It is a baseline only in the cases where every one of its checks against FP64 passed in this run")
         lines += [note + (f"; it failed in {', '.join(failing)}." if failing else "."), ""]
     return lines
+
+
+def memory_table(run: dict, case_names: list[str]) -> list[str]:
+    """``### Extra peak memory``: one row per case, one column per provider (the config's order), the
+    peak MiB of ``memory.csv`` to the whole MiB, n/a where a provider has no row; nothing without rows."""
+    from tabulate import tabulate
+
+    from dsfuse.bench.report import _fmt
+
+    memory = run["memory"]
+    if memory.empty:
+        return []
+    peak = memory.groupby(["case", "provider"])["peak_mib"].max()
+    names = list(dict.fromkeys([*run["config"].get("providers", []), *memory["provider"]]))
+    rows = [[case, *(_fmt(peak[(case, name)], 0) if (case, name) in peak.index else "n/a" for name in names)]
+            for case in case_names]
+    return ["### Extra peak memory", "",
+            ("MiB allocated during one eager call of each provider above what was allocated before it "
+             "(`torch.cuda.max_memory_allocated`: the caching allocator's tensor bytes, not its reserved pool), "
+             "the call made after the check before timing has warmed the provider up and before any CUDA Graph "
+             "capture: the inputs excluded, the outputs and gradients included, in `bwd` the forward's saved "
+             "tensors excluded (held before the call); providers that run in their own process measured in that "
+             "process; n/a: not measured."), "",
+            tabulate(rows, headers=["case", *names], tablefmt="github", colalign=["left"] + ["right"] * len(names)),
+            ""]
 
 
 # -- the op's piece of the tools that loop over every op (host time, fingerprints, ncu) --------

@@ -12,6 +12,8 @@ a config, and writes ``<raw_root>/<run-id>/``:
   timed but flagged, and the report never uses it as a baseline. Nothing is
   dropped silently.
 * ``cases.csv``: each case's shape parameters, byte floor and FLOPs.
+* ``memory.csv`` (GPU runs only; older runs lack it): each provider's extra peak memory per case,
+  from one eager call before any graph capture (`peak_memory_row`).
 * ``config.yaml`` (the config as run) and ``env.json``.
 
 Method: providers are interleaved inside each block (rotated per block, so no
@@ -255,6 +257,31 @@ def capture_graph(fn: Callable[[], Outputs], device: torch.device) -> tuple[torc
     return graph, outputs
 
 
+def peak_memory_row(case: Case, provider: Provider, runner: Callable[[], Any], device: torch.device) -> dict | None:
+    """The extra peak memory of one call of ``runner``: ``peak_mib``, the most bytes the caching allocator
+    held for tensors during the call above what it held before (the inputs, and in ``bwd`` the forward's
+    saved tensors, excluded; outputs and gradients included), and ``retained_mib``, what stays allocated
+    once the outputs are dropped. None on a non-CUDA device (no counters) or where the call raises (the
+    checks record failures)."""
+    if device.type != "cuda":
+        return None
+    try:
+        if hasattr(runner, "reset"):
+            runner.reset()  # before the counters: restoring the state is not the op's memory
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        outputs = runner()
+        torch.cuda.synchronize(device)
+        peak = torch.cuda.max_memory_allocated(device) - base  # read while the outputs are alive
+    except Exception:  # noqa: BLE001  (a failing provider is recorded by the checks, not here)
+        return None
+    del outputs
+    retained = torch.cuda.memory_allocated(device) - base
+    return dict(case=case.name, mode=case.mode, provider=provider.name, peak_mib=peak / 2**20,
+                retained_mib=retained / 2**20)
+
+
 def graph_part_rows(parts: list[tuple[str, Callable[[], Any]]], timer: Timer, samples: int, device: torch.device,
                     **row) -> list[dict]:
     """A probe's timing: each ``(part, fn)`` captured alone in a CUDA Graph and replayed ``samples`` times
@@ -409,7 +436,7 @@ def _run_cases(experiment, config: dict, settings: RunSettings, device: torch.de
     """The copy bandwidth, then every case, each written as soon as it is done."""
 
     timer = Timer(device, settings.flush_bytes)
-    samples, validation, case_rows = [], [], []
+    samples, validation, case_rows, memory = [], [], [], []
     copy_rows, copy_bytes = copy_bandwidth_samples(timer, device, settings.copy_bytes, settings.blocks, settings.samples)
     samples += copy_rows
     case_rows.append(dict(case="copy", mode="copy", bytes=copy_bytes, flops=0, params="{}"))
@@ -421,18 +448,24 @@ def _run_cases(experiment, config: dict, settings: RunSettings, device: torch.de
     for case in tqdm(cases, desc=f"{experiment.OP} cases", unit="case"):
         case_rows.append(dict(case=case.name, mode=case.mode, bytes=case.bytes, flops=case.flops,
                               params=json.dumps(case.params, sort_keys=True)))
-        samples += _run_case(experiment, case, providers, settings, timer, device, validation, apart)
+        samples += _run_case(experiment, case, providers, settings, timer, device, validation, memory, apart)
         if device.type == "cuda":
             torch.cuda.empty_cache()
-        _write_run(run_dir, samples, validation, case_rows)  # after every case: a stopped run keeps those it finished
-    _write_run(run_dir, samples, validation, case_rows)  # a config without cases still leaves its copy samples
+        # after every case: a stopped run keeps those it finished
+        _write_run(run_dir, samples, validation, case_rows, memory)
+    _write_run(run_dir, samples, validation, case_rows, memory)  # a config without cases still leaves its copy samples
     unfinished.unlink()
 
 
-def _write_run(run_dir: Path, samples: list[dict], validation: list[dict], case_rows: list[dict]) -> None:
-    """The run's three CSVs, each written whole to a temporary file and then renamed over the last one
-    (a run killed mid-write leaves the previous case's files, never a truncated one)."""
-    for name, rows in (("samples.csv", samples), ("validation.csv", validation), ("cases.csv", case_rows)):
+def _write_run(run_dir: Path, samples: list[dict], validation: list[dict], case_rows: list[dict],
+               memory: list[dict]) -> None:
+    """The run's CSVs, each written whole to a temporary file and then renamed over the last one
+    (a run killed mid-write leaves the previous case's files, never a truncated one); ``memory.csv``
+    only once it has rows (a CPU run has none)."""
+    files = [("samples.csv", samples), ("validation.csv", validation), ("cases.csv", case_rows)]
+    if memory:
+        files.append(("memory.csv", memory))
+    for name, rows in files:
         partial = run_dir / f".{name}.partial"
         write_csv(partial, rows)
         os.replace(partial, run_dir / name)
@@ -465,6 +498,7 @@ class CaseRun:
         self.runners: dict[str, Callable[[], Any]] = {}
         self.reps: dict[tuple[str, str], int] = {}
         self.expected = None
+        self.memory_rows: list[dict] = []  # `peak_memory_row` of each runner, made in `build`
 
     def check_before(self) -> list[dict]:
         """Each provider on fresh random inputs (seed 1). A provider that ran but differs is still
@@ -485,8 +519,9 @@ class CaseRun:
         return rows
 
     def build(self) -> tuple[list[dict], list[str]]:
-        """The timing inputs (seed 2), each runnable provider's runner and graph (captured once), one
-        warm-up call each; ``(validation rows of what failed, names of the providers to time)``."""
+        """The timing inputs (seed 2), each runnable provider's runner, its extra peak memory (one eager
+        call, before any capture: `memory`), its graph (captured once), one warm-up call each;
+        ``(validation rows of what failed, names of the providers to time)``."""
         rows = []
         inputs = self.experiment.make_inputs(self.case, self.device, seed=2)
         self.expected = self.experiment.reference(self.case, inputs)
@@ -496,6 +531,9 @@ class CaseRun:
                 rows.append(validation_row(self.case, provider, "build", None, error))
                 continue
             self.runners[provider.name] = runner
+            measured = peak_memory_row(self.case, provider, runner, self.device)
+            if measured is not None:
+                self.memory_rows.append(measured)
             for clock in self.settings.clocks:
                 if clock == "graph":
                     captured, error = _try(lambda: capture_graph(runner, self.device))
@@ -508,6 +546,10 @@ class CaseRun:
                     self.calls[(provider.name, clock)] = runner
         self.reps = {key: self.timer.reps_for(call) for key, call in self.calls.items()}  # also a warm-up call
         return rows, [p.name for p in self.runnable if p.name in self.runners]
+
+    def memory(self) -> list[dict]:
+        """The rows of ``memory.csv`` that `build` measured (none on a non-CUDA device)."""
+        return list(self.memory_rows)
 
     def samples(self, name: str, clock: str, regime: str, block: int) -> list[dict]:
         """The samples of one provider in one (clock, regime) of a block (none where its graph failed)."""
@@ -543,9 +585,10 @@ class CaseRun:
 
 
 def _run_case(experiment, case: Case, providers: list[Provider], settings: RunSettings, timer: Timer,
-              device: torch.device, validation: list[dict], apart=None) -> list[dict]:
-    """Check and time one case. ``apart`` (a `dsfuse.bench.own_process.OwnProcess`): the providers it
-    names run in that process, checked there on the same seeds and timed inside the same blocks,
+              device: torch.device, validation: list[dict], memory: list[dict], apart=None) -> list[dict]:
+    """Check and time one case; its validation and memory rows are added to ``validation`` and
+    ``memory``. ``apart`` (a `dsfuse.bench.own_process.OwnProcess`): the providers it names run in
+    that process, checked and measured there on the same seeds and timed inside the same blocks,
     interleaved with the others as if they were here."""
     here = CaseRun(experiment, case, [p for p in providers if apart is None or p.name not in apart.names],
                    settings, timer, device)
@@ -554,10 +597,12 @@ def _run_case(experiment, case: Case, providers: list[Provider], settings: RunSe
         validation += apart.check_before(case.name)
     built, local = here.build()  # the check set is freed before the timing set is made
     validation += built
+    memory += here.memory()
     remote: list[str] = []
     if apart is not None:
         built, remote = apart.build()
         validation += built
+        memory += apart.memory()
     names = [p.name for p in providers if p.name in local or p.name in remote]  # the config's order
 
     rows = []

@@ -9,12 +9,14 @@ and `dsfuse.bench.harness.run_experiment` starts this module as a worker, with t
 the environment variable ``DSFUSE_OWN_PROCESS_PYTHONPATH`` (the parent's path where it is unset;
 the ``dsfuse`` package's own folder is added either way). The worker builds the same experiment and
 config, and the run's process drives it case by case: the checks before timing (the same seeds,
-its own reference), the runners and graphs, then, inside each block of the run, the samples of its
-providers at their place in the config's order, and the checks after timing. So these providers
-are timed interleaved with the others, on the same GPU, in the same paired blocks; the two processes
-never run at the same time (each waits for the other's answer). What differs: their inputs are
-another process's tensors (the same values), and the L2 flush of the evicted regime is the worker's
-own buffer. ``env.json`` records the worker's Python path and package versions under ``own_process``.
+its own reference), the runners with their extra peak memory (one call each, before the capture)
+and graphs, then, inside each block of the run, the samples of its providers at their place in the
+config's order, and the checks after timing. So these providers are timed interleaved with the
+others, on the same GPU, in the same paired blocks; the two processes never run at the same time
+(each waits for the other's answer). What differs: their inputs are another process's tensors (the
+same values), the L2 flush of the evicted regime is the worker's own buffer, and their peak memory
+(``memory.csv``) is counted by the worker's allocator. ``env.json`` records the worker's Python path
+and package versions under ``own_process``.
 """
 
 from __future__ import annotations
@@ -85,6 +87,9 @@ class OwnProcess:
     def build(self) -> tuple[list[dict], list[str]]:
         return self._call("build")
 
+    def memory(self) -> list[dict]:
+        return self._call("memory")
+
     def samples(self, name: str, clock: str, regime: str, block: int) -> list[dict]:
         return self._call("samples", name, clock, regime, block)
 
@@ -132,6 +137,9 @@ class _Worker:
 
     def build(self):
         return self.case.build()
+
+    def memory(self) -> list[dict]:
+        return self.case.memory()
 
     def samples(self, name: str, clock: str, regime: str, block: int) -> list[dict]:
         return self.case.samples(name, clock, regime, block)

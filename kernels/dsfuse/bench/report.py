@@ -128,12 +128,19 @@ def tuning_by_gpu(tuning_dir: Path) -> dict[str, list[Path]]:
     return groups
 
 
+MEMORY_COLUMNS = ["case", "mode", "provider", "peak_mib", "retained_mib"]  # memory.csv (harness.peak_memory_row)
+
+
 def load_run(run_dir: Path) -> dict:
+    """A run folder's CSVs as DataFrames, its env.json and config.yaml; ``memory`` empty where the run has no
+    ``memory.csv`` (a CPU run, or one made before the harness measured memory)."""
+    memory = raw_file(run_dir, "memory.csv")
     return dict(
         run_id=run_dir.name,
         samples=pd.read_csv(raw_file(run_dir, "samples.csv")),
         validation=pd.read_csv(run_dir / "validation.csv", keep_default_na=False),
         cases=pd.read_csv(run_dir / "cases.csv", keep_default_na=False),
+        memory=pd.read_csv(memory) if memory.exists() else pd.DataFrame(columns=MEMORY_COLUMNS),
         env=json.loads((run_dir / "env.json").read_text()),
         config=yaml.safe_load((run_dir / "config.yaml").read_text()) or {},
     )
