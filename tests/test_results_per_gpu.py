@@ -395,3 +395,26 @@ def test_a_host_time_run_is_judged_over_its_call_path(committed_package):
     assert "the code of the call path has changed since" in lines[0]
     with pytest.raises(ValueError, match="scope"):
         env.kernel_files("text_rope", package, scope="api")
+
+
+def test_a_gpu_run_of_auto_without_the_cutedsl_backend_is_refused_where_it_is_required(monkeypatch, capsys):
+    """`python -m dsfuse.bench run` with ``backend: auto`` and no CuTe DSL backend: refused under
+    DSFUSE_REQUIRE_CUTEDSL=1, a warning otherwise; a named backend or an installed one passes."""
+    import dataclasses
+
+    from dsfuse._common import backends
+    from dsfuse.bench.__main__ import check_backends
+
+    missing = dataclasses.replace(backends.BACKENDS["cutedsl"])
+    object.__setattr__(missing, "installed", False)
+    monkeypatch.setitem(backends.BACKENDS, "cutedsl", missing)
+    monkeypatch.setenv("DSFUSE_REQUIRE_CUTEDSL", "1")
+    with pytest.raises(SystemExit, match="not installed"):
+        check_backends(dict(backend="auto"))
+    check_backends(dict(backend="triton"))
+    monkeypatch.delenv("DSFUSE_REQUIRE_CUTEDSL")
+    check_backends(dict(backend="auto"))
+    assert "WARNING" in capsys.readouterr().err
+    object.__setattr__(missing, "installed", True)
+    monkeypatch.setenv("DSFUSE_REQUIRE_CUTEDSL", "1")
+    check_backends(dict(backend="auto"))

@@ -131,6 +131,7 @@ def run(op: str, config_path: str | None, smoke: bool | None) -> Path:
     if not smoke:
         props = torch.cuda.get_device_properties(0)
         check_flush(config, int(getattr(props, "L2_cache_size", 0)), gpu_name)
+        check_backends(config)
     print(f"{op}: config {relative(chosen)}" + ("" if smoke else f" for the {gpu_name}"))
     experiment = importlib.import_module(experiments()[op])
     device = torch.device("cpu" if smoke else "cuda")
@@ -139,6 +140,21 @@ def run(op: str, config_path: str | None, smoke: bool | None) -> Path:
         experiment.after_run(config, run_dir, device)
     print(f"{'SMOKE RUN (CPU, interpreter; not a measurement): ' if smoke else ''}raw data in {run_dir}")
     return run_dir
+
+
+def check_backends(config: dict) -> None:
+    """A GPU run whose config lets ``auto`` choose, on a machine without the CuTe DSL backend, measures
+    the Triton kernels under the candidates' names: refused under ``DSFUSE_REQUIRE_CUTEDSL=1`` (a job
+    meant to measure that backend), said loudly otherwise (the report says it too, from env.json)."""
+    from dsfuse._common.backends import AUTO, BACKENDS
+
+    if config.get("backend", AUTO) != AUTO or BACKENDS["cutedsl"].installed:
+        return
+    what = ("backend: auto, but the CuTe DSL backend is not installed (nvidia-cutlass-dsl, apache-tvm-ffi): "
+            "the dsfuse providers would run the Triton kernels")
+    if os.environ.get("DSFUSE_REQUIRE_CUTEDSL") == "1":
+        raise SystemExit(f"DSFUSE_REQUIRE_CUTEDSL=1 and {what}; install the cutedsl extra or unset it")
+    print(f"WARNING: {what}", file=sys.stderr)
 
 
 def this_gpu() -> str:
