@@ -12,6 +12,10 @@
 #     cloudpickle and psutil wheels there if the GPU machine lacks them: pip download --no-deps --only-binary=:all:
 #     --python-version 3.12 --platform manylinux_2_28_x86_64 -d .carry/flashqla-b ml-dtypes cloudpickle psutil)
 # then run the GDN experiment with PYTHONPATH=/tmp/site-qla (not beside /tmp/site, whose tvm-ffi is newer).
+# FlashQLA's TileLang compiles its kernels on first use, for each shape (minutes per shape on a fresh
+# machine: most of a ten-minute call). Run with TILELANG_CACHE_DIR=/tmp/tilelang-cache and, at the end of
+# that call, `tar czf $OUT/tilelang-cache.tgz -C /tmp tilelang-cache`; put that file in
+# .carry/flashqla-b/ and qla-b unpacks it, so the next machine reuses the compiled kernels.
 # pip --target does not merge a wheel into a package directory that exists already (the runtime wheel
 # and the base wheel share nvidia_cutlass_dsl/), so the runtime goes to /tmp/site2 and is copied over.
 # Any .carry/wheels*/ folder present in a call is installed too (e.g. .carry/wheels-anchors: FLA, Liger).
@@ -26,6 +30,10 @@ case "${1:-}" in
     mkdir -p /root/carry && cp .carry/cutedsl-a/part.aa /root/carry/
     install_present ;;
   b)
+    if [ ! -e /root/carry/part.aa ]; then  # a fresh machine: the call with half a did not run on this one
+      echo "no /root/carry/part.aa on this machine: run 'a' again, then 'b' right after it" >&2
+      exit 1
+    fi
     wheel=$(cat .carry/cutedsl-b/WHEEL_NAME)
     cat /root/carry/part.aa .carry/cutedsl-b/part.ab > "/tmp/$wheel"
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site2 "/tmp/$wheel"
@@ -36,6 +44,9 @@ case "${1:-}" in
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-qla .carry/flashqla-a/*.whl ;;
   qla-b)
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-qla .carry/flashqla-b/*.whl
+    if [ -e .carry/flashqla-b/tilelang-cache.tgz ]; then
+      tar xzf .carry/flashqla-b/tilelang-cache.tgz -C /tmp && echo "TileLang cache: /tmp/tilelang-cache (export TILELANG_CACHE_DIR)"
+    fi
     PYTHONPATH=/tmp/site-qla python3 -c "import flash_qla; print('FlashQLA', flash_qla.__version__, 'ready')" ;;
   *) echo "usage: $0 a|b|qla-a|qla-b" >&2; exit 2 ;;
 esac
