@@ -222,13 +222,14 @@ def test_load_run_reads_memory_csv_where_the_run_has_one(tmp_path):
 def test_a_gpu_run_of_auto_without_the_cutedsl_backend_is_flagged():
     """`auto` on a GPU machine lacking nvidia-cutlass-dsl measured the Triton kernels under the
     candidates' names: the report's header says so; with the package, a named backend, a run that
-    recorded no package list, or a CPU run, it says nothing."""
+    recorded no package list, a CPU run, or an op without a CuTe DSL backend, it says nothing."""
     def run(packages, backend="auto", gpu="NVIDIA H200"):
         return dict(env=dict(gpu_name=gpu, packages=packages), config=dict(backend=backend))
 
-    flagged = report.backend_lines(run({"nvidia-cutlass-dsl": None}))
+    flagged = report.backend_lines(run({"nvidia-cutlass-dsl": None}), "gdn")
     assert flagged and "Triton" in " ".join(flagged)
-    assert report.backend_lines(run({"nvidia-cutlass-dsl": None}, backend="triton")) == []
-    assert report.backend_lines(run({"nvidia-cutlass-dsl": "4.8.1"})) == []
-    assert report.backend_lines(run({})) == []
-    assert report.backend_lines(run({"nvidia-cutlass-dsl": None}, gpu=None)) == []
+    assert report.backend_lines(run({"nvidia-cutlass-dsl": None}), "text_rope") == []  # Triton only
+    assert report.backend_lines(run({"nvidia-cutlass-dsl": None}, backend="triton"), "gdn") == []
+    assert report.backend_lines(run({"nvidia-cutlass-dsl": "4.8.1"}), "gdn") == []
+    assert report.backend_lines(run({}), "gdn") == []
+    assert report.backend_lines(run({"nvidia-cutlass-dsl": None}, gpu=None), "gdn") == []

@@ -399,7 +399,8 @@ def test_a_host_time_run_is_judged_over_its_call_path(committed_package):
 
 def test_a_gpu_run_of_auto_without_the_cutedsl_backend_is_refused_where_it_is_required(monkeypatch, capsys):
     """`python -m dsfuse.bench run` with ``backend: auto`` and no CuTe DSL backend: refused under
-    DSFUSE_REQUIRE_CUTEDSL=1, a warning otherwise; a named backend or an installed one passes."""
+    DSFUSE_REQUIRE_CUTEDSL=1, a warning otherwise; a named backend, an installed one, or an op without
+    a CuTe DSL backend passes."""
     import dataclasses
 
     from dsfuse._common import backends
@@ -410,11 +411,12 @@ def test_a_gpu_run_of_auto_without_the_cutedsl_backend_is_refused_where_it_is_re
     monkeypatch.setitem(backends.BACKENDS, "cutedsl", missing)
     monkeypatch.setenv("DSFUSE_REQUIRE_CUTEDSL", "1")
     with pytest.raises(SystemExit, match="not installed"):
-        check_backends(dict(backend="auto"))
-    check_backends(dict(backend="triton"))
+        check_backends(dict(backend="auto"), "gdn")
+    check_backends(dict(backend="triton"), "gdn")
+    check_backends(dict(backend="auto"), "text_rope")  # no CuTe DSL backend to miss
     monkeypatch.delenv("DSFUSE_REQUIRE_CUTEDSL")
-    check_backends(dict(backend="auto"))
+    check_backends(dict(backend="auto"), "gdn")
     assert "WARNING" in capsys.readouterr().err
     object.__setattr__(missing, "installed", True)
     monkeypatch.setenv("DSFUSE_REQUIRE_CUTEDSL", "1")
-    check_backends(dict(backend="auto"))
+    check_backends(dict(backend="auto"), "gdn")

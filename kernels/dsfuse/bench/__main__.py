@@ -131,7 +131,7 @@ def run(op: str, config_path: str | None, smoke: bool | None) -> Path:
     if not smoke:
         props = torch.cuda.get_device_properties(0)
         check_flush(config, int(getattr(props, "L2_cache_size", 0)), gpu_name)
-        check_backends(config)
+        check_backends(config, op)
     print(f"{op}: config {relative(chosen)}" + ("" if smoke else f" for the {gpu_name}"))
     experiment = importlib.import_module(experiments()[op])
     device = torch.device("cpu" if smoke else "cuda")
@@ -142,13 +142,15 @@ def run(op: str, config_path: str | None, smoke: bool | None) -> Path:
     return run_dir
 
 
-def check_backends(config: dict) -> None:
-    """A GPU run whose config lets ``auto`` choose, on a machine without the CuTe DSL backend, measures
-    the Triton kernels under the candidates' names: refused under ``DSFUSE_REQUIRE_CUTEDSL=1`` (a job
-    meant to measure that backend), said loudly otherwise (the report says it too, from env.json)."""
+def check_backends(config: dict, op: str) -> None:
+    """A GPU run whose config lets ``auto`` choose, for an op with a CuTe DSL backend, on a machine
+    without it, measures the Triton kernels under the candidates' names: refused under
+    ``DSFUSE_REQUIRE_CUTEDSL=1`` (a job meant to measure that backend), said loudly otherwise (the report
+    says it too, from env.json)."""
     from dsfuse._common.backends import AUTO, BACKENDS
+    from dsfuse.bench.report import has_cutedsl_backend
 
-    if config.get("backend", AUTO) != AUTO or BACKENDS["cutedsl"].installed:
+    if config.get("backend", AUTO) != AUTO or BACKENDS["cutedsl"].installed or not has_cutedsl_backend(op):
         return
     what = ("backend: auto, but the CuTe DSL backend is not installed (nvidia-cutlass-dsl, apache-tvm-ffi): "
             "the dsfuse providers would run the Triton kernels")

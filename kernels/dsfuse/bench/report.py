@@ -37,6 +37,7 @@ Definitions (stated once in docs/method.md):
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import json
 import math
 from collections.abc import Callable
@@ -354,18 +355,24 @@ def header_lines(op: str, run_dir: Path, run: dict, copy_bw: dict[str, float], s
                   f"finished, of {total} in its config.", ""]
     if state is not None:
         lines += state_lines(state)
-    lines += backend_lines(run)
+    lines += backend_lines(run, op)
     return lines + [markdown(run_table(run["run_id"], run["env"], run_dir), disable_numparse=True), "",
                     copy_line(copy_bw), ""]
 
 
-def backend_lines(run: dict) -> list[str]:
-    """A warning where a GPU run let ``auto`` choose on a machine without the CuTe DSL backend (env.json's
-    ``packages`` records ``nvidia-cutlass-dsl`` as not installed): its dsfuse providers ran the Triton
-    kernels, whatever their names say."""
+def has_cutedsl_backend(op: str) -> bool:
+    """Whether ``op`` has a CuTe DSL backend (a ``dsfuse/<op>/cutedsl/`` package)."""
+    return importlib.util.find_spec(f"dsfuse.{op}.cutedsl") is not None
+
+
+def backend_lines(run: dict, op: str) -> list[str]:
+    """A warning where a GPU run of an op with a CuTe DSL backend let ``auto`` choose on a machine
+    without it (env.json's ``packages`` records ``nvidia-cutlass-dsl`` as not installed): its dsfuse
+    providers ran the Triton kernels, whatever their names say."""
     packages = run["env"].get("packages", {})
     if (not run["env"].get("gpu_name") or run["config"].get("backend", "auto") != "auto"
-            or "nvidia-cutlass-dsl" not in packages or packages["nvidia-cutlass-dsl"]):
+            or "nvidia-cutlass-dsl" not in packages or packages["nvidia-cutlass-dsl"]
+            or not has_cutedsl_backend(op)):
         return []
     return ['!!! warning "The CuTe DSL backend was not installed in this run"',
             "    The config let `auto` choose the backend, and the run's environment had no `nvidia-cutlass-dsl`: "
