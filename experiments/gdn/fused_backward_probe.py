@@ -2,7 +2,7 @@
 backward stages they replace, at the experiment's shape.
 
     python experiments/gdn/fused_backward_probe.py OUT_DIR [--config experiments/gdn/configs/h200-fwd.yaml]
-        [--samples 10] [--steps-only] [--cases N]
+        [--samples 10] [--steps-only] [--snapshot] [--cases N]
 
 For each case of the config (its tokens, documents, value heads and L2 norm settings; q, k, v head
 views of one packed row, initial state, dO and the final state's gradient): the CuTe DSL forward
@@ -17,13 +17,15 @@ backward's dq, dk, dv, dg, dbeta and dh0 are checked against the Triton backward
 <= 2e-2: two approximations of one float64 result; the float64 checks are the GPU tests'). Writes
 ``samples.csv`` (case, tokens, value heads, l2norm, part, sample, us) and ``env.json`` under
 OUT_DIR and prints the medians. First, for each case, `chunk_gdn`'s step through autograd (q, k, v
-head views of one packed row) on the ``cutedsl`` backend and on the Triton stages: its peak memory
-above what was allocated before it and its eager time (``steps.csv``; ``--steps-only``: that alone).
+as the packed views of one autograd node and as plain split views of one row) on the ``cutedsl``
+backend and on the Triton stages: its peak memory above what was allocated before it and its eager
+time (``steps.csv``; ``--steps-only``: that alone; ``--snapshot``: the tensors alive at the peak).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 from pathlib import Path
@@ -119,23 +121,28 @@ def case_rows(case, timer: Timer, samples: int, device: torch.device) -> list[di
                            l2norm=l2)
 
 
-def step_rows(case, device: torch.device, repeats: int = 5) -> list[dict]:
+def step_rows(case, device: torch.device, repeats: int = 5, snapshot: Path | None = None) -> list[dict]:
     """`chunk_gdn`'s forward and backward through autograd on the ``cutedsl`` backend (the fused backward
-    where it serves) and on the Triton stages: peak memory above what was allocated before the step
-    (the inputs and their gradients' buffers excluded, the outputs and gradients included) and the
-    eager step's time (CUDA events around the whole call, host work included), median of ``repeats``."""
+    where it serves) and on the Triton stages, from q, k, v as the three views of one autograd node
+    (``packed``: `dsfuse.gdn.packed.packed_qkv_views`, the row's gradient handed over as it was written)
+    and as plain split views (``split``: torch's split backward concatenates the three gradients into a
+    new row): peak memory above what was allocated before the step (the inputs and their gradients'
+    buffers excluded, the outputs and gradients included) and the eager step's time (CUDA events around
+    the whole call, host work included), median of ``repeats``. ``snapshot``: also write the tensors
+    alive at the ``cutedsl`` step's peak, with where each was allocated (`peak_allocations`), there."""
     from dsfuse.gdn import chunk_gdn
 
     p = case.params
     x = gdn.make_inputs(case, device, seed=0)
     rows = []
-    for backend in ("cutedsl", "triton"):
+    for backend, views in itertools.product(("cutedsl", "triton"), ("packed", "split")):
         row = x["row"].detach().requires_grad_()
         h0 = x["initial_state"].detach().requires_grad_()
         g, beta = x["g"].detach().requires_grad_(), x["beta"].detach().requires_grad_()
+        make_views = gdn.packed_views if views == "packed" else gdn.split_views
 
         def step():
-            q, k, v = gdn.split_views(row, p["heads"], p["value_heads"])
+            q, k, v = make_views(row, p["heads"], p["value_heads"])
             o, ht = chunk_gdn(q, k, v, g, beta, initial_state=h0, output_final_state=True,
                               cu_seqlens=x["cu_seqlens"], use_qk_l2norm_in_kernel=p["l2norm"], backend=backend)
             torch.autograd.backward((o, ht), (x["do"], x["dht"]))
@@ -143,23 +150,53 @@ def step_rows(case, device: torch.device, repeats: int = 5) -> list[dict]:
         step()
         torch.cuda.synchronize(device)
         times = []
-        for _ in range(repeats):
+        for i in range(repeats):
             for t in (row, h0, g, beta):
                 t.grad = None
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             torch.cuda.synchronize(device)
             torch.cuda.reset_peak_memory_stats(device)
             base = torch.cuda.memory_allocated(device)
+            record = snapshot is not None and backend == "cutedsl" and i == repeats - 1
+            if record:
+                torch.cuda.memory._record_memory_history(max_entries=100_000)
             start.record()
             step()
             end.record()
             torch.cuda.synchronize(device)
             times.append(start.elapsed_time(end) * 1e3)
             peak = torch.cuda.max_memory_allocated(device) - base
+            if record:
+                found = peak_allocations(torch.cuda.memory._snapshot(), device)
+                torch.cuda.memory._record_memory_history(enabled=None)
+                write_csv(snapshot / f"peak-{case.name}-{views}.csv", found)
         times.sort()
         rows.append({"case": case.name, "value_heads": p["value_heads"], "l2norm": p["l2norm"], "backend": backend,
-                     "peak_mib": peak / 2**20, "step_us_eager": times[len(times) // 2]})
+                     "views": views, "peak_mib": peak / 2**20, "step_us_eager": times[len(times) // 2]})
     return rows
+
+
+def peak_allocations(snapshot: dict, device: torch.device) -> list[dict]:
+    """The blocks alive at the peak of the allocations a memory-history ``snapshot`` recorded (those
+    made before the recording started are not in it), largest first: ``mib`` and ``where``, the
+    innermost frames of the project's own files (``kernels/``, ``experiments/``) that allocated it."""
+    trace = snapshot["device_traces"][device.index or 0]
+    live, total, best, at_peak = {}, 0, 0, {}
+    for event in trace:
+        if event["action"] == "alloc":
+            live[event["addr"]] = event
+            total += event["size"]
+        elif event["action"] == "free_completed" and event["addr"] in live:
+            total -= live.pop(event["addr"])["size"]
+        if total > best:
+            best, at_peak = total, dict(live)
+
+    def where(event) -> str:
+        own = [f for f in event.get("frames", []) if "/dsfuse/" in f["filename"] or "/experiments/" in f["filename"]]
+        return " < ".join(f"{Path(f['filename']).name}:{f['line']} {f['name']}" for f in own[:3]) or "?"
+
+    rows = [{"mib": e["size"] / 2**20, "where": where(e)} for e in at_peak.values()]
+    return sorted(rows, key=lambda r: -r["mib"])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -169,6 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--samples", type=int, default=10, help="timed replays per part (default 10)")
     parser.add_argument("--steps-only", action="store_true",
                         help="only chunk_gdn's step through autograd: peak memory and eager time (steps.csv)")
+    parser.add_argument("--snapshot", action="store_true",
+                        help="also write the tensors alive at the cutedsl step's peak (peak-<case>-<views>.csv)")
     parser.add_argument("--cases", type=int, default=None,
                         help="only the config's first CASES cases (e.g. 1 under Nsight Compute)")
     args = parser.parse_args(argv)
@@ -182,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "env.json").write_text(json.dumps(env_mod.collect(device, op=gdn.OP), indent=2) + "\n")
     cases = gdn.cases(config | {"modes": ["fwd+bwd"]})[: args.cases]
-    steps = [row for case in cases for row in step_rows(case, device)]
+    steps = [row for case in cases for row in step_rows(case, device, snapshot=args.out if args.snapshot else None)]
     write_csv(args.out / "steps.csv", steps)
     print("chunk_gdn forward + backward through autograd (peak MiB above the inputs; eager us, median of 5)")
     print(pd.DataFrame(steps).round(1).to_string(index=False))
