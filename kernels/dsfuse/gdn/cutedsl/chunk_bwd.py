@@ -35,9 +35,11 @@ puts them on the gated ``A`` the forward keeps.) ``rowsum((q^ S) dO)`` is read o
 
 Sums over a row of an accumulator: each thread's values of its two rows, the row's four lanes by
 butterfly shuffles, the two warpgroups' halves through shared memory, added in that order: the same
-bits every call. Eight phases: a barrier after each of the first five, one inside the seventh, and
-the cluster's barriers around the eighth (the sum). Shared memory at K = V = 128, bf16 (tiles that
-take turns share storage): about 213 KiB, one CTA per SM.
+bits every call. Eight phases: a barrier after each of the first five, two inside the seventh, and
+the cluster's barrier split around the sum: each CTA arrives once its partials are stored (in the
+seventh, whose dbeta and dg work then overlaps the peers' arrival) and waits before the sum, then
+meets the cluster again before its shared memory may go. Shared memory at K = V = 128, bf16 (tiles that
+take turns share storage): about 214 KiB, one CTA per SM.
 """
 
 from __future__ import annotations
@@ -64,6 +66,8 @@ from dsfuse.gdn.cutedsl.ut_inverse import FACTORS, prepared_reasons
 
 THREADS = 256  # two warpgroups
 WARPGROUPS = 2
+QUARTERS = THREADS // CHUNK  # E's column sums: a quarter of its rows for each thread (step 7)
+assert QUARTERS == 4, "step 7 adds E's four column parts in a written-out order"
 MAX_GROUP = 8  # value heads per qk head: a cluster of that many CTAs (8, the portable cluster size)
 
 
@@ -158,7 +162,9 @@ class ChunkBackward:
         # rowsum((dO S^T) q), rowsum((dX S^T) k); the warps' parts of <S, dS'>
         sTrow, sB1, sB2, sOS, sXS = (chunk.tile(smem, Float32, 2, C) for _ in range(5))
         sLast = chunk.vector(smem, THREADS // 32)
-        sDG = chunk.vector(smem, C)
+        sErow = chunk.tile(smem, Float32, 2, C)  # E's row sums by warpgroup (`row_sums`, step 5)
+        sEcol = chunk.tile(smem, Float32, QUARTERS, C)  # E's column sums by quarter of its rows
+        sTot = chunk.vector(smem, 4)  # the state term's total by warp (2); the second warp's dG total
         sG, sBeta, sEGq, sEGk, sDec, sRstd = _vectors(sF)
 
         # 0. the chunk's rows, states and factors (zeros past the chunk's rows)
@@ -300,6 +306,7 @@ class ChunkBackward:
         _wg.gemm(mma_cc_kk, acc_dm, _wg.operands(mma_cc_kk, u, sT1, sA), wait=False)
         for i in cutlass.range_constexpr(cute.size(acc_p)):
             sE[cCC[i][0], cCC[i][1]] = acc_p[i]
+        row_sums(acc_p, cCC, sErow, u)
         _wg.wait()
         w3 = cute.make_fragment_like(acc_dm, ab)
         for i in cutlass.range_constexpr(cute.size(acc_dm)):
@@ -326,42 +333,59 @@ class ChunkBackward:
         for i in cutlass.range_constexpr(cute.size(acc_q)):
             sDqP[cCV[i][0], cCV[i][1]] = acc_q[i]
 
-        # 7. dbeta and dG by the chunk's rows (threads t < C): E's row and column sums, the partial
-        #    sums by warpgroup in order; dG_last takes exp(G_last) <S, dS'> and the state terms' sum;
-        #    dg = the reverse cumulative sum of dG, in order
-        t = u
-        if t < C:
-            row, col = Float32(0.0), Float32(0.0)
-            for j in cutlass.range(C, unroll=8):
-                row = row + sE[t, j]
-                col = col + sE[j, t]
+        # 7. dbeta and dG by the chunk's rows (threads t < C). E's row sums were taken from registers
+        #    in step 5; its column sums here by every thread, a quarter of the rows each (a warp reads
+        #    32 consecutive columns: no bank conflicts), the quarters added in order; the state term's
+        #    total by shuffles; dG_last takes exp(G_last) <S, dS'> and that total; dg = the reverse
+        #    cumulative sum of dG, a shuffle scan in each of the two warps, then the second warp's total
+        #    added to the first's rows. A fixed order of additions: the same bits every call.
+        t, quarter, lane = u % C, u // C, u % 32
+        col = Float32(0.0)
+        for j in cutlass.range(C // QUARTERS, unroll_full=True):
+            col = col + sE[quarter * (C // QUARTERS) + j, t]
+        sEcol[quarter, t] = col
+        if u < C:
+            trow = cute.arch.warp_reduction(sTrow[0, u] + sTrow[1, u], lambda a, b: a + b)
+            if lane == 0:
+                sTot[u // 32] = trow
+        cute.arch.sync_threads()
+        # E's storage is free: dk^ there, and the cluster's peers may read this CTA's partials once
+        # every CTA has arrived; the rest of this step runs while the slower peers get there
+        for i in cutlass.range_constexpr(cute.size(acc_k)):
+            sDkP[cCV[i][0], cCV[i][1]] = acc_k[i]
+        cute.arch.cluster_arrive()
+        d_g = Float32(0.0)
+        if u < C:
+            row = sErow[0, t] + sErow[1, t]
+            col = (sEcol[0, t] + sEcol[1, t]) + (sEcol[2, t] + sEcol[3, t])
             xs = sXS[0, t] + sXS[1, t]
             dbeta = (sB1[0, t] + sB1[1, t]) - sEGk[t] * xs + (sB2[0, t] + sB2[1, t])
-            sDG[t] = (row - col + scale * sEGq[t] * (sOS[0, t] + sOS[1, t]) - sBeta[t] * sEGk[t] * xs
-                      - (sTrow[0, t] + sTrow[1, t]))
+            d_g = (row - col + scale * sEGq[t] * (sOS[0, t] + sOS[1, t]) - sBeta[t] * sEGk[t] * xs
+                   - (sTrow[0, t] + sTrow[1, t]))
             if t < rows:
                 mDbeta[start + t, i_hv] = dbeta.to(mDbeta.element_type)
+            for step in cutlass.range_constexpr(5):  # inclusive suffix sums within the warp
+                other = cute.arch.shuffle_sync_down(d_g, offset=1 << step)
+                if lane + (1 << step) < 32:
+                    d_g = d_g + other
+            if u == 32:
+                sTot[2] = d_g  # the second warp's whole sum
         cute.arch.sync_threads()
-        if t < C:
+        if u < C:
             total = Float32(0.0)
             for w in cutlass.range_constexpr(THREADS // 32):
                 total = total + sLast[w]
-            dg = chunk.exp(sG[C - 1]) * total
-            for j in cutlass.range(C, unroll=8):
-                dg = dg + (sTrow[0, j] + sTrow[1, j])
-            for j in cutlass.range(C - 1 - t, unroll=1):  # dG of the rows after t, last first
-                dg = dg + sDG[C - 1 - j]
-            dg = dg + sDG[t]
+            dg = chunk.exp(sG[C - 1]) * total + (sTot[0] + sTot[1])
+            if u < 32:
+                dg = dg + sTot[2]
+            dg = dg + d_g
             if t < rows:
                 mDg[start + t, i_hv] = dg
-        for i in cutlass.range_constexpr(cute.size(acc_k)):  # E's last reads were before the barrier above
-            sDkP[cCV[i][0], cCV[i][1]] = acc_k[i]
 
         # 8. the cluster (the qk head's value heads, this chunk) sums dq^ and dk^ in head order, each CTA
         #    a share of the rows, reading the others' partials from their shared memory; then the L2
         #    norm's backward, dx = rstd (dx^ - x^ (dx^ . x^)), and the rows rounded into dq, dk
-        cute.arch.cluster_arrive()
-        cute.arch.cluster_wait()
+        cute.arch.cluster_wait()  # arrived in step 7
         group = self.value_heads // self.heads
         rank = cute.arch.block_idx_in_cluster()
         warp, lane = u // 32, u % 32
