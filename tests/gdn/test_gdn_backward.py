@@ -148,6 +148,34 @@ def test_cpu_packed_split_and_contiguous_are_bitwise_equal(backend):
     _packed_split_contiguous("cpu", torch.float32, backend, tokens=90, cu=[0, 20, 90], heads=(1, 3), dim=16)
 
 
+def test_cpu_an_unused_output_gets_no_zeros_and_counts_as_zero(backend, monkeypatch):
+    """The backward gets None, not zeros, for the forward's internal outputs (g_cum and A: zeros the size
+    of A would be a gigabyte at the experiment's shape) and for an unused o or final state; an unused
+    output's gradient is then zero: the same bits as a loss that weights it by zeros."""
+    from dsfuse.gdn.api import forward_ops
+
+    fn = forward_ops[backend].function
+    original = fn.backward
+    seen = []
+
+    def spy(ctx, *grads):
+        seen.append(tuple(g is None for g in grads))
+        return original(ctx, *grads)
+
+    monkeypatch.setattr(fn, "backward", staticmethod(spy))
+    x, do, dht = make_case(90, [0, 20, 90], 1, 3, l2=True, h0=True, dtype=torch.float32, device="cpu", dim=16)
+    for used in ("o", "final_state"):
+        keep_do, keep_dht = (do, torch.zeros_like(dht)) if used == "o" else (torch.zeros_like(do), dht)
+        want = run_dsfuse(x, keep_do, keep_dht, l2=True, backend=backend)
+        leaves = {n: x[n].detach().clone().requires_grad_() for n in ("q", "k", "v", "g", "beta", "initial_state")}
+        o, ht = chunk_gdn(**dict(x, **leaves), output_final_state=True, use_qk_l2norm_in_kernel=True, backend=backend)
+        loss = (o.float() * do.float()).sum() if used == "o" else (ht * dht).sum()
+        grads = torch.autograd.grad(loss, list(leaves.values()))
+        for name, grad in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), grads):
+            assert_bitwise(grad, want[name], f"{name}, only {used} used")
+    assert seen[1::2] == [(False, True, True, True), (True, False, True, True)], seen  # the one-output calls
+
+
 # ----------------------------------------------------------------------------- GPU: the contract
 
 

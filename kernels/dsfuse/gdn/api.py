@@ -263,6 +263,8 @@ def _forward(backend: str):
         """``q``, ``k``, ``v``, ``g``, ``beta`` and ``initial_state`` get gradients; ``o``'s and the
         final state's gradients come in (``g_cum`` and ``A`` are internal)."""
         q, k, v, beta, initial_state, cu_seqlens, g_cum, A = ctx.saved_tensors
+        if do is None:  # o unused (`_save`: no zeros made for an absent gradient)
+            do = torch.zeros_like(v, memory_format=torch.contiguous_format)
         if dht is not None and dht.numel() == 0:
             dht = None
         if tracing(q, do):
@@ -339,6 +341,9 @@ def _save(ctx, inputs, output):
     q, k, v, _, beta, initial_state, cu_seqlens, scale, _, use_qk_l2norm, _ = inputs
     ctx.save_for_backward(q, k, v, beta, initial_state, cu_seqlens, output[2], output[3])
     ctx.scale, ctx.use_qk_l2norm = scale, use_qk_l2norm
+    # g_cum and A never get a gradient: without this, autograd would hand the backward zeros the size of
+    # A (a gigabyte at the experiment's shape, the fused backward's saved buffer) and of g_cum
+    ctx.set_materialize_grads(False)
 
 
 forward_ops = declare_backend_ops(BACKENDS, "gdn_fwd", "forward", _forward, setup=_save, non_differentiable=(2, 3))
