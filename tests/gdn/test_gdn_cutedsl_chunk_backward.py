@@ -39,7 +39,12 @@ def test_compiles_the_model_and_refuses_the_rest(tmp_path):
         assert shapes == {"m64n64k16": 68, "m64n32k16": 40}, (spec.name, shapes)
         assert len(re.findall(r"bar\.sync", ptx)) == 8, spec.name
         assert ptx.count("barrier.cluster.arrive") == ptx.count("barrier.cluster.wait") == 2, spec.name
-        assert len(re.findall(r"ld\.shared::cluster\.f32", ptx)) == 2 * 4 * 3, spec.name
+        # a lane's four channels of dq and dk: one vector load from each of the 3 value heads' CTAs,
+        # one 8-byte store; dv's values in pairs of adjacent columns, one 32-bit store each (16 a thread)
+        assert len(re.findall(r"ld\.shared::cluster\.v4\.f32", ptx)) == 2 * 3, spec.name
+        assert "ld.shared::cluster.f32" not in ptx, spec.name
+        assert len(re.findall(r"st\.global\.v4\.b16", ptx)) == 2, spec.name
+        assert len(re.findall(r"st\.global\.b32", ptx)) >= 16, spec.name
     with pytest.raises(ValueError, match="compile for"):
         module.compile_chunk_backward(torch.bfloat16, 16, 48, 128, 128, True, "sm_100a")
     with pytest.raises(ValueError, match="cannot compile this"):

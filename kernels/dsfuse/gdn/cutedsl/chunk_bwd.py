@@ -81,16 +81,6 @@ def shape_reasons(dtype: torch.dtype, heads: int, value_heads: int, dim_k: int, 
     return reasons
 
 
-@dsl_user_op
-def _load_cluster(ptr, *, loc=None, ip=None) -> Float32:
-    """An fp32 load from a cluster peer's shared memory (``ptr`` from ``cute.arch.map_dsmem_ptr``):
-    ``ld.shared::cluster``, which the DSL's element access does not emit for such a pointer."""
-    addr = Int32(ptr.toint(loc=loc, ip=ip)).ir_value(loc=loc, ip=ip)
-    return Float32(llvm.inline_asm(_types.f32(), [addr], "ld.shared::cluster.f32 $0, [$1];", "=f,r",
-                                   has_side_effects=True, is_align_stack=False,
-                                   asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
-
-
 @cute.jit
 def row_sums(vals: cute.Tensor, coords: cute.Tensor, sPart: cute.Tensor, u: Int32):
     """Each row's sum of ``vals`` (fp32, an accumulator's layout over two warpgroups that split N) into
@@ -108,6 +98,77 @@ def row_sums(vals: cute.Tensor, coords: cute.Tensor, sPart: cute.Tensor, u: Int3
     if u % 4 == 0:
         sPart[u // 128, r0] = s0
         sPart[u // 128, r0 + 8] = s1
+
+
+def row_pair(coords: cute.Tensor, vec: cute.Tensor, first=0) -> tuple:
+    """``vec[first + r]`` for this thread's two accumulator rows (``r0 = coords[0]``'s and ``r0 + 8``),
+    read once into registers: the elementwise loops then `pick` them rather than read shared memory
+    for every element (a read that a store or a branch in between would keep the compiler from
+    sharing)."""
+    r0 = coords[0][0]
+    return vec[first + r0], vec[first + r0 + 8]
+
+
+def pick(coords: cute.Tensor, i: int, pair: tuple):
+    """Element ``i``'s row's value of a `row_pair` (the comparison folds: an element's row offset in
+    the accumulator is static)."""
+    return Float32(cutlass.select_(coords[i][0] == coords[0][0], pair[0], pair[1]))
+
+
+def masked(keep, x):
+    """``x`` where ``keep``, else zero: a select, so a masked-off ``x`` (an overflowed decay above the
+    diagonal) never reaches the result, and no branch splits the loop."""
+    return Float32(cutlass.select_(keep, x, Float32(0.0)))
+
+
+@cute.jit
+def store_rows(acc: cute.Tensor, coords: cute.Tensor, factor: tuple, mOut: cute.Tensor, start: Int32, rows: Int32,
+               head: Int32):
+    """``factor`` (a `row_pair`) times the accumulator ``acc``, rounded to ``mOut``'s dtype, into rows
+    ``start + r`` (``r < rows``) of head ``head`` of ``mOut`` ``[T, heads, N]`` (unit channel stride,
+    16-byte aligned rows): an accumulator's values come in pairs of adjacent columns of one row, so
+    each pair is one 32-bit store."""
+    pair = cute.make_rmem_tensor((2,), mOut.element_type)
+    for i in cutlass.range_constexpr(0, cute.size(acc), 2):
+        r, c = coords[i][0], coords[i][1]
+        f = pick(coords, i, factor)
+        pair[0] = (f * acc[i]).to(mOut.element_type)
+        pair[1] = (f * acc[i + 1]).to(mOut.element_type)
+        if r < rows:
+            cute.autovec_copy(pair, cute.local_tile(mOut[start + r, head, None], (2,), (c // 2,)))
+
+
+@cute.jit
+def inner_product(buf_a, buf_b, dtype: cutlass.Constexpr, n: cutlass.Constexpr, u: Int32) -> Float32:
+    """The sum of the products of two ``n``-element 16-bit tiles' elements, over their raw storage (the
+    two share a layout, so position pairs with position whatever the swizzle): 16-byte vectors, each
+    thread its own, then the warp's lanes by shuffles (a warp's part of the whole, the same bits every
+    call)."""
+    per = n // 8 // THREADS
+    layout = cute.make_layout((8, THREADS, per), stride=(1, 8, 8 * THREADS))
+    ta = cute.make_tensor(cute.recast_ptr(buf_a, dtype=dtype), layout)
+    tb = cute.make_tensor(cute.recast_ptr(buf_b, dtype=dtype), layout)
+    fa, fb = cute.make_rmem_tensor((8,), dtype), cute.make_rmem_tensor((8,), dtype)
+    part = Float32(0.0)
+    for j in cutlass.range_constexpr(per):
+        cute.autovec_copy(ta[None, u, j], fa)
+        cute.autovec_copy(tb[None, u, j], fb)
+        for e in cutlass.range_constexpr(8):
+            part = part + fa[e].to(Float32) * fb[e].to(Float32)
+    return cute.arch.warp_reduction(part, lambda a, b: a + b)
+
+
+@dsl_user_op
+def _load_cluster4(ptr, *, loc=None, ip=None) -> tuple:
+    """Four consecutive fp32 from a cluster peer's shared memory (16-byte aligned ``ptr`` from
+    ``cute.arch.map_dsmem_ptr``): one ``ld.shared::cluster.v4.f32``."""
+    addr = Int32(ptr.toint(loc=loc, ip=ip)).ir_value(loc=loc, ip=ip)
+    f32 = _types.f32()
+    res = llvm.inline_asm(llvm.StructType.get_literal([f32] * 4), [addr],
+                          "ld.shared::cluster.v4.f32 {$0, $1, $2, $3}, [$4];", "=f,=f,=f,=f,r",
+                          has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
+                          loc=loc, ip=ip)
+    return tuple(Float32(llvm.extractvalue(f32, res, [j], loc=loc, ip=ip)) for j in range(4))
 
 
 class ChunkBackward:
@@ -200,16 +261,17 @@ class ChunkBackward:
         _wg.gemm(mma_cc_kk, acc_kk, _wg.operands(mma_cc_kk, u, sK, sK), wait=False)
         v_r = cute.make_fragment_like(acc_ks, ab)
         _wg.load_like(mma_cv_kn, u, sV, v_r)
+        beta, egk, dec = row_pair(cCV, sBeta), row_pair(cCV, sEGk), row_pair(cCV, sDec)
+        beta_c, rstd_q, rstd_k = row_pair(cCC, sBeta), row_pair(cCC, sRstd), row_pair(cCC, sRstd, C)
         _wg.wait()
         for i in cutlass.range_constexpr(cute.size(acc_ks)):
-            r = cCV[i][0]
-            acc_ks[i] = sBeta[r] * (v_r[i].to(Float32) - sEGk[r] * acc_ks[i])
-            acc_kd[i] = sDec[r] * acc_kd[i]
+            acc_ks[i] = pick(cCV, i, beta) * (v_r[i].to(Float32) - pick(cCV, i, egk) * acc_ks[i])
+            acc_kd[i] = pick(cCV, i, dec) * acc_kd[i]
         _wg.store_rounded(mma_cv_kn, u, acc_ks, sX, ab)
         gate_qk(acc_p, cCC, sG, sRstd, self.l2norm)
         _wg.store_rounded(mma_cc_kk, u, acc_p, sP, ab)
         for i in cutlass.range_constexpr(cute.size(acc_kk)):
-            acc_kk[i] = acc_kk[i] * (sRstd[C + cCC[i][0]] * sRstd[C + cCC[i][1]])
+            acc_kk[i] = acc_kk[i] * (pick(cCC, i, rstd_k) * sRstd[C + cCC[i][1]])
         _wg.fence_writes()
         cute.arch.sync_threads()
 
@@ -240,22 +302,21 @@ class ChunkBackward:
         _wg.load_like(mma_cc_kk, u, sA, a_r)
         _wg.wait()
         _wg.store_rounded(mma_cv_nn, u, acc_dx, sDX, ab)
+        store_rows(acc_dx, cCV, beta, mDv, start, rows, i_hv)
         for i in cutlass.range_constexpr(cute.size(acc_dx)):
-            r, c = cCV[i][0], cCV[i][1]
-            if r < rows:
-                mDv[start + r, i_hv, c] = (sBeta[r] * acc_dx[i]).to(mDv.element_type)
             acc_dx[i] = acc_dx[i] * v_r[i].to(Float32)
         row_sums(acc_dx, cCV, sB1, u)
         w1 = cute.make_fragment_like(acc_dp, ab)
+        g_row = row_pair(cCC, sG)
         for i in cutlass.range_constexpr(cute.size(acc_dp)):
             r, c = cCC[i][0], cCC[i][1]
-            dp, da, decay = Float32(0.0), Float32(0.0), Float32(0.0)
-            if c <= r:
-                dp, da, decay = scale * acc_dp[i], acc_da[i], chunk.exp(sG[r] - sG[c])
+            lower = c <= r
+            dp, da = masked(lower, scale * acc_dp[i]), masked(lower, acc_da[i])
             acc_da[i] = da
             acc_p[i] = dp * acc_p[i] + da * a_r[i].to(Float32)  # E, kept until P's storage frees up
-            w1[i] = (dp * decay * sRstd[r]).to(ab)
-            acc_dp[i] = dp * decay * sRstd[C + c]
+            dpg = masked(lower, dp * chunk.exp(pick(cCC, i, g_row) - sG[c]))  # dP Gamma
+            w1[i] = (dpg * pick(cCC, i, rstd_q)).to(ab)
+            acc_dp[i] = dpg * sRstd[C + c]
         _wg.store_rounded(mma_cc_kk, u, acc_da, sDag, ab)
         _wg.store(mma_cc_kk, u, w1, sW1)
         _wg.store_rounded(mma_cc_kk, u, acc_dp, sW4, ab)
@@ -271,11 +332,7 @@ class ChunkBackward:
         _wg.gemm(mma_ck_kk, acc_q, _wg.operands(mma_ck_kk, u, sDO, sS), wait=False)
         _wg.gemm(mma_ck_kk, acc_b, _wg.operands(mma_ck_kk, u, sDX, sS), wait=False)
         _wg.gemm(mma_ck_kk, acc_k, _wg.operands(mma_ck_kk, u, sVn, sDS), wait=False)
-        part = Float32(0.0)
-        for item in cutlass.range(K * V // THREADS, unroll=8):
-            kk, vv = chunk.cell(u, item, V, THREADS)
-            part = part + sS[kk, vv].to(Float32) * sDS[kk, vv].to(Float32)
-        part = cute.arch.warp_reduction(part, lambda a, b: a + b)
+        part = inner_product(buf_s, buf_ds, ab, K * V, u)
         if u % 32 == 0:
             sLast[u // 32] = part
         x_r = cute.make_fragment_like(acc_q, ab)
@@ -291,11 +348,14 @@ class ChunkBackward:
         for i in cutlass.range_constexpr(cute.size(acc_b)):
             prod[i] = acc_b[i] * x_r[i].to(Float32)
         row_sums(prod, cCV, sXS, u)
+        g_last = sG[C - 1]
+        g_v = row_pair(cCV, sG)
+        eg = (chunk.exp(g_v[0]), chunk.exp(g_v[1]))
+        dec_k = (chunk.exp(g_last - g_v[0]), chunk.exp(g_last - g_v[1]))
         for i in cutlass.range_constexpr(cute.size(acc_q)):
-            r = cCV[i][0]
-            eg = chunk.exp(sG[r])
-            acc_q[i] = scale * eg * acc_q[i]
-            acc_k[i] = chunk.exp(sG[C - 1] - sG[r]) * acc_k[i] - sBeta[r] * eg * acc_b[i]
+            e = pick(cCV, i, eg)
+            acc_q[i] = scale * e * acc_q[i]
+            acc_k[i] = pick(cCV, i, dec_k) * acc_k[i] - pick(cCV, i, beta) * e * acc_b[i]
         _wg.fence_writes()
         cute.arch.sync_threads()
 
@@ -311,12 +371,11 @@ class ChunkBackward:
         w3 = cute.make_fragment_like(acc_dm, ab)
         for i in cutlass.range_constexpr(cute.size(acc_dm)):
             r, c = cCC[i][0], cCC[i][1]
-            dm = Float32(0.0)
-            if c < r:
-                dm = -acc_dm[i] * chunk.exp(sG[r] - sG[c])
+            dm = masked(c < r, -acc_dm[i] * chunk.exp(pick(cCC, i, g_row) - sG[c]))
             acc_kk[i] = dm * acc_kk[i]
-            w3[i] = (sBeta[r] * dm * sRstd[C + r]).to(ab)
-            acc_dm[i] = sBeta[r] * dm * sRstd[C + c]
+            bdm = pick(cCC, i, beta_c) * dm
+            w3[i] = (bdm * pick(cCC, i, rstd_k)).to(ab)
+            acc_dm[i] = bdm * sRstd[C + c]
         row_sums(acc_kk, cCC, sB2, u)
         _wg.store_rounded(mma_cc_kk, u, acc_dm, sW2, ab)
         _wg.store(mma_cc_kk, u, w3, sW3)
@@ -383,31 +442,34 @@ class ChunkBackward:
                 mDg[start + t, i_hv] = dg
 
         # 8. the cluster (the qk head's value heads, this chunk) sums dq^ and dk^ in head order, each CTA
-        #    a share of the rows, reading the others' partials from their shared memory; then the L2
-        #    norm's backward, dx = rstd (dx^ - x^ (dx^ . x^)), and the rows rounded into dq, dk
+        #    a share of the rows, a warp a row, each lane four consecutive channels (K = 128) read from
+        #    every CTA's shared memory in one vector load; then the L2 norm's backward, dx = rstd (dx^ -
+        #    x^ (dx^ . x^)), and the rows rounded into dq, dk by 8-byte stores
+        assert K == 4 * 32, "a lane sums four channels of a row"
         cute.arch.cluster_wait()  # arrived in step 7
         group = self.value_heads // self.heads
         rank = cute.arch.block_idx_in_cluster()
         warp, lane = u // 32, u % 32
         for part, sX, mOut, first in ((sDqP, sQ, mDq, 0), (sDkP, sK, mDk, C)):
+            peers = [cute.arch.map_dsmem_ptr(part.iterator, g) for g in range(group)]
+            x_r = cute.make_rmem_tensor((4,), ab)
+            out = cute.make_rmem_tensor((4,), mOut.element_type)
             for r in cutlass.range(rank * C // group + warp, (rank + 1) * C // group, THREADS // 32, unroll=1):
-                vals = cute.make_rmem_tensor((K // 32,), Float32)
-                for j in cutlass.range_constexpr(K // 32):
-                    total = Float32(0.0)
-                    for g in cutlass.range_constexpr(group):
-                        total = total + _load_cluster(cute.arch.map_dsmem_ptr(part.iterator + (r * K + lane + 32 * j), g))
-                    vals[j] = total
+                vals = list(_load_cluster4(peers[0] + (r * K + 4 * lane)))  # channels 4 lane .. 4 lane + 3
+                for g in cutlass.range_constexpr(1, group):
+                    more = _load_cluster4(peers[g] + (r * K + 4 * lane))
+                    vals = [vals[j] + more[j] for j in range(4)]
                 if const_expr(self.l2norm):
                     rstd = sRstd[first + r]
-                    dot = Float32(0.0)
-                    for j in cutlass.range_constexpr(K // 32):
-                        dot = dot + vals[j] * (sX[r, lane + 32 * j].to(Float32) * rstd)
+                    cute.autovec_copy(cute.local_tile(sX[r, None], (4,), (lane,)), x_r)
+                    xs = [x_r[j].to(Float32) * rstd for j in range(4)]
+                    dot = ((vals[0] * xs[0] + vals[1] * xs[1]) + (vals[2] * xs[2] + vals[3] * xs[3]))
                     dot = cute.arch.warp_reduction(dot, lambda a, b: a + b)
-                    for j in cutlass.range_constexpr(K // 32):
-                        vals[j] = rstd * (vals[j] - sX[r, lane + 32 * j].to(Float32) * rstd * dot)
+                    vals = [rstd * (vals[j] - xs[j] * dot) for j in range(4)]
+                for j in cutlass.range_constexpr(4):
+                    out[j] = vals[j].to(mOut.element_type)
                 if r < rows:
-                    for j in cutlass.range_constexpr(K // 32):
-                        mOut[start + r, i_h, lane + 32 * j] = vals[j].to(mOut.element_type)
+                    cute.autovec_copy(out, cute.local_tile(mOut[start + r, i_h, None], (4,), (lane,)))
         cute.arch.cluster_arrive()  # the partials stay until every CTA of the cluster has read them
         cute.arch.cluster_wait()
 
