@@ -122,7 +122,7 @@ def masked(keep, x):
 
 
 @cute.jit
-def store_rows(acc: cute.Tensor, coords: cute.Tensor, factor: tuple, mOut: cute.Tensor, start: Int32, rows: Int32,
+def store_rows_scaled(acc: cute.Tensor, coords: cute.Tensor, factor: tuple, mOut: cute.Tensor, start: Int32, rows: Int32,
                head: Int32):
     """``factor`` (a `row_pair`) times the accumulator ``acc``, rounded to ``mOut``'s dtype, into rows
     ``start + r`` (``r < rows``) of head ``head`` of ``mOut`` ``[T, heads, N]`` (unit channel stride,
@@ -302,7 +302,7 @@ class ChunkBackward:
         _wg.load_like(mma_cc_kk, u, sA, a_r)
         _wg.wait()
         _wg.store_rounded(mma_cv_nn, u, acc_dx, sDX, ab)
-        store_rows(acc_dx, cCV, beta, mDv, start, rows, i_hv)
+        store_rows_scaled(acc_dx, cCV, beta, mDv, start, rows, i_hv)
         for i in cutlass.range_constexpr(cute.size(acc_dx)):
             acc_dx[i] = acc_dx[i] * v_r[i].to(Float32)
         row_sums(acc_dx, cCV, sB1, u)
