@@ -27,10 +27,12 @@ RUN_ID = re.compile(r"\d{8}-\d{6}-")
 
 
 def candidates(root: Path = ROOT) -> list[Path]:
-    """Plain raw CSVs of run folders (``experiments/<op>/raw/<run-id>/``, ids ``YYYYMMDD-HHMMSS-...``) of at
-    least `COMPACT_BYTES`; sweeps (``raw/tuning/``) and other folders keep their plain files."""
-    return sorted(p for p in root.glob("experiments/*/raw/*/*.csv")
-                  if RUN_ID.match(p.parent.name) and p.stat().st_size >= COMPACT_BYTES)
+    """Plain raw CSVs of run folders (``experiments/<op>/raw/[<subdir>/]<run-id>/``, ids
+    ``YYYYMMDD-HHMMSS-...``: a config's ``raw_subdir`` and the probes' folders too) of at least
+    `COMPACT_BYTES`; sweeps (``raw/tuning/``) and other folders keep their plain files."""
+    return sorted(p for p in root.glob("experiments/*/raw/**/*.csv")
+                  if RUN_ID.match(p.parent.name) and "tuning" not in p.relative_to(root).parts
+                  and p.stat().st_size >= COMPACT_BYTES)
 
 
 def compact(path: Path) -> Path:

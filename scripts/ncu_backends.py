@@ -105,10 +105,11 @@ def profile(out_dir: Path, names: list[str] | None = None) -> None:
 def render(out_dir: Path, out_md: Path, op: str | None = None) -> None:
     """One row per profiled kernel: the call that launched it, its name and the counters (``op``: of
     that op's calls only)."""
+    from dsfuse.bench.paths import raw_file
     from dsfuse.bench.tables import markdown
 
     names = (out_dir / "calls.txt").read_text().splitlines()
-    raw = pd.read_csv(out_dir / "ncu.csv", comment="=", dtype=str)  # numbers may carry thousands separators
+    raw = pd.read_csv(raw_file(out_dir, "ncu.csv"), comment="=", dtype=str)  # numbers may carry thousands separators
     raw = raw[raw["ID"].fillna("").str.isdigit()]  # the units row follows the header
     rows, call = [], None
     for _, r in raw.iterrows():

@@ -37,3 +37,20 @@ def test_compacted_csv_reads_as_the_plain_one_and_is_reproducible(tmp_path):
     (run / "samples.csv").write_bytes(plain)
     assert compact_raw.compact(run / "samples.csv").read_bytes() == first  # no time or name in the header
     assert report.runs_of(tmp_path) == [run]  # a compacted run is still found
+
+
+def test_run_folders_under_a_subfolder_of_raw_are_compacted_and_sweeps_are_not(tmp_path):
+    """A config's ``raw_subdir`` (``raw/backward_controls/<run-id>/``) and the probes' folders hold runs
+    too; ``raw/tuning/`` holds sweeps, which stay plain."""
+    big = "x" * COMPACT_BYTES
+    paths = {name: tmp_path / "experiments" / "gdn" / "raw" / name for name in (
+        "20261201-000000-h200/samples.csv", "backward_controls/20261201-000000-h200/samples.csv",
+        "fused-backward/20261201-000000-h200-probe/samples.csv", "tuning/20261201-000000-h200/sweep.csv",
+        "notes/samples.csv")}
+    for path in paths.values():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(big)
+    (tmp_path / "experiments" / "gdn" / "raw" / "backward_controls" / "20261201-000000-h200" / "small.csv").write_text("a\n")
+    assert compact_raw.candidates(tmp_path) == sorted(paths[name] for name in (
+        "20261201-000000-h200/samples.csv", "backward_controls/20261201-000000-h200/samples.csv",
+        "fused-backward/20261201-000000-h200-probe/samples.csv"))

@@ -35,3 +35,21 @@ def test_render_splits_kernels_by_marker(tmp_path):
     assert [r.split("|")[2].strip() for r in rows] == ["rope_bwd", "Forward (CuTe DSL)", "dw_sum"]
     first = [c.strip() for c in rows[0].split("|")]
     assert first[3:6] == ["36.5", "1", "2"]  # us, MB read, MB written
+
+
+def test_render_reads_the_committed_compacted_profile(tmp_path):
+    """The committed profile (`experiments/engram_gate/raw/ncu/...`) is stored compacted (``ncu.csv.gz``,
+    ``scripts/compact_raw.py``): rendering it gives the table its plain CSV gave."""
+    import gzip
+    import shutil
+
+    run = ROOT / "experiments" / "engram_gate" / "raw" / "ncu" / "20261201-023640-h200"
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    (plain / "ncu.csv").write_bytes(gzip.decompress((run / "ncu.csv.gz").read_bytes()))
+    shutil.copy(run / "calls.txt", plain / "calls.txt")
+    ncu_backends.render(run, tmp_path / "from-gz.md")
+    ncu_backends.render(plain, tmp_path / "from-plain.md")
+    rows = [[line for line in (tmp_path / name).read_text().splitlines() if line.startswith("|")]
+            for name in ("from-gz.md", "from-plain.md")]
+    assert rows[0] == rows[1] and len(rows[0]) > 3

@@ -36,7 +36,7 @@ def summarize(op: str, run_dir: str | Path) -> list[dict]:
     status (see the module docstring) and the first failure (case, stage, error)."""
     run_dir = Path(run_dir)
     rows = []
-    path = run_dir / "validation.csv"
+    path = raw_file(run_dir, "validation.csv")
     val = pd.read_csv(path, keep_default_na=False, dtype=str) if path.stat().st_size else pd.DataFrame(columns=["provider"])
     for provider, grp in val.groupby("provider", sort=False):
         role = grp["role"].iloc[0]

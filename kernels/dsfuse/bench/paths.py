@@ -95,4 +95,4 @@ def raw_file(run_dir: str | os.PathLike, name: str) -> Path:
     return gz if not path.exists() and gz.exists() else path
 
 
-COMPACT_BYTES = 64 * 1024  # raw CSVs at least this large are committed compressed (scripts/compact_raw.py)
+COMPACT_BYTES = 32 * 1024  # raw CSVs at least this large are committed compressed (scripts/compact_raw.py)

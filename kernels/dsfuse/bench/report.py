@@ -139,8 +139,8 @@ def load_run(run_dir: Path) -> dict:
     return dict(
         run_id=run_dir.name,
         samples=pd.read_csv(raw_file(run_dir, "samples.csv")),
-        validation=pd.read_csv(run_dir / "validation.csv", keep_default_na=False),
-        cases=pd.read_csv(run_dir / "cases.csv", keep_default_na=False),
+        validation=pd.read_csv(raw_file(run_dir, "validation.csv"), keep_default_na=False),
+        cases=pd.read_csv(raw_file(run_dir, "cases.csv"), keep_default_na=False),
         memory=pd.read_csv(memory) if memory.exists() else pd.DataFrame(columns=MEMORY_COLUMNS),
         env=json.loads((run_dir / "env.json").read_text()),
         config=yaml.safe_load((run_dir / "config.yaml").read_text()) or {},
