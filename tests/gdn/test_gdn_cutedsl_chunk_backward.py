@@ -22,7 +22,8 @@ F64 = torch.float64
 def test_compiles_the_model_and_refuses_the_rest(tmp_path):
     """The AOT specs (sm_90a, the model's shapes): the design's products on wgmma (12 of ``(C, K or V)``,
     6 of ``(C, C)``), its barriers, the cluster's two barriers and its reads of the value heads' dq
-    and dk partials from the peers' shared memory (3 value heads, 4 channels a lane, dq and dk);
+    and dk partials from the peers' shared memory (3 value heads, 4 channels a lane, dq and dk, a
+    path for each rank);
     other sizes and architectures refused by name."""
     import collections
     import re
@@ -39,11 +40,15 @@ def test_compiles_the_model_and_refuses_the_rest(tmp_path):
         assert shapes == {"m64n64k16": 68, "m64n32k16": 40}, (spec.name, shapes)
         assert len(re.findall(r"bar\.sync", ptx)) == 8, spec.name
         assert ptx.count("barrier.cluster.arrive") == ptx.count("barrier.cluster.wait") == 2, spec.name
-        # a lane's four channels of dq and dk: one vector load from each of the 3 value heads' CTAs,
-        # one 8-byte store; dv's values in pairs of adjacent columns, one 32-bit store each (16 a thread)
-        assert len(re.findall(r"ld\.shared::cluster\.v4\.f32", ptx)) == 2 * 3, spec.name
+        # the last arrive relaxed, after a CTA-scope fence (it releases no writes)
+        assert ptx.count("barrier.cluster.arrive.relaxed") == 1, spec.name
+        assert re.search(r"fence\.acq_rel\.cta;\s+barrier\.cluster\.arrive\.relaxed", ptx), spec.name
+        # a lane's four channels of dq and dk: one vector load from each of the 2 other value heads'
+        # CTAs (its own from its own shared memory), one 8-byte store, in each of the 3 ranks' paths;
+        # dv's values in pairs of adjacent columns, one 32-bit store each (16 a thread)
+        assert len(re.findall(r"ld\.shared::cluster\.v4\.f32", ptx)) == 3 * 2 * 2, spec.name
         assert "ld.shared::cluster.f32" not in ptx, spec.name
-        assert len(re.findall(r"st\.global\.v4\.b16", ptx)) == 2, spec.name
+        assert len(re.findall(r"st\.global\.v4\.b16", ptx)) == 3 * 2, spec.name
         assert len(re.findall(r"st\.global\.b32", ptx)) >= 16, spec.name
     with pytest.raises(ValueError, match="compile for"):
         module.compile_chunk_backward(torch.bfloat16, 16, 48, 128, 128, True, "sm_100a")

@@ -57,6 +57,7 @@ from cutlass.cutlass_dsl import dsl_user_op
 from dsfuse.gdn.cutedsl import chunk
 from dsfuse.gdn.cutedsl import mma as _mma
 from dsfuse.gdn.cutedsl import wgmma as _wg
+from dsfuse.gdn.cutedsl.wgmma import masked, pick, row_pair
 from dsfuse.gdn.cutedsl.chunk import CHUNK, DTYPES
 from dsfuse.gdn.cutedsl.fused_fwd_head import ALIGN, aligned_reasons, gate_qk
 from dsfuse.gdn.cutedsl.fused_fwd_ws import _vectors
@@ -98,27 +99,6 @@ def row_sums(vals: cute.Tensor, coords: cute.Tensor, sPart: cute.Tensor, u: Int3
     if u % 4 == 0:
         sPart[u // 128, r0] = s0
         sPart[u // 128, r0 + 8] = s1
-
-
-def row_pair(coords: cute.Tensor, vec: cute.Tensor, first=0) -> tuple:
-    """``vec[first + r]`` for this thread's two accumulator rows (``r0 = coords[0]``'s and ``r0 + 8``),
-    read once into registers: the elementwise loops then `pick` them rather than read shared memory
-    for every element (a read that a store or a branch in between would keep the compiler from
-    sharing)."""
-    r0 = coords[0][0]
-    return vec[first + r0], vec[first + r0 + 8]
-
-
-def pick(coords: cute.Tensor, i: int, pair: tuple):
-    """Element ``i``'s row's value of a `row_pair` (the comparison folds: an element's row offset in
-    the accumulator is static)."""
-    return Float32(cutlass.select_(coords[i][0] == coords[0][0], pair[0], pair[1]))
-
-
-def masked(keep, x):
-    """``x`` where ``keep``, else zero: a select, so a masked-off ``x`` (an overflowed decay above the
-    diagonal) never reaches the result, and no branch splits the loop."""
-    return Float32(cutlass.select_(keep, x, Float32(0.0)))
 
 
 @cute.jit
@@ -268,7 +248,7 @@ class ChunkBackward:
             acc_ks[i] = pick(cCV, i, beta) * (v_r[i].to(Float32) - pick(cCV, i, egk) * acc_ks[i])
             acc_kd[i] = pick(cCV, i, dec) * acc_kd[i]
         _wg.store_rounded(mma_cv_kn, u, acc_ks, sX, ab)
-        gate_qk(acc_p, cCC, sG, sRstd, self.l2norm)
+        gate_qk(acc_p, cCC, sG, sRstd, self.l2norm, two_rows=True)
         _wg.store_rounded(mma_cc_kk, u, acc_p, sP, ab)
         for i in cutlass.range_constexpr(cute.size(acc_kk)):
             acc_kk[i] = acc_kk[i] * (pick(cCC, i, rstd_k) * sRstd[C + cCC[i][1]])
@@ -442,23 +422,47 @@ class ChunkBackward:
                 mDg[start + t, i_hv] = dg
 
         # 8. the cluster (the qk head's value heads, this chunk) sums dq^ and dk^ in head order, each CTA
-        #    a share of the rows, a warp a row, each lane four consecutive channels (K = 128) read from
-        #    every CTA's shared memory in one vector load; then the L2 norm's backward, dx = rstd (dx^ -
+        #    a share of the rows, a warp a row, each lane four consecutive channels (K = 128) read in
+        #    one vector load from every CTA's shared memory (its own partial from its own, not over the
+        #    cluster's network: a code path for each rank); then the L2 norm's backward, dx = rstd (dx^ -
         #    x^ (dx^ . x^)), and the rows rounded into dq, dk by 8-byte stores
-        assert K == 4 * 32, "a lane sums four channels of a row"
         cute.arch.cluster_wait()  # arrived in step 7
         group = self.value_heads // self.heads
         rank = cute.arch.block_idx_in_cluster()
+        for me in cutlass.range_constexpr(group):
+            if rank == me:
+                self._cluster_sum(me, group, u, ((sDqP, sQ, mDq, 0), (sDkP, sK, mDk, C)), sRstd, start, rows, i_h)
+        # the partials stay until every CTA of the cluster has read them. Reads need no release: the
+        # CTA-scope fence waits for this thread's loads, peers' included, then a relaxed arrive (a
+        # cluster-scope release would wait for this CTA's dq, dk stores to reach the GPU's scope)
+        cute.arch.fence_acq_rel_cta()
+        cute.arch.cluster_arrive_relaxed()
+        cute.arch.cluster_wait()
+
+    @cute.jit
+    def _cluster_sum(self, me: cutlass.Constexpr, group: cutlass.Constexpr, u: Int32, targets, sRstd: cute.Tensor,
+                     start: Int32, rows: Int32, i_h: Int32):
+        """Step 8 in the CTA of rank ``me``: for each ``(partial, x, out, first)`` of ``targets``, rows
+        ``me * C / group ..`` of ``out`` summed over the cluster's ``partial`` in rank order."""
+        K, C, ab = self.dim_k, CHUNK, self.dtype
+        assert K == 4 * 32, "a lane sums four channels of a row"
         warp, lane = u // 32, u % 32
-        for part, sX, mOut, first in ((sDqP, sQ, mDq, 0), (sDkP, sK, mDk, C)):
+        for part, sX, mOut, first in targets:
             peers = [cute.arch.map_dsmem_ptr(part.iterator, g) for g in range(group)]
+            own = cute.make_rmem_tensor((4,), Float32)
             x_r = cute.make_rmem_tensor((4,), ab)
             out = cute.make_rmem_tensor((4,), mOut.element_type)
-            for r in cutlass.range(rank * C // group + warp, (rank + 1) * C // group, THREADS // 32, unroll=1):
-                vals = list(_load_cluster4(peers[0] + (r * K + 4 * lane)))  # channels 4 lane .. 4 lane + 3
+            for r in cutlass.range(me * C // group + warp, (me + 1) * C // group, THREADS // 32, unroll=1):
+                cute.autovec_copy(cute.local_tile(part[r, None], (4,), (lane,)), own)  # channels 4 lane ..
+                parts = []
+                for g in cutlass.range_constexpr(group):
+                    if const_expr(g == me):
+                        parts.append([own[j] for j in range(4)])
+                    else:
+                        parts.append(_load_cluster4(peers[g] + (r * K + 4 * lane)))
+                vals = list(parts[0])
                 for g in cutlass.range_constexpr(1, group):
-                    more = _load_cluster4(peers[g] + (r * K + 4 * lane))
-                    vals = [vals[j] + more[j] for j in range(4)]
+                    vals = [vals[j] + parts[g][j] for j in range(4)]
                 if const_expr(self.l2norm):
                     rstd = sRstd[first + r]
                     cute.autovec_copy(cute.local_tile(sX[r, None], (4,), (lane,)), x_r)
@@ -470,9 +474,6 @@ class ChunkBackward:
                     out[j] = vals[j].to(mOut.element_type)
                 if r < rows:
                     cute.autovec_copy(out, cute.local_tile(mOut[start + r, i_h, None], (4,), (lane,)))
-        cute.arch.cluster_arrive()  # the partials stay until every CTA of the cluster has read them
-        cute.arch.cluster_wait()
-
 
 CACHE = _cd.KernelCache()  # (dtype, H, HV, K, V, l2norm, arch) -> compiled function
 

@@ -140,18 +140,31 @@ def row_factors(t: Int32, sG: cute.Tensor, sRstd: cute.Tensor, sEGq: cute.Tensor
 
 
 @cute.jit
-def gate_qk(acc_f: cute.Tensor, cCC: cute.Tensor, sG: cute.Tensor, sRstd: cute.Tensor, l2norm: cutlass.Constexpr):
+def gate_qk(acc_f: cute.Tensor, cCC: cute.Tensor, sG: cute.Tensor, sRstd: cute.Tensor, l2norm: cutlass.Constexpr,
+            two_rows: cutlass.Constexpr = False):
     """``q k^T`` in the accumulator ``acc_f`` (coordinates ``cCC``) masked to the lower triangle and
-    decayed by ``exp(G_r - G_c)`` (times ``rstd_q rstd_k`` with the L2 norm), in place."""
+    decayed by ``exp(G_r - G_c)`` (times ``rstd_q rstd_k`` with the L2 norm), in place. ``two_rows``
+    (a warpgroup product's accumulator, `dsfuse.gdn.cutedsl.wgmma.row_pair`): the rows' values read
+    once into registers and the mask a select; the same values either way."""
     C = cute.size(sG)
-    for i in cutlass.range_constexpr(cute.size(acc_f)):
-        r, c = cCC[i][0], cCC[i][1]
-        qk = Float32(0.0)
-        if c <= r:
-            qk = acc_f[i] * chunk.exp(sG[r] - sG[c])
+    if const_expr(two_rows):
+        g_row = _wg.row_pair(cCC, sG)
+        rstd_row = _wg.row_pair(cCC, sRstd) if l2norm else None
+        for i in cutlass.range_constexpr(cute.size(acc_f)):
+            r, c = cCC[i][0], cCC[i][1]
+            qk = acc_f[i] * chunk.exp(_wg.pick(cCC, i, g_row) - sG[c])
             if const_expr(l2norm):
-                qk = qk * (sRstd[r] * sRstd[C + c])
-        acc_f[i] = qk
+                qk = qk * (_wg.pick(cCC, i, rstd_row) * sRstd[C + c])
+            acc_f[i] = _wg.masked(c <= r, qk)
+    else:
+        for i in cutlass.range_constexpr(cute.size(acc_f)):
+            r, c = cCC[i][0], cCC[i][1]
+            qk = Float32(0.0)
+            if c <= r:
+                qk = acc_f[i] * chunk.exp(sG[r] - sG[c])
+                if const_expr(l2norm):
+                    qk = qk * (sRstd[r] * sRstd[C + c])
+            acc_f[i] = qk
 
 
 @cute.jit

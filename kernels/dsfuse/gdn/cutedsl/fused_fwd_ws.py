@@ -273,7 +273,7 @@ class FusedForwardWS(chunk.ChainKernel):
             if const_expr(self.save):  # round(S) to memory while the products read it (before OUT_READ)
                 chunk.store_tile(store_o, u, sSb, mStates, i_c * K, i_hv)
             _wg.wait_for(1)  # q k^T done: gated while q S runs
-            gate_qk(acc_f, cCC, sG, sRstd, self.l2norm)
+            gate_qk(acc_f, cCC, sG, sRstd, self.l2norm, two_rows=True)
             _wg.wait()
             for i in cutlass.range_constexpr(cute.size(acc_o)):
                 acc_o[i] = sEGq[cCV[i][0]] * acc_o[i]

@@ -158,15 +158,18 @@ class StateBackward:
             chunk.store_tile(store_ds, u, sDSb, mDS, i_c * K, i_hv)
             do_t = cute.make_fragment_like(acc_k, ab)
             _wg.load_like(mma_kd, u, sDO, do_t)
+            egq = _wg.row_pair(cCV, sEGq)
+            egq = (scale * egq[0], scale * egq[1])
             for i in cutlass.range_constexpr(cute.size(do_t)):
-                do_t[i] = (scale * sEGq[cCV[i][0]] * do_t[i].to(Float32)).to(ab)
+                do_t[i] = (_wg.pick(cCV, i, egq) * do_t[i].to(Float32)).to(ab)
             _wg.store(mma_kd, u, do_t, sDOs)
             _wg.wait_for(1)  # q k^T done
-            gate_qk(acc_f, cCC, sG, sRstd, self.l2norm)
+            gate_qk(acc_f, cCC, sG, sRstd, self.l2norm, two_rows=True)
             _wg.store_rounded(mma_cc, u, acc_f, sP, ab)
+            dec = _wg.row_pair(cCV, sDec)
             _wg.wait()
             for i in cutlass.range_constexpr(cute.size(acc_k)):
-                acc_k[i] = sDec[cCV[i][0]] * acc_k[i]
+                acc_k[i] = _wg.pick(cCV, i, dec) * acc_k[i]
             _wg.fence_writes()
             cute.arch.sync_threads()
 
@@ -181,10 +184,12 @@ class StateBackward:
 
             # 4. dX = round(A Gamma)^T round(dv_new); its term of dS, round(-exp(G) rstd_k beta dX), stored
             acc_x = _mma.accumulator(mma_tc, u, (C, V))
-            _wg.gemm(mma_tc, acc_x, _wg.operands(mma_tc, u, T(sA), T(sDvn)))
+            _wg.gemm(mma_tc, acc_x, _wg.operands(mma_tc, u, T(sA), T(sDvn)), wait=False)
+            egk, beta = _wg.row_pair(cCV, sEGk), _wg.row_pair(cCV, sBeta)
+            bx = (-(egk[0] * beta[0]), -(egk[1] * beta[1]))
+            _wg.wait()
             for i in cutlass.range_constexpr(cute.size(acc_x)):
-                t = cCV[i][0]
-                acc_x[i] = -(sEGk[t] * sBeta[t]) * acc_x[i]
+                acc_x[i] = _wg.pick(cCV, i, bx) * acc_x[i]
             _wg.store_rounded(mma_tc, u, acc_x, sDXs, ab)
             _wg.fence_writes()
             cute.arch.sync_threads()

@@ -17,7 +17,8 @@ swizzle rides on the pointer). The same storage serves a product three ways:
 `tiled_mma` spreads a product over warpgroups (4 of them: 512 threads); `operands` and `gemm` run it
 (``wgmma.fence``, the K blocks, commit, wait); `store` and `store_rounded` put a (rounded)
 accumulator into a tile by ``stmatrix``, `load_like` a tile into a fragment in an accumulator's
-layout by ``ldmatrix``; `fence_writes` orders a thread's ordinary shared-memory
+layout by ``ldmatrix``; `row_pair`, `pick` and `masked` the elementwise work on an accumulator by
+its two rows a thread; `fence_writes` orders a thread's ordinary shared-memory
 writes (``st.shared``, ``cp.async``) before the tensor cores read them (``fence.proxy.async``; call it
 before the barrier that precedes the product). Accumulators, their coordinates and rounded copies
 are `dsfuse.gdn.cutedsl.mma`'s (`accumulator`, `coordinates`, `rounded`): the same calls for any tiled
@@ -82,6 +83,27 @@ def tiled_mma(dtype, m: int, n: int, a_k_major: bool, b_k_major: bool, warpgroup
     source = warpgroup.OperandSource.RMEM if a_in_registers else warpgroup.OperandSource.SMEM
     return sm90.make_trivial_tiled_mma(dtype, dtype, major[a_k_major], major[b_k_major], Float32,
                                        (over_m, over_n, 1), (64, n // over_n), source)
+
+
+def row_pair(coords: cute.Tensor, vec: cute.Tensor, first=0) -> tuple:
+    """``vec[first + r]`` for this thread's two rows of a warpgroup product's accumulator (``r0 = coords[0]``'s and ``r0 + 8``),
+    read once into registers: the elementwise loops then `pick` them rather than read shared memory
+    for every element (a read that a store or a branch in between would keep the compiler from
+    sharing)."""
+    r0 = coords[0][0]
+    return vec[first + r0], vec[first + r0 + 8]
+
+
+def pick(coords: cute.Tensor, i: int, pair: tuple):
+    """Element ``i``'s row's value of a `row_pair` (the comparison folds: an element's row offset in
+    the accumulator is static)."""
+    return Float32(cutlass.select_(coords[i][0] == coords[0][0], pair[0], pair[1]))
+
+
+def masked(keep, x):
+    """``x`` where ``keep``, else zero: a select, so a masked-off ``x`` (an overflowed decay above the
+    diagonal) never reaches the result, and no branch splits the loop."""
+    return Float32(cutlass.select_(keep, x, Float32(0.0)))
 
 
 def as_operand_a(frag: cute.Tensor) -> cute.Tensor:
