@@ -21,11 +21,13 @@ Per chunk, from the preparing UT inverse's ``round(A Gamma)`` and rows' factors 
 an accumulator or, where they sit on the contracted dimension, the operand before its rounding.
 No atomics, a fixed order: the same bits on every run and any SM count.
 
-Per chunk, 4 barriers: (1) the chunk's rows and factors landed, ``round(dS')`` stored; (2) ``P``
-gated and stored rounded, ``round(scale exp(G) rstd_q dO)`` stored, ``k round(dS')`` made (the
-previous chunk's loads started meanwhile); (3) ``round(dv_new)`` stored; (4) the rounded ``dX``
-term stored; then the state's update (its products read tiles no later step writes before the next
-barrier 1). ``round(dS')`` goes to memory from shared memory in 16-byte stores.
+Per chunk, 3 barriers: (1) ``round(dS')`` stored; (2) ``round(dv_new)`` stored (``k round(dS')``
+and ``round(P)^T dO`` issued together, the previous chunk's loads started meanwhile, ``round(dS')``
+to memory and the rounded dO term stored while they run); (3) the rounded ``dX`` term stored and the
+previous chunk's rows landed; then the state's update, and while it runs the previous chunk's ``q
+k^T`` gated and stored as ``round(P)``: the chain waits on three products a chunk (``round(P)`` of
+the first chunk is made before the loop). ``round(dS')`` goes to memory from shared memory in
+16-byte stores.
 
 Shared memory at K = V = 128, bf16: two stages of q, k, dO rows (96 KiB), of ``round(A Gamma)``
 (16 KiB) and of the factors (4 KiB); ``round(dS')`` 32 KiB; ``round(P)`` 8 KiB; ``round(dv_new)``,
@@ -93,6 +95,21 @@ class StateBackward:
         chunk.start_prepared_rows(u, THREADS, tuple(t[None, None, stage] for t in stages), sources, start,
                                   mChunks[i_c, 2] - start, i_c * len(FACTORS), len(FACTORS), i_h, i_hv)
 
+    @cute.jit
+    def _gated_qk(self, u: Int32, mma_cc, cCC: cute.Tensor, sQ: cute.Tensor, sK: cute.Tensor, sF: cute.Tensor,
+                  sP: cute.Tensor, later: cutlass.Constexpr, chain: cute.Tensor, ops_chain: tuple):
+        """``round(P)`` of a chunk (its rows and factors in ``sQ``, ``sK``, ``sF``) into ``sP``, ``q k^T``
+        gated as the forward's output team gates it. ``later`` products ``ops_chain`` into ``chain``
+        (the state's update) are issued right after ``q k^T``, and run while it is gated."""
+        sG, _, _, _, _, sRstd = _vectors(sF)
+        acc_f = _mma.accumulator(mma_cc, u, (CHUNK, CHUNK))
+        _wg.gemm(mma_cc, acc_f, _wg.operands(mma_cc, u, sQ, sK), wait=False)
+        for mma, ops in ops_chain:
+            _wg.gemm(mma, chain, ops, wait=False)
+        _wg.wait_for(later)
+        gate_qk(acc_f, cCC, sG, sRstd, self.l2norm, two_rows=True)
+        _wg.store_rounded(mma_cc, u, acc_f, sP, self.dtype)
+
     @cute.kernel
     def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mDO: cute.Tensor, mA: cute.Tensor, mF: cute.Tensor,
                mChunks: cute.Tensor, mOffsets: cute.Tensor, mOrder: cute.Tensor, mDht: cute.Tensor, mDh0: cute.Tensor,
@@ -132,6 +149,11 @@ class StateBackward:
         if first < last:
             self._start_chunk(u, stages, sources, mChunks, last - 1, 0, i_h, i_hv)
         cute.arch.cp_async_commit_group()
+        # the last chunk's rows landed, its round(P) made (the loop makes each next one's in its step 4)
+        cute.arch.cp_async_wait_group(0)
+        _wg.fence_writes()
+        cute.arch.sync_threads()
+        self._gated_qk(u, mma_cc, cCC, sQ2[None, None, 0], sK2[None, None, 0], sF2[None, None, 0], sP, 0, acc_s, ())
 
         for j in cutlass.range(last - first):
             i_c = last - 1 - j
@@ -139,19 +161,19 @@ class StateBackward:
             sQ, sK, sDO, sA = (t[None, None, stage] for t in (sQ2, sK2, sDO2, sA2))
             sG, sBeta, sEGq, sEGk, sDec, sRstd = _vectors(sF2[None, None, stage])
 
-            # 1. this chunk's rows and factors landed; round(dS') stored (the last reads of its tile,
-            #    and of the other stage, were before this barrier)
+            # 1. round(dS') stored (the last reads of its tile, and of the other stage, were before
+            #    this barrier; this chunk's rows landed and its round(P) was stored before the last one)
             _wg.store_rounded(mma_kv, u, acc_s, sDSb, ab)
-            cute.arch.cp_async_wait_group(0)
             _wg.fence_writes()
             cute.arch.sync_threads()
 
-            # 2. q k^T and k round(dS') issued; the previous chunk's loads started into the other stage;
-            #    round(dS') to memory; P gated and stored rounded; round(scale exp(G) rstd_q dO) stored
-            acc_f = _mma.accumulator(mma_cc, u, (C, C))
-            _wg.gemm(mma_cc, acc_f, _wg.operands(mma_cc, u, sQ, sK), wait=False)
+            # 2. k round(dS') and round(P)^T dO issued; the previous chunk's loads started into the other
+            #    stage; round(dS') to memory; round(scale exp(G) rstd_q dO) stored; dv_new = scale
+            #    round(P)^T dO + exp(G_last - G) rstd_k (k round(dS')), stored rounded
             acc_k = _mma.accumulator(mma_kd, u, (C, V))
             _wg.gemm(mma_kd, acc_k, _wg.operands(mma_kd, u, sK, T(sDSb)), wait=False)
+            acc_v = _mma.accumulator(mma_tc, u, (C, V))
+            _wg.gemm(mma_tc, acc_v, _wg.operands(mma_tc, u, T(sP), T(sDO)), wait=False)
             if j + 1 < last - first:
                 self._start_chunk(u, stages, sources, mChunks, i_c - 1, 1 - stage, i_h, i_hv)
             cute.arch.cp_async_commit_group()  # empty after the first chunk: one group a chunk all the same
@@ -163,26 +185,18 @@ class StateBackward:
             for i in cutlass.range_constexpr(cute.size(do_t)):
                 do_t[i] = (_wg.pick(cCV, i, egq) * do_t[i].to(Float32)).to(ab)
             _wg.store(mma_kd, u, do_t, sDOs)
-            _wg.wait_for(1)  # q k^T done
-            gate_qk(acc_f, cCC, sG, sRstd, self.l2norm, two_rows=True)
-            _wg.store_rounded(mma_cc, u, acc_f, sP, ab)
             dec = _wg.row_pair(cCV, sDec)
             _wg.wait()
             for i in cutlass.range_constexpr(cute.size(acc_k)):
                 acc_k[i] = _wg.pick(cCV, i, dec) * acc_k[i]
-            _wg.fence_writes()
-            cute.arch.sync_threads()
-
-            # 3. dv_new = scale round(P)^T dO + exp(G_last - G) rstd_k (k round(dS')), stored rounded
-            acc_v = _mma.accumulator(mma_tc, u, (C, V))
-            _wg.gemm(mma_tc, acc_v, _wg.operands(mma_tc, u, T(sP), T(sDO)))
             for i in cutlass.range_constexpr(cute.size(acc_v)):
                 acc_v[i] = scale * acc_v[i] + acc_k[i]
             _wg.store_rounded(mma_tc, u, acc_v, sDvn, ab)
             _wg.fence_writes()
             cute.arch.sync_threads()
 
-            # 4. dX = round(A Gamma)^T round(dv_new); its term of dS, round(-exp(G) rstd_k beta dX), stored
+            # 3. dX = round(A Gamma)^T round(dv_new); its term of dS, round(-exp(G) rstd_k beta dX),
+            #    stored; the previous chunk's rows landed (for step 4)
             acc_x = _mma.accumulator(mma_tc, u, (C, V))
             _wg.gemm(mma_tc, acc_x, _wg.operands(mma_tc, u, T(sA), T(sDvn)), wait=False)
             egk, beta = _wg.row_pair(cCV, sEGk), _wg.row_pair(cCV, sBeta)
@@ -191,15 +205,21 @@ class StateBackward:
             for i in cutlass.range_constexpr(cute.size(acc_x)):
                 acc_x[i] = _wg.pick(cCV, i, bx) * acc_x[i]
             _wg.store_rounded(mma_tc, u, acc_x, sDXs, ab)
+            cute.arch.cp_async_wait_group(0)
             _wg.fence_writes()
             cute.arch.sync_threads()
 
-            # 5. dS = exp(G_last) dS' + q^T round(scale exp(G) rstd_q dO) + k^T round(-exp(G) rstd_k beta dX)
+            # 4. dS = exp(G_last) dS' + q^T round(scale exp(G) rstd_q dO) + k^T round(-exp(G) rstd_k beta dX);
+            #    while it runs, the previous chunk's round(P) (off the chain: its rows landed in step 3,
+            #    this chunk's round(P) was last read in step 2)
             last_decay = chunk.exp(sG[C - 1])
             for i in cutlass.range_constexpr(cute.size(acc_s)):
                 acc_s[i] = last_decay * acc_s[i]
-            _wg.gemm(mma_kv, acc_s, _wg.operands(mma_kv, u, T(sQ), T(sDOs)), wait=False)
-            _wg.gemm(mma_kv, acc_s, _wg.operands(mma_kv, u, T(sK), T(sDXs)))
+            update = ((mma_kv, _wg.operands(mma_kv, u, T(sQ), T(sDOs))), (mma_kv, _wg.operands(mma_kv, u, T(sK), T(sDXs))))
+            # (after the last chunk, of the other stage's stale rows: never read)
+            self._gated_qk(u, mma_cc, cCC, sQ2[None, None, 1 - stage], sK2[None, None, 1 - stage],
+                           sF2[None, None, 1 - stage], sP, len(update), acc_s, update)
+            _wg.wait()
 
         for i in cutlass.range_constexpr(cute.size(acc_s)):
             mDh0[i_n, i_hv, cKV[i][0], cKV[i][1]] = acc_s[i]
