@@ -229,16 +229,16 @@ class ChunkBackward:
         mma_ck_nn = _wg.tiled_mma(ab, C, K, False, False, WARPGROUPS)
         # (C, V) and (C, K) accumulators share a layout at K = V (`shape_reasons`)
         cCV, cCC = _mma.coordinates(mma_cv_kn, u, (C, V)), _mma.coordinates(mma_cc_kk, u, (C, C))
-        acc = _mma.accumulator
+        acc = _wg.fresh_accumulator  # each one's first product with fresh=True
 
         # 1. k S, q k^T, k dS', k k^T; X = beta (v - exp(G) rstd_k k S) stored rounded, P gated and
         #    stored rounded (kept), dec rstd_k (k dS') and rstd_k rstd_k^T (k k^T) kept
         acc_ks, acc_kd = acc(mma_cv_kn, u, (C, V)), acc(mma_cv_kn, u, (C, V))
         acc_p, acc_kk = acc(mma_cc_kk, u, (C, C)), acc(mma_cc_kk, u, (C, C))
-        _wg.gemm(mma_cv_kn, acc_ks, _wg.operands(mma_cv_kn, u, sK, T(sS)), wait=False)
-        _wg.gemm(mma_cc_kk, acc_p, _wg.operands(mma_cc_kk, u, sQ, sK), wait=False)
-        _wg.gemm(mma_cv_kn, acc_kd, _wg.operands(mma_cv_kn, u, sK, T(sDS)), wait=False)
-        _wg.gemm(mma_cc_kk, acc_kk, _wg.operands(mma_cc_kk, u, sK, sK), wait=False)
+        _wg.gemm(mma_cv_kn, acc_ks, _wg.operands(mma_cv_kn, u, sK, T(sS)), wait=False, fresh=True)
+        _wg.gemm(mma_cc_kk, acc_p, _wg.operands(mma_cc_kk, u, sQ, sK), wait=False, fresh=True)
+        _wg.gemm(mma_cv_kn, acc_kd, _wg.operands(mma_cv_kn, u, sK, T(sDS)), wait=False, fresh=True)
+        _wg.gemm(mma_cc_kk, acc_kk, _wg.operands(mma_cc_kk, u, sK, sK), wait=False, fresh=True)
         v_r = cute.make_fragment_like(acc_ks, ab)
         _wg.load_like(mma_cv_kn, u, sV, v_r)
         beta, egk, dec = row_pair(cCV, sBeta), row_pair(cCV, sEGk), row_pair(cCV, sDec)
@@ -258,8 +258,8 @@ class ChunkBackward:
         # 2. v_new = round(A) round(X) (stored rounded); the state term of dG, rowsum(dec rstd_k (k dS')
         #    v_new); dv_new = scale round(P)^T dO + dec rstd_k (k dS'), stored rounded (on v's storage)
         acc_vn, acc_dvn = acc(mma_cv_kn, u, (C, V)), acc(mma_cv_nn, u, (C, V))
-        _wg.gemm(mma_cv_kn, acc_vn, _wg.operands(mma_cv_kn, u, sA, T(sX)), wait=False)
-        _wg.gemm(mma_cv_nn, acc_dvn, _wg.operands(mma_cv_nn, u, T(sP), T(sDO)), wait=False)
+        _wg.gemm(mma_cv_kn, acc_vn, _wg.operands(mma_cv_kn, u, sA, T(sX)), wait=False, fresh=True)
+        _wg.gemm(mma_cv_nn, acc_dvn, _wg.operands(mma_cv_nn, u, T(sP), T(sDO)), wait=False, fresh=True)
         _wg.wait()
         _wg.store_rounded(mma_cv_kn, u, acc_vn, sVn, ab)
         for i in cutlass.range_constexpr(cute.size(acc_kd)):
@@ -275,9 +275,9 @@ class ChunkBackward:
         #    tril(dO round(v_new)^T); E = dP P + dA A kept; W1 = dP Gamma rstd_q (rows) and
         #    W4 = dP Gamma rstd_k (columns) stored rounded
         acc_dx, acc_da, acc_dp = acc(mma_cv_nn, u, (C, V)), acc(mma_cc_kk, u, (C, C)), acc(mma_cc_kk, u, (C, C))
-        _wg.gemm(mma_cv_nn, acc_dx, _wg.operands(mma_cv_nn, u, T(sA), T(sDvn)), wait=False)
-        _wg.gemm(mma_cc_kk, acc_da, _wg.operands(mma_cc_kk, u, sDvn, sX), wait=False)
-        _wg.gemm(mma_cc_kk, acc_dp, _wg.operands(mma_cc_kk, u, sDO, sVn), wait=False)
+        _wg.gemm(mma_cv_nn, acc_dx, _wg.operands(mma_cv_nn, u, T(sA), T(sDvn)), wait=False, fresh=True)
+        _wg.gemm(mma_cc_kk, acc_da, _wg.operands(mma_cc_kk, u, sDvn, sX), wait=False, fresh=True)
+        _wg.gemm(mma_cc_kk, acc_dp, _wg.operands(mma_cc_kk, u, sDO, sVn), wait=False, fresh=True)
         a_r = cute.make_fragment_like(acc_da, ab)
         _wg.load_like(mma_cc_kk, u, sA, a_r)
         _wg.wait()
@@ -307,11 +307,11 @@ class ChunkBackward:
         #    accumulators; rowsum((dO S^T) q) and rowsum((dX S^T) k) before the rows' factors;
         #    <S, dS'> by all threads (S's last reads: E takes its storage next)
         acc_t1 = acc(mma_cc_nn, u, (C, C))
-        _wg.gemm(mma_cc_nn, acc_t1, _wg.operands(mma_cc_nn, u, T(sA), T(sDag)), wait=False)
+        _wg.gemm(mma_cc_nn, acc_t1, _wg.operands(mma_cc_nn, u, T(sA), T(sDag)), wait=False, fresh=True)
         acc_q, acc_b, acc_k = acc(mma_ck_kk, u, (C, K)), acc(mma_ck_kk, u, (C, K)), acc(mma_ck_kk, u, (C, K))
-        _wg.gemm(mma_ck_kk, acc_q, _wg.operands(mma_ck_kk, u, sDO, sS), wait=False)
-        _wg.gemm(mma_ck_kk, acc_b, _wg.operands(mma_ck_kk, u, sDX, sS), wait=False)
-        _wg.gemm(mma_ck_kk, acc_k, _wg.operands(mma_ck_kk, u, sVn, sDS), wait=False)
+        _wg.gemm(mma_ck_kk, acc_q, _wg.operands(mma_ck_kk, u, sDO, sS), wait=False, fresh=True)
+        _wg.gemm(mma_ck_kk, acc_b, _wg.operands(mma_ck_kk, u, sDX, sS), wait=False, fresh=True)
+        _wg.gemm(mma_ck_kk, acc_k, _wg.operands(mma_ck_kk, u, sVn, sDS), wait=False, fresh=True)
         part = inner_product(buf_s, buf_ds, ab, K * V, u)
         if u % 32 == 0:
             sLast[u // 32] = part
@@ -343,7 +343,7 @@ class ChunkBackward:
         #    rowsum(dM k^ k^^T); W2 = beta dM rstd_k (columns, on dA's storage), W3 = beta dM rstd_k
         #    (rows, on X's) stored rounded
         acc_dm = acc(mma_cc_kk, u, (C, C))
-        _wg.gemm(mma_cc_kk, acc_dm, _wg.operands(mma_cc_kk, u, sT1, sA), wait=False)
+        _wg.gemm(mma_cc_kk, acc_dm, _wg.operands(mma_cc_kk, u, sT1, sA), wait=False, fresh=True)
         for i in cutlass.range_constexpr(cute.size(acc_p)):
             sE[cCC[i][0], cCC[i][1]] = acc_p[i]
         row_sums(acc_p, cCC, sErow, u)

@@ -102,8 +102,8 @@ class StateBackward:
         gated as the forward's output team gates it. ``later`` products ``ops_chain`` into ``chain``
         (the state's update) are issued right after ``q k^T``, and run while it is gated."""
         sG, _, _, _, _, sRstd = _vectors(sF)
-        acc_f = _mma.accumulator(mma_cc, u, (CHUNK, CHUNK))
-        _wg.gemm(mma_cc, acc_f, _wg.operands(mma_cc, u, sQ, sK), wait=False)
+        acc_f = _wg.fresh_accumulator(mma_cc, u, (CHUNK, CHUNK))
+        _wg.gemm(mma_cc, acc_f, _wg.operands(mma_cc, u, sQ, sK), wait=False, fresh=True)
         for mma, ops in ops_chain:
             _wg.gemm(mma, chain, ops, wait=False)
         _wg.wait_for(later)
@@ -170,10 +170,10 @@ class StateBackward:
             # 2. k round(dS') and round(P)^T dO issued; the previous chunk's loads started into the other
             #    stage; round(dS') to memory; round(scale exp(G) rstd_q dO) stored; dv_new = scale
             #    round(P)^T dO + exp(G_last - G) rstd_k (k round(dS')), stored rounded
-            acc_k = _mma.accumulator(mma_kd, u, (C, V))
-            _wg.gemm(mma_kd, acc_k, _wg.operands(mma_kd, u, sK, T(sDSb)), wait=False)
-            acc_v = _mma.accumulator(mma_tc, u, (C, V))
-            _wg.gemm(mma_tc, acc_v, _wg.operands(mma_tc, u, T(sP), T(sDO)), wait=False)
+            acc_k = _wg.fresh_accumulator(mma_kd, u, (C, V))
+            _wg.gemm(mma_kd, acc_k, _wg.operands(mma_kd, u, sK, T(sDSb)), wait=False, fresh=True)
+            acc_v = _wg.fresh_accumulator(mma_tc, u, (C, V))
+            _wg.gemm(mma_tc, acc_v, _wg.operands(mma_tc, u, T(sP), T(sDO)), wait=False, fresh=True)
             if j + 1 < last - first:
                 self._start_chunk(u, stages, sources, mChunks, i_c - 1, 1 - stage, i_h, i_hv)
             cute.arch.cp_async_commit_group()  # empty after the first chunk: one group a chunk all the same
@@ -197,8 +197,8 @@ class StateBackward:
 
             # 3. dX = round(A Gamma)^T round(dv_new); its term of dS, round(-exp(G) rstd_k beta dX),
             #    stored; the previous chunk's rows landed (for step 4)
-            acc_x = _mma.accumulator(mma_tc, u, (C, V))
-            _wg.gemm(mma_tc, acc_x, _wg.operands(mma_tc, u, T(sA), T(sDvn)), wait=False)
+            acc_x = _wg.fresh_accumulator(mma_tc, u, (C, V))
+            _wg.gemm(mma_tc, acc_x, _wg.operands(mma_tc, u, T(sA), T(sDvn)), wait=False, fresh=True)
             egk, beta = _wg.row_pair(cCV, sEGk), _wg.row_pair(cCV, sBeta)
             bx = (-(egk[0] * beta[0]), -(egk[1] * beta[1]))
             _wg.wait()

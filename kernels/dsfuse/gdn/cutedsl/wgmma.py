@@ -131,18 +131,26 @@ def operands(mma, tidx, sA: cute.Tensor, sB: cute.Tensor):
     return mma.make_fragment_A(thr.partition_A(sA)), mma.make_fragment_B(thr.partition_B(sB))
 
 
-def gemm(mma, acc, ops, wait: bool = True):
+def gemm(mma, acc, ops, wait: bool = True, fresh: bool = False):
     """``acc += A B^T`` of `operands` ``ops``, every K block issued, then waited for (the accumulator
     is the thread's to read or change again when this returns); without ``wait``, issued only: the
-    thread may do other work (not touching ``acc`` or the operands' writers) until `wait`."""
+    thread may do other work (not touching ``acc`` or the operands' writers) until `wait`. ``fresh``:
+    ``acc = A B^T``, the first K block not adding what ``acc`` holds (a `fresh_accumulator`)."""
     tCrA, tCrB = ops
-    mma.set(warpgroup.Field.ACCUMULATE, True)
     warpgroup.fence()
     for kb in range(cute.size(tCrA, mode=[2])):  # static: unrolled as the kernel is traced
+        mma.set(warpgroup.Field.ACCUMULATE, not (fresh and kb == 0))
         cute.gemm(mma, acc, tCrA[None, None, kb], tCrB[None, None, kb], acc)
     warpgroup.commit_group()
     if wait:
         warpgroup.wait_group(0)
+
+
+def fresh_accumulator(mma, tidx, shape_mn):
+    """This thread's fp32 accumulator of an ``(M, N)`` product, not zeroed: for a first product issued
+    with ``fresh``. (Zeroing by ordinary instructions between asynchronous products makes the
+    assembler wait for the ones in flight before the next starts: ptxas's C7517.)"""
+    return mma.make_fragment_C(mma.get_slice(tidx).partition_shape_C(shape_mn))
 
 
 def wait():
