@@ -50,6 +50,8 @@ def test_compiles_the_model_and_refuses_the_rest(tmp_path):
         assert "ld.shared::cluster.f32" not in ptx, spec.name
         assert len(re.findall(r"st\.global\.v4\.b16", ptx)) == 3 * 2, spec.name
         assert len(re.findall(r"st\.global\.b32", ptx)) >= 16, spec.name
+        # the next wave's rows into L2: two 128-byte lines of a row of S or dS', q, k, v or dO, one of A
+        assert ptx.count("prefetch.global.L2 [") == 2 + 2 + 2 * 4 + 1, spec.name
     with pytest.raises(ValueError, match="compile for"):
         module.compile_chunk_backward(torch.bfloat16, 16, 48, 128, 128, True, "sm_100a")
     with pytest.raises(ValueError, match="cannot compile this"):

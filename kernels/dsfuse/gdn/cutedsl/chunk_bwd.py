@@ -39,10 +39,14 @@ bits every call. Eight phases: a barrier after each of the first five, two insid
 the cluster's barrier split around the sum: each CTA arrives once its partials are stored (in the
 seventh, whose dbeta and dg work then overlaps the peers' arrival) and waits before the sum, then
 meets the cluster again before its shared memory may go. Shared memory at K = V = 128, bf16 (tiles that
-take turns share storage): about 214 KiB, one CTA per SM.
+take turns share storage): about 214 KiB, one CTA per SM. So nothing else on its SM runs while a CTA's
+rows land: meanwhile it asks L2 for the rows of the CTA of its rank one wave later (``ahead``
+clusters on: those that run at once, from the SM count), whose own loads then come from L2.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -163,15 +167,17 @@ class ChunkBackward:
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mDO: cute.Tensor, mA: cute.Tensor,
                  mF: cute.Tensor, mS: cute.Tensor, mDS: cute.Tensor, mChunks: cute.Tensor, mDq: cute.Tensor,
-                 mDk: cute.Tensor, mDv: cute.Tensor, mDg: cute.Tensor, mDbeta: cute.Tensor, scale: Float32, stream):
-        self.kernel(mQ, mK, mV, mDO, mA, mF, mS, mDS, mChunks, mDq, mDk, mDv, mDg, mDbeta, scale).launch(
+                 mDk: cute.Tensor, mDv: cute.Tensor, mDg: cute.Tensor, mDbeta: cute.Tensor, scale: Float32,
+                 ahead: Int32, stream):
+        self.kernel(mQ, mK, mV, mDO, mA, mF, mS, mDS, mChunks, mDq, mDk, mDv, mDg, mDbeta, scale, ahead).launch(
             grid=[mChunks.shape[0], self.value_heads, 1], block=[THREADS, 1, 1],
             cluster=[1, self.value_heads // self.heads, 1], stream=stream)
 
     @cute.kernel
     def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mDO: cute.Tensor, mA: cute.Tensor,
                mF: cute.Tensor, mS: cute.Tensor, mDS: cute.Tensor, mChunks: cute.Tensor, mDq: cute.Tensor,
-               mDk: cute.Tensor, mDv: cute.Tensor, mDg: cute.Tensor, mDbeta: cute.Tensor, scale: Float32):
+               mDk: cute.Tensor, mDv: cute.Tensor, mDg: cute.Tensor, mDbeta: cute.Tensor, scale: Float32,
+               ahead: Int32):
         K, V, C, ab = self.dim_k, self.dim_v, CHUNK, self.dtype
         u, _, _ = cute.arch.thread_idx()
         i_c, i_hv, _ = cute.arch.block_idx()
@@ -215,6 +221,7 @@ class ChunkBackward:
         for m, t, first, count in ((mDO, sDO, start, rows), (mS, sS, i_c * K, K), (mDS, sDS, i_c * K, K)):
             chunk.start_rows(copy_v, u, m, t, first, count, i_hv)  # dO's rows, the two states' K rows
         cute.arch.cp_async_commit_group()
+        self._prefetch_ahead(u, (mQ, mK, mV, mDO, mA, mS, mDS), mChunks, i_c, i_hv, ahead)
         cute.arch.cp_async_wait_group(0)
         _wg.fence_writes()
         cute.arch.sync_threads()
@@ -440,6 +447,39 @@ class ChunkBackward:
         cute.arch.cluster_wait()
 
     @cute.jit
+    def _prefetch_ahead(self, u: Int32, sources, mChunks: cute.Tensor, i_c: Int32, i_hv: Int32, ahead: Int32):
+        """Into L2, the rows that the CTA of the same rank ``ahead`` clusters later will load (clusters
+        start in the order of their index, chunks first): with ``ahead`` the clusters that run at once,
+        the next wave's. Timing only: nothing it reads changes a value."""
+        mQ, mK, mV, mDO, mA, mS, mDS = sources
+        K, C, group = self.dim_k, CHUNK, self.value_heads // self.heads
+        chunks = mChunks.shape[0]
+        later = i_c + chunks * (i_hv // group) + ahead
+        if later < chunks * self.heads:
+            j_c, j_h = later % chunks, later // chunks
+            j_hv = j_h * group + i_hv % group
+            start = mChunks[j_c, 1]
+            rows = mChunks[j_c, 2] - start
+            r = u % C
+            # a row of S (threads 0-127) or of dS' (128-255); a row of q and of round(A Gamma), k, v
+            # or dO (by quarters of the threads), the chunk's rows only
+            if u < K:
+                _prefetch_l2(mS[j_c * K + u, j_hv, None])
+            else:
+                _prefetch_l2(mDS[j_c * K + u - K, j_hv, None])
+            quarter = u // C
+            if r < rows:
+                if quarter == 0:
+                    _prefetch_l2(mQ[start + r, j_h, None])
+                    _prefetch_l2(mA[start + r, j_hv, None])
+                elif quarter == 1:
+                    _prefetch_l2(mK[start + r, j_h, None])
+                elif quarter == 2:
+                    _prefetch_l2(mV[start + r, j_hv, None])
+                else:
+                    _prefetch_l2(mDO[start + r, j_hv, None])
+
+    @cute.jit
     def _cluster_sum(self, me: cutlass.Constexpr, group: cutlass.Constexpr, u: Int32, targets, sRstd: cute.Tensor,
                      start: Int32, rows: Int32, i_h: Int32):
         """Step 8 in the CTA of rank ``me``: for each ``(partial, x, out, first)`` of ``targets``, rows
@@ -475,6 +515,18 @@ class ChunkBackward:
                 if r < rows:
                     cute.autovec_copy(out, cute.local_tile(mOut[start + r, i_h, None], (4,), (lane,)))
 
+@dsl_user_op
+def _prefetch_l2(row: cute.Tensor, *, loc=None, ip=None) -> None:
+    """``row`` (contiguous, in global memory) into L2: a ``prefetch.global.L2`` every 128 bytes from its
+    start, which nothing waits for (a hint: a row that does not start a 128-byte line may keep its
+    last line out)."""
+    nbytes = cute.size(row.layout) * row.element_type.width // 8
+    addr = row.iterator.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip)
+    body = " ".join(f"prefetch.global.L2 [$0+{line}];" for line in range(0, nbytes, 128))
+    llvm.inline_asm(None, [addr], body, "l", has_side_effects=True, is_align_stack=False,
+                    asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+
+
 CACHE = _cd.KernelCache()  # (dtype, H, HV, K, V, l2norm, arch) -> compiled function
 
 
@@ -502,8 +554,15 @@ def compile_chunk_backward(dtype: torch.dtype, heads: int, value_heads: int, dim
         raise ValueError(f"the CuTe DSL per-chunk gradients compile for {ARCHS} only (wgmma), not {arch}")
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     return _cd.compile(ChunkBackward(dtype, heads, value_heads, dim_k, dim_v, l2norm),
-                       *_fake_tensors(dtype, heads, value_heads, dim_k, dim_v), Float32(1.0), stream, arch=arch,
+                       *_fake_tensors(dtype, heads, value_heads, dim_k, dim_v), Float32(1.0), Int32(0), stream, arch=arch,
                        keep_ptx=keep_ptx, dump_dir=dump_dir, keep_cubin=keep_cubin)
+
+
+@functools.cache
+def _clusters_at_once(device: torch.device, group: int) -> int:
+    """How many clusters of ``group`` CTAs (one an SM) run at once on ``device``: the look-ahead of the
+    kernel's L2 prefetch (timing only)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count // group
 
 
 def launch_chunk_backward(q, k, v, do, a_round, factors, states, dstates, chunk_indices, dq, dk, dv, dg, dbeta,
@@ -546,7 +605,7 @@ def launch_chunk_backward(q, k, v, do, a_round, factors, states, dstates, chunk_
                                                   _cd.arch_of(q.device)))
     if chunks:
         fn(q, k, v, do, a_round, factors, states.view(-1, value_heads, dim_v), dstates.view(-1, value_heads, dim_v),
-           chunk_indices, dq, dk, dv, dg, dbeta, float(scale))
+           chunk_indices, dq, dk, dv, dg, dbeta, float(scale), _clusters_at_once(q.device, value_heads // heads))
 
 
 AOT_SPECS = state_bwd.model_specs("gdn_chunk_backward", compile_chunk_backward)
