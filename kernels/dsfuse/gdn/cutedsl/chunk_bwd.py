@@ -439,9 +439,10 @@ class ChunkBackward:
         for me in cutlass.range_constexpr(group):
             if rank == me:
                 self._cluster_sum(me, group, u, ((sDqP, sQ, mDq, 0), (sDkP, sK, mDk, C)), sRstd, start, rows, i_h)
-        # the partials stay until every CTA of the cluster has read them. Reads need no release: the
-        # CTA-scope fence waits for this thread's loads, peers' included, then a relaxed arrive (a
-        # cluster-scope release would wait for this CTA's dq, dk stores to reach the GPU's scope)
+        # the partials stay until every CTA of the cluster has read them. A relaxed arrive releases
+        # nothing, so it is the data that orders it: every peer load of `_cluster_sum` feeds a store
+        # this thread issues before it (a warp issues in order; rows past the chunk's end are not
+        # read). A release arrive would wait for this CTA's dq, dk stores to reach the GPU's scope.
         cute.arch.fence_acq_rel_cta()
         cute.arch.cluster_arrive_relaxed()
         cute.arch.cluster_wait()
@@ -493,27 +494,28 @@ class ChunkBackward:
             x_r = cute.make_rmem_tensor((4,), ab)
             out = cute.make_rmem_tensor((4,), mOut.element_type)
             for r in cutlass.range(me * C // group + warp, (me + 1) * C // group, THREADS // 32, unroll=1):
-                cute.autovec_copy(cute.local_tile(part[r, None], (4,), (lane,)), own)  # channels 4 lane ..
-                parts = []
-                for g in cutlass.range_constexpr(group):
-                    if const_expr(g == me):
-                        parts.append([own[j] for j in range(4)])
-                    else:
-                        parts.append(_load_cluster4(peers[g] + (r * K + 4 * lane)))
-                vals = list(parts[0])
-                for g in cutlass.range_constexpr(1, group):
-                    vals = [vals[j] + parts[g][j] for j in range(4)]
-                if const_expr(self.l2norm):
-                    rstd = sRstd[first + r]
-                    cute.autovec_copy(cute.local_tile(sX[r, None], (4,), (lane,)), x_r)
-                    xs = [x_r[j].to(Float32) * rstd for j in range(4)]
-                    dot = ((vals[0] * xs[0] + vals[1] * xs[1]) + (vals[2] * xs[2] + vals[3] * xs[3]))
-                    dot = cute.arch.warp_reduction(dot, lambda a, b: a + b)
-                    vals = [rstd * (vals[j] - xs[j] * dot) for j in range(4)]
-                for j in cutlass.range_constexpr(4):
-                    out[j] = vals[j].to(mOut.element_type)
-                if r < rows:
+                if r < rows:  # no row past the chunk's end: every peer load feeds a store (see step 8's end)
+                    cute.autovec_copy(cute.local_tile(part[r, None], (4,), (lane,)), own)  # channels 4 lane ..
+                    parts = []
+                    for g in cutlass.range_constexpr(group):
+                        if const_expr(g == me):
+                            parts.append([own[j] for j in range(4)])
+                        else:
+                            parts.append(_load_cluster4(peers[g] + (r * K + 4 * lane)))
+                    vals = list(parts[0])
+                    for g in cutlass.range_constexpr(1, group):
+                        vals = [vals[j] + parts[g][j] for j in range(4)]
+                    if const_expr(self.l2norm):
+                        rstd = sRstd[first + r]
+                        cute.autovec_copy(cute.local_tile(sX[r, None], (4,), (lane,)), x_r)
+                        xs = [x_r[j].to(Float32) * rstd for j in range(4)]
+                        dot = ((vals[0] * xs[0] + vals[1] * xs[1]) + (vals[2] * xs[2] + vals[3] * xs[3]))
+                        dot = cute.arch.warp_reduction(dot, lambda a, b: a + b)
+                        vals = [rstd * (vals[j] - xs[j] * dot) for j in range(4)]
+                    for j in cutlass.range_constexpr(4):
+                        out[j] = vals[j].to(mOut.element_type)
                     cute.autovec_copy(out, cute.local_tile(mOut[start + r, i_h, None], (4,), (lane,)))
+
 
 @dsl_user_op
 def _prefetch_l2(row: cute.Tensor, *, loc=None, ip=None) -> None:
