@@ -1,0 +1,133 @@
+"""Where the fused backward's per-chunk kernel spends its time: the same kernel compiled with one part
+left out at a time (timing only: the variants' outputs are wrong and not checked).
+
+    python experiments/gdn/explored/chunk_bwd_ablation/chunk_bwd_ablation.py OUT_DIR \
+        [--config experiments/gdn/configs/h200-bwd-pair.yaml] [--cases 2] [--samples 5]
+
+Each variant is `dsfuse.gdn.cutedsl.chunk_bwd.ChunkBackward` traced with some of the functions it
+calls replaced by ones that emit nothing (patched for the trace only, then restored):
+
+- ``base``: as shipped;
+- ``no_prefetch``: no L2 prefetch of the next wave's rows;
+- ``no_loads``: no loads of the chunk's rows, states or factors (the products run on whatever
+  shared memory holds), and no prefetch;
+- ``no_sum``: no sum over the cluster (the cluster's barriers stay), so no dq, dk stores;
+- ``no_cluster``: no sum and no cluster barrier;
+- ``no_dv``: no dv stores.
+
+The difference to ``base`` bounds what making that part free could save; the parts overlap, so the
+differences do not add up. Inputs as `experiments/gdn/fused_backward_probe.py` (its CuTe DSL
+forward saving the states, then the reverse chain), each variant replayed from a CUDA Graph with the
+L2 overwritten before each call; ``samples.csv`` and ``env.json`` under OUT_DIR.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+from pathlib import Path
+
+import torch
+from dsfuse.bench import env as env_mod
+from dsfuse.bench import gdn
+from dsfuse.bench.harness import Timer, graph_part_rows, load_config, write_part_medians
+from dsfuse.bench.paths import cli_path
+
+FLUSH_BYTES = 256 << 20
+
+
+def _nothing(*args, **kwargs) -> None:
+    return None
+
+
+def variants() -> dict[str, list[tuple[object, str]]]:
+    """Each variant's ``(owner, attribute)`` pairs to replace by `_nothing` while it is traced."""
+    from cutlass import cute
+
+    from dsfuse.gdn.cutedsl import chunk, chunk_bwd
+
+    cls = chunk_bwd.ChunkBackward
+    loads = [(chunk, "start_prepared_rows"), (chunk, "start_rows"), (cls, "_prefetch_ahead")]
+    return {"base": [], "no_prefetch": [(cls, "_prefetch_ahead")], "no_loads": loads,
+            "no_sum": [(cls, "_cluster_sum")],
+            "no_cluster": [(cls, "_cluster_sum"), (cute.arch, "cluster_arrive"), (cute.arch, "cluster_arrive_relaxed"),
+                           (cute.arch, "cluster_wait")],
+            "no_dv": [(chunk_bwd, "store_rows_scaled")]}
+
+
+@contextlib.contextmanager
+def patched(pairs):
+    saved = [(owner, name, getattr(owner, name)) for owner, name in pairs]
+    try:
+        for owner, name in pairs:
+            setattr(owner, name, _nothing)
+        yield
+    finally:
+        for owner, name, value in saved:
+            setattr(owner, name, value)
+
+
+def case_rows(case, timer: Timer, samples: int, device: torch.device) -> list[dict]:
+    from dsfuse.gdn import schedule
+    from dsfuse.gdn.cutedsl import chunk_bwd
+    from dsfuse.gdn.cutedsl.fused_fwd import launch_fused_forward
+    from dsfuse.gdn.cutedsl.state_bwd import launch_state_backward
+    from dsfuse.gdn.cutedsl.ut_inverse import FACTORS, launch_ut_inverse
+
+    p = case.params
+    x = gdn.make_inputs(case, device, seed=0)
+    q, k, v = (t[0] for t in gdn.split_views(x["row"], p["heads"], p["value_heads"]))
+    do, g, beta = x["do"][0], x["g"][0], x["beta"][0]
+    l2, scale = p["l2norm"], p["head_dim"] ** -0.5
+    table = schedule.chunk_table(p["bounds"], device)
+    ci, co, order = table.indices, table.offsets, table.order
+    tokens, hv, dim = q.shape[0], p["value_heads"], p["head_dim"]
+    a_round = torch.empty(tokens, hv, 64, device=device, dtype=q.dtype)
+    factors = torch.empty(ci.shape[0] * len(FACTORS), hv, 64, device=device)
+    g_cum = torch.empty_like(g)
+    states, dstates = (torch.empty(ci.shape[0], dim, hv, dim, device=device, dtype=q.dtype) for _ in range(2))
+    o, ht, dh0 = torch.empty_like(v), torch.empty_like(x["dht"]), torch.empty_like(x["dht"])
+    launch_ut_inverse(k, beta, ci, None, use_qk_l2norm=l2, g=g, g_cum=g_cum, q=q, a_round=a_round, factors=factors)
+    launch_fused_forward(q, k, v, g, beta, None, ci, co, order, x["initial_state"], ht, o, scale, use_qk_l2norm=l2,
+                         form="head_rs", g_cum=g_cum, a_round=a_round, factors=factors, states=states)
+    launch_state_backward(q, k, do, a_round, factors, ci, co, order, x["dht"], dh0, dstates, scale, use_qk_l2norm=l2)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    dg, dbeta = torch.empty_like(g), torch.empty_like(beta)
+    ahead = chunk_bwd._clusters_at_once(device, hv // p["heads"])
+    args = (q, k, v, do, a_round, factors, states.view(-1, hv, dim), dstates.view(-1, hv, dim), ci, dq, dk, dv, dg,
+            dbeta, float(scale), ahead)
+    parts = []
+    for name, pairs in variants().items():
+        with patched(pairs):
+            fn = chunk_bwd.compile_chunk_backward(q.dtype, p["heads"], hv, dim, dim, l2, "sm_90a")
+        parts.append((name, lambda fn=fn: fn(*args)))
+    torch.cuda.synchronize(device)
+    return graph_part_rows(parts, timer, samples, device, case=case.name, tokens=p["tokens"], value_heads=hv,
+                           l2norm=l2)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out", type=Path, help="output folder (created)")
+    parser.add_argument("--config", default="experiments/gdn/configs/h200-bwd-pair.yaml", help="experiment config")
+    parser.add_argument("--samples", type=int, default=5, help="timed replays per variant (default 5)")
+    parser.add_argument("--cases", type=int, default=None, help="only the config's first CASES cases")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("chunk_bwd_ablation.py needs a CUDA GPU: run it on the GPU machine.", file=sys.stderr)
+        return 2
+    device = torch.device("cuda")
+    config = load_config(cli_path(args.config))
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "env.json").write_text(json.dumps(env_mod.collect(device, op=gdn.OP), indent=2) + "\n")
+    timer = Timer(device, FLUSH_BYTES)
+    cases = gdn.cases(config | {"modes": ["fwd+bwd"]})[: args.cases]
+    rows = [row for case in cases for row in case_rows(case, timer, args.samples, device)]
+    write_part_medians(args.out, rows, args.samples)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
