@@ -45,11 +45,14 @@ def test_compiles_the_model_and_refuses_the_rest(tmp_path):
         assert re.search(r"fence\.acq_rel\.cta;\s+barrier\.cluster\.arrive\.relaxed", ptx), spec.name
         # a lane's four channels of dq and dk: one vector load from each of the 2 other value heads'
         # CTAs (its own from its own shared memory), one 8-byte store, in each of the 3 ranks' paths;
-        # dv's values in pairs of adjacent columns, one 32-bit store each (16 a thread)
+        # dv by 16-byte stores of 8 channels of a row (a quad's words swapped by 4 butterfly
+        # shuffles for each two 8-column blocks: 4 stores and 16 shuffles a thread)
         assert len(re.findall(r"ld\.shared::cluster\.v4\.f32", ptx)) == 3 * 2 * 2, spec.name
         assert "ld.shared::cluster.f32" not in ptx, spec.name
         assert len(re.findall(r"st\.global\.(?:v4\.b16|v2\.b32)", ptx)) == 3 * 2, spec.name  # 8 bytes
-        assert len(re.findall(r"st\.global\.b32", ptx)) >= 16, spec.name
+        assert len(re.findall(r"st\.global\.v4\.b32", ptx)) == 4, spec.name
+        assert len(re.findall(r"st\.global\.b32", ptx)) == 1, spec.name  # dg's fp32, no dv pairs
+        assert len(re.findall(r"shfl\.sync\.bfly", ptx)) >= 16, spec.name
         # the next wave's rows into L2: two 128-byte lines of a row of S or dS', q, k, v or dO, one of A
         assert ptx.count("prefetch.global.L2 [") == 2 + 2 + 2 * 4 + 1, spec.name
     with pytest.raises(ValueError, match="compile for"):

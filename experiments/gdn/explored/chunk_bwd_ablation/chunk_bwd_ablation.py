@@ -2,7 +2,7 @@
 left out at a time (timing only: the variants' outputs are wrong and not checked).
 
     python experiments/gdn/explored/chunk_bwd_ablation/chunk_bwd_ablation.py OUT_DIR \
-        [--config experiments/gdn/configs/h200-bwd-pair.yaml] [--cases 2] [--samples 5]
+        [--config experiments/gdn/configs/h200-bwd-pair.yaml] [--cases 2] [--samples 5] [--variants base,no_dv]
 
 Each variant is `dsfuse.gdn.cutedsl.chunk_bwd.ChunkBackward` traced with some of the functions it
 calls replaced by ones that emit nothing (patched for the trace only, then restored):
@@ -69,7 +69,7 @@ def patched(pairs):
             setattr(owner, name, value)
 
 
-def case_rows(case, timer: Timer, samples: int, device: torch.device) -> list[dict]:
+def case_rows(case, timer: Timer, samples: int, device: torch.device, names: list[str]) -> list[dict]:
     from dsfuse.gdn import schedule
     from dsfuse.gdn.cutedsl import chunk_bwd
     from dsfuse.gdn.cutedsl.fused_fwd import launch_fused_forward
@@ -100,6 +100,8 @@ def case_rows(case, timer: Timer, samples: int, device: torch.device) -> list[di
             dbeta, float(scale), ahead)
     parts = []
     for name, pairs in variants().items():
+        if name not in names:
+            continue
         with patched(pairs):
             fn = chunk_bwd.compile_chunk_backward(q.dtype, p["heads"], hv, dim, dim, l2, "sm_90a")
         parts.append((name, lambda fn=fn: fn(*args)))
@@ -114,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", default="experiments/gdn/configs/h200-bwd-pair.yaml", help="experiment config")
     parser.add_argument("--samples", type=int, default=5, help="timed replays per variant (default 5)")
     parser.add_argument("--cases", type=int, default=None, help="only the config's first CASES cases")
+    parser.add_argument("--variants", default=None, help="comma-separated variants to time (default: all)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("chunk_bwd_ablation.py needs a CUDA GPU: run it on the GPU machine.", file=sys.stderr)
@@ -124,7 +127,10 @@ def main(argv: list[str] | None = None) -> int:
     (args.out / "env.json").write_text(json.dumps(env_mod.collect(device, op=gdn.OP), indent=2) + "\n")
     timer = Timer(device, FLUSH_BYTES)
     cases = gdn.cases(config | {"modes": ["fwd+bwd"]})[: args.cases]
-    rows = [row for case in cases for row in case_rows(case, timer, args.samples, device)]
+    names = args.variants.split(",") if args.variants else list(variants())
+    if unknown := sorted(set(names) - set(variants())):
+        parser.error(f"--variants: unknown {unknown}; known: {', '.join(variants())}")
+    rows = [row for case in cases for row in case_rows(case, timer, args.samples, device, names)]
     write_part_medians(args.out, rows, args.samples)
     return 0
 

@@ -107,19 +107,43 @@ def row_sums(vals: cute.Tensor, coords: cute.Tensor, sPart: cute.Tensor, u: Int3
 
 @cute.jit
 def store_rows_scaled(acc: cute.Tensor, coords: cute.Tensor, factor: tuple, mOut: cute.Tensor, start: Int32, rows: Int32,
-               head: Int32):
-    """``factor`` (a `row_pair`) times the accumulator ``acc``, rounded to ``mOut``'s dtype, into rows
-    ``start + r`` (``r < rows``) of head ``head`` of ``mOut`` ``[T, heads, N]`` (unit channel stride,
-    16-byte aligned rows): an accumulator's values come in pairs of adjacent columns of one row, so
-    each pair is one 32-bit store."""
-    pair = cute.make_rmem_tensor((2,), mOut.element_type)
-    for i in cutlass.range_constexpr(0, cute.size(acc), 2):
-        r, c = coords[i][0], coords[i][1]
-        f = pick(coords, i, factor)
-        pair[0] = (f * acc[i]).to(mOut.element_type)
-        pair[1] = (f * acc[i + 1]).to(mOut.element_type)
-        if r < rows:
-            cute.autovec_copy(pair, cute.local_tile(mOut[start + r, head, None], (2,), (c // 2,)))
+                      head: Int32, lane: Int32):
+    """``factor`` (a `row_pair`) times the accumulator ``acc`` (a warpgroup's ``(64, N)`` share of a
+    product), rounded to ``mOut``'s dtype, into rows ``start + r`` (``r < rows``) of head ``head`` of
+    ``mOut`` ``[T, heads, N]`` (unit channel stride, 16-byte aligned rows) by 16-byte stores.
+
+    A thread holds adjacent column pairs (one 32-bit word each) of its rows ``r`` and ``r + 8`` in
+    every 8-column block; the four lanes of a quad hold a block's two rows between them. For each
+    two blocks, the quad swaps words in two butterfly stages (a 4 x 4 transpose: lane ``t`` gets the
+    row ``r + 8 (t & 1)`` of the block ``t >> 1``), so each lane stores 8 consecutive channels in one
+    vector and a warp's store fills whole 32-byte sectors, not halves of them."""
+    n = cute.size(acc)
+    assert n % 8 == 0, "pairs of 8-column blocks: 8 values a thread"
+    vals = cute.make_rmem_tensor((n,), mOut.element_type)
+    for i in cutlass.range_constexpr(n):
+        vals[i] = (pick(coords, i, factor) * acc[i]).to(mOut.element_type)
+    words = cute.recast_tensor(vals, Int32)  # word h + 2 j: row r + 8 h, columns 8 j + 2 t, + 1
+    out = cute.make_rmem_tensor((8,), mOut.element_type)
+    out_w = cute.recast_tensor(out, Int32)
+    t = lane % 4
+    even, low = (t & 1) == 0, (t & 2) == 0
+    row = coords[0][0] + 8 * (t & 1)
+    for m in cutlass.range_constexpr(n // 8):
+        w = [words[4 * m + b] for b in range(4)]  # b = h + 2 (j - 2 m)
+        y = [None] * 4  # after the first stage (lanes t, t ^ 1): y[s0 + 2 b1], from lane (s0, t >> 1)
+        for b1 in cutlass.range_constexpr(2):
+            w0, w1 = w[2 * b1], w[2 * b1 + 1]
+            got = cute.arch.shuffle_sync_bfly(Int32(cutlass.select_(even, w1, w0)), offset=1)
+            y[2 * b1] = Int32(cutlass.select_(even, w0, got))
+            y[2 * b1 + 1] = Int32(cutlass.select_(even, got, w1))
+        for s0 in cutlass.range_constexpr(2):  # the second stage (lanes t, t ^ 2): out_w[s] from lane s, columns 2 s, 2 s + 1
+            y0, y1 = y[s0], y[s0 + 2]
+            got = cute.arch.shuffle_sync_bfly(Int32(cutlass.select_(low, y1, y0)), offset=2)
+            out_w[s0] = Int32(cutlass.select_(low, y0, got))
+            out_w[s0 + 2] = Int32(cutlass.select_(low, got, y1))
+        col = coords[8 * m][1] - 2 * t + 8 * (t >> 1)  # the first column of this lane's block
+        if row < rows:
+            cute.autovec_copy(out, cute.local_tile(mOut[start + row, head, None], (8,), (col // 8,)))
 
 
 @cute.jit
@@ -287,12 +311,13 @@ class ChunkBackward:
         _wg.gemm(mma_cc_kk, acc_dp, _wg.operands(mma_cc_kk, u, sDO, sVn), wait=False, fresh=True)
         a_r = cute.make_fragment_like(acc_da, ab)
         _wg.load_like(mma_cc_kk, u, sA, a_r)
-        _wg.wait()
+        _wg.wait_for(2)  # dX first: its stores and row sums run while dA and dP do
         _wg.store_rounded(mma_cv_nn, u, acc_dx, sDX, ab)
-        store_rows_scaled(acc_dx, cCV, beta, mDv, start, rows, i_hv)
+        store_rows_scaled(acc_dx, cCV, beta, mDv, start, rows, i_hv, u % 32)
         for i in cutlass.range_constexpr(cute.size(acc_dx)):
             acc_dx[i] = acc_dx[i] * v_r[i].to(Float32)
         row_sums(acc_dx, cCV, sB1, u)
+        _wg.wait()
         w1 = cute.make_fragment_like(acc_dp, ab)
         g_row = row_pair(cCC, sG)
         for i in cutlass.range_constexpr(cute.size(acc_dp)):
