@@ -461,3 +461,19 @@ def test_memory_rows_of_both_processes_reach_memory_csv(tmp_path, monkeypatch):
     pids = memory.groupby("provider")["pid"].agg(set)
     assert pids["good"] == {os.getpid()} and len(pids["control"]) == 1 and pids["control"] != {os.getpid()}
     assert not list(run_dir.glob(".*.partial"))
+
+
+def test_start_run_writes_env_and_reads_the_config(tmp_path, monkeypatch):
+    """A GPU script's start (`harness.start_run`): the output folder created with env.json naming the
+    commit it was given and the op's source hash, and the config read from the path as given."""
+    import json
+
+    from dsfuse.bench.harness import load_config, start_run
+
+    monkeypatch.setenv("DSFUSE_GIT_COMMIT", "abc1234")
+    out = tmp_path / "run" / "nested"
+    config = start_run(out, "experiments/gdn/configs/smoke.yaml", torch.device("cpu"), "gdn")
+    env = json.loads((out / "env.json").read_text())
+    assert env["git_commit"] == "abc1234" and env["device"] == "cpu", env
+    assert env["kernel_sources"], sorted(env)
+    assert config["op"] == "gdn" and config == load_config("experiments/gdn/configs/smoke.yaml")

@@ -26,15 +26,12 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import sys
 from pathlib import Path
 
 import torch
-from dsfuse.bench import env as env_mod
 from dsfuse.bench import gdn
-from dsfuse.bench.harness import Timer, graph_part_rows, load_config, rel_rms, write_csv, write_part_medians
-from dsfuse.bench.paths import cli_path
+from dsfuse.bench.harness import Timer, graph_part_rows, rel_rms, start_run, write_csv, write_part_medians
 
 DEFAULT_CONFIG = "experiments/gdn/configs/h200-fwd.yaml"
 FLUSH_BYTES = 256 << 20
@@ -217,9 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     import pandas as pd
 
     device = torch.device("cuda")
-    config = load_config(cli_path(args.config))
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "env.json").write_text(json.dumps(env_mod.collect(device, op=gdn.OP), indent=2) + "\n")
+    config = start_run(args.out, args.config, device, gdn.OP)
     cases = gdn.cases(config | {"modes": ["fwd+bwd"]})[: args.cases]
     steps = [row for case in cases for row in step_rows(case, device, snapshot=args.out if args.snapshot else None)]
     write_csv(args.out / "steps.csv", steps)

@@ -28,15 +28,12 @@ heads, l2norm, part, sample, us) and ``env.json`` under OUT_DIR and prints the m
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 import torch
-from dsfuse.bench import env as env_mod
 from dsfuse.bench import gdn
-from dsfuse.bench.harness import Timer, graph_part_rows, load_config, rel_rms, write_part_medians
-from dsfuse.bench.paths import cli_path
+from dsfuse.bench.harness import Timer, graph_part_rows, rel_rms, start_run, write_part_medians
 
 DEFAULT_CONFIG = "experiments/gdn/configs/h200.yaml"
 # other overlaps of the CuTe DSL forward's launches, as Overlap(leads, share) (parts chunk_gdn_cutedsl_<name>)
@@ -175,9 +172,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     device = torch.device("cuda")
-    config = load_config(cli_path(args.config)) | {"modes": ["fwd"]}
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "env.json").write_text(json.dumps(env_mod.collect(device, op=gdn.OP), indent=2) + "\n")
+    config = start_run(args.out, args.config, device, gdn.OP) | {"modes": ["fwd"]}
     timer = Timer(device, FLUSH_BYTES)
     only = set(args.parts.split(",")) if args.parts else None
     rows = [row for case in gdn.cases(config)[: args.cases] for row in case_rows(case, timer, args.samples, device, only)]

@@ -42,10 +42,8 @@ from pathlib import Path
 
 import torch
 
-from dsfuse.bench import env as env_mod
 from dsfuse.bench import gdn
-from dsfuse.bench.harness import Timer, capture_graph, compare, load_config, write_csv
-from dsfuse.bench.paths import cli_path
+from dsfuse.bench.harness import Timer, capture_graph, compare, start_run, write_csv
 
 DEFAULT_CONFIG = "experiments/gdn/configs/h200.yaml"
 FLUSH_BYTES = 512 << 20  # overwritten before each timed replay: over 2x the L2 of an H200 or a B200
@@ -177,9 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     import pandas as pd
 
     device = torch.device("cuda")
-    config = load_config(cli_path(args.config))
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "env.json").write_text(json.dumps(env_mod.collect(device, op=gdn.OP), indent=2) + "\n")
+    config = start_run(args.out, args.config, device, gdn.OP)
     timer = Timer(device, FLUSH_BYTES)
     l2_values = [bool(v) for v in config.get("l2norm", [True])]
     stages = [row for l2 in l2_values for row in stage_rows(config, l2, timer, args.samples, device)]

@@ -307,6 +307,17 @@ def write_part_medians(out: Path, rows: list[dict], samples: int) -> None:
     print(f"wrote {out / 'samples.csv'}")
 
 
+def start_run(out: Path, config: str | Path, device: torch.device, op: str | None = None) -> dict:
+    """A GPU script's start: ``out`` created with ``env.json`` (this machine, the commit and, with ``op``,
+    the hash of its kernel sources) in it; returns the experiment config at ``config`` (a path as
+    given on the command line)."""
+    from dsfuse.bench.paths import cli_path
+
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "env.json").write_text(json.dumps(env_mod.collect(device, op=op), indent=2) + "\n")
+    return load_config(cli_path(config))
+
+
 def checked_graph_samples(fn: Callable[[], Any], outputs: Outputs, expected: Outputs, timer: Timer, what: str, *,
                           rtol: float = 2**-8, n: int = 20) -> list[float]:
     """For launch-constant sweeps: poison ``outputs`` with NaN, run ``fn`` once and require a

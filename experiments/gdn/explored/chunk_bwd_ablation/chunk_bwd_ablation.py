@@ -25,15 +25,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import sys
 from pathlib import Path
 
 import torch
-from dsfuse.bench import env as env_mod
 from dsfuse.bench import gdn
-from dsfuse.bench.harness import Timer, graph_part_rows, load_config, write_part_medians
-from dsfuse.bench.paths import cli_path
+from dsfuse.bench.harness import Timer, graph_part_rows, start_run, write_part_medians
 
 FLUSH_BYTES = 256 << 20
 
@@ -122,9 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         print("chunk_bwd_ablation.py needs a CUDA GPU: run it on the GPU machine.", file=sys.stderr)
         return 2
     device = torch.device("cuda")
-    config = load_config(cli_path(args.config))
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "env.json").write_text(json.dumps(env_mod.collect(device, op=gdn.OP), indent=2) + "\n")
+    config = start_run(args.out, args.config, device, gdn.OP)
     timer = Timer(device, FLUSH_BYTES)
     cases = gdn.cases(config | {"modes": ["fwd+bwd"]})[: args.cases]
     names = args.variants.split(",") if args.variants else list(variants())
