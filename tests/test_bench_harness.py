@@ -466,8 +466,6 @@ def test_memory_rows_of_both_processes_reach_memory_csv(tmp_path, monkeypatch):
 def test_start_run_writes_env_and_reads_the_config(tmp_path, monkeypatch):
     """A GPU script's start (`harness.start_run`): the output folder created with env.json naming the
     commit it was given and the op's source hash, and the config read from the path as given."""
-    import json
-
     from dsfuse.bench.harness import load_config, start_run
 
     monkeypatch.setenv("DSFUSE_GIT_COMMIT", "abc1234")

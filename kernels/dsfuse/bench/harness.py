@@ -44,6 +44,7 @@ import yaml
 from tqdm.auto import tqdm
 
 from dsfuse.bench import env as env_mod
+from dsfuse.bench.paths import cli_path
 
 Outputs = tuple[torch.Tensor, ...]
 
@@ -311,8 +312,6 @@ def start_run(out: Path, config: str | Path, device: torch.device, op: str | Non
     """A GPU script's start: ``out`` created with ``env.json`` (this machine, the commit and, with ``op``,
     the hash of its kernel sources) in it; returns the experiment config at ``config`` (a path as
     given on the command line)."""
-    from dsfuse.bench.paths import cli_path
-
     out.mkdir(parents=True, exist_ok=True)
     (out / "env.json").write_text(json.dumps(env_mod.collect(device, op=op), indent=2) + "\n")
     return load_config(cli_path(config))
