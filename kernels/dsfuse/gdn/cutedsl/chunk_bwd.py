@@ -35,10 +35,13 @@ puts them on the gated ``A`` the forward keeps.) ``rowsum((q^ S) dO)`` is read o
 
 Sums over a row of an accumulator: each thread's values of its two rows, the row's four lanes by
 butterfly shuffles, the two warpgroups' halves through shared memory, added in that order: the same
-bits every call. Eight phases: a barrier after each of the first five, two inside the seventh, and
-the cluster's barrier split around the sum: each CTA arrives once its partials are stored (in the
-seventh, whose dbeta and dg work then overlaps the peers' arrival) and waits before the sum, then
-meets the cluster again before its shared memory may go. Shared memory at K = V = 128, bf16 (tiles that
+bits every call. Eight phases: a barrier after each of the first five, two inside the seventh. Each
+warp signals its stored partials in the seventh (a release restricted to shared memory, then a
+relaxed arrival on an mbarrier of each CTA of the cluster; the step's dbeta and dg work then overlaps
+the peers' arrivals), and each CTA waits on its own mbarrier before the sum, with the matching
+acquire: the release of a plain cluster arrive, which ptxas makes a GPU-scope membar (every earlier
+global store, dv's included), is not needed. A cluster barrier at the start publishes the mbarriers'
+initialisation, and one at the end keeps each CTA's shared memory until its peers have read it. Shared memory at K = V = 128, bf16 (tiles that
 take turns share storage): about 214 KiB, one CTA per SM. So nothing else on its SM runs while a CTA's
 rows land: meanwhile it asks L2 for the rows of the CTA of its rank one wave later (``ahead``
 clusters on: those that run at once, from the SM count), whose own loads then come from L2.
