@@ -39,10 +39,18 @@ def test_compiles_the_model_and_refuses_the_rest(tmp_path):
         shapes = collections.Counter(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", ptx))
         assert shapes == {"m64n64k16": 68, "m64n32k16": 40}, (spec.name, shapes)
         assert len(re.findall(r"bar\.sync", ptx)) == 8, spec.name
+        # two cluster barriers, both arrives relaxed: the first after the partials' barrier is
+        # initialised (the documented init fence), the last after a CTA-scope fence (it releases no
+        # writes); no plain (release) arrive, which ptxas makes a GPU-scope membar
         assert ptx.count("barrier.cluster.arrive") == ptx.count("barrier.cluster.wait") == 2, spec.name
-        # the last arrive relaxed, after a CTA-scope fence (it releases no writes)
-        assert ptx.count("barrier.cluster.arrive.relaxed") == 1, spec.name
+        assert ptx.count("barrier.cluster.arrive.relaxed") == 2, spec.name
+        assert re.search(r"fence\.mbarrier_init\.release\.cluster;\s+\S*\s*barrier\.cluster\.arrive\.relaxed", ptx), spec.name
         assert re.search(r"fence\.acq_rel\.cta;\s+barrier\.cluster\.arrive\.relaxed", ptx), spec.name
+        # the partials stored: a release restricted to this CTA's shared memory, then one relaxed
+        # arrival on each of the 3 CTAs' barriers (this one's too); the wait, then the matching acquire
+        assert ptx.count("fence.release.sync_restrict::shared::cta.cluster;") == 1, spec.name
+        assert len(re.findall(r"mbarrier\.arrive\.relaxed\.cluster\.shared::cluster\.b64", ptx)) == 3, spec.name
+        assert ptx.count("fence.acquire.sync_restrict::shared::cluster.cluster;") == 1, spec.name
         # a lane's four channels of dq and dk: one vector load from each of the 2 other value heads'
         # CTAs (its own from its own shared memory), one 8-byte store, in each of the 3 ranks' paths;
         # dv by 16-byte stores of 8 channels of a row (a quad's words swapped by 4 butterfly

@@ -12,7 +12,8 @@ calls replaced by ones that emit nothing (patched for the trace only, then resto
 - ``no_loads``: no loads of the chunk's rows, states or factors (the products run on whatever
   shared memory holds), and no prefetch;
 - ``no_sum``: no sum over the cluster (the cluster's barriers stay), so no dq, dk stores;
-- ``no_cluster``: no sum and no cluster barrier;
+- ``no_cluster``: no sum, no cluster barrier and no signal of the partials (since `efe84d1` an
+  mbarrier's);
 - ``no_dv``: no dv stores.
 
 The difference to ``base`` bounds what making that part free could save; the parts overlap, so the
@@ -49,7 +50,8 @@ def variants() -> dict[str, list[tuple[object, str]]]:
     loads = [(chunk, "start_prepared_rows"), (chunk, "start_rows"), (cls, "_prefetch_ahead")]
     return {"base": [], "no_prefetch": [(cls, "_prefetch_ahead")], "no_loads": loads,
             "no_sum": [(cls, "_cluster_sum")],
-            "no_cluster": [(cls, "_cluster_sum"), (cute.arch, "cluster_arrive"), (cute.arch, "cluster_arrive_relaxed"),
+            "no_cluster": [(cls, "_cluster_sum"), (cls, "_partials_stored"), (cute.arch, "mbarrier_wait"),
+                           (cute.arch, "cluster_arrive"), (cute.arch, "cluster_arrive_relaxed"),
                            (cute.arch, "cluster_wait")],
             "no_dv": [(chunk_bwd, "store_rows_scaled")]}
 

@@ -35,10 +35,13 @@ puts them on the gated ``A`` the forward keeps.) ``rowsum((q^ S) dO)`` is read o
 
 Sums over a row of an accumulator: each thread's values of its two rows, the row's four lanes by
 butterfly shuffles, the two warpgroups' halves through shared memory, added in that order: the same
-bits every call. Eight phases: a barrier after each of the first five, two inside the seventh, and
-the cluster's barrier split around the sum: each CTA arrives once its partials are stored (in the
-seventh, whose dbeta and dg work then overlaps the peers' arrival) and waits before the sum, then
-meets the cluster again before its shared memory may go. Shared memory at K = V = 128, bf16 (tiles that
+bits every call. Eight phases: a barrier after each of the first five, two inside the seventh. Each
+warp signals its stored partials in the seventh (a release restricted to shared memory, then a
+relaxed arrival on an mbarrier of each CTA of the cluster; the step's dbeta and dg work then overlaps
+the peers' arrivals), and each CTA waits on its own mbarrier before the sum, with the matching
+acquire: the release of a plain cluster arrive, which ptxas makes a GPU-scope membar (every earlier
+global store, dv's included), is not needed. A cluster barrier at the start publishes the mbarriers'
+initialisation, and one at the end keeps each CTA's shared memory until its peers have read it. Shared memory at K = V = 128, bf16 (tiles that
 take turns share storage): about 214 KiB, one CTA per SM. So nothing else on its SM runs while a CTA's
 rows land: meanwhile it asks L2 for the rows of the CTA of its rank one wave later (``ahead``
 clusters on: those that run at once, from the SM count), whose own loads then come from L2.
@@ -55,6 +58,7 @@ from dsfuse._common import cutedsl as _cd
 cutlass, cute = _cd.require()
 from cutlass import Float32, Int32, const_expr
 from cutlass._mlir.dialects import llvm
+from cutlass._mlir.dialects.nvvm import MemScopeKind as _MemScope
 from cutlass.cutlass_dsl import T as _types
 from cutlass.cutlass_dsl import dsl_user_op
 
@@ -167,6 +171,13 @@ def inner_product(buf_a, buf_b, dtype: cutlass.Constexpr, n: cutlass.Constexpr, 
 
 
 @dsl_user_op
+def _fence_asm(text: str, *, loc=None, ip=None) -> None:
+    """One fence instruction, ``text``, that the DSL does not wrap."""
+    llvm.inline_asm(None, [], text, "", has_side_effects=True, is_align_stack=False,
+                    asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+
+
+@dsl_user_op
 def _load_cluster4(ptr, *, loc=None, ip=None) -> tuple:
     """Four consecutive fp32 from a cluster peer's shared memory (16-byte aligned ``ptr`` from
     ``cute.arch.map_dsmem_ptr``): one ``ld.shared::cluster.v4.f32``."""
@@ -236,6 +247,13 @@ class ChunkBackward:
         sErow = chunk.tile(smem, Float32, 2, C)  # E's row sums by warpgroup (`row_sums`, step 5)
         sEcol = chunk.tile(smem, Float32, QUARTERS, C)  # E's column sums by quarter of its rows
         sTot = chunk.vector(smem, 4)  # the state term's total by warp (2); the second warp's dG total
+        # every warp of the cluster (this CTA's too) has stored its partials: one arrival a warp
+        mbar = cute.recast_ptr(smem.allocate(8, 8), dtype=cutlass.Int64)
+        group = self.value_heads // self.heads
+        if u == 0:
+            cute.arch.mbarrier_init(mbar, group * (THREADS // 32))
+            cute.arch.mbarrier_init_fence()
+        cute.arch.cluster_arrive_relaxed()  # the barrier initialised, for the peers' arrivals (waited in step 7)
         sG, sBeta, sEGq, sEGk, sDec, sRstd = _vectors(sF)
 
         # 0. the chunk's rows, states and factors (zeros past the chunk's rows)
@@ -424,7 +442,7 @@ class ChunkBackward:
         # every CTA has arrived; the rest of this step runs while the slower peers get there
         for i in cutlass.range_constexpr(cute.size(acc_k)):
             sDkP[cCV[i][0], cCV[i][1]] = acc_k[i]
-        cute.arch.cluster_arrive()
+        self._partials_stored(u, mbar, group)
         d_g = Float32(0.0)
         if u < C:
             row = sErow[0, t] + sErow[1, t]
@@ -458,8 +476,8 @@ class ChunkBackward:
         #    one vector load from every CTA's shared memory (its own partial from its own, not over the
         #    cluster's network: a code path for each rank); then the L2 norm's backward, dx = rstd (dx^ -
         #    x^ (dx^ . x^)), and the rows rounded into dq, dk by 8-byte stores
-        cute.arch.cluster_wait()  # arrived in step 7
-        group = self.value_heads // self.heads
+        cute.arch.mbarrier_wait(mbar, 0)  # every warp of the cluster arrived in step 7
+        _fence_asm("fence.acquire.sync_restrict::shared::cluster.cluster;")  # what they released
         rank = cute.arch.block_idx_in_cluster()
         for me in cutlass.range_constexpr(group):
             if rank == me:
@@ -471,6 +489,20 @@ class ChunkBackward:
         cute.arch.fence_acq_rel_cta()
         cute.arch.cluster_arrive_relaxed()
         cute.arch.cluster_wait()
+
+    @cute.jit
+    def _partials_stored(self, u: Int32, mbar, group: cutlass.Constexpr):
+        """Step 7's signal that this warp's fp32 partials are in shared memory: its lanes meet, then one
+        releases this CTA's shared-memory writes to the cluster (a fence restricted to them: not the
+        plain cluster arrive's release of every write to the GPU's scope, which waits for the dv
+        stores) and arrives on each CTA's barrier of the cluster, this one's included (relaxed: the
+        fence before it releases). Waited in step 8, with the matching acquire."""
+        cute.arch.cluster_wait()  # the peers' barriers are initialised
+        cute.arch.sync_warp()
+        if u % 32 == 0:
+            _fence_asm("fence.release.sync_restrict::shared::cta.cluster;")
+            for g in cutlass.range_constexpr(group):
+                cute.arch.mbarrier_arrive(mbar, g, relaxed=True, scope=_MemScope.CLUSTER)
 
     @cute.jit
     def _prefetch_ahead(self, u: Int32, sources, mChunks: cute.Tensor, i_c: Int32, i_hv: Int32, ahead: Int32):
