@@ -41,8 +41,9 @@ relaxed arrival on an mbarrier of each CTA of the cluster; the step's dbeta and 
 the peers' arrivals), and each CTA waits on its own mbarrier before the sum, with the matching
 acquire: the release of a plain cluster arrive, which ptxas makes a GPU-scope membar (every earlier
 global store, dv's included), is not needed. A cluster barrier at the start publishes the mbarriers'
-initialisation, and one at the end keeps each CTA's shared memory until its peers have read it. Shared memory at K = V = 128, bf16 (tiles that
-take turns share storage): about 214 KiB, one CTA per SM. So nothing else on its SM runs while a CTA's
+initialisation, and one at the end keeps each CTA's shared memory until its peers have read it.
+Shared memory at K = V = 128, bf16 (tiles that take turns share storage): about 214 KiB, one CTA per
+SM. So nothing else on its SM runs while a CTA's
 rows land: meanwhile it asks L2 for the rows of the CTA of its rank one wave later (``ahead``
 clusters on: those that run at once, from the SM count), whose own loads then come from L2.
 """
