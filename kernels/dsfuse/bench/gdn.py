@@ -298,6 +298,42 @@ def split_views(row: torch.Tensor, heads: int, value_heads: int) -> tuple[torch.
     return tuple(t.unflatten(-1, (-1, d)).unsqueeze(0) for t in row.split([heads * d, heads * d, value_heads * d], -1))
 
 
+def fused_backward_inputs(case: Case, device: torch.device) -> dict:
+    """What the CuTe DSL backward's two kernels read at ``case``, for the GPU tools that time them alone
+    (the per-chunk kernel's ablation, the kernel-copies timer): the case's rows (``q``, ``k``, ``v``,
+    ``do``, ``g``, ``beta``: head views of the packed row, batch dropped), ``dht``, ``l2``, ``scale``,
+    the chunk table (``ci``, ``co``, ``order``), the forward's saved buffers (``a_round``, ``factors``,
+    ``states``: the preparing inverse, then ``head_rs`` in its saving mode) and the reverse chain's
+    ``dstates``. Needs a CUDA GPU and the CuTe DSL runtime."""
+    from dsfuse.gdn import schedule
+    from dsfuse.gdn.cutedsl.fused_fwd import launch_fused_forward
+    from dsfuse.gdn.cutedsl.state_bwd import launch_state_backward
+    from dsfuse.gdn.cutedsl.ut_inverse import FACTORS, launch_ut_inverse
+
+    p = case.params
+    x = make_inputs(case, device, seed=0)
+    q, k, v = (t[0] for t in split_views(x["row"], p["heads"], p["value_heads"]))
+    table = schedule.chunk_table(p["bounds"], device)
+    tokens, hv, dim, chunks = q.shape[0], p["value_heads"], p["head_dim"], table.indices.shape[0]
+    s = dict(q=q, k=k, v=v, do=x["do"][0], g=x["g"][0], beta=x["beta"][0], dht=x["dht"], l2=p["l2norm"],
+             scale=dim ** -0.5, ci=table.indices, co=table.offsets, order=table.order,
+             a_round=torch.empty(tokens, hv, CHUNK, device=device, dtype=q.dtype),
+             factors=torch.empty(chunks * len(FACTORS), hv, CHUNK, device=device),
+             states=torch.empty(chunks, dim, hv, dim, device=device, dtype=q.dtype),
+             dstates=torch.empty(chunks, dim, hv, dim, device=device, dtype=q.dtype))
+    g_cum = torch.empty_like(s["g"])
+    launch_ut_inverse(k, s["beta"], s["ci"], None, use_qk_l2norm=s["l2"], g=s["g"], g_cum=g_cum, q=q,
+                      a_round=s["a_round"], factors=s["factors"])
+    launch_fused_forward(q, k, v, s["g"], s["beta"], None, s["ci"], s["co"], s["order"], x["initial_state"],
+                         torch.empty_like(s["dht"]), torch.empty(tokens, hv, dim, device=device, dtype=q.dtype), s["scale"],
+                         use_qk_l2norm=s["l2"],
+                         form="head_rs", g_cum=g_cum, a_round=s["a_round"], factors=s["factors"],
+                         states=s["states"])
+    launch_state_backward(q, k, s["do"], s["a_round"], s["factors"], s["ci"], s["co"], s["order"], s["dht"],
+                          torch.empty_like(s["dht"]), s["dstates"], s["scale"], use_qk_l2norm=s["l2"])
+    return s
+
+
 def packed_views(row: torch.Tensor, heads: int, value_heads: int) -> tuple[torch.Tensor, ...]:
     """`dsfuse.gdn.packed.packed_qkv_views`: one autograd node, one packed row gradient."""
     from dsfuse.gdn.packed import packed_qkv_views

@@ -17,7 +17,7 @@ calls replaced by ones that emit nothing (patched for the trace only, then resto
 - ``no_dv``: no dv stores.
 
 The difference to ``base`` bounds what making that part free could save; the parts overlap, so the
-differences do not add up. Inputs as `experiments/gdn/fused_backward_probe.py` (its CuTe DSL
+differences do not add up. Inputs from `dsfuse.bench.gdn.fused_backward_inputs` (the CuTe DSL
 forward saving the states, then the reverse chain), each variant replayed from a CUDA Graph with the
 L2 overwritten before each call; ``samples.csv`` and ``env.json`` under OUT_DIR.
 """
@@ -43,7 +43,6 @@ def _nothing(*args, **kwargs) -> None:
 def variants() -> dict[str, list[tuple[object, str]]]:
     """Each variant's ``(owner, attribute)`` pairs to replace by `_nothing` while it is traced."""
     from cutlass import cute
-
     from dsfuse.gdn.cutedsl import chunk, chunk_bwd
 
     cls = chunk_bwd.ChunkBackward
@@ -69,34 +68,17 @@ def patched(pairs):
 
 
 def case_rows(case, timer: Timer, samples: int, device: torch.device, names: list[str]) -> list[dict]:
-    from dsfuse.gdn import schedule
     from dsfuse.gdn.cutedsl import chunk_bwd
-    from dsfuse.gdn.cutedsl.fused_fwd import launch_fused_forward
-    from dsfuse.gdn.cutedsl.state_bwd import launch_state_backward
-    from dsfuse.gdn.cutedsl.ut_inverse import FACTORS, launch_ut_inverse
 
     p = case.params
-    x = gdn.make_inputs(case, device, seed=0)
-    q, k, v = (t[0] for t in gdn.split_views(x["row"], p["heads"], p["value_heads"]))
-    do, g, beta = x["do"][0], x["g"][0], x["beta"][0]
-    l2, scale = p["l2norm"], p["head_dim"] ** -0.5
-    table = schedule.chunk_table(p["bounds"], device)
-    ci, co, order = table.indices, table.offsets, table.order
-    tokens, hv, dim = q.shape[0], p["value_heads"], p["head_dim"]
-    a_round = torch.empty(tokens, hv, 64, device=device, dtype=q.dtype)
-    factors = torch.empty(ci.shape[0] * len(FACTORS), hv, 64, device=device)
-    g_cum = torch.empty_like(g)
-    states, dstates = (torch.empty(ci.shape[0], dim, hv, dim, device=device, dtype=q.dtype) for _ in range(2))
-    o, ht, dh0 = torch.empty_like(v), torch.empty_like(x["dht"]), torch.empty_like(x["dht"])
-    launch_ut_inverse(k, beta, ci, None, use_qk_l2norm=l2, g=g, g_cum=g_cum, q=q, a_round=a_round, factors=factors)
-    launch_fused_forward(q, k, v, g, beta, None, ci, co, order, x["initial_state"], ht, o, scale, use_qk_l2norm=l2,
-                         form="head_rs", g_cum=g_cum, a_round=a_round, factors=factors, states=states)
-    launch_state_backward(q, k, do, a_round, factors, ci, co, order, x["dht"], dh0, dstates, scale, use_qk_l2norm=l2)
+    s = gdn.fused_backward_inputs(case, device)
+    q, k, v, g, beta, hv, dim = s["q"], s["k"], s["v"], s["g"], s["beta"], p["value_heads"], p["head_dim"]
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     dg, dbeta = torch.empty_like(g), torch.empty_like(beta)
     ahead = chunk_bwd._clusters_at_once(device, hv // p["heads"])
-    args = (q, k, v, do, a_round, factors, states.view(-1, hv, dim), dstates.view(-1, hv, dim), ci, dq, dk, dv, dg,
-            dbeta, float(scale), ahead)
+    args = (q, k, v, s["do"], s["a_round"], s["factors"], s["states"].view(-1, hv, dim), s["dstates"].view(-1, hv, dim),
+            s["ci"], dq, dk, dv, dg, dbeta, float(s["scale"]), ahead)
+    l2 = s["l2"]
     parts = []
     for name, pairs in variants().items():
         if name not in names:

@@ -1,9 +1,13 @@
 """The reverse chain at this tree against a copy of main's (build/k2cmp/state_bwd_old.py): the same bits?"""
-import importlib.util, sys
+import importlib.util
+import sys
+
 import torch
+
 sys.path.insert(0, "tests/gdn"); sys.path.insert(0, "tests")
 import test_gdn_cutedsl_state_backward as t
 from dsfuse.gdn.cutedsl import state_bwd
+
 spec = importlib.util.spec_from_file_location("state_bwd_old", "build/k2cmp/state_bwd_old.py")
 old = importlib.util.module_from_spec(spec); spec.loader.exec_module(old)
 new_fn = state_bwd.launch_state_backward

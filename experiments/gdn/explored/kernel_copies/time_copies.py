@@ -13,42 +13,14 @@ import pandas as pd
 import torch
 
 sys.path.insert(0, "experiments/gdn")
-import fused_backward_probe as fbp  # noqa: E402
-from dsfuse.bench import gdn  # noqa: E402
-from dsfuse.bench.harness import Timer, load_config  # noqa: E402
-from dsfuse.gdn import schedule  # noqa: E402
-from dsfuse.gdn.cutedsl.fused_fwd import launch_fused_forward  # noqa: E402
-from dsfuse.gdn.cutedsl.state_bwd import launch_state_backward  # noqa: E402
-from dsfuse.gdn.cutedsl.ut_inverse import FACTORS, launch_ut_inverse  # noqa: E402
-
-
-def saved_forward(case, dev):
-    """The case's inputs, the CuTe DSL forward's saved buffers and (main's) reverse chain's outputs."""
-    p = case.params
-    x = gdn.make_inputs(case, dev, seed=0)
-    q, k, v = (t[0] for t in gdn.split_views(x["row"], p["heads"], p["value_heads"]))
-    l2, scale = p["l2norm"], p["head_dim"] ** -0.5
-    table = schedule.chunk_table(p["bounds"], dev)
-    ci, co, order = table.indices, table.offsets, table.order
-    tokens, hv, dim = q.shape[0], p["value_heads"], p["head_dim"]
-    s = dict(q=q, k=k, v=v, do=x["do"][0], g=x["g"][0], beta=x["beta"][0], dht=x["dht"], l2=l2, scale=scale,
-             ci=ci, co=co, order=order, a_round=torch.empty(tokens, hv, 64, device=dev, dtype=q.dtype),
-             factors=torch.empty(ci.shape[0] * len(FACTORS), hv, 64, device=dev),
-             states=torch.empty(ci.shape[0], dim, hv, dim, device=dev, dtype=q.dtype),
-             dstates=torch.empty(ci.shape[0], dim, hv, dim, device=dev, dtype=q.dtype))
-    g_cum = torch.empty_like(s["g"])
-    launch_ut_inverse(k, s["beta"], ci, None, use_qk_l2norm=l2, g=s["g"], g_cum=g_cum, q=q, a_round=s["a_round"],
-                      factors=s["factors"])
-    launch_fused_forward(q, k, v, s["g"], s["beta"], None, ci, co, order, x["initial_state"], torch.empty_like(x["dht"]),
-                         torch.empty(tokens, hv, dim, device=dev, dtype=q.dtype), scale, use_qk_l2norm=l2,
-                         form="head_rs", g_cum=g_cum, a_round=s["a_round"], factors=s["factors"], states=s["states"])
-    launch_state_backward(q, k, s["do"], s["a_round"], s["factors"], ci, co, order, s["dht"],
-                          torch.empty_like(s["dht"]), s["dstates"], scale, use_qk_l2norm=l2)
-    return s
+import fused_backward_probe as fbp
+from dsfuse.bench import gdn
+from dsfuse.bench.harness import Timer, load_config
 
 
 def launcher(kernel: str, module, s):
-    """``(run, outputs)``: a launch of ``module``'s kernel on ``s`` into outputs poisoned with NaN."""
+    """``(run, outputs)``: a launch of ``module``'s kernel on ``s`` (`dsfuse.bench.gdn.fused_backward_inputs`)
+    into outputs poisoned with NaN."""
     nan = float("nan")
     if kernel == "state_bwd":
         outs = [torch.full_like(s["dstates"], nan), torch.full_like(s["dht"], nan)]
@@ -74,7 +46,7 @@ def main() -> None:
     timer = Timer(dev, fbp.FLUSH_BYTES)
     frames = []
     for case in gdn.cases(config | {"modes": ["fwd+bwd"]})[:cases]:
-        s = saved_forward(case, dev)
+        s = gdn.fused_backward_inputs(case, dev)
         parts, results = [], {}
         for name, module in mods.items():
             run, outs = launcher(kernel, module, s)
