@@ -44,7 +44,7 @@ def main() -> None:
     dev = torch.device("cuda")
     config = load_config("experiments/gdn/configs/h200-bwd-pair.yaml")
     timer = Timer(dev, fbp.FLUSH_BYTES)
-    frames = []
+    frames, differ = [], []
     for case in gdn.cases(config | {"modes": ["fwd+bwd"]})[:cases]:
         s = gdn.fused_backward_inputs(case, dev)
         parts, results = [], {}
@@ -56,11 +56,15 @@ def main() -> None:
             parts.append((name, run))
         first = next(iter(results.values()))
         for name, outs in results.items():
-            print(case.name, name, "same bits as the first:", all(torch.equal(a, b) for a, b in zip(outs, first)),
-                  "NaN left:", any(bool(t.isnan().any()) for t in outs))
+            equal = all(torch.equal(a, b) for a, b in zip(outs, first))
+            nan_left = any(bool(t.isnan().any()) for t in outs)
+            differ.extend([f"{case.name}: {name}"] if not equal or nan_left else [])
+            print(case.name, name, "same bits as the first:", equal, "NaN left:", nan_left)
         frames.append(pd.DataFrame(fbp.graph_part_rows(parts * 2, timer, 5, dev, case=case.name)))
         print(frames[-1].groupby("part").us.median().round(1).to_string())
     pd.concat(frames).to_csv(out / "samples.csv", index=False)
+    if differ:  # timed all the same (the samples are written), but a trial that changes bits is not one
+        sys.exit("not the first copy's bits (or NaN left): " + "; ".join(differ))
 
 
 if __name__ == "__main__":
