@@ -22,7 +22,7 @@ def test_compiles_the_model_and_refuses_the_rest(tmp_path):
     round(dS')``, ``round(P)^T dO``, ``round(A Gamma)^T round(dv_new)``, and the state's two updates on
     wgmma; ``q k^T`` twice in the code: the first chunk's before the loop, each next one's in it, beside
     the state's update) and 4 barriers (one before the loop, three a chunk); other sizes, dtypes and
-    architectures refused by name."""
+    architectures refused by name; rows past a chunk's end zero-filled by the copies themselves."""
     import collections
     import re
 
@@ -37,6 +37,11 @@ def test_compiles_the_model_and_refuses_the_rest(tmp_path):
         shapes = collections.Counter(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", ptx))
         assert shapes == {"m64n32k16": 2 * 8, "m64n64k16": 16, "m64n128k16": 8}, (spec.name, shapes)
         assert len(re.findall(r"bar\.sync", ptx)) == 4, spec.name
+        # Rows are copied with their row test as the cp.async's source size (16 or 0 bytes: a zero
+        # fill without a branch or a second store); only the factors' rows, always inside, are fixed.
+        sizes = re.findall(r"cp\.async\.cg\.shared\.global \[[^]]+\], \[[^]]+\], 16, (\w+|%r\d+);", ptx)
+        assert len(sizes) == 30 and sum(size.startswith("%r") for size in sizes) == 28, (spec.name, sizes)
+        assert not re.search(r"st\.shared\.v4\.b32\s+\[[^]]+\], \{0, 0, 0, 0\}", ptx), spec.name
     with pytest.raises(ValueError, match="compiles for"):
         module.compile_state_backward(torch.bfloat16, 16, 48, 128, 128, True, "sm_100a")
     reasons = module.shape_reasons(torch.float32, 16, 40, 64, 96)

@@ -233,14 +233,15 @@ def row_pieces(copy: cute.TiledCopy, tidx, mX: cute.Tensor, sX: cute.Tensor, sta
 @cute.jit
 def start_rows(copy: cute.TiledCopy, tidx: Int32, mX: cute.Tensor, sX: cute.Tensor, start: Int32, rows: Int32,
                head: Int32):
-    """Start the copy of rows ``start ..`` of ``mX[:, head, :]`` into ``sX``; zeros past the chunk's
-    ``rows`` (written now; the copies land by the caller's ``cp_async_wait_group``)."""
+    """Start the copy of rows ``start ..`` of ``mX[:, head, :]`` into ``sX``, zeros past the chunk's
+    ``rows``; all land by the caller's ``cp_async_wait_group``. The row test is the copy's predicate:
+    a ``cp.async`` whose source size is 16 or 0 bytes (0: nothing read, 16 zero bytes written), so
+    no branch and no second store for the padding rows."""
     tXg, tXs, tXc = row_pieces(copy, tidx, mX, sX, start, head, False)
+    inside = cute.make_rmem_tensor((cute.size(tXs, mode=[0, 1]), cute.size(tXs, mode=[2])), cutlass.Boolean)
     for m in cutlass.range_constexpr(cute.size(tXs, mode=[1])):
-        if tXc[0, m, 0][0] < rows:
-            cute.copy(copy, tXg[None, m, None], tXs[None, m, None])
-        else:
-            tXs[None, m, None].fill(0)
+        inside.fill(tXc[0, m, 0][0] < rows)
+        cute.copy(copy, tXg[None, m, None], tXs[None, m, None], pred=inside)
 
 
 @cute.jit
