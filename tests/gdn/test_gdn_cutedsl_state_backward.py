@@ -22,7 +22,8 @@ def test_compiles_the_model_and_refuses_the_rest(tmp_path):
     round(dS')``, ``round(P)^T dO``, ``round(A Gamma)^T round(dv_new)``, and the state's two updates on
     wgmma; ``q k^T`` twice in the code: the first chunk's before the loop, each next one's in it, beside
     the state's update) and 4 barriers (one before the loop, three a chunk); other sizes, dtypes and
-    architectures refused by name; rows past a chunk's end zero-filled by the copies themselves."""
+    architectures refused by name; rows past a chunk's end zero-filled by the copies themselves, and
+    ``round(dS')`` stored by TMA."""
     import collections
     import re
 
@@ -42,6 +43,11 @@ def test_compiles_the_model_and_refuses_the_rest(tmp_path):
         sizes = re.findall(r"cp\.async\.cg\.shared\.global \[[^]]+\], \[[^]]+\], 16, (\w+|%r\d+);", ptx)
         assert len(sizes) == 30 and sum(size.startswith("%r") for size in sizes) == 28, (spec.name, sizes)
         assert not re.search(r"st\.shared\.v4\.b32\s+\[[^]]+\], \{0, 0, 0, 0\}", ptx), spec.name
+        # round(dS') by TMA: two 128 x 64 boxes a chunk, its tile's reads waited for in the loop, the
+        # writes before exit; no 16-byte global stores left (dh0's fp32 stores are scalar)
+        assert len(re.findall(r"cp\.async\.bulk\.tensor\.2d\.global\.shared::cta\.tile", ptx)) == 2, spec.name
+        assert re.findall(r"cp\.async\.bulk\.wait_group(\.read)?\s+0;", ptx) == [".read", ""], spec.name
+        assert not re.search(r"st\.global\.v4", ptx), spec.name
     with pytest.raises(ValueError, match="compiles for"):
         module.compile_state_backward(torch.bfloat16, 16, 48, 128, 128, True, "sm_100a")
     reasons = module.shape_reasons(torch.float32, 16, 40, 64, 96)

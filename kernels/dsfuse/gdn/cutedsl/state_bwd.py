@@ -26,8 +26,9 @@ and ``round(P)^T dO`` issued together, the previous chunk's loads started meanwh
 to memory and the rounded dO term stored while they run); (3) the rounded ``dX`` term stored and the
 previous chunk's rows landed; then the state's update, and while it runs the previous chunk's ``q
 k^T`` gated and stored as ``round(P)``: the chain waits on three products a chunk (``round(P)`` of
-the first chunk is made before the loop). ``round(dS')`` goes to memory from shared memory in
-16-byte stores.
+the first chunk is made before the loop). ``round(dS')`` goes to memory from its shared-memory tile
+by one thread's TMA store (two 128 x 64 boxes), whose reads of the tile are waited for before the
+third barrier (the next chunk's first step writes the tile again).
 
 Shared memory at K = V = 128, bf16: two stages of q, k, dO rows (96 KiB), of ``round(A Gamma)``
 (16 KiB) and of the factors (4 KiB); ``round(dS')`` 32 KiB; ``round(P)`` 8 KiB; ``round(dv_new)``,
@@ -42,6 +43,7 @@ from dsfuse._common import cutedsl as _cd
 
 cutlass, cute = _cd.require()
 from cutlass import Float32, Int32
+from cutlass.cute.nvgpu import cpasync
 
 from dsfuse.gdn.cutedsl import chunk
 from dsfuse.gdn.cutedsl import mma as _mma
@@ -83,7 +85,14 @@ class StateBackward:
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mDO: cute.Tensor, mA: cute.Tensor, mF: cute.Tensor,
                  mChunks: cute.Tensor, mOffsets: cute.Tensor, mOrder: cute.Tensor, mDht: cute.Tensor,
                  mDh0: cute.Tensor, mDS: cute.Tensor, scale: Float32, stream):
-        self.kernel(mQ, mK, mDO, mA, mF, mChunks, mOffsets, mOrder, mDht, mDh0, mDS, scale).launch(
+        # round(dS') leaves its swizzled tile by TMA: dstates as [NC * K, HV * V], one (K, V) box a
+        # chunk and value head (issued as two 128-byte-wide boxes, the swizzle's width)
+        K, V = self.dim_k, self.dim_v
+        rows = cute.make_tensor(mDS.iterator, cute.make_layout((mDS.shape[0], self.value_heads * V),
+                                                               stride=(self.value_heads * V, 1)))
+        store_ds, mDS_tma = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), rows,
+                                                        _wg.tile_layout(self.dtype, K, V), (K, V))
+        self.kernel(mQ, mK, mDO, mA, mF, mChunks, mOffsets, mOrder, mDht, mDh0, mDS_tma, store_ds, scale).launch(
             grid=[1, self.value_heads, mOrder.shape[0]], block=[THREADS, 1, 1], stream=stream)
 
     @cute.jit
@@ -113,7 +122,7 @@ class StateBackward:
     @cute.kernel
     def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mDO: cute.Tensor, mA: cute.Tensor, mF: cute.Tensor,
                mChunks: cute.Tensor, mOffsets: cute.Tensor, mOrder: cute.Tensor, mDht: cute.Tensor, mDh0: cute.Tensor,
-               mDS: cute.Tensor, scale: Float32):
+               mDS: cute.Tensor, store_ds: cute.CopyAtom, scale: Float32):
         K, V, C, ab = self.dim_k, self.dim_v, CHUNK, self.dtype
         u, _, _ = cute.arch.thread_idx()
         _, i_hv, i_z = cute.arch.block_idx()
@@ -138,7 +147,9 @@ class StateBackward:
         T = _wg.transposed
         cCC, cCV, cKV = (_mma.coordinates(mma_cc, u, (C, C)), _mma.coordinates(mma_kd, u, (C, V)),
                          _mma.coordinates(mma_kv, u, (K, V)))
-        store_ds = chunk.copy_rows(ab, V, THREADS, store=True)
+        # this chain's round(dS') boxes, (K, V) a chunk: the TMA store's source and destinations
+        sDS_box, gDS_box = cpasync.tma_partition(store_ds, 0, cute.make_layout(1), cute.group_modes(sDSb, 0, 2),
+                                                 cute.group_modes(cute.local_tile(mDS, (K, V), (None, i_hv)), 0, 2))
 
         acc_s = _mma.accumulator(mma_kv, u, (K, V))  # dS, fp32, for the whole chain
         for i in cutlass.range_constexpr(cute.size(acc_s)):
@@ -177,7 +188,9 @@ class StateBackward:
             if j + 1 < last - first:
                 self._start_chunk(u, stages, sources, mChunks, i_c - 1, 1 - stage, i_h, i_hv)
             cute.arch.cp_async_commit_group()  # empty after the first chunk: one group a chunk all the same
-            chunk.store_tile(store_ds, u, sDSb, mDS, i_c * K, i_hv)
+            if u == 0:  # round(dS') to memory by TMA (its tile's writes were fenced for the async proxy)
+                cute.copy(store_ds, sDS_box, gDS_box[None, i_c])
+                cute.arch.cp_async_bulk_commit_group()
             do_t = cute.make_fragment_like(acc_k, ab)
             _wg.load_like(mma_kd, u, sDO, do_t)
             egq = _wg.row_pair(cCV, sEGq)
@@ -206,6 +219,8 @@ class StateBackward:
                 acc_x[i] = _wg.pick(cCV, i, bx) * acc_x[i]
             _wg.store_rounded(mma_tc, u, acc_x, sDXs, ab)
             cute.arch.cp_async_wait_group(0)
+            if u == 0:  # the TMA store has read round(dS')'s tile before this barrier: step 1 writes it again
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
             _wg.fence_writes()
             cute.arch.sync_threads()
 
@@ -223,6 +238,8 @@ class StateBackward:
 
         for i in cutlass.range_constexpr(cute.size(acc_s)):
             mDh0[i_n, i_hv, cKV[i][0], cKV[i][1]] = acc_s[i]
+        if u == 0:  # the last chunk's round(dS') written before the CTA exits
+            cute.arch.cp_async_bulk_wait_group(0)
 
 
 CACHE = _cd.KernelCache()  # (dtype, H, HV, K, V, l2norm, arch) -> compiled function

@@ -61,10 +61,16 @@ def tile_over(storage, dtype, rows: int, cols: int, stages: int = 1) -> cute.Ten
     """A `tile` on ``storage`` (a 1024-byte aligned shared-memory pointer with room for it): two tiles
     on the same storage share it, for a kernel whose tiles take turns (the second written only after
     every read of the first)."""
-    shape = (rows, cols) if stages == 1 else (rows, cols, stages)
-    layout = cute.tile_to_shape(warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, dtype),
-                                shape, tuple(range(len(shape))))
+    layout = tile_layout(dtype, rows, cols, stages)
     return cute.make_tensor(cute.recast_ptr(storage, layout.inner, dtype=dtype), layout.outer)
+
+
+def tile_layout(dtype, rows: int, cols: int, stages: int = 1):
+    """The swizzled layout of a `tile` (the swizzle its ``inner``): also what a TMA copy of the tile
+    is built from."""
+    shape = (rows, cols) if stages == 1 else (rows, cols, stages)
+    return cute.tile_to_shape(warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, dtype),
+                              shape, tuple(range(len(shape))))
 
 
 def transposed(t: cute.Tensor) -> cute.Tensor:
