@@ -23,7 +23,7 @@ def test_compiles_the_model_and_refuses_the_rest(tmp_path):
     """The AOT specs (sm_90a, the model's shapes): the design's products on wgmma (12 of ``(C, K or V)``,
     6 of ``(C, C)``), its barriers, the cluster's two barriers and its reads of the value heads' dq
     and dk partials from the peers' shared memory (3 value heads, 4 channels a lane, dq and dk, a
-    path for each rank);
+    path for each rank); the two states' tiles by TMA;
     other sizes and architectures refused by name."""
     import collections
     import re
@@ -63,6 +63,17 @@ def test_compiles_the_model_and_refuses_the_rest(tmp_path):
         assert len(re.findall(r"st\.global\.v4\.b32", ptx)) == 4, spec.name
         assert len(re.findall(r"st\.global\.b32", ptx)) == 1, spec.name  # dg's fp32, no dv pairs
         assert len(re.findall(r"shfl\.sync\.bfly", ptx)) >= 16, spec.name
+        # round(S) and round(dS') by TMA, two 128 x 64 boxes each, counted on their own barrier; the
+        # other rows by 16-byte cp.async: 4 pieces a thread of q, k, v and dO each, 2 of round(A Gamma), 1 of the factors
+        assert len(re.findall(r"cp\.async\.bulk\.tensor\.2d\.shared::cta\.global\.tile\.mbarrier::complete_tx::bytes",
+                              ptx)) == 4, spec.name
+        assert ptx.count("mbarrier.arrive.expect_tx.shared.b64") == 1, spec.name
+        # the copies elect their lane (elect.sync over the whole warp): a whole warp must reach them
+        # (a first form issued them under one thread's branch and hung)
+        elect = ptx.find("elect.sync")
+        assert 0 < ptx.rfind("bar.warp.sync", 0, elect) and ptx.rfind("bar.warp.sync", 0, elect) > ptx.find(
+            "fence.mbarrier_init.release.cluster;"), spec.name
+        assert len(re.findall(r"cp\.async\.cg\.shared\.global", ptx)) == 19, spec.name
         # the next wave's rows into L2: two 128-byte lines of a row of S or dS', q, k, v or dO, one of A
         assert ptx.count("prefetch.global.L2 [") == 2 + 2 + 2 * 4 + 1, spec.name
     with pytest.raises(ValueError, match="compile for"):

@@ -10,7 +10,7 @@ calls replaced by ones that emit nothing (patched for the trace only, then resto
 - ``base``: as shipped;
 - ``no_prefetch``: no L2 prefetch of the next wave's rows;
 - ``no_loads``: no loads of the chunk's rows, states or factors (the products run on whatever
-  shared memory holds), and no prefetch;
+  shared memory holds; since the states came by TMA, no wait for them either), and no prefetch;
 - ``no_sum``: no sum over the cluster (the cluster's barriers stay), so no dq, dk stores;
 - ``no_cluster``: no sum, no cluster barrier and no signal of the partials (since `efe84d1` an
   mbarrier's);
@@ -46,10 +46,11 @@ def variants() -> dict[str, list[tuple[object, str]]]:
     from dsfuse.gdn.cutedsl import chunk, chunk_bwd
 
     cls = chunk_bwd.ChunkBackward
-    loads = [(chunk, "start_prepared_rows"), (chunk, "start_rows"), (cls, "_prefetch_ahead")]
+    loads = [(chunk, "start_prepared_rows"), (chunk, "start_rows"), (cls, "_start_states"), (cls, "_states_landed"),
+             (cls, "_prefetch_ahead")]
     return {"base": [], "no_prefetch": [(cls, "_prefetch_ahead")], "no_loads": loads,
             "no_sum": [(cls, "_cluster_sum")],
-            "no_cluster": [(cls, "_cluster_sum"), (cls, "_partials_stored"), (cute.arch, "mbarrier_wait"),
+            "no_cluster": [(cls, "_cluster_sum"), (cls, "_partials_stored"), (cls, "_partials_arrived"),
                            (cute.arch, "cluster_arrive"), (cute.arch, "cluster_arrive_relaxed"),
                            (cute.arch, "cluster_wait")],
             "no_dv": [(chunk_bwd, "store_rows_scaled")]}

@@ -45,7 +45,9 @@ initialisation, and one at the end keeps each CTA's shared memory until its peer
 Shared memory at K = V = 128, bf16 (tiles that take turns share storage): about 214 KiB, one CTA per
 SM. So nothing else on its SM runs while a CTA's
 rows land: meanwhile it asks L2 for the rows of the CTA of its rank one wave later (``ahead``
-clusters on: those that run at once, from the SM count), whose own loads then come from L2.
+clusters on: those that run at once, from the SM count), whose own loads then come from L2. The
+two states' tiles (full ``K x V`` tiles, no rows past a chunk) land by TMA, issued by one thread and
+counted in bytes on an mbarrier; the chunk's rows by 16-byte ``cp.async`` (zeros past its end).
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ from cutlass._mlir.dialects import llvm
 from cutlass._mlir.dialects.nvvm import MemScopeKind as _MemScope
 from cutlass.cutlass_dsl import T as _types
 from cutlass.cutlass_dsl import dsl_user_op
+from cutlass.cute.nvgpu import cpasync
 
 from dsfuse.gdn.cutedsl import chunk
 from dsfuse.gdn.cutedsl import mma as _mma
@@ -205,7 +208,11 @@ class ChunkBackward:
                  mF: cute.Tensor, mS: cute.Tensor, mDS: cute.Tensor, mChunks: cute.Tensor, mDq: cute.Tensor,
                  mDk: cute.Tensor, mDv: cute.Tensor, mDg: cute.Tensor, mDbeta: cute.Tensor, scale: Float32,
                  ahead: Int32, stream):
-        self.kernel(mQ, mK, mV, mDO, mA, mF, mS, mDS, mChunks, mDq, mDk, mDv, mDg, mDbeta, scale, ahead).launch(
+        # round(S) and round(dS') land in their swizzled tiles by TMA (full tiles: no rows past a chunk)
+        load = cpasync.CopyBulkTensorTileG2SOp()
+        (load_s, mS_tma), (load_ds, mDS_tma) = (state_bwd.state_tma(load, m, self.dtype, self.dim_k) for m in (mS, mDS))
+        self.kernel(mQ, mK, mV, mDO, mA, mF, mS, mDS, mChunks, mDq, mDk, mDv, mDg, mDbeta, scale, ahead,
+                    (load_s, load_ds), (mS_tma, mDS_tma)).launch(
             grid=[mChunks.shape[0], self.value_heads, 1], block=[THREADS, 1, 1],
             cluster=[1, self.value_heads // self.heads, 1], stream=stream)
 
@@ -213,7 +220,7 @@ class ChunkBackward:
     def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mDO: cute.Tensor, mA: cute.Tensor,
                mF: cute.Tensor, mS: cute.Tensor, mDS: cute.Tensor, mChunks: cute.Tensor, mDq: cute.Tensor,
                mDk: cute.Tensor, mDv: cute.Tensor, mDg: cute.Tensor, mDbeta: cute.Tensor, scale: Float32,
-               ahead: Int32):
+               ahead: Int32, state_loads: tuple, state_tiles: tuple):
         K, V, C, ab = self.dim_k, self.dim_v, CHUNK, self.dtype
         u, _, _ = cute.arch.thread_idx()
         i_c, i_hv, _ = cute.arch.block_idx()
@@ -250,24 +257,31 @@ class ChunkBackward:
         sTot = chunk.vector(smem, 4)  # the state term's total by warp (2); the second warp's dG total
         # every warp of the cluster (this CTA's too) has stored its partials: one arrival a warp
         mbar = cute.recast_ptr(smem.allocate(8, 8), dtype=cutlass.Int64)
+        # the two states' TMA loads landed (a 16-byte slot of its own: compute-sanitizer's racecheck
+        # reported a warning-level hazard between the two barriers' initialisations when adjacent)
+        mbar_states = cute.recast_ptr(smem.allocate(16, 16), dtype=cutlass.Int64)
         group = self.value_heads // self.heads
         if u == 0:
             cute.arch.mbarrier_init(mbar, group * (THREADS // 32))
+            cute.arch.mbarrier_init(mbar_states, 1)
             cute.arch.mbarrier_init_fence()
+            cute.arch.mbarrier_arrive_and_expect_tx(mbar_states, 2 * K * V * ab.width // 8)  # the states' bytes
+        if u // 32 == 0:  # step 0's TMA loads (by the lane the copy elects: a whole warp calls it)
+            cute.arch.sync_warp()
+            self._start_states(mbar_states, state_loads, (sS, sDS), state_tiles, i_c, i_hv)
         cute.arch.cluster_arrive_relaxed()  # the barrier initialised, for the peers' arrivals (waited in step 7)
         sG, sBeta, sEGq, sEGk, sDec, sRstd = _vectors(sF)
 
-        # 0. the chunk's rows, states and factors (zeros past the chunk's rows)
+        # 0. the chunk's rows and factors (zeros past the chunk's rows), beside the states' TMA loads
         chunk.start_prepared_rows(u, THREADS, (sQ, sK, sV, sA, sF), (mQ, mK, mV, mA, mF), start, rows,
                                   i_c * len(FACTORS), len(FACTORS), i_h, i_hv)
-        copy_v = chunk.copy_rows(ab, V, THREADS)
-        for m, t, first, count in ((mDO, sDO, start, rows), (mS, sS, i_c * K, K), (mDS, sDS, i_c * K, K)):
-            chunk.start_rows(copy_v, u, m, t, first, count, i_hv)  # dO's rows, the two states' K rows
+        chunk.start_rows(chunk.copy_rows(ab, V, THREADS), u, mDO, sDO, start, rows, i_hv)
         cute.arch.cp_async_commit_group()
         self._prefetch_ahead(u, (mQ, mK, mV, mDO, mA, mS, mDS), mChunks, i_c, i_hv, ahead)
         cute.arch.cp_async_wait_group(0)
         _wg.fence_writes()
-        cute.arch.sync_threads()
+        cute.arch.sync_threads()  # (after thread 0 initialised the states' barrier)
+        self._states_landed(mbar_states)
 
         T = _wg.transposed
         mma_cv_kn = _wg.tiled_mma(ab, C, V, True, False, WARPGROUPS)  # A K-major, B N-major
@@ -477,8 +491,7 @@ class ChunkBackward:
         #    one vector load from every CTA's shared memory (its own partial from its own, not over the
         #    cluster's network: a code path for each rank); then the L2 norm's backward, dx = rstd (dx^ -
         #    x^ (dx^ . x^)), and the rows rounded into dq, dk by 8-byte stores
-        cute.arch.mbarrier_wait(mbar, 0)  # every warp of the cluster arrived in step 7
-        _fence_asm("fence.acquire.sync_restrict::shared::cluster.cluster;")  # what they released
+        self._partials_arrived(mbar)
         rank = cute.arch.block_idx_in_cluster()
         for me in cutlass.range_constexpr(group):
             if rank == me:
@@ -490,6 +503,27 @@ class ChunkBackward:
         cute.arch.fence_acq_rel_cta()
         cute.arch.cluster_arrive_relaxed()
         cute.arch.cluster_wait()
+
+    @cute.jit
+    def _partials_arrived(self, mbar):
+        """Step 8's wait: every warp of the cluster arrived in step 7 (`_partials_stored`); then the
+        acquire of what they released."""
+        cute.arch.mbarrier_wait(mbar, 0)
+        _fence_asm("fence.acquire.sync_restrict::shared::cluster.cluster;")
+
+    @cute.jit
+    def _start_states(self, mbar, atoms: tuple, tiles: tuple, sources: tuple, i_c: Int32, i_hv: Int32):
+        """Step 0 by one warp (the TMA copy elects one of its lanes): ``round(S)`` and ``round(dS')`` of
+        chunk ``i_c`` and value head ``i_hv`` into their tiles by TMA (`state_bwd.state_tma`), their
+        bytes counted on ``mbar`` (expected by the caller before; waited by `_states_landed`)."""
+        for atom, t, m in zip(atoms, tiles, sources):
+            tile_s, tiles_g = state_bwd.state_boxes(atom, t, m, i_hv)
+            cute.copy(atom, tiles_g[None, i_c], tile_s, tma_bar_ptr=mbar)
+
+    @cute.jit
+    def _states_landed(self, mbar):
+        """Every thread: wait until `_start_states`'s bytes have landed."""
+        cute.arch.mbarrier_wait(mbar, 0)
 
     @cute.jit
     def _partials_stored(self, u: Int32, mbar, group: cutlass.Constexpr):

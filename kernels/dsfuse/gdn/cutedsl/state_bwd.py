@@ -85,13 +85,8 @@ class StateBackward:
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mDO: cute.Tensor, mA: cute.Tensor, mF: cute.Tensor,
                  mChunks: cute.Tensor, mOffsets: cute.Tensor, mOrder: cute.Tensor, mDht: cute.Tensor,
                  mDh0: cute.Tensor, mDS: cute.Tensor, scale: Float32, stream):
-        # round(dS') leaves its swizzled tile by TMA: dstates as [NC * K, HV * V], one (K, V) box a
-        # chunk and value head (issued as two 128-byte-wide boxes, the swizzle's width)
-        K, V = self.dim_k, self.dim_v
-        rows = cute.make_tensor(mDS.iterator, cute.make_layout((mDS.shape[0], self.value_heads * V),
-                                                               stride=(self.value_heads * V, 1)))
-        store_ds, mDS_tma = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileS2GOp(), rows,
-                                                        _wg.tile_layout(self.dtype, K, V), (K, V))
+        # round(dS') leaves its swizzled tile by TMA
+        store_ds, mDS_tma = state_tma(cpasync.CopyBulkTensorTileS2GOp(), mDS, self.dtype, self.dim_k)
         self.kernel(mQ, mK, mDO, mA, mF, mChunks, mOffsets, mOrder, mDht, mDh0, mDS_tma, store_ds, scale).launch(
             grid=[1, self.value_heads, mOrder.shape[0]], block=[THREADS, 1, 1], stream=stream)
 
@@ -147,9 +142,7 @@ class StateBackward:
         T = _wg.transposed
         cCC, cCV, cKV = (_mma.coordinates(mma_cc, u, (C, C)), _mma.coordinates(mma_kd, u, (C, V)),
                          _mma.coordinates(mma_kv, u, (K, V)))
-        # this chain's round(dS') boxes, (K, V) a chunk: the TMA store's source and destinations
-        sDS_box, gDS_box = cpasync.tma_partition(store_ds, 0, cute.make_layout(1), cute.group_modes(sDSb, 0, 2),
-                                                 cute.group_modes(cute.local_tile(mDS, (K, V), (None, i_hv)), 0, 2))
+        sDS_box, gDS_box = state_boxes(store_ds, sDSb, mDS, i_hv)  # the TMA store's source, destinations
 
         acc_s = _mma.accumulator(mma_kv, u, (K, V))  # dS, fp32, for the whole chain
         for i in cutlass.range_constexpr(cute.size(acc_s)):
@@ -240,6 +233,25 @@ class StateBackward:
             mDh0[i_n, i_hv, cKV[i][0], cKV[i][1]] = acc_s[i]
         if u == 0:  # the last chunk's round(dS') written before the CTA exits
             cute.arch.cp_async_bulk_wait_group(0)
+
+
+def state_tma(op, mX: cute.Tensor, dtype, dim_k: int):
+    """``(atom, tensor)``: a TMA copy (``op``: load or store) of one chunk's and value head's ``(K, V)``
+    state tile between a `wgmma.tile` and ``mX`` ``[NC * K, HV, V]`` (contiguous: the states' and
+    their gradients' layout), seen as ``[NC * K, HV * V]``; issued as two 128-byte-wide boxes (the
+    swizzle's width). For the kernel's `state_boxes`; built on the host side of a ``cute.jit``."""
+    value_heads, dim_v = mX.shape[1], mX.shape[2]
+    rows = cute.make_tensor(mX.iterator, cute.make_layout((mX.shape[0], value_heads * dim_v),
+                                                          stride=(value_heads * dim_v, 1)))
+    return cpasync.make_tiled_tma_atom(op, rows, _wg.tile_layout(dtype, dim_k, dim_v), (dim_k, dim_v))
+
+
+@cute.jit
+def state_boxes(atom, sX: cute.Tensor, mX: cute.Tensor, i_hv: Int32):
+    """``(shared, global)``: a `state_tma` copy's pieces for the tile ``sX`` and value head ``i_hv``'s
+    tiles of ``mX`` (`state_tma`'s tensor); ``global[None, c]`` is chunk ``c``'s."""
+    tiles = cute.local_tile(mX, (cute.size(sX, mode=[0]), cute.size(sX, mode=[1])), (None, i_hv))
+    return cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(sX, 0, 2), cute.group_modes(tiles, 0, 2))
 
 
 CACHE = _cd.KernelCache()  # (dtype, H, HV, K, V, l2norm, arch) -> compiled function
