@@ -13,7 +13,7 @@
 #     --python-version 3.12 --platform manylinux_2_28_x86_64 -d .carry/flashqla-b ml-dtypes cloudpickle psutil)
 # then run the GDN experiment with PYTHONPATH=/tmp/site-qla (not beside /tmp/site, whose tvm-ffi is newer).
 # FlashQLA's TileLang compiles its kernels on first use, for each shape (minutes per shape on a fresh
-# machine: most of a ten-minute call). Run with TILELANG_CACHE_DIR=/tmp/tilelang-cache and, at the end of
+# machine: most of a ten-minute call; experiments/gdn/configs/h200-flashqla-cache.yaml compiles them all in one). Run with TILELANG_CACHE_DIR=/tmp/tilelang-cache and, at the end of
 # that call, `tar czf $OUT/tilelang-cache.tgz -C /tmp tilelang-cache`; put that file in
 # .carry/flashqla-b/ and qla-b unpacks it, so the next machine reuses the compiled kernels.
 # pip --target does not merge a wheel into a package directory that exists already (the runtime wheel
