@@ -14,7 +14,10 @@ calls replaced by ones that emit nothing (patched for the trace only, then resto
 - ``no_sum``: no sum over the cluster (the cluster's barriers stay), so no dq, dk stores;
 - ``no_cluster``: no sum, no cluster barrier and no signal of the partials (since `efe84d1` an
   mbarrier's);
-- ``no_dv``: no dv stores.
+- ``no_dv``: no dv stores;
+- ``local_sum``: the cluster's sum as shipped, but every "peer" load goes to the CTA's own shared
+  memory (``map_dsmem_ptr`` made the identity: the same ``ld.shared::cluster`` instructions, no
+  traffic between SMs), which tells the network's part of the sum from the rest of it.
 
 The difference to ``base`` bounds what making that part free could save; the parts overlap, so the
 differences do not add up. Inputs from `dsfuse.bench.gdn.fused_backward_inputs` (the CuTe DSL
@@ -40,8 +43,13 @@ def _nothing(*args, **kwargs) -> None:
     return None
 
 
-def variants() -> dict[str, list[tuple[object, str]]]:
-    """Each variant's ``(owner, attribute)`` pairs to replace by `_nothing` while it is traced."""
+def _own(ptr, rank, **kwargs):
+    return ptr
+
+
+def variants() -> dict[str, list[tuple]]:
+    """Each variant's ``(owner, attribute)`` pairs to replace by `_nothing` while it is traced, or
+    ``(owner, attribute, replacement)``."""
     from cutlass import cute
     from dsfuse.gdn.cutedsl import chunk, chunk_bwd
 
@@ -53,15 +61,16 @@ def variants() -> dict[str, list[tuple[object, str]]]:
             "no_cluster": [(cls, "_cluster_sum"), (cls, "_partials_stored"), (cls, "_partials_arrived"),
                            (cute.arch, "cluster_arrive"), (cute.arch, "cluster_arrive_relaxed"),
                            (cute.arch, "cluster_wait")],
-            "no_dv": [(chunk_bwd, "store_rows_scaled")]}
+            "no_dv": [(chunk_bwd, "store_rows_scaled")],
+            "local_sum": [(cute.arch, "map_dsmem_ptr", _own)]}
 
 
 @contextlib.contextmanager
 def patched(pairs):
-    saved = [(owner, name, getattr(owner, name)) for owner, name in pairs]
+    saved = [(owner, name, getattr(owner, name)) for owner, name, *_ in pairs]
     try:
-        for owner, name in pairs:
-            setattr(owner, name, _nothing)
+        for owner, name, *value in pairs:
+            setattr(owner, name, value[0] if value else _nothing)
         yield
     finally:
         for owner, name, value in saved:
