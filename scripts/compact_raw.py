@@ -1,10 +1,12 @@
-"""Compact committed raw data: gzip every raw CSV of at least ``COMPACT_BYTES`` under ``experiments/*/raw/``.
+"""Compact committed raw data: gzip every raw CSV and run-folder JUnit file of at least ``COMPACT_BYTES``
+under ``experiments/*/raw/``.
 
     python scripts/compact_raw.py [--check]
 
 A run folder's ``samples.csv`` (or ``tower_*.csv``) becomes ``samples.csv.gz``, byte-for-byte the
 same CSV inside, with a fixed header (no name, no time), so compacting twice gives the same file.
-The readers take either form (`dsfuse.bench.paths.raw_file`). A fresh run writes plain CSVs;
+The readers take either form (`dsfuse.bench.paths.raw_file`; a run's GPU test sessions,
+``junit-gpu*.xml``, through `dsfuse.bench.paths.junit_files`). A fresh run writes plain CSVs;
 compact it before committing, so the tree stays small enough to travel to the GPU machine with the
 CuTe DSL runtime (see ``scripts/gpu_install_carry.sh``). ``--check``: list what would be compacted
 and exit 1 if anything would.
@@ -27,11 +29,11 @@ RUN_ID = re.compile(r"\d{8}-\d{6}-")
 
 
 def candidates(root: Path = ROOT) -> list[Path]:
-    """Plain raw CSVs of run folders (``experiments/<op>/raw/[<subdir>/]<run-id>/``, ids
-    ``YYYYMMDD-HHMMSS-...``: a config's ``raw_subdir`` and the probes' folders too) of at least
+    """Plain raw CSVs and ``junit-gpu*.xml`` of run folders (``experiments/<op>/raw/[<subdir>/]<run-id>/``,
+    ids ``YYYYMMDD-HHMMSS-...``: a config's ``raw_subdir`` and the probes' folders too) of at least
     `COMPACT_BYTES`; sweeps (``raw/tuning/``) and other folders keep their plain files."""
-    return sorted(p for p in root.glob("experiments/*/raw/**/*.csv")
-                  if RUN_ID.match(p.parent.name) and "tuning" not in p.relative_to(root).parts
+    found = [*root.glob("experiments/*/raw/**/*.csv"), *root.glob("experiments/*/raw/**/junit-gpu*.xml")]
+    return sorted(p for p in found if RUN_ID.match(p.parent.name) and "tuning" not in p.relative_to(root).parts
                   and p.stat().st_size >= COMPACT_BYTES)
 
 

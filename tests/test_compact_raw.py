@@ -54,3 +54,25 @@ def test_run_folders_under_a_subfolder_of_raw_are_compacted_and_sweeps_are_not(t
     assert compact_raw.candidates(tmp_path) == sorted(paths[name] for name in (
         "20261201-000000-h200/samples.csv", "backward_controls/20261201-000000-h200/samples.csv",
         "fused-backward/20261201-000000-h200-probe/samples.csv"))
+
+
+def test_a_compacted_junit_file_summarises_as_the_plain_one(tmp_path):
+    """A run's GPU test sessions (``junit-gpu*.xml``) above the size are compacted too; the report reads
+    both forms the same, and the status table still counts the session."""
+    from dsfuse.bench import status
+
+    run = tmp_path / "experiments" / "gdn" / "raw" / "20261201-000000-h200"
+    run.mkdir(parents=True)
+    cases = "".join(f'<testcase classname="tests.gdn.test_gdn_api" name="t{i}" time="0.1"/>' for i in range(900))
+    failed = '<testcase classname="tests.gdn.test_gdn_api" name="bad"><failure message="x"/></testcase>'
+    (run / "junit-gpu.xml").write_text(f'<testsuites><testsuite name="pytest" timestamp="2026-12-01T00:00:00">'
+                                       f'{cases}{failed}</testsuite></testsuites>')
+    assert (run / "junit-gpu.xml").stat().st_size >= COMPACT_BYTES
+    plain = (report.junit_section(run, "gdn"), report._junit_counts(run, "gdn"))
+    assert "900 passed, 1 failed" in plain[0][0] and plain[1] == "1 session, 1 failed"
+    assert compact_raw.candidates(tmp_path) == [run / "junit-gpu.xml"]
+    compact_raw.compact(run / "junit-gpu.xml")
+    assert [p.name for p in run.iterdir()] == ["junit-gpu.xml.gz"]
+    packed = (report.junit_section(run, "gdn"), report._junit_counts(run, "gdn"))
+    assert packed == (([plain[0][0].replace("junit-gpu.xml", "junit-gpu.xml.gz"), ""]), plain[1])
+    assert status._gpu_tests(tmp_path, "gdn", run.name, None) == "1 session(s) with the run"

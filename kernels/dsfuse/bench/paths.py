@@ -95,4 +95,22 @@ def raw_file(run_dir: str | os.PathLike, name: str) -> Path:
     return gz if not path.exists() and gz.exists() else path
 
 
-COMPACT_BYTES = 32 * 1024  # raw CSVs at least this large are committed compressed (scripts/compact_raw.py)
+COMPACT_BYTES = 32 * 1024  # raw CSVs and JUnit files at least this large are committed compressed (scripts/compact_raw.py)
+
+
+def junit_files(run_dir: str | os.PathLike) -> list[Path]:
+    """The GPU test sessions stored with a run: its ``junit-gpu*.xml``, plain or compacted (``.gz``), by name."""
+    run_dir = Path(run_dir)
+    return sorted([*run_dir.glob("junit-gpu*.xml"), *run_dir.glob("junit-gpu*.xml.gz")])
+
+
+def junit_root(path: str | os.PathLike):
+    """The parsed root element of a JUnit file, plain or gzip-compressed."""
+    import gzip
+    import xml.etree.ElementTree as ET
+
+    path = Path(path)
+    if path.suffix == ".gz":
+        with gzip.open(path) as f:
+            return ET.parse(f).getroot()
+    return ET.parse(path).getroot()

@@ -51,7 +51,7 @@ import pandas as pd  # noqa: E402
 import yaml  # noqa: E402
 
 from dsfuse.bench.env import _git, gpu_key, source_state  # noqa: E402
-from dsfuse.bench.paths import raw_file, raw_url, relative, repo_root, repo_url  # noqa: E402
+from dsfuse.bench.paths import junit_files, junit_root, raw_file, raw_url, relative, repo_root, repo_url  # noqa: E402
 from dsfuse.bench.tables import (  # noqa: E402
     CLOCK_REGIMES,  # noqa: F401  (part of this module's interface)
     REPEATS,
@@ -527,7 +527,7 @@ def plots_section(op: str, plots: list[Path]) -> list[str]:
 
 def junit_section(run_dir: Path, op: str) -> list[str]:
     """One paragraph per GPU test session stored with the run, oldest first."""
-    return [line for junit in sorted(run_dir.glob("junit-gpu*.xml"), key=_junit_stamp)
+    return [line for junit in sorted(junit_files(run_dir), key=_junit_stamp)
             for line in _junit_summary(junit, op) + [""]]
 
 
@@ -655,14 +655,12 @@ def measured(run_dir: Path) -> str:
 
 
 def _junit_counts(run_dir: Path, op: str) -> str:
-    import xml.etree.ElementTree as ET
-
-    sessions = sorted(run_dir.glob("junit-gpu*.xml"), key=_junit_stamp)
+    sessions = sorted(junit_files(run_dir), key=_junit_stamp)
     if not sessions:
         return "none stored"
     failed = 0
     for path in sessions:
-        cases = [c for c in ET.parse(path).getroot().iter("testcase") if op in c.get("classname", "")]
+        cases = [c for c in junit_root(path).iter("testcase") if op in c.get("classname", "")]
         failed += sum(1 for c in cases if c.find("failure") is not None or c.find("error") is not None)
     return f"{len(sessions)} session{'s' if len(sessions) > 1 else ''}, " + (
         "all passed" if not failed else f"{failed} failed")
@@ -990,18 +988,14 @@ def _palette_png(path: Path, colors: int = 64) -> None:
 
 
 def _junit_stamp(path: Path) -> str:
-    import xml.etree.ElementTree as ET
-
-    root = ET.parse(path).getroot()
+    root = junit_root(path)
     suite = root if root.tag == "testsuite" else root.find("testsuite")
     return suite.get("timestamp", "") if suite is not None else ""
 
 
 def _junit_summary(path: Path, op: str) -> list[str]:
     """One line per GPU test session stored with this raw data (from its JUnit XML)."""
-    import xml.etree.ElementTree as ET
-
-    root = ET.parse(path).getroot()
+    root = junit_root(path)
     stamp = _junit_stamp(path) or "?"
     cases = [c for c in root.iter("testcase") if op in c.get("classname", "")]
     failed = sum(1 for c in cases if c.find("failure") is not None or c.find("error") is not None)
