@@ -9,7 +9,9 @@ views of one packed row, initial state, dO and the final state's gradient): the 
 saving what the fused backward reads (``forward_saving``: the preparing UT inverse, ``head_rs``
 writing ``round(S)`` of every chunk), the fused backward's kernels (``state_bwd``, the reverse
 state chain; ``chunk_bwd``, the per-chunk gradients, the value heads' sum of dq and dk and the
-L2 norm's backward included) and both (``fused_backward``), beside the Triton
+L2 norm's backward included) and both (``fused_backward``, as `chunk_gdn` runs them: the per-chunk
+kernel a programmatic dependent of the chain, starting while it runs; ``fused_backward_serial``, one
+after the other, which must give the same bits: checked before timing), beside the Triton
 backward (``triton_backward``) and each of its stages (``triton_<stage>``), each replayed from a
 CUDA Graph with the L2 overwritten before each call (`dsfuse.bench.harness.Timer`, evicted regime),
 after one whole Triton forward and backward on the same inputs. Before timing, the fused
@@ -90,18 +92,35 @@ def case_rows(case, timer: Timer, samples: int, device: torch.device) -> list[di
         launch_chunk_backward(q_, k_, v_, do_, a_round, factors, states, dstates, ci, f_dq, f_dk, f_dv, f_dg,
                               f_dbeta, scale, use_qk_l2norm=l2)
 
-    def fused():
+    ready = torch.empty(ci.shape[0], hv, dtype=torch.int32, device=device)
+
+    def serial():
         chain()
         per_chunk()
+
+    def fused():  # as chunk_gdn runs it: the per-chunk kernel starts while the chain runs
+        ready.zero_()
+        launch_state_backward(q_, k_, do_, a_round, factors, ci, co, order, x["dht"], dh0, dstates, scale,
+                              use_qk_l2norm=l2, ready=ready)
+        launch_chunk_backward(q_, k_, v_, do_, a_round, factors, states, dstates, ci, f_dq, f_dk, f_dv, f_dg,
+                              f_dbeta, scale, use_qk_l2norm=l2, ready=ready, finished=table.finished)
 
     def triton():
         for _, launch in bwd_calls:
             launch()
 
     forward()
-    fused()
+    serial()
     torch.cuda.synchronize(device)
     ours = {"dq": f_dq, "dk": f_dk, "dv": f_dv, "dg": f_dg, "dbeta": f_dbeta, "dh0": dh0}
+    kept = {name: t.clone() for name, t in ours.items()}
+    for t in ours.values():
+        t.fill_(float("nan"))
+    fused()
+    torch.cuda.synchronize(device)
+    unequal = [name for name in ours if not torch.equal(ours[name], kept[name])]
+    if unequal:
+        raise AssertionError(f"{case.name}: the overlapped kernels differ from the serial ones in {unequal}")
     theirs = {"dq": grads.dq[0], "dk": grads.dk[0], "dv": grads.dv[0], "dg": grads.dg[0], "dbeta": grads.dbeta[0],
               "dh0": grads.dh0}
     errors = {name: rel_rms(ours[name], theirs[name]) for name in ours}
@@ -112,6 +131,7 @@ def case_rows(case, timer: Timer, samples: int, device: torch.device) -> list[di
           + ", ".join(f"{name} {err:.1e}" for name, err in errors.items()))
 
     parts = [("forward_saving", forward), ("state_bwd", chain), ("chunk_bwd", per_chunk), ("fused_backward", fused),
+             ("fused_backward_serial", serial),
              ("triton_backward", triton)]
     parts += [(f"triton_{name.replace(' ', '_').replace(',', '')}", launch) for name, launch in bwd_calls]
     return graph_part_rows(parts, timer, samples, device, case=case.name, tokens=p["tokens"], value_heads=hv,

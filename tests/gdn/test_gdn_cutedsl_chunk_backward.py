@@ -23,7 +23,7 @@ def test_compiles_the_model_and_refuses_the_rest(tmp_path):
     """The AOT specs (sm_90a, the model's shapes): the design's products on wgmma (12 of ``(C, K or V)``,
     6 of ``(C, C)``), its barriers, the cluster's two barriers and its reads of the value heads' dq
     and dk partials from the peers' shared memory (3 value heads, 4 channels a lane, dq and dk, a
-    path for each rank); the two states' tiles by TMA;
+    path for each rank); the two states' tiles by TMA, round(dS') after the reverse chain's flag;
     other sizes and architectures refused by name."""
     import collections
     import re
@@ -77,6 +77,12 @@ def test_compiles_the_model_and_refuses_the_rest(tmp_path):
         # issues those once for the warp, and racecheck reports another lane's writes unsynchronised
         assert warp_sync < ptx.find("mbarrier.arrive.expect_tx.shared.b64") < elect, spec.name
         assert len(re.findall(r"cp\.async\.cg\.shared\.global", ptx)) == 19, spec.name
+        # round(dS') only after its flag (the reverse chain's release, read with acquire semantics, then
+        # a proxy fence for the TMA's reads): round(S)'s two boxes before that wait, round(dS')'s after
+        loads = [m.start() for m in re.finditer(r"cp\.async\.bulk\.tensor\.2d\.shared::cta\.global", ptx)]
+        wait = ptx.find("ld.acquire.gpu.global.b32")
+        assert ptx.count("ld.acquire.gpu.global.b32") == 1 and loads[1] < wait < loads[2], spec.name
+        assert re.search(r"ld\.acquire\.gpu\.global\.b32 %r\d+, \[%rd\d+\]; fence\.proxy\.async\.global;", ptx)
         # the next wave's rows into L2: two 128-byte lines of a row of S or dS', q, k, v or dO, one of A
         assert ptx.count("prefetch.global.L2 [") == 2 + 2 + 2 * 4 + 1, spec.name
     with pytest.raises(ValueError, match="compile for"):
@@ -171,6 +177,56 @@ def test_the_fused_backward_matches_the_float64_reference(dtype, l2, heads):
                 assert_rel_rms(out[bos:eos], ref[0, bos:eos], TOLERANCES[name], f"{name}, document {n}")
     for n in range(len(LENGTHS)):
         assert_rel_rms(got["dh0"][n].double().cpu(), want[5][n], TOLERANCES["dh0"], f"dh0, document {n}")
+
+
+@pytest.mark.parametrize("lengths", [[1], [4000], [3000, 64, 700, 1, 0, 130], [64, 64, 64]])
+def test_the_chunks_in_the_order_the_reverse_chain_finishes_them(lengths):
+    """`reverse_chain_order` (the per-chunk kernel's start order): every chunk once; each document's
+    chunks last to first; a chunk at place s from its document's end before any at place s + 1, ties
+    in `document_order` (CPU)."""
+    from dsfuse.gdn.reference import prepare_chunk_indices
+    from dsfuse.gdn.schedule import document_order, reverse_chain_order
+
+    bounds = [0, *itertools.accumulate(lengths)]
+    order = reverse_chain_order(bounds)
+    table = prepare_chunk_indices(bounds, 64).tolist()
+    assert sorted(order) == list(range(len(table)))
+    doc_of = [row[0] for row in table]
+    last = {n: max(c for c in range(len(table)) if doc_of[c] == n) for n in set(doc_of)}
+    rank = {n: i for i, n in enumerate(document_order(bounds))}
+    keys = [(last[doc_of[c]] - c, rank[doc_of[c]]) for c in order]
+    assert keys == sorted(keys)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lengths", [[4000], [3000, 64, 700, 1, 0, 130]])
+def test_the_overlapped_kernels_give_the_serial_bits(lengths):
+    """The per-chunk kernel launched as a programmatic dependent of the reverse chain, each CTA waiting
+    for its chunk's flag (as `chunk_gdn` runs them), gives the bits of the two kernels one after the
+    other, five times over: one long document (most of its CTAs wait) and documents of other lengths."""
+    cutedsl_or_skip()
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("wgmma runs on sm_90 only")
+    from dsfuse.gdn.cutedsl.backward import fused_backward
+
+    gen = torch.Generator().manual_seed(11)
+    t, h, hv, d = sum(lengths), 2, 6, 128
+    x = {"q": torch.randn(t, h, d, generator=gen), "k": torch.randn(t, h, d, generator=gen),
+         "v": torch.randn(t, hv, d, generator=gen), "g": -torch.rand(t, hv, generator=gen) * 0.3,
+         "beta": torch.rand(t, hv, generator=gen), "do": torch.randn(t, hv, d, generator=gen)}
+    x = {name: (v if name == "g" else v.bfloat16()).cuda() for name, v in x.items()}
+    dht = torch.randn(len(lengths), hv, d, d, generator=gen).cuda() * 0.1
+    cu = [0, *itertools.accumulate(lengths)]
+
+    def run(overlap):
+        return fused_backward(x["q"], x["k"], x["v"], x["g"], x["beta"], x["do"], dht=dht, cu_seqlens=cu,
+                              use_qk_l2norm=True, overlap=overlap)
+
+    serial = run(False)
+    for _ in range(5):
+        got = run(True)
+        for name in ("dq", "dk", "dv", "dg", "dbeta", "dh0", "dstates"):
+            assert torch.equal(got[name], serial[name]), name
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -21,9 +21,10 @@ def test_compiles_the_model_and_refuses_the_rest(tmp_path):
     """The AOT specs (sm_90a, the model's shapes): per chunk the products of the design (``q k^T``, ``k
     round(dS')``, ``round(P)^T dO``, ``round(A Gamma)^T round(dv_new)``, and the state's two updates on
     wgmma; ``q k^T`` twice in the code: the first chunk's before the loop, each next one's in it, beside
-    the state's update) and 4 barriers (one before the loop, three a chunk); other sizes, dtypes and
-    architectures refused by name; rows past a chunk's end zero-filled by the copies themselves, and
-    ``round(dS')`` stored by TMA."""
+    the state's update) and 5 barriers (one before the loop, three a chunk, one before the last flag);
+    other sizes, dtypes and architectures refused by name; rows past a chunk's end zero-filled by the
+    copies themselves, ``round(dS')`` stored by TMA, and each chunk's flag for the per-chunk kernel
+    released once its store has completed."""
     import collections
     import re
 
@@ -37,7 +38,7 @@ def test_compiles_the_model_and_refuses_the_rest(tmp_path):
         ptx = cute_spec_ptx(spec, "sm_90a", tmp_path)
         shapes = collections.Counter(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", ptx))
         assert shapes == {"m64n32k16": 2 * 8, "m64n64k16": 16, "m64n128k16": 8}, (spec.name, shapes)
-        assert len(re.findall(r"bar\.sync", ptx)) == 4, spec.name
+        assert len(re.findall(r"bar\.sync", ptx)) == 5, spec.name
         # Rows are copied with their row test as the cp.async's source size (16 or 0 bytes: a zero
         # fill without a branch or a second store); only the factors' rows, always inside, are fixed.
         sizes = re.findall(r"cp\.async\.cg\.shared\.global \[[^]]+\], \[[^]]+\], 16, (\w+|%r\d+);", ptx)
@@ -46,8 +47,16 @@ def test_compiles_the_model_and_refuses_the_rest(tmp_path):
         # round(dS') by TMA: two 128 x 64 boxes a chunk, its tile's reads waited for in the loop, the
         # writes before exit; no 16-byte global stores left (dh0's fp32 stores are scalar)
         assert len(re.findall(r"cp\.async\.bulk\.tensor\.2d\.global\.shared::cta\.tile", ptx)) == 2, spec.name
-        assert re.findall(r"cp\.async\.bulk\.wait_group(\.read)?\s+0;", ptx) == [".read", ""], spec.name
+        assert re.findall(r"cp\.async\.bulk\.wait_group(\.read)?\s+(\d);", ptx) == [
+            ("", "1"), (".read", "0"), ("", "0")], spec.name
         assert not re.search(r"st\.global\.v4", ptx), spec.name
+        # the per-chunk kernel, a programmatic dependent, may start once every CTA has started; a chunk's
+        # flag released after its round(dS')'s store completed (the previous chunk's, in the loop; the
+        # document's first, after dh0 and a barrier), with a proxy fence before it
+        assert ptx.count("griddepcontrol.launch_dependents;") == 1, spec.name
+        flags = re.findall(r"cp\.async\.bulk\.wait_group\s+\d;[\s\S]*?fence\.proxy\.async\.global; "
+                           r"st\.release\.gpu\.global\.b32 \[%rd\d+\], 1;", ptx)
+        assert len(flags) == 2 and ptx.count("st.release.gpu") == 2, spec.name
     with pytest.raises(ValueError, match="compiles for"):
         module.compile_state_backward(torch.bfloat16, 16, 48, 128, 128, True, "sm_100a")
     reasons = module.shape_reasons(torch.float32, 16, 40, 64, 96)

@@ -103,13 +103,15 @@ class Gradients(NamedTuple):
 @dataclass(frozen=True)
 class ChunkTable:
     """The chunks of a packed batch: int32 ``indices`` ``[NC, 3]`` (sequence, start, end),
-    ``offsets`` ``[N + 1]`` (each sequence's first chunk) and ``order`` ``[N]`` (the sequences
-    longest first, `document_order`), on the tensors' device."""
+    ``offsets`` ``[N + 1]`` (each sequence's first chunk), ``order`` ``[N]`` (the sequences
+    longest first, `document_order`) and ``finished`` ``[NC]`` (the chunks in the order a reverse
+    chain finishes them, `reverse_chain_order`), on the tensors' device."""
 
     indices: torch.Tensor
     offsets: torch.Tensor
     num_seqs: int
     order: torch.Tensor
+    finished: torch.Tensor
 
 
 def document_order(bounds: list[int]) -> list[int]:
@@ -118,6 +120,18 @@ def document_order(bounds: list[int]) -> list[int]:
     the document lengths alone; each document's results do not depend on it."""
     chunks = [-(-(end - start) // CHUNK_SIZE) for start, end in zip(bounds, bounds[1:])]
     return sorted(range(len(chunks)), key=lambda n: (-chunks[n], n))
+
+
+def reverse_chain_order(bounds: list[int]) -> list[int]:
+    """The chunks in about the order in which chains that walk each document from its last chunk to
+    its first, all at once, finish them: by their place from their document's end, then in
+    `document_order`. Timing only (which chunks a later kernel takes up first), never a value."""
+    chunks = [-(-(end - start) // CHUNK_SIZE) for start, end in zip(bounds, bounds[1:])]
+    first = [sum(chunks[:n]) for n in range(len(chunks))]
+    rank = {n: i for i, n in enumerate(document_order(bounds))}
+    return [first[n] + chunks[n] - 1 - s
+            for s, n in sorted(((s, n) for n in range(len(chunks)) for s in range(chunks[n])),
+                               key=lambda sn: (sn[0], rank[sn[1]]))]
 
 
 TABLE_CACHE_SIZE = 64
@@ -144,9 +158,10 @@ def chunk_table(bounds: list[int], device: torch.device) -> ChunkTable:
     indices = prepare_chunk_indices(bounds, CHUNK_SIZE).to(device=device, dtype=torch.int32)
     offsets = prepare_chunk_offsets(bounds, CHUNK_SIZE).to(device=device, dtype=torch.int32)
     order = torch.tensor(document_order(bounds), dtype=torch.int32).to(device)
+    finished = torch.tensor(reverse_chain_order(bounds), dtype=torch.int32).to(device)
     if device.type == "cuda":
         torch.cuda.current_stream(device).synchronize()
-    table = _tables[key] = ChunkTable(indices, offsets, len(bounds) - 1, order)
+    table = _tables[key] = ChunkTable(indices, offsets, len(bounds) - 1, order, finished)
     if len(_tables) > TABLE_CACHE_SIZE:
         _tables.popitem(last=False)
     return table

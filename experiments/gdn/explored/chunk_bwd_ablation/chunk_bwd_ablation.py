@@ -87,7 +87,8 @@ def case_rows(case, timer: Timer, samples: int, device: torch.device, names: lis
     dg, dbeta = torch.empty_like(g), torch.empty_like(beta)
     ahead = chunk_bwd._clusters_at_once(device, hv // p["heads"])
     args = (q, k, v, s["do"], s["a_round"], s["factors"], s["states"].view(-1, hv, dim), s["dstates"].view(-1, hv, dim),
-            s["ci"], dq, dk, dv, dg, dbeta, float(s["scale"]), ahead)
+            s["ci"], dq, dk, dv, dg, dbeta, torch.ones(s["ci"].shape[0], hv, dtype=torch.int32, device=device),
+            torch.arange(s["ci"].shape[0], dtype=torch.int32, device=device), float(s["scale"]), ahead, 0)
     l2 = s["l2"]
     parts = []
     for name, pairs in variants().items():

@@ -28,7 +28,7 @@ from dsfuse.gdn.cutedsl.ut_inverse import FACTORS, launch_ut_inverse
 from dsfuse.gdn.reference import CHUNK_SIZE, prepare_chunk_indices, prepare_chunk_offsets
 from dsfuse.gdn import schedule
 from dsfuse.gdn.reference import packed_cu_seqlens
-from dsfuse.gdn.schedule import document_order
+from dsfuse.gdn.schedule import document_order, reverse_chain_order
 
 
 def saved_rows(tokens: int, docs: int, dim_k: int, dim_v: int) -> int:
@@ -67,13 +67,15 @@ def serves(device: torch.device, heads: int, value_heads: int, dim_k: int, dim_v
 
 
 def fused_backward(q, k, v, g, beta, do, scale=None, initial_state=None, dht=None, cu_seqlens=None,
-                   use_qk_l2norm=False) -> dict:
+                   use_qk_l2norm=False, overlap=True) -> dict:
     """The forward and the fused backward of packed ``[T, ...]`` inputs (no batch dim): ``q``, ``k``
     ``[T, H, 128]``, ``v``, ``do`` ``[T, HV, 128]``, ``beta`` ``[T, HV]`` in one 16-bit dtype, ``g``
     fp32 ``[T, HV]``; ``initial_state``, ``dht`` fp32 ``[N, HV, K, V]`` or None (zeros).
 
     Returns a dict of ``o``, ``final_state``, ``dq``, ``dk``, ``dv``, ``dg``, ``dbeta``, ``dh0``
-    and the intermediates ``states``, ``dstates`` (``[NC, K, HV, V]``)."""
+    and the intermediates ``states``, ``dstates`` (``[NC, K, HV, V]``). ``overlap``: the per-chunk
+    kernel starts while the reverse chain runs, as `chunk_gdn` runs them (False: after it; the same
+    bits)."""
     tokens, value_heads, dim_v = v.shape
     heads, dim_k = k.shape[1:]
     bounds = [0, tokens] if cu_seqlens is None else [int(x) for x in cu_seqlens]
@@ -104,10 +106,13 @@ def fused_backward(q, k, v, g, beta, do, scale=None, initial_state=None, dht=Non
     launch_fused_forward(q, k, v, g, beta, None, ci, co, order, h0, out["final_state"], out["o"], scale,
                          use_qk_l2norm=use_qk_l2norm, form="head_rs", g_cum=g_cum, a_round=a_round, factors=factors,
                          states=out["states"])
+    ready = torch.zeros(chunks, value_heads, device=dev, dtype=torch.int32) if overlap else None
+    finished = torch.tensor(reverse_chain_order(bounds), device=dev, dtype=torch.int32) if overlap else None
     launch_state_backward(q, k, do, a_round, factors, ci, co, order, dht, out["dh0"], out["dstates"], scale,
-                          use_qk_l2norm=use_qk_l2norm)
+                          use_qk_l2norm=use_qk_l2norm, ready=ready)
     launch_chunk_backward(q, k, v, do, a_round, factors, out["states"], out["dstates"], ci, out["dq"], out["dk"],
-                          out["dv"], out["dg"], out["dbeta"], scale, use_qk_l2norm=use_qk_l2norm)
+                          out["dv"], out["dg"], out["dbeta"], scale, use_qk_l2norm=use_qk_l2norm, ready=ready,
+                          finished=finished)
     return out
 
 
@@ -157,12 +162,16 @@ class FusedBackward:
                 for t in (dq_, dk_, dv_, dg_, dbeta_):
                     t[bounds[-1]:].zero_()
 
+        # the per-chunk kernel starts while the chain runs (a programmatic dependent launch: nothing
+        # on the stream between the two), each CTA waiting for its chunk's flag in `ready` (zeroed
+        # before the chain at every launch: the calls may be replayed)
+        ready = new((chunks, heads_v), dtype=torch.int32)
         calls = [
-            ("state backward", lambda: launch_state_backward(q_, k_, do_, a_round, factors, ci, table.offsets,
-                                                             table.order, dht_, dh0, dstates, scale,
-                                                             use_qk_l2norm=use_qk_l2norm)),
-            ("per-chunk gradients", lambda: (tails(), launch_chunk_backward(
+            ("state backward", lambda: (tails(), ready.zero_(), launch_state_backward(
+                q_, k_, do_, a_round, factors, ci, table.offsets, table.order, dht_, dh0, dstates, scale,
+                use_qk_l2norm=use_qk_l2norm, ready=ready))),
+            ("per-chunk gradients", lambda: launch_chunk_backward(
                 q_, k_, v_, do_, a_round, factors, states, dstates, ci, dq_, dk_, dv_, dg_, dbeta_, scale,
-                use_qk_l2norm=use_qk_l2norm))),
+                use_qk_l2norm=use_qk_l2norm, ready=ready, finished=table.finished)),
         ]
         return calls, schedule.Gradients(dq, dk, dv, dg, dbeta, dh0 if initial_state is not None else None)

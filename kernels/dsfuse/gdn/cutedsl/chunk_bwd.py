@@ -206,24 +206,29 @@ class ChunkBackward:
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mDO: cute.Tensor, mA: cute.Tensor,
                  mF: cute.Tensor, mS: cute.Tensor, mDS: cute.Tensor, mChunks: cute.Tensor, mDq: cute.Tensor,
-                 mDk: cute.Tensor, mDv: cute.Tensor, mDg: cute.Tensor, mDbeta: cute.Tensor, scale: Float32,
-                 ahead: Int32, stream):
+                 mDk: cute.Tensor, mDv: cute.Tensor, mDg: cute.Tensor, mDbeta: cute.Tensor, mReady: cute.Tensor,
+                 mSlots: cute.Tensor, scale: Float32, ahead: Int32, dependent: Int32, stream):
         # round(S) and round(dS') land in their swizzled tiles by TMA (full tiles: no rows past a chunk)
         load = cpasync.CopyBulkTensorTileG2SOp()
         (load_s, mS_tma), (load_ds, mDS_tma) = (state_bwd.state_tma(load, m, self.dtype, self.dim_k) for m in (mS, mDS))
-        self.kernel(mQ, mK, mV, mDO, mA, mF, mS, mDS, mChunks, mDq, mDk, mDv, mDg, mDbeta, scale, ahead,
-                    (load_s, load_ds), (mS_tma, mDS_tma)).launch(
-            grid=[mChunks.shape[0], self.value_heads, 1], block=[THREADS, 1, 1],
-            cluster=[1, self.value_heads // self.heads, 1], stream=stream)
+        # one CTA a (slot, value head), value heads fastest: the clusters start slot by slot, so in the
+        # order of `mSlots` (the order in which the reverse chain finishes the chunks); a programmatic
+        # dependent of the reverse chain (``dependent`` 1), which may start while it runs (`mReady`)
+        self.kernel(mQ, mK, mV, mDO, mA, mF, mS, mDS, mChunks, mDq, mDk, mDv, mDg, mDbeta, mReady, mSlots, scale,
+                    ahead, (load_s, load_ds), (mS_tma, mDS_tma)).launch(
+            grid=[mSlots.shape[0] * self.value_heads, 1, 1], block=[THREADS, 1, 1],
+            cluster=[self.value_heads // self.heads, 1, 1], stream=stream, use_pdl=dependent)
 
     @cute.kernel
     def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mDO: cute.Tensor, mA: cute.Tensor,
                mF: cute.Tensor, mS: cute.Tensor, mDS: cute.Tensor, mChunks: cute.Tensor, mDq: cute.Tensor,
-               mDk: cute.Tensor, mDv: cute.Tensor, mDg: cute.Tensor, mDbeta: cute.Tensor, scale: Float32,
-               ahead: Int32, state_loads: tuple, state_tiles: tuple):
+               mDk: cute.Tensor, mDv: cute.Tensor, mDg: cute.Tensor, mDbeta: cute.Tensor, mReady: cute.Tensor,
+               mSlots: cute.Tensor, scale: Float32, ahead: Int32, state_loads: tuple, state_tiles: tuple):
         K, V, C, ab = self.dim_k, self.dim_v, CHUNK, self.dtype
         u, _, _ = cute.arch.thread_idx()
-        i_c, i_hv, _ = cute.arch.block_idx()
+        i_x, _, _ = cute.arch.block_idx()
+        slot, i_hv = i_x // self.value_heads, i_x % self.value_heads
+        i_c = mSlots[slot]
         i_h = i_hv // (self.value_heads // self.heads)
         start = mChunks[i_c, 1]
         rows = mChunks[i_c, 2] - start
@@ -269,7 +274,12 @@ class ChunkBackward:
             cute.arch.sync_warp()
             if u == 0:
                 cute.arch.mbarrier_arrive_and_expect_tx(mbar_states, 2 * K * V * ab.width // 8)  # the states' bytes
-            self._start_states(mbar_states, state_loads, (sS, sDS), state_tiles, i_c, i_hv)
+            self._start_states(mbar_states, state_loads[:1], (sS,), state_tiles[:1], i_c, i_hv)
+            # round(dS') once the reverse chain has stored it (each lane acquires the flag itself)
+            while state_bwd.acquire_flag(mReady, i_c, i_hv) == 0:
+                pass
+            cute.arch.sync_warp()
+            self._start_states(mbar_states, state_loads[1:], (sDS,), state_tiles[1:], i_c, i_hv)
         cute.arch.cluster_arrive_relaxed()  # the barrier initialised, for the peers' arrivals (waited in step 7)
         sG, sBeta, sEGq, sEGk, sDec, sRstd = _vectors(sF)
 
@@ -278,7 +288,7 @@ class ChunkBackward:
                                   i_c * len(FACTORS), len(FACTORS), i_h, i_hv)
         chunk.start_rows(chunk.copy_rows(ab, V, THREADS), u, mDO, sDO, start, rows, i_hv)
         cute.arch.cp_async_commit_group()
-        self._prefetch_ahead(u, (mQ, mK, mV, mDO, mA, mS, mDS), mChunks, i_c, i_hv, ahead)
+        self._prefetch_ahead(u, (mQ, mK, mV, mDO, mA, mS, mDS), mChunks, mSlots, slot, i_hv, ahead)
         cute.arch.cp_async_wait_group(0)
         _wg.fence_writes()
         cute.arch.sync_threads()  # (after thread 0 initialised the states' barrier)
@@ -541,16 +551,17 @@ class ChunkBackward:
                 cute.arch.mbarrier_arrive(mbar, g, relaxed=True, scope=_MemScope.CLUSTER)
 
     @cute.jit
-    def _prefetch_ahead(self, u: Int32, sources, mChunks: cute.Tensor, i_c: Int32, i_hv: Int32, ahead: Int32):
+    def _prefetch_ahead(self, u: Int32, sources, mChunks: cute.Tensor, mSlots: cute.Tensor, slot: Int32, i_hv: Int32,
+                        ahead: Int32):
         """Into L2, the rows that the CTA of the same rank ``ahead`` clusters later will load (clusters
-        start in the order of their index, chunks first): with ``ahead`` the clusters that run at once,
-        the next wave's. Timing only: nothing it reads changes a value."""
+        start in the order of their index, qk heads first): with ``ahead`` the clusters that run at once,
+        the next wave's. Timing only: nothing it reads changes a value (a round(dS') not yet stored is
+        read again by its own CTA's TMA load after its flag)."""
         mQ, mK, mV, mDO, mA, mS, mDS = sources
         K, C, group = self.dim_k, CHUNK, self.value_heads // self.heads
-        chunks = mChunks.shape[0]
-        later = i_c + chunks * (i_hv // group) + ahead
-        if later < chunks * self.heads:
-            j_c, j_h = later % chunks, later // chunks
+        later = slot * self.heads + i_hv // group + ahead
+        if later < mSlots.shape[0] * self.heads:
+            j_c, j_h = mSlots[later // self.heads], later % self.heads
             j_hv = j_h * group + i_hv % group
             start = mChunks[j_c, 1]
             rows = mChunks[j_c, 2] - start
@@ -634,23 +645,25 @@ def _fake_tensors(dtype: torch.dtype, heads: int, value_heads: int, dim_k: int, 
                                             assumed_align=ALIGN) for _ in range(2)]
     gates = [cute.runtime.make_fake_tensor(elem, (cute.sym_int(), value_heads), (cute.sym_int64(), cute.sym_int64()))
              for elem in (Float32, cdt)]  # dg, dbeta [T, HV]: any strides
+    slots = cute.runtime.make_fake_tensor(Int32, (cute.sym_int(),), (1,))
     return (rows(heads, dim_k), rows(heads, dim_k), rows(value_heads, dim_v), rows(value_heads, dim_v), a_round,
-            factors, *states, table, rows(heads, dim_k), rows(heads, dim_k), rows(value_heads, dim_v), *gates)
+            factors, *states, table, rows(heads, dim_k), rows(heads, dim_k), rows(value_heads, dim_v), *gates,
+            state_bwd.fake_ready(value_heads), slots)
 
 
 def compile_chunk_backward(dtype: torch.dtype, heads: int, value_heads: int, dim_k: int, dim_v: int, l2norm: bool,
                            arch: str, *, keep_ptx: bool = False, dump_dir: str | None = None, keep_cubin: bool = False):
     """The kernel for one configuration, compiled for ``arch`` (sm_90a; no GPU needed), called as
-    ``fn(q, k, v, do, a_round, factors, states, dstates, chunk_indices, dq, dk, dv, dg, dbeta, scale)``
-    (`launch_chunk_backward`'s, ``states`` and ``dstates`` as ``[NC * K, HV, V]`` views)."""
+    ``fn(q, k, v, do, a_round, factors, states, dstates, chunk_indices, dq, dk, dv, dg, dbeta, ready, slots,
+    scale, ahead, dependent)`` (`launch_chunk_backward`'s, ``states`` and ``dstates`` as ``[NC * K, HV, V]`` views)."""
     if reasons := shape_reasons(dtype, heads, value_heads, dim_k, dim_v):
         raise ValueError("the CuTe DSL per-chunk gradients cannot compile this: " + "; ".join(reasons))
     if arch not in ARCHS:
         raise ValueError(f"the CuTe DSL per-chunk gradients compile for {ARCHS} only (wgmma), not {arch}")
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     return _cd.compile(ChunkBackward(dtype, heads, value_heads, dim_k, dim_v, l2norm),
-                       *_fake_tensors(dtype, heads, value_heads, dim_k, dim_v), Float32(1.0), Int32(0), stream, arch=arch,
-                       keep_ptx=keep_ptx, dump_dir=dump_dir, keep_cubin=keep_cubin)
+                       *_fake_tensors(dtype, heads, value_heads, dim_k, dim_v), Float32(1.0), Int32(0), Int32(0), stream,
+                       arch=arch, keep_ptx=keep_ptx, dump_dir=dump_dir, keep_cubin=keep_cubin)
 
 
 @functools.cache
@@ -661,7 +674,7 @@ def _clusters_at_once(device: torch.device, group: int) -> int:
 
 
 def launch_chunk_backward(q, k, v, do, a_round, factors, states, dstates, chunk_indices, dq, dk, dv, dg, dbeta,
-                          scale: float, *, use_qk_l2norm: bool = False) -> None:
+                          scale: float, *, use_qk_l2norm: bool = False, ready=None, finished=None) -> None:
     """Write, for the tokens of every chunk of ``chunk_indices``, ``dv`` ``[T, HV, V]`` (v's dtype), ``dg``
     fp32 and ``dbeta`` (beta's dtype, q's) ``[T, HV]``, and ``dq``, ``dk`` ``[T, H, K]`` (q's dtype): the
     gradients of the inputs, the value heads of each qk head summed in head order in fp32 and the
@@ -672,7 +685,14 @@ def launch_chunk_backward(q, k, v, do, a_round, factors, states, dstates, chunk_
     ``states``: the forward's saved ``round(S)`` (`dsfuse.gdn.cutedsl.fused_fwd.launch_fused_forward`),
     ``dstates``: the reverse chain's ``round(dS')`` (`dsfuse.gdn.cutedsl.state_bwd.launch_state_backward`),
     both ``[NC, K, HV, V]`` contiguous; ``dq``, ``dk`` any token and head strides (head views of a packed
-    gradient row), unit channel stride."""
+    gradient row), unit channel stride.
+
+    With ``ready``, launched as a programmatic dependent of the kernel before it on the stream (int32
+    ``[NC, HV]``, the flags of the reverse chain launched right before, `launch_state_backward`'s), it
+    starts while that chain runs, and each CTA waits for its chunk's flag before it reads
+    ``round(dS')``; ``finished`` (int32 ``[NC]``, a permutation of the chunks: the chain table's
+    ``finished``) is the order in which its clusters start (timing only). Without ``ready``, every
+    ``dstates`` must already be in memory (flags of ones: no wait; an ordinary launch)."""
     heads, dim_k = k.shape[1:]
     value_heads, dim_v = v.shape[1:]
     if reasons := shape_reasons(q.dtype, heads, value_heads, dim_k, dim_v):
@@ -695,12 +715,23 @@ def launch_chunk_backward(q, k, v, do, a_round, factors, states, dstates, chunk_
                              f"contiguous, 16-byte aligned; got {tuple(x.shape)} {x.dtype}")
     if dg.shape != (tokens, value_heads) or dg.dtype != torch.float32 or dbeta.shape != dg.shape:
         raise ValueError("launch_chunk_backward: dg fp32 and dbeta [T, HV]")
+    dependent = ready is not None
+    if ready is None:
+        ready = torch.ones(chunks, value_heads, dtype=torch.int32, device=q.device)
+    if finished is None:
+        finished = torch.arange(chunks, dtype=torch.int32, device=q.device)
+    if (tuple(ready.shape) != (chunks, value_heads) or ready.dtype != torch.int32 or not ready.is_contiguous()
+            or ready.device != q.device):
+        raise ValueError(f"launch_chunk_backward: ready must be int32 [NC, HV] = {(chunks, value_heads)}, contiguous")
+    if finished.shape != (chunks,) or finished.dtype != torch.int32 or finished.device != q.device:
+        raise ValueError(f"launch_chunk_backward: finished must be int32 [NC] = ({chunks},), a permutation of the chunks")
     fn = CACHE.get((q.dtype, heads, value_heads, dim_k, dim_v, use_qk_l2norm, _cd.arch_of(q.device)),
                    lambda: compile_chunk_backward(q.dtype, heads, value_heads, dim_k, dim_v, use_qk_l2norm,
                                                   _cd.arch_of(q.device)))
     if chunks:
         fn(q, k, v, do, a_round, factors, states.view(-1, value_heads, dim_v), dstates.view(-1, value_heads, dim_v),
-           chunk_indices, dq, dk, dv, dg, dbeta, float(scale), _clusters_at_once(q.device, value_heads // heads))
+           chunk_indices, dq, dk, dv, dg, dbeta, ready, finished.contiguous(), float(scale),
+           _clusters_at_once(q.device, value_heads // heads), int(dependent))
 
 
 AOT_SPECS = state_bwd.model_specs("gdn_chunk_backward", compile_chunk_backward)

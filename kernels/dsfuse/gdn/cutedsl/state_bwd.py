@@ -43,7 +43,10 @@ from dsfuse._common import cutedsl as _cd
 
 cutlass, cute = _cd.require()
 from cutlass import Float32, Int32
+from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import cpasync
+from cutlass.cutlass_dsl import T as _types
+from cutlass.cutlass_dsl import dsl_user_op
 
 from dsfuse.gdn.cutedsl import chunk
 from dsfuse.gdn.cutedsl import mma as _mma
@@ -84,10 +87,11 @@ class StateBackward:
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mDO: cute.Tensor, mA: cute.Tensor, mF: cute.Tensor,
                  mChunks: cute.Tensor, mOffsets: cute.Tensor, mOrder: cute.Tensor, mDht: cute.Tensor,
-                 mDh0: cute.Tensor, mDS: cute.Tensor, scale: Float32, stream):
+                 mDh0: cute.Tensor, mDS: cute.Tensor, mReady: cute.Tensor, scale: Float32, stream):
         # round(dS') leaves its swizzled tile by TMA
         store_ds, mDS_tma = state_tma(cpasync.CopyBulkTensorTileS2GOp(), mDS, self.dtype, self.dim_k)
-        self.kernel(mQ, mK, mDO, mA, mF, mChunks, mOffsets, mOrder, mDht, mDh0, mDS_tma, store_ds, scale).launch(
+        self.kernel(mQ, mK, mDO, mA, mF, mChunks, mOffsets, mOrder, mDht, mDh0, mDS_tma, store_ds, mReady,
+                    scale).launch(
             grid=[1, self.value_heads, mOrder.shape[0]], block=[THREADS, 1, 1], stream=stream)
 
     @cute.jit
@@ -117,9 +121,12 @@ class StateBackward:
     @cute.kernel
     def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mDO: cute.Tensor, mA: cute.Tensor, mF: cute.Tensor,
                mChunks: cute.Tensor, mOffsets: cute.Tensor, mOrder: cute.Tensor, mDht: cute.Tensor, mDh0: cute.Tensor,
-               mDS: cute.Tensor, store_ds: cute.CopyAtom, scale: Float32):
+               mDS: cute.Tensor, store_ds: cute.CopyAtom, mReady: cute.Tensor, scale: Float32):
         K, V, C, ab = self.dim_k, self.dim_v, CHUNK, self.dtype
         u, _, _ = cute.arch.thread_idx()
+        # the per-chunk kernel, launched after this one as its programmatic dependent, may start once
+        # every CTA of this grid has started: it waits on `mReady` for each chunk's round(dS')
+        cute.arch.griddepcontrol_launch_dependents()
         _, i_hv, i_z = cute.arch.block_idx()
         i_n = mOrder[i_z]
         i_h = i_hv // (self.value_heads // self.heads)
@@ -212,7 +219,11 @@ class StateBackward:
                 acc_x[i] = _wg.pick(cCV, i, bx) * acc_x[i]
             _wg.store_rounded(mma_tc, u, acc_x, sDXs, ab)
             cute.arch.cp_async_wait_group(0)
-            if u == 0:  # the TMA store has read round(dS')'s tile before this barrier: step 1 writes it again
+            if u == 0:
+                if j > 0:  # the last chunk's round(dS') has reached memory: the per-chunk kernel may read it
+                    cute.arch.cp_async_bulk_wait_group(1)
+                    release_flag(mReady, i_c + 1, i_hv)
+                # the TMA store has read round(dS')'s tile before this barrier: step 1 writes it again
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
             _wg.fence_writes()
             cute.arch.sync_threads()
@@ -233,6 +244,31 @@ class StateBackward:
             mDh0[i_n, i_hv, cKV[i][0], cKV[i][1]] = acc_s[i]
         if u == 0:  # the last chunk's round(dS') written before the CTA exits
             cute.arch.cp_async_bulk_wait_group(0)
+        if first < last:  # its flag last, after dh0 (every thread's stores, by the barrier): the per-chunk
+            cute.arch.sync_threads()  # kernel's last wait then orders everything this CTA writes
+            if u == 0:
+                release_flag(mReady, first, i_hv)
+
+
+@dsl_user_op
+def release_flag(mReady: cute.Tensor, i_c: Int32, i_hv: Int32, *, loc=None, ip=None) -> None:
+    """``mReady[i_c, i_hv] = 1`` with release semantics at the GPU's scope, after a proxy fence: the
+    round(dS') this thread stored by TMA (waited for) and what it has seen are visible to a thread that
+    reads the flag with acquire semantics (`acquire_flag`)."""
+    addr = (mReady[i_c, None].iterator + i_hv).toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip)
+    llvm.inline_asm(None, [addr], "fence.proxy.async.global; st.release.gpu.global.b32 [$0], 1;", "l",
+                    has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def acquire_flag(mReady: cute.Tensor, i_c: Int32, i_hv: Int32, *, loc=None, ip=None) -> Int32:
+    """``mReady[i_c, i_hv]`` read with acquire semantics at the GPU's scope, then a proxy fence (so
+    the caller's later TMA loads see what the releasing thread made visible)."""
+    addr = (mReady[i_c, None].iterator + i_hv).toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip)
+    res = llvm.inline_asm(_types.i32(), [addr], "ld.acquire.gpu.global.b32 $0, [$1]; fence.proxy.async.global;",
+                          "=r,l", has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
+                          loc=loc, ip=ip)
+    return Int32(res)
 
 
 def state_tma(op, mX: cute.Tensor, dtype, dim_k: int):
@@ -292,13 +328,18 @@ def _fake_tensors(dtype: torch.dtype, heads: int, value_heads: int, dim_k: int, 
     dstates = cute.runtime.make_fake_tensor(cdt, (cute.sym_int(), value_heads, dim_v), (value_heads * dim_v, dim_v, 1),
                                             assumed_align=ALIGN)
     return (rows(heads, dim_k), rows(heads, dim_k), rows(value_heads, dim_v), a_round, factors, table, offsets, order,
-            dht, dh0, dstates)
+            dht, dh0, dstates, fake_ready(value_heads))
+
+
+def fake_ready(value_heads: int):
+    """The fake ``ready`` flags ``[NC, HV]`` int32, contiguous."""
+    return cute.runtime.make_fake_tensor(Int32, (cute.sym_int(), value_heads), (value_heads, 1))
 
 
 def compile_state_backward(dtype: torch.dtype, heads: int, value_heads: int, dim_k: int, dim_v: int, l2norm: bool,
                            arch: str, *, keep_ptx: bool = False, dump_dir: str | None = None, keep_cubin: bool = False):
     """The kernel for one configuration, compiled for ``arch`` (sm_90a; no GPU needed), called as
-    ``fn(q, k, do, a_round, factors, chunk_indices, chunk_offsets, order, dht, dh0, dstates, scale)``
+    ``fn(q, k, do, a_round, factors, chunk_indices, chunk_offsets, order, dht, dh0, dstates, ready, scale)``
     with ``dstates`` ``[NC * K, HV, V]`` (`launch_state_backward`'s, a view)."""
     if reasons := shape_reasons(dtype, heads, value_heads, dim_k, dim_v):
         raise ValueError("the CuTe DSL reverse state chain cannot compile this: " + "; ".join(reasons))
@@ -311,7 +352,7 @@ def compile_state_backward(dtype: torch.dtype, heads: int, value_heads: int, dim
 
 
 def launch_state_backward(q, k, do, a_round, factors, chunk_indices, chunk_offsets, order, dht, dh0, dstates,
-                          scale: float, *, use_qk_l2norm: bool = False) -> torch.Tensor:
+                          scale: float, *, use_qk_l2norm: bool = False, ready=None) -> torch.Tensor:
     """Write ``dstates`` ``[NC, K, HV, V]`` (``dstates[c, :, hv, :]`` = ``round(dS')``, the gradient of the
     state after chunk ``c``, in q's dtype) and ``dh0`` fp32 ``[N, HV, K, V]`` (the gradient of each
     document's initial state) for the documents ``order`` (int32, as `launch_fused_forward`'s; only
@@ -321,7 +362,12 @@ def launch_state_backward(q, k, do, a_round, factors, chunk_indices, chunk_offse
     aligned rows; ``a_round``, ``factors``: the preparing UT inverse's of the forward
     (`dsfuse.gdn.cutedsl.ut_inverse.launch_ut_inverse`, the same k, beta, g, chunks and L2 norm: the
     caller's contract, not checkable here); ``dht`` fp32 ``[N, HV, K, V]`` (zeros for none), ``dh0``
-    likewise, contiguous; ``chunk_indices``, ``chunk_offsets`` as the forward's."""
+    likewise, contiguous; ``chunk_indices``, ``chunk_offsets`` as the forward's. ``ready``: int32
+    ``[NC, HV]`` zeros, contiguous, or None: the kernel sets ``ready[c, hv]`` to 1 (release, GPU scope)
+    once ``round(dS')`` of chunk ``c`` and value head ``hv`` is in memory, and that of a document's
+    first chunk after its ``dh0`` too: what `dsfuse.gdn.cutedsl.chunk_bwd.launch_chunk_backward` waits
+    on when it runs as this kernel's programmatic dependent (every chunk of every document of
+    ``order``: ``order`` must then name them all)."""
     heads, dim_k = k.shape[1:]
     value_heads, dim_v = do.shape[1:]
     if reasons := shape_reasons(q.dtype, heads, value_heads, dim_k, dim_v):
@@ -347,12 +393,18 @@ def launch_state_backward(q, k, do, a_round, factors, chunk_indices, chunk_offse
                          f"16-byte aligned, on q's device; got {tuple(dstates.shape)} {dstates.dtype}")
     if order.dtype != torch.int32 or order.dim() != 1 or order.shape[0] > docs or order.device != q.device:
         raise ValueError("launch_state_backward: order int32 [M <= N] on q's device (distinct documents)")
+    if ready is None:  # flags nobody reads
+        ready = torch.empty(chunks, value_heads, dtype=torch.int32, device=q.device)
+    elif (tuple(ready.shape) != (chunks, value_heads) or ready.dtype != torch.int32 or not ready.is_contiguous()
+          or ready.device != q.device or order.shape[0] != docs):
+        raise ValueError(f"launch_state_backward: ready must be int32 [NC, HV] = {(chunks, value_heads)}, contiguous, "
+                         f"on q's device, with every document in order")
     fn = CACHE.get((q.dtype, heads, value_heads, dim_k, dim_v, use_qk_l2norm, _cd.arch_of(q.device)),
                    lambda: compile_state_backward(q.dtype, heads, value_heads, dim_k, dim_v, use_qk_l2norm,
                                                   _cd.arch_of(q.device)))
     if docs and order.shape[0]:
         fn(q, k, do, a_round, factors, chunk_indices, chunk_offsets, order, dht, dh0,
-           dstates.view(-1, value_heads, dim_v), float(scale))
+           dstates.view(-1, value_heads, dim_v), ready, float(scale))
     return dh0
 
 
