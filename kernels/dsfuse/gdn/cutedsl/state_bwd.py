@@ -219,11 +219,7 @@ class StateBackward:
                 acc_x[i] = _wg.pick(cCV, i, bx) * acc_x[i]
             _wg.store_rounded(mma_tc, u, acc_x, sDXs, ab)
             cute.arch.cp_async_wait_group(0)
-            if u == 0:
-                if j > 0:  # the last chunk's round(dS') has reached memory: the per-chunk kernel may read it
-                    cute.arch.cp_async_bulk_wait_group(1)
-                    release_flag(mReady, i_c + 1, i_hv)
-                # the TMA store has read round(dS')'s tile before this barrier: step 1 writes it again
+            if u == 0:  # the TMA store has read round(dS')'s tile before this barrier: step 1 writes it again
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
             _wg.fence_writes()
             cute.arch.sync_threads()
@@ -238,6 +234,9 @@ class StateBackward:
             # (after the last chunk, of the other stage's stale rows: never read)
             self._gated_qk(u, mma_cc, cCC, sQ2[None, None, 1 - stage], sK2[None, None, 1 - stage],
                            sF2[None, None, 1 - stage], sP, len(update), acc_s, update)
+            if u == 0 and j > 0:  # the last chunk's round(dS') has reached memory: the per-chunk kernel may
+                cute.arch.cp_async_bulk_wait_group(1)  # read it (while the update runs: off the chain)
+                release_flag(mReady, i_c + 1, i_hv)
             _wg.wait()
 
         for i in cutlass.range_constexpr(cute.size(acc_s)):
