@@ -50,13 +50,13 @@ def test_compiles_the_model_and_refuses_the_rest(tmp_path):
         assert re.findall(r"cp\.async\.bulk\.wait_group(\.read)?\s+(\d);", ptx) == [
             (".read", "0"), ("", "1"), ("", "0")], spec.name
         assert not re.search(r"st\.global\.v4", ptx), spec.name
-        # the per-chunk kernel, a programmatic dependent, may start once every CTA has started; a chunk's
-        # flag released after its round(dS')'s store completed (the previous chunk's, in the loop while
-        # the state's update runs; the document's first, after dh0 and a barrier), a proxy fence first
+        # the per-chunk kernel, a programmatic dependent, may start once every CTA has started; chunks'
+        # flags released after their round(dS')'s stores completed (four at a time in the loop, while
+        # the state's update runs; the document's last ones after dh0 and a barrier), a proxy fence first
         assert ptx.count("griddepcontrol.launch_dependents;") == 1, spec.name
         flags = re.findall(r"cp\.async\.bulk\.wait_group\s+\d;[\s\S]*?fence\.proxy\.async\.global; "
-                           r"st\.release\.gpu\.global\.b32 \[%rd\d+\], 1;", ptx)
-        assert len(flags) == 2 and ptx.count("st.release.gpu") == 2, spec.name
+                           r"fence\.acq_rel\.gpu;[\s\S]*?st\.relaxed\.gpu\.global\.b32 \[%rd\d+\], 1;", ptx)
+        assert len(flags) == 2 and ptx.count("fence.acq_rel.gpu") == 2, spec.name
     with pytest.raises(ValueError, match="compiles for"):
         module.compile_state_backward(torch.bfloat16, 16, 48, 128, 128, True, "sm_100a")
     reasons = module.shape_reasons(torch.float32, 16, 40, 64, 96)

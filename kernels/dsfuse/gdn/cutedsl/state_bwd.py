@@ -59,6 +59,7 @@ from dsfuse.gdn.cutedsl.ut_inverse import FACTORS, prepared_reasons
 THREADS = 256  # two warpgroups
 WARPGROUPS = 2
 ARCHS = ("sm_90a",)  # wgmma
+FLAG_EVERY = 4  # chunks a flag release covers (`release_flags`): each is a membar on the chain's thread 0
 DIMS = (128,)  # K and V: the model's (the state's gradient over two warpgroups, the tiles' shared memory)
 TC_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -234,29 +235,44 @@ class StateBackward:
             # (after the last chunk, of the other stage's stale rows: never read)
             self._gated_qk(u, mma_cc, cCC, sQ2[None, None, 1 - stage], sK2[None, None, 1 - stage],
                            sF2[None, None, 1 - stage], sP, len(update), acc_s, update)
-            if u == 0 and j > 0:  # the last chunk's round(dS') has reached memory: the per-chunk kernel may
-                cute.arch.cp_async_bulk_wait_group(1)  # read it (while the update runs: off the chain)
-                release_flag(mReady, i_c + 1, i_hv)
+            if u == 0 and j > 0 and j % FLAG_EVERY == 0:  # the last FLAG_EVERY chunks' round(dS') have
+                cute.arch.cp_async_bulk_wait_group(1)  # reached memory: the per-chunk kernel may read them
+                release_flags(mReady, i_c + 1, i_c + 1 + FLAG_EVERY, i_hv)  # (while the update runs)
             _wg.wait()
 
         for i in cutlass.range_constexpr(cute.size(acc_s)):
             mDh0[i_n, i_hv, cKV[i][0], cKV[i][1]] = acc_s[i]
         if u == 0:  # the last chunk's round(dS') written before the CTA exits
             cute.arch.cp_async_bulk_wait_group(0)
-        if first < last:  # its flag last, after dh0 (every thread's stores, by the barrier): the per-chunk
+        if first < last:  # the last flags after dh0 (every thread's stores, by the barrier): the per-chunk
             cute.arch.sync_threads()  # kernel's last wait then orders everything this CTA writes
             if u == 0:
-                release_flag(mReady, first, i_hv)
+                release_flags(mReady, first, last - (last - first - 1) // FLAG_EVERY * FLAG_EVERY, i_hv)
+
+
+@cute.jit
+def release_flags(mReady: cute.Tensor, lo: Int32, hi: Int32, i_hv: Int32):
+    """``mReady[c, i_hv] = 1`` for chunks ``lo <= c < hi``, released at the GPU's scope (a proxy fence,
+    then one ``fence.acq_rel.gpu`` for all of them: a membar on this thread's path, so not every
+    chunk), so that the round(dS') this thread stored by TMA (waited for) and what it has seen are
+    visible to a thread that reads a flag with acquire semantics (`acquire_flag`)."""
+    _asm("fence.proxy.async.global; fence.acq_rel.gpu;")
+    for c in cutlass.range(lo, hi, unroll=1):
+        _store_relaxed(mReady, c, i_hv)
 
 
 @dsl_user_op
-def release_flag(mReady: cute.Tensor, i_c: Int32, i_hv: Int32, *, loc=None, ip=None) -> None:
-    """``mReady[i_c, i_hv] = 1`` with release semantics at the GPU's scope, after a proxy fence: the
-    round(dS') this thread stored by TMA (waited for) and what it has seen are visible to a thread that
-    reads the flag with acquire semantics (`acquire_flag`)."""
+def _asm(text: str, *, loc=None, ip=None) -> None:
+    llvm.inline_asm(None, [], text, "", has_side_effects=True, is_align_stack=False,
+                    asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def _store_relaxed(mReady: cute.Tensor, i_c: Int32, i_hv: Int32, *, loc=None, ip=None) -> None:
+    """``mReady[i_c, i_hv] = 1``, a relaxed store at the GPU's scope (after `release_flags`'s fence)."""
     addr = (mReady[i_c, None].iterator + i_hv).toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip)
-    llvm.inline_asm(None, [addr], "fence.proxy.async.global; st.release.gpu.global.b32 [$0], 1;", "l",
-                    has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+    llvm.inline_asm(None, [addr], "st.relaxed.gpu.global.b32 [$0], 1;", "l", has_side_effects=True,
+                    is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
 
 
 @dsl_user_op
