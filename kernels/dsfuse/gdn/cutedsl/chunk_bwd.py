@@ -48,6 +48,14 @@ rows land: meanwhile it asks L2 for the rows of the CTA of its rank one wave lat
 clusters on: those that run at once, from the SM count), whose own loads then come from L2. The
 two states' tiles (full ``K x V`` tiles, no rows past a chunk) land by TMA, issued by one thread and
 counted in bytes on an mbarrier; the chunk's rows by 16-byte ``cp.async`` (zeros past its end).
+
+The kernel starts while the reverse chain runs: it is launched as the chain's programmatic dependent
+(the chain lets it start once every chain's CTA has started, so no waiting CTA can keep a chain from
+an SM), and each CTA waits for its chunk's flag, which the chain releases once that chunk's
+``round(dS')`` is in memory, before it loads it. Its clusters start in the order in which the chains
+finish the chunks (``finished``: by place from the document's end), so the SMs the chains leave idle
+(with few long documents, most of them) run the chunks already done. Every CTA computes what it
+would after the chain: the same bits, only earlier.
 """
 
 from __future__ import annotations

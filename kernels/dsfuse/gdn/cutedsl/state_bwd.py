@@ -33,6 +33,11 @@ third barrier (the next chunk's first step writes the tile again).
 Shared memory at K = V = 128, bf16: two stages of q, k, dO rows (96 KiB), of ``round(A Gamma)``
 (16 KiB) and of the factors (4 KiB); ``round(dS')`` 32 KiB; ``round(P)`` 8 KiB; ``round(dv_new)``,
 the rounded dO and dX terms 16 KiB each: 204 KiB and the alignment, one CTA per SM.
+
+For the per-chunk gradients that start while it runs (`dsfuse.gdn.cutedsl.chunk_bwd`, its
+programmatic dependent: every CTA lets it launch as it starts), thread 0 sets a flag per chunk once
+that chunk's ``round(dS')`` store has completed: four chunks at a time while the state's update
+runs (the release is a memory barrier on its path), the document's last ones after ``dh0``.
 """
 
 from __future__ import annotations
