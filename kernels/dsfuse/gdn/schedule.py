@@ -126,12 +126,13 @@ def reverse_chain_order(bounds: list[int]) -> list[int]:
     """The chunks in about the order in which chains that walk each document from its last chunk to
     its first, all at once, finish them: by their place from their document's end, then in
     `document_order`. Timing only (which chunks a later kernel takes up first), never a value."""
-    chunks = [-(-(end - start) // CHUNK_SIZE) for start, end in zip(bounds, bounds[1:])]
-    first = [sum(chunks[:n]) for n in range(len(chunks))]
-    rank = {n: i for i, n in enumerate(document_order(bounds))}
-    return [first[n] + chunks[n] - 1 - s
-            for s, n in sorted(((s, n) for n in range(len(chunks)) for s in range(chunks[n])),
-                               key=lambda sn: (sn[0], rank[sn[1]]))]
+    chunks = torch.tensor([-(-(end - start) // CHUNK_SIZE) for start, end in zip(bounds, bounds[1:])],
+                          dtype=torch.long)
+    rank = torch.empty_like(chunks)
+    rank[torch.tensor(document_order(bounds), dtype=torch.long)] = torch.arange(len(chunks))
+    doc = torch.repeat_interleave(torch.arange(len(chunks)), chunks)  # each chunk's document
+    place = torch.cumsum(chunks, 0)[doc] - 1 - torch.arange(len(doc))  # from the document's end
+    return torch.argsort(place * max(len(chunks), 1) + rank[doc]).tolist()  # distinct keys
 
 
 TABLE_CACHE_SIZE = 64
