@@ -114,7 +114,7 @@ def case_rows(case, timer: Timer, samples: int, device: torch.device) -> list[di
     torch.cuda.synchronize(device)
     ours = {"dq": f_dq, "dk": f_dk, "dv": f_dv, "dg": f_dg, "dbeta": f_dbeta, "dh0": dh0}
     kept = {name: t.clone() for name, t in ours.items()}
-    for t in ours.values():
+    for t in (*ours.values(), dstates):  # dstates too: a read before its flag would find NaN
         t.fill_(float("nan"))
     fused()
     torch.cuda.synchronize(device)

@@ -203,9 +203,10 @@ def _load_cluster4(ptr, *, loc=None, ip=None) -> tuple:
 
 
 class ChunkBackward:
-    """``(q, k, v, do, a_round, factors, states, dstates, chunk_indices, dq, dk, dv, dg, dbeta, scale)``:
-    grid (NC, HV) of 256 threads in clusters of ``HV / H`` (module docstring); ``states``, ``dstates``
-    ``[NC * K, HV, V]``, ``dq``, ``dk`` ``[T, H, K]``."""
+    """``(q, k, v, do, a_round, factors, states, dstates, chunk_indices, dq, dk, dv, dg, dbeta, ready, slots,
+    scale, ahead, dependent)``: grid (NC * HV) of 256 threads, CTA ``slot * HV + hv`` for chunk
+    ``slots[slot]`` and value head ``hv``, in clusters of ``HV / H`` along it (module docstring);
+    ``states``, ``dstates`` ``[NC * K, HV, V]``, ``dq``, ``dk`` ``[T, H, K]``."""
 
     def __init__(self, dtype: torch.dtype, heads: int, value_heads: int, dim_k: int, dim_v: int, l2norm: bool):
         self.dtype, self.heads, self.value_heads, self.dim_k, self.dim_v, self.l2norm = (
@@ -699,8 +700,10 @@ def launch_chunk_backward(q, k, v, do, a_round, factors, states, dstates, chunk_
     ``[NC, HV]``, the flags of the reverse chain launched right before, `launch_state_backward`'s), it
     starts while that chain runs, and each CTA waits for its chunk's flag before it reads
     ``round(dS')``; ``finished`` (int32 ``[NC]``, a permutation of the chunks: the chain table's
-    ``finished``) is the order in which its clusters start (timing only). Without ``ready``, every
-    ``dstates`` must already be in memory (flags of ones: no wait; an ordinary launch)."""
+    ``finished``) is the order in which its clusters start (timing only; not checked, as it lives on
+    the GPU: a chunk missing or repeated is not computed or computed twice). Without ``ready``, every
+    ``dstates`` must already be in memory (flags of ones: no wait; an ordinary launch). With it, a
+    kernel other than that chain right before this launch leaves its CTAs waiting for ever."""
     heads, dim_k = k.shape[1:]
     value_heads, dim_v = v.shape[1:]
     if reasons := shape_reasons(q.dtype, heads, value_heads, dim_k, dim_v):

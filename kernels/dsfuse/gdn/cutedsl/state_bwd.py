@@ -21,14 +21,15 @@ Per chunk, from the preparing UT inverse's ``round(A Gamma)`` and rows' factors 
 an accumulator or, where they sit on the contracted dimension, the operand before its rounding.
 No atomics, a fixed order: the same bits on every run and any SM count.
 
-Per chunk, 3 barriers: (1) ``round(dS')`` stored; (2) ``round(dv_new)`` stored (``k round(dS')``
-and ``round(P)^T dO`` issued together, the previous chunk's loads started meanwhile, ``round(dS')``
-to memory and the rounded dO term stored while they run); (3) the rounded ``dX`` term stored and the
-previous chunk's rows landed; then the state's update, and while it runs the previous chunk's ``q
-k^T`` gated and stored as ``round(P)``: the chain waits on three products a chunk (``round(P)`` of
-the first chunk is made before the loop). ``round(dS')`` goes to memory from its shared-memory tile
-by one thread's TMA store (two 128 x 64 boxes), whose reads of the tile are waited for before the
-third barrier (the next chunk's first step writes the tile again).
+Per chunk, 3 barriers (and one after the loop, before the last flags below): (1) ``round(dS')``
+stored; (2) ``round(dv_new)`` stored (``k round(dS')`` and ``round(P)^T dO`` issued together, the
+previous chunk's loads started meanwhile, ``round(dS')`` to memory and the rounded dO term stored
+while they run); (3) the rounded ``dX`` term stored and the previous chunk's rows landed; then the
+state's update, and while it runs the previous chunk's ``q k^T`` gated and stored as ``round(P)``:
+the chain waits on three products a chunk (``round(P)`` of the first chunk is made before the loop).
+``round(dS')`` goes to memory from its shared-memory tile by one thread's TMA store (two 128 x 64
+boxes), whose reads of the tile are waited for before the third barrier (the next chunk's first step
+writes the tile again).
 
 Shared memory at K = V = 128, bf16: two stages of q, k, dO rows (96 KiB), of ``round(A Gamma)``
 (16 KiB) and of the factors (4 KiB); ``round(dS')`` 32 KiB; ``round(P)`` 8 KiB; ``round(dv_new)``,
@@ -82,7 +83,7 @@ def shape_reasons(dtype: torch.dtype, heads: int, value_heads: int, dim_k: int, 
 
 
 class StateBackward:
-    """``(q, k, do, a_round, factors, chunk_indices, chunk_offsets, order, dht, dh0, dstates, scale)``:
+    """``(q, k, do, a_round, factors, chunk_indices, chunk_offsets, order, dht, dh0, dstates, ready, scale)``:
     grid (1, HV, len(order)) of 256 threads, CTA ``(0, hv, z)`` walking document ``order[z]``
     (module docstring)."""
 
@@ -384,10 +385,11 @@ def launch_state_backward(q, k, do, a_round, factors, chunk_indices, chunk_offse
     caller's contract, not checkable here); ``dht`` fp32 ``[N, HV, K, V]`` (zeros for none), ``dh0``
     likewise, contiguous; ``chunk_indices``, ``chunk_offsets`` as the forward's. ``ready``: int32
     ``[NC, HV]`` zeros, contiguous, or None: the kernel sets ``ready[c, hv]`` to 1 (release, GPU scope)
-    once ``round(dS')`` of chunk ``c`` and value head ``hv`` is in memory, and that of a document's
-    first chunk after its ``dh0`` too: what `dsfuse.gdn.cutedsl.chunk_bwd.launch_chunk_backward` waits
-    on when it runs as this kernel's programmatic dependent (every chunk of every document of
-    ``order``: ``order`` must then name them all)."""
+    once ``round(dS')`` of chunk ``c`` and value head ``hv`` is in memory (four chunks at a time; a
+    document's first one to four chunks after its ``dh0``): what
+    `dsfuse.gdn.cutedsl.chunk_bwd.launch_chunk_backward` waits on when it runs as this kernel's
+    programmatic dependent. Every chunk of every document must then be flagged, so ``order`` must
+    name every document once (checked: its length; not its values, which live on the GPU)."""
     heads, dim_k = k.shape[1:]
     value_heads, dim_v = do.shape[1:]
     if reasons := shape_reasons(q.dtype, heads, value_heads, dim_k, dim_v):
