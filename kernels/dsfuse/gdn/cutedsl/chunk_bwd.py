@@ -183,13 +183,6 @@ def inner_product(buf_a, buf_b, dtype: cutlass.Constexpr, n: cutlass.Constexpr, 
 
 
 @dsl_user_op
-def _fence_asm(text: str, *, loc=None, ip=None) -> None:
-    """One fence instruction, ``text``, that the DSL does not wrap."""
-    llvm.inline_asm(None, [], text, "", has_side_effects=True, is_align_stack=False,
-                    asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
-
-
-@dsl_user_op
 def _load_cluster4(ptr, *, loc=None, ip=None) -> tuple:
     """Four consecutive fp32 from a cluster peer's shared memory (16-byte aligned ``ptr`` from
     ``cute.arch.map_dsmem_ptr``): one ``ld.shared::cluster.v4.f32``."""
@@ -529,7 +522,7 @@ class ChunkBackward:
         """Step 8's wait: every warp of the cluster arrived in step 7 (`_partials_stored`); then the
         acquire of what they released."""
         cute.arch.mbarrier_wait(mbar, 0)
-        _fence_asm("fence.acquire.sync_restrict::shared::cluster.cluster;")
+        state_bwd.fence_asm("fence.acquire.sync_restrict::shared::cluster.cluster;")
 
     @cute.jit
     def _start_states(self, mbar, atoms: tuple, tiles: tuple, sources: tuple, i_c: Int32, i_hv: Int32):
@@ -555,7 +548,7 @@ class ChunkBackward:
         cute.arch.cluster_wait()  # the peers' barriers are initialised
         cute.arch.sync_warp()
         if u % 32 == 0:
-            _fence_asm("fence.release.sync_restrict::shared::cta.cluster;")
+            state_bwd.fence_asm("fence.release.sync_restrict::shared::cta.cluster;")
             for g in cutlass.range_constexpr(group):
                 cute.arch.mbarrier_arrive(mbar, g, relaxed=True, scope=_MemScope.CLUSTER)
 

@@ -262,13 +262,14 @@ def release_flags(mReady: cute.Tensor, lo: Int32, hi: Int32, i_hv: Int32):
     then one ``fence.acq_rel.gpu`` for all of them: a membar on this thread's path, so not every
     chunk), so that the round(dS') this thread stored by TMA (waited for) and what it has seen are
     visible to a thread that reads a flag with acquire semantics (`acquire_flag`)."""
-    _asm("fence.proxy.async.global; fence.acq_rel.gpu;")
+    fence_asm("fence.proxy.async.global; fence.acq_rel.gpu;")
     for c in cutlass.range(lo, hi, unroll=1):
         _store_relaxed(mReady, c, i_hv)
 
 
 @dsl_user_op
-def _asm(text: str, *, loc=None, ip=None) -> None:
+def fence_asm(text: str, *, loc=None, ip=None) -> None:
+    """Fence instructions, ``text``, that the DSL does not wrap (also `dsfuse.gdn.cutedsl.chunk_bwd`'s)."""
     llvm.inline_asm(None, [], text, "", has_side_effects=True, is_align_stack=False,
                     asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
 
