@@ -427,3 +427,11 @@ def define_env(env):
         """The ratio of two such medians, each given as ``dict(run=<raw folder>, <column>=<value>, ..)``."""
         top, bottom = dict(top), dict(bottom)
         return _x(_raw_median(top.pop("run"), top) / _raw_median(bottom.pop("run"), bottom))
+
+    @env.macro
+    def raw_time_to_lose(top: dict, bottom: dict, speedup: float = 1.10) -> str:
+        """How much of ``top``'s median time (given as for `raw_median_ratio`) it would still have to
+        lose to be ``speedup`` times as fast as ``bottom``'s: a whole percentage, or "none"."""
+        top, bottom = dict(top), dict(bottom)
+        short = 1 - _raw_median(bottom.pop("run"), bottom) / speedup / _raw_median(top.pop("run"), top)
+        return f"{100 * short:.0f} %" if short > 0 else "none"
