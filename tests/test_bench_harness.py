@@ -475,3 +475,36 @@ def test_start_run_writes_env_and_reads_the_config(tmp_path, monkeypatch):
     assert env["git_commit"] == "abc1234" and env["device"] == "cpu", env
     assert env["kernel_sources"], sorted(env)
     assert config["op"] == "gdn" and config == load_config("experiments/gdn/configs/smoke.yaml")
+
+
+def test_each_process_releases_its_cache_before_the_other_makes_its_reference(monkeypatch):
+    """`_run_case` gives its allocator's cache back before the own process's checks and before its build
+    (each makes a float64 reference, too large for two caches at 131,072 tokens)."""
+    events = []
+    monkeypatch.setattr(harness, "release_cached_memory", lambda device: events.append("release"))
+
+    class Apart:
+        names = ["control"]
+
+        def check_before(self, case_name):
+            events.append("apart.check_before")
+            return []
+
+        def build(self):
+            events.append("apart.build")
+            return [], []
+
+        def memory(self):
+            return []
+
+        def check_after(self):
+            events.append("apart.check_after")
+            return []
+
+    experiment = _fake_experiment()
+    case = experiment.cases({})[0]
+    providers = experiment.providers({})[:2]
+    settings = harness.RunSettings(blocks=1, samples=1, clocks=["wall"], regimes=["hot"])
+    timer = harness.Timer(torch.device("cpu"), settings.flush_bytes)
+    harness._run_case(experiment, case, providers, settings, timer, torch.device("cpu"), [], [], apart=Apart())
+    assert events == ["release", "apart.check_before", "release", "apart.build", "apart.check_after"]

@@ -133,10 +133,14 @@ class _Worker:
         cases = {case.name: case for case in self.experiment.cases(self.config)}
         self.case = self.harness.CaseRun(self.experiment, cases[case_name], self.providers, self.settings,
                                          self.timer, self.device)
-        return self.case.check_before()
+        rows = self.case.check_before()
+        self.harness.release_cached_memory(self.device)  # room for the run's process's next reference
+        return rows
 
     def build(self):
-        return self.case.build()
+        built = self.case.build()
+        self.harness.release_cached_memory(self.device)
+        return built
 
     def memory(self) -> list[dict]:
         return self.case.memory()
@@ -146,10 +150,7 @@ class _Worker:
 
     def check_after(self) -> list[dict]:
         rows, self.case = self.case.check_after(), None
-        if self.device.type == "cuda":
-            import torch
-
-            torch.cuda.empty_cache()
+        self.harness.release_cached_memory(self.device)
         return rows
 
 
