@@ -11,6 +11,7 @@ shares and compares them with one process's result (:func:`single`).
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from pathlib import Path
 
@@ -104,6 +105,29 @@ def single(case: dict, device="cpu") -> dict:
     return run_once(case, make_inputs(case, device), 0, case["bounds"][-1])
 
 
+@contextlib.contextmanager
+def split_rule(split):
+    """Within it, `chunk_gdn` splits long documents by ``SplitRule(*split)`` (``split``: ``(segment,
+    above)`` in chunks; None: the default rule); yields the list of the split passes the schedule
+    runs (``"state"``, ``"reverse"``)."""
+    from dsfuse.gdn import schedule
+    from dsfuse.gdn import split as split_mod
+
+    passes: list[str] = []
+    if split is None:
+        yield passes
+        return
+    saved = split_mod.RULE, schedule.split_state_pass, schedule.split_state_backward
+    real_pass, real_back = saved[1:]
+    split_mod.RULE = split_mod.SplitRule(*split)
+    schedule.split_state_pass = lambda *a, **k: passes.append("state") or real_pass(*a, **k)
+    schedule.split_state_backward = lambda *a, **k: passes.append("reverse") or real_back(*a, **k)
+    try:
+        yield passes
+    finally:
+        split_mod.RULE, schedule.split_state_pass, schedule.split_state_backward = saved
+
+
 def _bitwise_equal(a: dict, b: dict) -> bool:
     return all((a[n] is None and b[n] is None) or (a[n] is not None and torch.equal(a[n], b[n])
                and torch.equal(a[n].isnan(), b[n].isnan())) for n in a)
@@ -124,11 +148,13 @@ def run_rank(rank: int, world: int, init: str, out_dir: str, cases: list[dict], 
             shard = cp_shards(torch.tensor(case["bounds"]), world)[rank]
             x = make_inputs(case, device)
             weight = (rank + 1) / (world * (world + 1) / 2)  # the ranks' dht weights sum to 1
-            with cp.count_exchanged_bytes() as log:
-                first = run_once(case, x, shard.start, shard.end, dist.group.WORLD, weight)
-            second = run_once(case, x, shard.start, shard.end, dist.group.WORLD, weight)
+            with split_rule(case.get("split")) as passes:
+                with cp.count_exchanged_bytes() as log:
+                    first = run_once(case, x, shard.start, shard.end, dist.group.WORLD, weight)
+                second = run_once(case, x, shard.start, shard.end, dist.group.WORLD, weight)
             torch.save(dict(result=first, repeat_equal=_bitwise_equal(first, second), exchanged=log,
-                            shard=(shard.start, shard.end)), Path(out_dir) / f"{case['name']}-{rank}.pt")
+                            shard=(shard.start, shard.end), split_passes=passes),
+                       Path(out_dir) / f"{case['name']}-{rank}.pt")
     finally:
         dist.destroy_process_group()
 

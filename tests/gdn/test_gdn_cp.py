@@ -159,6 +159,24 @@ def test_cpu_fused_stages_three_ranks(backend, tmp_path):
         _compare(joined, worker.single(case), TOL[case["dtype"]], f"{case['name']} {backend} W=3")
 
 
+@pytest.mark.serves("stages")  # the backends whose state passes split long documents
+def test_cpu_split_documents_across_two_ranks(backend, tmp_path):
+    """The long-document split (`dsfuse.gdn.split`, here segments of 2 chunks for documents over 3)
+    inside each rank's share under context parallelism: one document of 513 tokens crosses the two
+    ranks and is cut on both (its share has five chunks on rank 0 and four on rank 1, each ending in
+    a partial one), a short one on each rank stays whole. Against one process without the split (fp32 tolerance), bitwise run to
+    run on each rank; each rank ran the split's forward and reverse passes."""
+    bounds = [0, 7, 520, 600]
+    case = dict(name="split-float32-l2-h0-ht", bounds=bounds, heads=1, value_heads=2, dim=16, dtype=torch.float32,
+                l2=True, initial_state=True, final_state=True, backend=backend, packed=True, seed=7, split=(2, 3))
+    _spawn(2, tmp_path, [case])
+    joined, records = worker.assemble(tmp_path, case, 2)
+    _check_records(records, case, 2)
+    _compare(joined, worker.single(dict(case, split=None)), TOL[case["dtype"]], f"{case['name']} {backend} W=2")
+    for rank, rec in enumerate(records):
+        assert {"state", "reverse"} <= set(rec["split_passes"]), (rank, rec["split_passes"])
+
+
 def test_shards():
     from dsfuse.gdn import cp_shards
 
