@@ -199,12 +199,13 @@ def test_the_chunks_in_the_order_the_reverse_chain_finishes_them(lengths):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("lengths", [[4000], [4096, 64, 700, 1, 0, 130, 4097]])
+@pytest.mark.parametrize("lengths", [[4000], [4096, 64, 700, 1, 0, 130, 100, 4097]])
 def test_the_overlapped_kernels_give_the_serial_bits(lengths):
     """The per-chunk kernel launched as a programmatic dependent of the reverse chain, each CTA waiting
     for its chunk's flag (as `chunk_gdn` runs them), gives the bits of the two kernels one after the
     other, five times over: one long document (most of its CTAs wait) and documents of other lengths
-    (63, 64, 65, 11, 3 and 1 chunks: every remainder of the chain's flags, four at a time). Every
+    (63, 64, 65, 11, 3, 2 and 1 chunks: a document's last batch of the chain's flags, four at a time,
+    holds one, two, three or four of them). Every
     result is kept, so no run's round(dS') lands where an earlier run left the right values."""
     cutedsl_or_skip()
     if torch.cuda.get_device_capability() != (9, 0):
