@@ -431,7 +431,7 @@ def define_env(env):
     @env.macro
     def raw_time_to_lose(top: dict, bottom: dict, speedup: float = 1.10) -> str:
         """How much of ``top``'s median time (given as for `raw_median_ratio`) it would still have to
-        lose to be ``speedup`` times as fast as ``bottom``'s: a whole percentage, or "none"."""
+        lose to be ``speedup`` times as fast as ``bottom``'s: a whole percentage, "under 1 %", or "none"."""
         top, bottom = dict(top), dict(bottom)
         short = 1 - _raw_median(bottom.pop("run"), bottom) / speedup / _raw_median(top.pop("run"), top)
-        return f"{100 * short:.0f} %" if short > 0 else "none"
+        return "none" if short <= 0 else "under 1 %" if short < 0.005 else f"{100 * short:.0f} %"

@@ -482,6 +482,10 @@ def test_each_process_releases_its_cache_before_the_other_makes_its_reference(mo
     (each makes a float64 reference, too large for two caches at 131,072 tokens)."""
     events = []
     monkeypatch.setattr(harness, "release_cached_memory", lambda device: events.append("release"))
+    for step in ("check_before", "build"):
+        real = getattr(harness.CaseRun, step)
+        monkeypatch.setattr(harness.CaseRun, step,
+                            lambda self, _real=real, _step=step: events.append(f"here.{_step}") or _real(self))
 
     class Apart:
         names = ["control"]
@@ -507,4 +511,5 @@ def test_each_process_releases_its_cache_before_the_other_makes_its_reference(mo
     settings = harness.RunSettings(blocks=1, samples=1, clocks=["wall"], regimes=["hot"])
     timer = harness.Timer(torch.device("cpu"), settings.flush_bytes)
     harness._run_case(experiment, case, providers, settings, timer, torch.device("cpu"), [], [], apart=Apart())
-    assert events == ["release", "apart.check_before", "release", "apart.build", "apart.check_after"]
+    assert events == ["here.check_before", "release", "apart.check_before", "here.build", "release", "apart.build",
+                      "apart.check_after"]

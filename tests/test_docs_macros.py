@@ -39,6 +39,7 @@ def test_time_to_lose_is_the_share_of_the_candidates_median_above_the_margin(mac
     # medians 100 and 120.5: 1.10x faster needs 120.5 / 1.1 = 109.5 us, so nothing to lose; 1.25x needs 96.4 us
     assert macros["raw_time_to_lose"](dsfuse, control) == "none"
     assert macros["raw_time_to_lose"](dsfuse, control, speedup=1.25) == "4 %"
+    assert macros["raw_time_to_lose"](dsfuse, control, speedup=1.2096) == "under 1 %"  # needs 99.6 us
     assert macros["raw_median_ratio"](dsfuse, control) == "0.83x"
 
 

@@ -611,7 +611,7 @@ def _run_case(experiment, case: Case, providers: list[Provider], settings: RunSe
     here = CaseRun(experiment, case, [p for p in providers if apart is None or p.name not in apart.names],
                    settings, timer, device)
     validation += here.check_before()
-    if apart is not None:  # each process's reference is freed, and its cache released, before the other's
+    if apart is not None:  # what this process's allocator caches but no longer uses, back before the other's reference
         release_cached_memory(device)
         validation += apart.check_before(case.name)
     built, local = here.build()  # the check set is freed before the timing set is made
