@@ -164,8 +164,9 @@ def test_cpu_split_documents_across_two_ranks(backend, tmp_path):
     """The long-document split (`dsfuse.gdn.split`, here segments of 2 chunks for documents over 3)
     inside each rank's share under context parallelism: one document of 513 tokens crosses the two
     ranks and is cut on both (its share has five chunks on rank 0 and four on rank 1, each ending in
-    a partial one), a short one on each rank stays whole. Against one process without the split (fp32 tolerance), bitwise run to
-    run on each rank; each rank ran the split's forward and reverse passes."""
+    a partial one), a short one on each rank stays whole. Against one process without the split
+    (fp32 tolerance), bitwise run to run on each rank; each rank ran the split's forward and reverse
+    passes."""
     bounds = [0, 7, 520, 600]
     case = dict(name="split-float32-l2-h0-ht", bounds=bounds, heads=1, value_heads=2, dim=16, dtype=torch.float32,
                 l2=True, initial_state=True, final_state=True, backend=backend, packed=True, seed=7, split=(2, 3))
