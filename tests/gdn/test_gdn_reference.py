@@ -386,6 +386,46 @@ def test_wy_state_pass_and_output_match_the_recurrence(gates):
     assert_max_rel(stages.o, o_trace, 1e-12, "stages.o")
 
 
+@pytest.mark.parametrize("gates", ["model", "strong"])
+def test_chunk_maps_composed_by_a_tree_are_the_walk(gates):
+    """`chunk_affine_maps` and `compose_maps`: one document of 7 chunks (the last partial, so the tree
+    carries an odd one up at two levels), its ``(M, E)`` by the tree equal the state pass from the
+    identity with ``u = 0`` and from zero (fp64, 1e-12); two segments' maps merged carry the initial
+    state to the walk's final state; in fp32 the tree stays within the contract's 1e-5 of fp64."""
+    from dsfuse.gdn.reference import chunk_affine_maps, compose_maps
+
+    layout, heads, size = (1, 100, [0, 100]), (1, 2), 16
+    inputs, _, _ = make_inputs(layout, heads, seed=12, gates=gates, dk=DK, dv=DK)  # V = K: M's walk is a state
+    stages = chunk_gdn_stages(**inputs, scale=0.5, use_qk_l2norm_in_kernel=True, chunk_size=size)
+    ci = stages.chunk_indices
+    k, v, beta, g = (to_chunks(x, ci, size) for x in (stages.k, inputs["v"][0].double(),
+                                                      inputs["beta"][0].double(), inputs["g"][0].double()))
+    g_cum = chunk_local_cumsum(g)  # padding (g = 0) holds the last token's value, as the kernels' chunks do
+    assert_max_rel(from_chunks(g_cum, ci, 100), stages.g_cum, 1e-15, "g_cum")
+    w, u = wy_representation(ut_transform(k, beta, g_cum), k, v, beta, g_cum)
+    hv = k.shape[1]
+    eye = torch.eye(DK, dtype=F64).expand(1, hv, DK, DK)
+    m_walk = chunk_state_pass(k, w, torch.zeros_like(u), g_cum, ci, 1, eye)[2][0]
+    e_walk = chunk_state_pass(k, w, u, g_cum, ci, 1, torch.zeros(1, hv, DK, DK, dtype=F64))[2][0]
+    t, b = chunk_affine_maps(k, w, u, g_cum)
+    m, e = compose_maps(t, b)
+    assert len(ci) == 7
+    assert_max_rel(m, m_walk, 1e-12, "M by the tree")
+    assert_max_rel(e, e_walk, 1e-12, "E by the tree")
+
+    h0 = inputs["initial_state"][0].double()
+    (m1, e1), (m2, e2) = compose_maps(t[:3], b[:3]), compose_maps(t[3:], b[3:])
+    final_walk = chunk_state_pass(k, w, u, g_cum, ci, 1, h0[None])[2][0]
+    assert_max_rel(m2 @ (m1 @ h0 + e1) + e2, final_walk, 1e-12, "two segments merged")
+
+    m32, e32 = compose_maps(*(x.float() for x in chunk_affine_maps(k.float(), w.float(), u.float(), g_cum.float())))
+    assert_rel_rms(m32, m_walk, 1e-5, "M by the tree in fp32")
+    assert_rel_rms(e32, e_walk, 1e-5, "E by the tree in fp32")
+    assert torch.equal(compose_maps(t[:1], b[:1])[0], t[0]), "one chunk: its own map"
+    with pytest.raises(ValueError, match="at least one chunk"):
+        compose_maps(t[:0], b[:0])
+
+
 # ----------------------------------------------------------------------------- helpers and errors
 
 
