@@ -1,5 +1,5 @@
 """How accurate a segment's state map is when composed by a fixed tree in fp32 rather than walked
-(`dsfuse.gdn.reference.chunk_affine_maps`, `compose_maps`; the design in
+(`dsfuse.gdn.chunk_maps.chunk_affine_maps`, `compose_maps`; the design in
 `notes/long-document-split.md`). One document, one value head, K = V = 128, chunks of 64, the
 L2 norm on, the model's gates and strong ones, on the CPU. For each segment length it writes the
 relative RMS error against the float64 walk of ``M`` (the state pass from the identity with u = 0)
@@ -21,11 +21,10 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT / "kernels"), str(ROOT / "tests"), str(ROOT / "tests" / "gdn")]
 
 from dsfuse.gdn import chunk_gdn_stages  # noqa: E402
+from dsfuse.gdn.chunk_maps import chunk_affine_maps, compose_maps  # noqa: E402
 from dsfuse.gdn.reference import (  # noqa: E402
-    chunk_affine_maps,
     chunk_local_cumsum,
     chunk_state_pass,
-    compose_maps,
     to_chunks,
     ut_transform,
     wy_representation,

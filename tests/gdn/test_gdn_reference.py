@@ -392,7 +392,7 @@ def test_chunk_maps_composed_by_a_tree_are_the_walk(gates):
     carries an odd one up at two levels), its ``(M, E)`` by the tree equal the state pass from the
     identity with ``u = 0`` and from zero (fp64, 1e-12); two segments' maps merged carry the initial
     state to the walk's final state; in fp32 the tree stays within the contract's 1e-5 of fp64."""
-    from dsfuse.gdn.reference import chunk_affine_maps, compose_maps
+    from dsfuse.gdn.chunk_maps import chunk_affine_maps, compose_maps
 
     layout, heads, size = (1, 100, [0, 100]), (1, 2), 16
     inputs, _, _ = make_inputs(layout, heads, seed=12, gates=gates, dk=DK, dv=DK)  # V = K: M's walk is a state

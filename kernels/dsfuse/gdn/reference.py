@@ -303,36 +303,6 @@ def chunk_state_pass(k: torch.Tensor, w: torch.Tensor, u: torch.Tensor, g_cum: t
     return h, v_new, final_state
 
 
-def chunk_affine_maps(k: torch.Tensor, w: torch.Tensor, u: torch.Tensor, g_cum: torch.Tensor):
-    """Each chunk's step of `chunk_state_pass` as an affine map of the state, ``h_next = T h + B``::
-
-        T = exp(G_last) I - (k * exp(G_last - G))^T w      # [NC, HV, K, K]
-        B = (k * exp(G_last - G))^T u                       # [NC, HV, K, V]: the step from h = 0
-
-    A run of chunks composes to one such map (`compose_maps`), the segment's ``(M, E)`` of
-    `dsfuse.gdn.split`, without walking the state through the chunks."""
-    g_last = g_cum[..., -1]  # [NC, HV]
-    k_decayed = k * (g_last[..., None] - g_cum).exp()[..., None]  # [NC, HV, C, K]
-    eye = torch.eye(k.shape[-1], dtype=k.dtype, device=k.device)
-    t = g_last.exp()[..., None, None] * eye - k_decayed.transpose(-1, -2) @ w
-    return t, k_decayed.transpose(-1, -2) @ u
-
-
-def compose_maps(t: torch.Tensor, b: torch.Tensor):
-    """``(M, E)`` of a run of chunk maps ``t`` ``[n, ..., K, K]``, ``b`` ``[n, ..., K, V]`` in chunk order
-    (``h_out = M h_in + E``), composed by a fixed binary tree: at each level neighbours ``(0, 1),
-    (2, 3), ...`` are joined, ``(T2, B2) o (T1, B1) = (T2 T1, T2 B1 + B2)``, and an odd last one
-    moves up unchanged. The tree, so the order of every rounding, depends on ``n`` alone."""
-    if t.shape[0] == 0:
-        raise ValueError("compose_maps: expected at least one chunk")
-    while t.shape[0] > 1:
-        even = t.shape[0] // 2 * 2
-        first_t, first_b, then_t, then_b = t[0:even:2], b[0:even:2], t[1:even:2], b[1:even:2]
-        joined_t, joined_b = then_t @ first_t, then_t @ first_b + then_b
-        t, b = torch.cat([joined_t, t[even:]]), torch.cat([joined_b, b[even:]])
-    return t[0], b[0]
-
-
 def chunk_output(q: torch.Tensor, k: torch.Tensor, v_new: torch.Tensor, h: torch.Tensor, g_cum: torch.Tensor,
                  scale: float) -> torch.Tensor:
     """``o = scale * [(q * exp(G)) h + tril(q k^T * Gamma) v_new]``: ``[NC, HV, C, V]``.
