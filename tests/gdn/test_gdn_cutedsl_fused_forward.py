@@ -149,8 +149,10 @@ def test_refuses_what_it_cannot_compile():
                                                   "gdn_fused_forward_head_rs_gated_bf16_l2",
                                                   "gdn_fused_forward_head_rs_gated_bf16",
                                                   "gdn_fused_forward_head_rs_gated_states_bf16_l2",
-                                                  "gdn_fused_forward_head_rs_gated_states_bf16"]
-    assert [s.archs for s in module.AOT_SPECS][-10:] == [("sm_90a",)] * 10  # wgmma: Hopper's instruction
+                                                  "gdn_fused_forward_head_rs_gated_states_bf16",
+                                                  "gdn_fused_forward_head_ws_gated_states_parts2_bf16_l2",
+                                                  "gdn_fused_forward_head_ws_gated_states_parts2_bf16"]
+    assert [s.archs for s in module.AOT_SPECS][-12:] == [("sm_90a",)] * 12  # wgmma: Hopper's instruction
     with pytest.raises(ValueError, match="saves the states in the forms"):
         module.compile_fused_forward(torch.bfloat16, 16, 48, 128, 128, True, "sm_90a", form="head", gated=True,
                                      save=True)
@@ -207,7 +209,8 @@ def test_the_wgmma_form_fences_its_writes_before_its_products(tmp_path):
 def test_the_role_split_form_meets_at_named_barriers(tmp_path):
     """The ``head_ws`` form's PTX (sm_90a, CPU), every spec: the same 36 wgmma a chunk as ``head_wgmma``
     (16 by the state team, 20 by the output team, each on two warpgroups: m64n64 for the C x V
-    products, m64n32 for q k^T, m64n128 for the state update), the teams' registers set by
+    products, m64n32 for q k^T, m64n128 for the state update; on halves of the value channels
+    m64n32 and m64n64 for the C x V products and the update), the teams' registers set by
     ``setmaxnreg``, and each team's barriers in the order the protocol needs (module docstring of
     `dsfuse.gdn.cutedsl.fused_fwd_ws`): named barriers only (none is the CTA's), the state team's
     three a chunk, its arrivals (3, 5) with its writes fenced for the tensor cores before them (3
@@ -230,11 +233,13 @@ def test_the_role_split_form_meets_at_named_barriers(tmp_path):
                    "arrive 5"]
     output_chunk = ["sync 3", "arrive 4", "fence", "sync 2", "sync 5", "arrive 6", "sync 2"]
     specs = [spec for spec in module.AOT_SPECS if "_head_ws" in spec.name]
-    assert len(specs) == 2
+    assert len(specs) == 4  # whole value heads, and halves (`COLUMN_PARTS`: V = 64 a CTA, n halved)
     for spec in specs:
         ptx = cute_spec_ptx(spec, "sm_90a", tmp_path)
         shapes = collections.Counter(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", ptx))
-        assert shapes == {"m64n32k16": 8, "m64n64k16": 24, "m64n128k16": 4}, (spec.name, shapes)
+        want = ({"m64n32k16": 32, "m64n64k16": 4} if "_parts2" in spec.name
+                else {"m64n32k16": 8, "m64n64k16": 24, "m64n128k16": 4})
+        assert shapes == want, (spec.name, shapes)
         assert len(re.findall(rf"setmaxnreg\.inc\.sync\.aligned\.u32\s+{STATE_REGS};", ptx)) == 1
         assert len(re.findall(rf"setmaxnreg\.dec\.sync\.aligned\.u32\s+{OUTPUT_REGS};", ptx)) == 1
         assert re.findall(r"bar\.(?:sync|arrive)\s+\d+,\s*(\d+);", ptx).count("512") == 8  # 4 arrivals, 4 waits
@@ -634,7 +639,8 @@ def test_the_overlapped_forward_gives_the_same_bits(l2, heads, monkeypatch):
     (``Overlap(0)``: the inverse, then every chain; the default overlaps in the capture only, the
     others eagerly too), eager and replayed from a CUDA Graph (the side streams forked and joined in
     the capture), outputs poisoned with NaN before each replay. The
-    stages are planned for 1,000 SMs, so that the rule leads at every head count here."""
+    stages are planned for 1,000 SMs, so that the rule leads at every head count here (and each
+    value head's chain kept whole, which the stages need: `test_halved_chains_and_pieces_give_the_same_bits`)."""
     cutedsl_or_skip()
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the prepared forms (wgmma) run on sm_90 only")
@@ -642,6 +648,7 @@ def test_the_overlapped_forward_gives_the_same_bits(l2, heads, monkeypatch):
     from dsfuse.gdn.cutedsl import forward
 
     monkeypatch.setattr(forward, "_sms", lambda device: 1000)
+    monkeypatch.setattr(forward, "column_parts", lambda *args: 1)
     h, hv = heads
     cu = [b // 4 for b in BENCH_BOUNDS[:-1]] + [8192]
     q, k, v, g, beta, _ = _inputs(cu[-1], h, hv, 128, 128, torch.bfloat16, "cuda", seed=3, l2=l2)
@@ -670,6 +677,91 @@ def test_the_overlapped_forward_gives_the_same_bits(l2, heads, monkeypatch):
     for overlap, got in results.items():
         assert all(torch.equal(a, b) for a, b in zip(got, plain)), f"{overlap} changed the bits"
     assert len(forward.stages(cu, hv, 1000, forward.Overlap(1))) > 1  # an overlap ran in every case
+
+
+def test_a_sole_documents_pieces_and_halves_follow_their_rules():
+    """`dsfuse.gdn.cutedsl.forward.pieces`: a document of fewer than four of the last piece's chunks
+    whole; longer, pieces of 16, 32, then 64 chunks to its end (a short last one). `column_parts`:
+    halves on ``head_rs`` at V = 128 where twice the chains fit the SMs, else whole chains."""
+    cutedsl_or_skip()
+    from dsfuse.gdn.cutedsl.forward import column_parts, pieces
+
+    assert pieces(0) == [0, 0] and pieces(255) == [0, 255]
+    assert pieces(256) == [0, 16, 48, 112, 176, 240, 256]
+    assert pieces(512) == [0, 16, 48] + list(range(112, 512, 64)) + [512]
+    for chunks in (256, 257, 300, 2048):
+        cuts = pieces(chunks)
+        sizes = [b - a for a, b in itertools.pairwise(cuts)]
+        assert cuts[0] == 0 and cuts[-1] == chunks and all(n > 0 for n in sizes)
+        assert sizes[:2] == [16, 32] and all(n == 64 for n in sizes[2:-1]) and sizes[-1] <= 64
+    assert column_parts("head_rs", 48, 128, 1, 132) == 2 and column_parts("head_rs", 32, 128, 2, 132) == 2
+    assert column_parts("head_rs", 48, 128, 2, 132) == 1 and column_parts("head_rs", 48, 128, 1, 95) == 1
+    assert column_parts("head_ws", 48, 64, 1, 132) == 1 and column_parts("head", 4, 128, 1, 132) == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads", [(16, 48), (16, 32), (2, 4)])
+@pytest.mark.parametrize("lengths", [[16421], [9000, 7000]])
+def test_halved_chains_and_pieces_give_the_same_bits(heads, lengths, monkeypatch):
+    """`chunk_gdn` on the CuTe DSL backend, bf16, L2 norm, an initial state: each value head's chain
+    walked by two CTAs of 64 channels (`column_parts`, the rule at 132 SMs) and a sole document's
+    chain in pieces after their chunks' inverse (`pieces`; 16,421 tokens: 257 chunks, the last one
+    partial), each alone and both, against whole chains in one launch: o, the final states and every
+    gradient (the backward reads the states the halves save) bitwise, eagerly with autograd; then
+    the forward replayed from a CUDA Graph (the pieces' side stream forked and joined in the
+    capture), its outputs poisoned with NaN before the replay."""
+    cutedsl_or_skip()
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the prepared forms (wgmma) run on sm_90 only")
+    from dsfuse.gdn import chunk_gdn
+    from dsfuse.gdn.cutedsl import forward
+
+    monkeypatch.setattr(forward, "_sms", lambda device: 132)
+    h, hv = heads
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    q, k, v, g, beta, _ = _inputs(cu[-1], h, hv, 128, 128, torch.bfloat16, "cuda", seed=5)
+    gen = torch.Generator(device="cuda").manual_seed(6)
+    h0 = torch.randn(len(lengths), hv, 128, 128, generator=gen, device="cuda") * 0.1
+    do = torch.randn(1, cu[-1], hv, 128, generator=gen, device="cuda").to(torch.bfloat16)
+    dht = torch.randn(len(lengths), hv, 128, 128, generator=gen, device="cuda") * 0.1
+    cu_t = torch.tensor(cu, dtype=torch.int32)  # on the host: read while a CUDA Graph is captured
+
+    def forward_pass(*inputs):
+        return chunk_gdn(*(x[None] for x in inputs), initial_state=h0, output_final_state=True, cu_seqlens=cu_t,
+                         use_qk_l2norm_in_kernel=True, backend="cutedsl")
+
+    def step():
+        inputs = [x.detach().requires_grad_() for x in (q, k, v, g, beta)]
+        o, ht = forward_pass(*inputs)
+        torch.autograd.backward((o, ht), (do, dht))
+        return [o.detach(), ht.detach()] + [x.grad for x in inputs]
+
+    whole = lambda *args: 1  # noqa: E731
+    runs = {}
+    for name, parts, overlap in (("plain", whole, forward.Overlap(0)), ("halves", forward.column_parts, forward.Overlap(0)),
+                                 ("pieces", whole, forward.Overlap(eager=True)),
+                                 ("both", forward.column_parts, forward.Overlap(eager=True))):
+        monkeypatch.setattr(forward, "column_parts", parts)
+        monkeypatch.setattr(forward, "OVERLAP", overlap)
+        runs[name] = step()
+    plain = runs.pop("plain")
+    assert not any(x.isnan().any() for x in plain)
+    for name, got in runs.items():
+        differ = [i for i, (a, b) in enumerate(zip(got, plain)) if not torch.equal(a, b)]
+        assert not differ, f"{name}: outputs {differ} (o, ht, dq, dk, dv, dg, dbeta) changed"
+    monkeypatch.setattr(forward, "OVERLAP", forward.Overlap())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static = forward_pass(q, k, v, g, beta)
+    for x in static:
+        x.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(static, plain[:2])), "graph replay"
+    halved = forward.column_parts("head_rs", hv, 128, len(lengths), 132) == 2
+    assert halved or len(lengths) == 1, "a case here takes the halves, the pieces or both"
 
 
 CHUNK_TAIL = 64 + 7

@@ -256,13 +256,15 @@ def store_rows(copy: cute.TiledCopy, tidx: Int32, sX: cute.Tensor, mX: cute.Tens
 
 @cute.jit
 def start_prepared_rows(u: Int32, threads: cutlass.Constexpr, tiles, sources, start: Int32, rows: Int32,
-                        factor_row: Int32, factor_rows: cutlass.Constexpr, i_h: Int32, i_hv: Int32):
+                        factor_row: Int32, factor_rows: cutlass.Constexpr, i_h: Int32, i_hv: Int32, i_a: Int32):
     """Start the ``cp.async`` copies of a chunk's rows for the kernels that read the preparing UT
     inverse's outputs (the role-split forward, the fused backward), by ``threads`` threads (thread
-    ``u``): q and k of qk head ``i_h``, then a value head's rows (v or dO) and ``round(A Gamma)`` of
-    value head ``i_hv``, rows ``start ..`` (zeros past ``rows``), into ``tiles`` (their shared-memory
-    tiles, in that order); then the ``factor_rows`` fp32 rows of the factors from ``factor_row``, by
-    the first threads (a 16-byte piece each). The caller commits them as a group."""
+    ``u``): q and k of qk head ``i_h``, then a value head's rows (v or dO) of head ``i_hv`` and
+    ``round(A Gamma)`` of value head ``i_a`` (``i_hv`` but where a kernel walks a part of a value
+    head's channels as a head of its own), rows ``start ..`` (zeros past ``rows``), into ``tiles``
+    (their shared-memory tiles, in that order); then the ``factor_rows`` fp32 rows of head ``i_a``'s
+    factors from ``factor_row``, by the first threads (a 16-byte piece each). The caller commits
+    them as a group."""
     sQ, sK, sV, sA, sF = tiles
     mQ, mK, mV, mA, mF = sources
     ab = sQ.element_type
@@ -270,12 +272,12 @@ def start_prepared_rows(u: Int32, threads: cutlass.Constexpr, tiles, sources, st
     copy_v = copy_rows(ab, cute.size(sV, mode=[1]), threads)
     copy_c = copy_rows(ab, cute.size(sA, mode=[1]), threads)
     for copy, m, t, head in ((copy_k, mQ, sQ, i_h), (copy_k, mK, sK, i_h), (copy_v, mV, sV, i_hv),
-                             (copy_c, mA, sA, i_hv)):
+                             (copy_c, mA, sA, i_a)):
         start_rows(copy, u, m, t, start, rows, head)
     width = cute.size(sF, mode=[1])
     factor_threads = factor_rows * width * 4 // 16
     if u < factor_threads:
-        start_rows(copy_rows(Float32, width, factor_threads), u, mF, sF, factor_row, factor_rows, i_hv)
+        start_rows(copy_rows(Float32, width, factor_threads), u, mF, sF, factor_row, factor_rows, i_a)
 
 
 @cute.jit

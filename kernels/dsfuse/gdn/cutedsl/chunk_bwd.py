@@ -287,7 +287,7 @@ class ChunkBackward:
 
         # 0. the chunk's rows and factors (zeros past the chunk's rows), beside the states' TMA loads
         chunk.start_prepared_rows(u, THREADS, (sQ, sK, sV, sA, sF), (mQ, mK, mV, mA, mF), start, rows,
-                                  i_c * len(FACTORS), len(FACTORS), i_h, i_hv)
+                                  i_c * len(FACTORS), len(FACTORS), i_h, i_hv, i_hv)
         chunk.start_rows(chunk.copy_rows(ab, V, THREADS), u, mDO, sDO, start, rows, i_hv)
         cute.arch.cp_async_commit_group()
         self._prefetch_ahead(u, (mQ, mK, mV, mDO, mA, mS, mDS), mChunks, mSlots, slot, i_hv, ahead)

@@ -16,8 +16,11 @@ the buffer that backward reads (the chain kernel saves the states into it); else
 In a CUDA Graph capture the launches overlap where the GPU has room (`stages`, `OVERLAP`): the
 inverse of the longest documents first, then their chains on side streams while the inverse of the
 others runs, so the longest chain, which sets the forward's time when the value heads are few,
-starts early. Every chunk is computed as in one pair of launches (the same bits); only the start
-times change. An eager call keeps the one pair (`Overlap.eager`).
+starts early. A call of one document runs its chain in pieces instead (`pieces`), each after its
+own chunks' inverse, the next piece's inverse beside it. Where the chains are few, each value
+head's chain is walked by two CTAs, each half of its channels (`column_parts`). Every chunk is
+computed as in one pair of launches (the same bits); only the start times and the CTAs change. An
+eager call keeps the one pair (`Overlap.eager`), its chains' halves included.
 
 What the fused kernel does not do, and so this forward does not: split long documents
 (`dsfuse.gdn.split`, whose segments need a separate state pass; ``segment_chunks`` is accepted and
@@ -116,6 +119,41 @@ def stages(bounds: list[int], value_heads: int, sms: int, overlap: Overlap = OVE
     return [(first, end, runs(order[first:end])) for first, end in spans]
 
 
+PIECES = (16, 32, 64)
+"""A sole document's chain pieces in chunks (`pieces`): the first two, then the last one's size
+until the document ends; a document of fewer than ``4 * PIECES[-1]`` chunks stays whole."""
+
+
+def pieces(chunks: int) -> list[int]:
+    """The chunk offsets ``[0, .., chunks]`` at which a sole document's chain is cut (`PIECES`): its
+    first piece short, so the chain starts after little of the inverse. A rule on the length: the
+    outputs are the same bits either way (each piece starts from the fp32 state the last one ended
+    with)."""
+    if chunks < 4 * PIECES[-1]:
+        return [0, chunks]
+    cuts = [0]
+    for size in itertools.chain(PIECES, itertools.repeat(PIECES[-1])):
+        if cuts[-1] + size >= chunks:
+            return cuts + [chunks]
+        cuts.append(cuts[-1] + size)
+
+
+@functools.lru_cache(maxsize=16)
+def _pieces(chunks: int, device: torch.device) -> tuple[list[int], torch.Tensor]:
+    """`pieces` and the same offsets on ``device`` (int32), made once (an eager call makes them, so that a
+    CUDA Graph captured after it copies nothing from the host)."""
+    cuts = pieces(chunks)
+    return cuts, torch.tensor(cuts, dtype=torch.int32, device=device)
+
+
+def column_parts(form: str, value_heads: int, dim_v: int, documents: int, sms: int) -> int:
+    """How many CTAs walk each value head's chain (`dsfuse.gdn.cutedsl.fused_fwd.COLUMN_PARTS`): two,
+    each 64 of its channels on the ``head_ws`` form, where the call's form is ``head_rs`` (V = 128)
+    and twice its chains (value heads x documents) fit the SMs at once; else one. The same bits
+    either way (GPU tests), so the rule may read the SM count."""
+    return 2 if form == "head_rs" and dim_v == 128 and 2 * value_heads * documents <= sms else 1
+
+
 @functools.lru_cache(maxsize=64)
 def _stages(bounds: tuple, value_heads: int, sms: int, overlap: Overlap) -> list[tuple]:
     """`stages`, remembered for the last document layouts (an eager call's plan is read, not changed)."""
@@ -127,6 +165,13 @@ def _side_streams(device: torch.device, count: int) -> tuple:
     """``count`` side streams for the lead stages' chains, created once per device and count; an eager
     call makes them (`FusedForward.calls`), so that a CUDA Graph captured after it creates none."""
     return tuple(torch.cuda.Stream(device) for _ in range(count))
+
+
+@functools.cache
+def _piece_stream(device: torch.device) -> torch.cuda.Stream:
+    """The side stream of a sole document's chain pieces, at high priority (a piece's CTAs then take
+    the SMs before the next inverse's); made once, outside any capture."""
+    return torch.cuda.Stream(device, priority=-1)
 
 
 @functools.cache
@@ -237,20 +282,55 @@ class FusedForward:
             ut_inverse._launch(k_, beta_, g_, rows, a, g_cum, q_in, a_round, factors, use_qk_l2norm, True,
                                bool(prepared), keep_a)
 
+        sms = _sms(v.device)
+        parts = column_parts(form, heads_v, dim_v, table.num_seqs, sms) if v_.stride(1) == dim_v else 1
+
+        def chain(offsets, order, h_in, h_out):  # one launch of the chains of documents `order`
+            fused_fwd._launch(q_, k_, v_, g_, beta_, a, table.indices, offsets, order, h_in, h_out, o, scale,
+                              use_qk_l2norm, "head_ws" if parts > 1 else form, g_cum, prepared.get("a_round"),
+                              prepared.get("factors"), states, parts)
+
+        def split_state():  # the states as the chains read and write them (`fused_fwd.COLUMN_PARTS`)
+            if parts == 1:
+                return h0, final_state
+            return fused_fwd.split_columns(h0, parts), new((table.num_seqs, parts * heads_v, dim_k, dim_v // parts))
+
+        def join_state(h_out):
+            if parts > 1:
+                fused_fwd.join_columns(h_out, parts, final_state)
+
         def fused(first: int = 0, end: int | None = None):  # the chains of documents order[first:end]
             if n == 0:  # no tokens: every document is empty, its final state its initial one (no launch)
                 final_state.copy_(h0)
                 return
-            fused_fwd._launch(q_, k_, v_, g_, beta_, a, table.indices, table.offsets, table.order[first:end], h0,
-                              final_state, o, scale, use_qk_l2norm, form, g_cum, prepared.get("a_round"),
-                              prepared.get("factors"), states)
+            h_in, h_out = split_state()
+            chain(table.offsets, table.order[first:end], h_in, h_out)
+            join_state(h_out)
 
         capturing = torch.cuda.is_current_stream_capturing()
         overlap = OVERLAP if OVERLAP.eager or capturing else Overlap(0)
         if v.device.type == "cuda" and not capturing and OVERLAP.leads:
             _side_streams(v.device, OVERLAP.leads)  # made outside any capture, for one to come
-        plan = _stages(tuple(bounds), heads_v, _sms(v.device), overlap) if n else []
-        if len(plan) <= 1:
+            _piece_stream(v.device)
+        cuts, cut_offsets = _pieces(table.indices.shape[0], v.device) if table.num_seqs == 1 and n else ([], None)
+        plan = _stages(tuple(bounds), heads_v, sms, overlap) if n else []
+
+        def in_pieces():  # a sole document: each piece's chain after its chunks' inverse (`pieces`)
+            main, side = torch.cuda.current_stream(v.device), _piece_stream(v.device)
+            h_in, h_out = split_state()
+            between = [new(h_out.shape) for _ in range(min(2, len(cuts) - 2))]
+            for j, (c0, c1) in enumerate(itertools.pairwise(cuts)):
+                inverse(c0, c1)
+                side.wait_stream(main)
+                with torch.cuda.stream(side):
+                    chain(cut_offsets[j:j + 2], table.order, h_in if j == 0 else between[(j - 1) % 2],
+                          h_out if j == len(cuts) - 2 else between[j % 2])
+            main.wait_stream(side)
+            join_state(h_out)
+
+        if overlap.leads and len(cuts) > 2:
+            calls = [("ut_inverse and fused, in pieces", in_pieces)]
+        elif len(plan) <= 1 or parts > 1:
             calls = [("ut_inverse", inverse), ("fused", fused)]
         else:
             sides = _side_streams(v.device, overlap.leads)[:len(plan) - 1]

@@ -60,15 +60,30 @@ A operand from registers, `dsfuse.gdn.cutedsl.fused_fwd_rs`: sm_90a only)."""
 HEAD_FORMS = ("head", "head_wgmma", "head_ws", "head_rs")  # one CTA per document and value head, 16-byte row copies
 PREPARED_FORMS = ("head_ws", "head_rs")  # reading the preparing inverse's round(A) and factors (gated only)
 ARCHS = {"head_wgmma": ("sm_90a",), "head_ws": ("sm_90a",), "head_rs": ("sm_90a",)}  # the forms an architecture lacks the instructions of
+COLUMN_PARTS = (1, 2)
+"""How many CTAs may walk one value head's chain (``parts``), each ``V / parts`` of its channels as a
+head of its own: the state's columns evolve apart (every product of the chain reduces over K or over
+a chunk's tokens, never over V), so ``parts`` CTAs give the bits of one, for documents too few to
+fill the GPU. The ``head_ws`` form only, on ``V / parts`` of 64 or 128 channels; ``v``, ``o`` and the
+saved states are read as ``[.., parts HV, V / parts]`` views (head ``parts hv + p`` is channels
+``p V / parts ..`` of head ``hv``), ``round(A)`` and the factors by ``hv``, and the initial and final
+states are ``[N, parts HV, K, V / parts]`` (`split_columns`, `join_columns`)."""
 
 
 def shape_reasons(dtype: torch.dtype, heads: int, value_heads: int, dim_k: int, dim_v: int,
-                  form: str = "cuda_core", use_qk_l2norm: bool = False) -> list[str]:
+                  form: str = "cuda_core", use_qk_l2norm: bool = False, parts: int = 1) -> list[str]:
     """Why the kernel cannot be compiled for these sizes (empty when it can): the inverse's, V's, and
     for the tensor-core forms a 16-bit dtype (and the per-head form's head dims, and fp16 with the L2
-    norm)."""
+    norm); with ``parts`` > 1 (`COLUMN_PARTS`), the ``head_ws`` form on ``V / parts`` channels."""
     if form not in FORMS:
         raise ValueError(f"the fused forward's form is one of {FORMS}, not {form!r}")
+    if parts not in COLUMN_PARTS:
+        raise ValueError(f"the fused forward's column parts are one of {COLUMN_PARTS}, not {parts!r}")
+    if parts > 1:
+        reasons = [] if form == "head_ws" else [f"the {form} form walks whole value heads (parts > 1: head_ws)"]
+        if dim_v % parts:
+            return reasons + [f"V = {dim_v} does not split into {parts} parts"]
+        return reasons + shape_reasons(dtype, heads, value_heads, dim_k, dim_v // parts, form, use_qk_l2norm)
     reasons = _inverse_reasons(dtype, heads, value_heads, dim_k)
     if dim_v % BV or dim_v > 256:
         reasons.append(f"head dim V = {dim_v} is not a multiple of {BV} up to 256")
@@ -209,12 +224,15 @@ CACHE = _cd.KernelCache()  # (dtype, H, HV, K, V, l2norm, form, gated, save, arc
 
 
 def _fake_tensors(dtype: torch.dtype, heads: int, value_heads: int, dim_k: int, dim_v: int,
-                  aligned: bool = False, form: str = "cuda_core") -> tuple:
+                  aligned: bool = False, form: str = "cuda_core", parts: int = 1) -> tuple:
     """Fake tensors of the compiled signature: symbolic tokens, chunks and documents; q, k, v, g and beta
     with any token and head strides (packed views; with ``aligned``, q, k, v with 16-byte aligned
     bases and strides, and ``a`` and ``o`` 16-byte aligned), the rest contiguous; the ``head_ws``
-    form's own (`dsfuse.gdn.cutedsl.fused_fwd_ws.FusedForwardWS`)."""
+    form's own (`dsfuse.gdn.cutedsl.fused_fwd_ws.FusedForwardWS`), with ``parts`` (`COLUMN_PARTS`)
+    v, o, the states and h0, ht of ``parts * value_heads`` heads of ``dim_v / parts`` channels."""
     cdt = DTYPES[dtype]
+    heads_a = value_heads  # round(A) and the factors': the value heads (parts of one read one head's)
+    value_heads, dim_v = value_heads * parts, dim_v // parts
     tokens, chunks, docs, docs1, chains = (cute.sym_int() for _ in range(5))
     vector = 16 // dtype.itemsize if aligned else 1
     align = 16 if aligned else None
@@ -240,10 +258,10 @@ def _fake_tensors(dtype: torch.dtype, heads: int, value_heads: int, dim_k: int, 
     o = cute.runtime.make_fake_tensor(cdt, (tokens, value_heads, dim_v), (value_heads * dim_v, dim_v, 1),
                                       assumed_align=align)
     if form in PREPARED_FORMS:  # (q, k, v, a_round, factors, ...): the preparing inverse's, aligned and contiguous
-        a_round = cute.runtime.make_fake_tensor(cdt, (tokens, value_heads, CHUNK), (value_heads * CHUNK, CHUNK, 1),
+        a_round = cute.runtime.make_fake_tensor(cdt, (tokens, heads_a, CHUNK), (heads_a * CHUNK, CHUNK, 1),
                                                 assumed_align=align)
-        factors = cute.runtime.make_fake_tensor(Float32, (cute.sym_int(), value_heads, CHUNK),
-                                                (value_heads * CHUNK, CHUNK, 1), assumed_align=align)
+        factors = cute.runtime.make_fake_tensor(Float32, (cute.sym_int(), heads_a, CHUNK),
+                                                (heads_a * CHUNK, CHUNK, 1), assumed_align=align)
         # the saved states' rows [NC * K, HV, V] (an empty stand-in when not saving)
         states = cute.runtime.make_fake_tensor(cdt, (cute.sym_int(), value_heads, dim_v), (value_heads * dim_v, dim_v, 1),
                                                assumed_align=align)
@@ -253,7 +271,8 @@ def _fake_tensors(dtype: torch.dtype, heads: int, value_heads: int, dim_k: int, 
 
 def compile_fused_forward(dtype: torch.dtype, heads: int, value_heads: int, dim_k: int, dim_v: int, l2norm: bool,
                           arch: str, *, form: str = "cuda_core", gated: bool = False, save: bool = False,
-                          keep_ptx: bool = False, dump_dir: str | None = None, keep_cubin: bool = False):
+                          parts: int = 1, keep_ptx: bool = False, dump_dir: str | None = None,
+                          keep_cubin: bool = False):
     """The kernel of one `FORMS` entry for one configuration, compiled for ``arch`` (``sm_90a``,
     ``sm_100a``; no GPU needed). Called as ``fn(q, k, v, g, beta, a, chunk_indices, chunk_offsets,
     order, h0, ht, o, g_cum, scale)``. ``gated`` (the per-head forms): the kernel reads the cumulative
@@ -261,8 +280,9 @@ def compile_fused_forward(dtype: torch.dtype, heads: int, value_heads: int, dim_
     without it ``g_cum`` is not read. The `PREPARED_FORMS` are gated only and called as ``fn(q, k, v,
     a_round, factors, chunk_indices, chunk_offsets, order, h0, ht, o, states, scale)`` (the preparing
     inverse's outputs; ``states`` ``[NC * K, HV, V]`` written with ``save``, those forms' only option,
-    else not touched). ``keep_ptx``, ``keep_cubin``: as `dsfuse._common.cutedsl.compile`."""
-    if reasons := shape_reasons(dtype, heads, value_heads, dim_k, dim_v, form, l2norm):
+    else not touched). ``parts``: `COLUMN_PARTS` (v, o, the states and h0, ht as it says).
+    ``keep_ptx``, ``keep_cubin``: as `dsfuse._common.cutedsl.compile`."""
+    if reasons := shape_reasons(dtype, heads, value_heads, dim_k, dim_v, form, l2norm, parts):
         raise ValueError("the CuTe DSL fused forward cannot compile this: " + "; ".join(reasons))
     if arch not in ARCHS.get(form, (arch,)):
         raise ValueError(f"the CuTe DSL fused forward's {form} form compiles for {ARCHS[form]} only, not {arch}")
@@ -276,17 +296,18 @@ def compile_fused_forward(dtype: torch.dtype, heads: int, value_heads: int, dim_
     kernel = {"cuda_core": _FusedForward, "tensor_core": FusedForwardTC,
               "head": functools.partial(FusedForwardHead, gated=gated),
               "head_wgmma": functools.partial(FusedForwardHead, wgmma=True, gated=gated),
-              "head_ws": functools.partial(FusedForwardWS, save=save),
+              "head_ws": functools.partial(FusedForwardWS, save=save, parts=parts),
               "head_rs": functools.partial(FusedForwardRS, save=save)}[form]
-    return _cd.compile(kernel(dtype, heads, value_heads, dim_k, dim_v, l2norm),
-                       *_fake_tensors(dtype, heads, value_heads, dim_k, dim_v, form in HEAD_FORMS, form), Float32(1.0),
-                       stream, arch=arch, keep_ptx=keep_ptx, dump_dir=dump_dir, keep_cubin=keep_cubin)
+    return _cd.compile(kernel(dtype, heads, value_heads * parts, dim_k, dim_v // parts, l2norm),
+                       *_fake_tensors(dtype, heads, value_heads, dim_k, dim_v, form in HEAD_FORMS, form, parts),
+                       Float32(1.0), stream, arch=arch, keep_ptx=keep_ptx, dump_dir=dump_dir, keep_cubin=keep_cubin)
 
 
 def launch_fused_forward(q, k, v, g, beta, a, chunk_indices, chunk_offsets, order, h0, ht, o, scale: float,
                          *, use_qk_l2norm: bool = False, form: str = "cuda_core",
                          g_cum: torch.Tensor | None = None, a_round: torch.Tensor | None = None,
-                         factors: torch.Tensor | None = None, states: torch.Tensor | None = None) -> torch.Tensor:
+                         factors: torch.Tensor | None = None, states: torch.Tensor | None = None,
+                         parts: int = 1) -> torch.Tensor:
     """Write ``o`` ``[T, HV, V]`` (the chunks' tokens; others untouched) and ``ht`` fp32 ``[N, HV, K, V]``.
     With ``g_cum`` fp32 ``[T, HV]`` (a per-head form only; `chunk_gdn`'s launch), ``g_cum`` and ``a``
     are what the gating UT inverse wrote (``launch_ut_inverse(.., g=g, g_cum=g_cum)``): the chunk-local
@@ -300,7 +321,8 @@ def launch_fused_forward(q, k, v, g, beta, a, chunk_indices, chunk_offsets, orde
     contract. ``states`` (the `PREPARED_FORMS` only): ``[NC, K, HV, V]`` in v's dtype, contiguous and
     16-byte aligned, where the kernel writes ``round(S)`` at every chunk's start (chunk ``c`` of the
     chunk table: ``states[c, :, hv, :]``), the values its products read, for a backward; the
-    launched documents' chunks only.
+    launched documents' chunks only. ``parts`` (`COLUMN_PARTS`, the ``head_ws`` form): each value
+    head's chain walked by ``parts`` CTAs, the same bits; v's head stride must then be V.
 
     ``q``, ``k`` ``[T, H, K]``, ``v`` ``[T, HV, V]`` and ``beta`` ``[T, HV]`` in one dtype, unit
     channel stride; ``g`` fp32 ``[T, HV]`` (per-token log decay); ``a`` fp32 ``[T, HV, 64]`` from
@@ -346,8 +368,19 @@ def launch_fused_forward(q, k, v, g, beta, a, chunk_indices, chunk_offsets, orde
             raise ValueError("launch_fused_forward: " + "; ".join(reasons))
         if form not in PREPARED_FORMS:
             raise ValueError(f"launch_fused_forward: the forms {PREPARED_FORMS} save the states, not {form!r}")
-    _launch(q, k, v, g, beta, a, chunk_indices, chunk_offsets, order, h0, ht, o, scale, use_qk_l2norm, form, g_cum,
-            a_round, factors, states)
+    if reasons := shape_reasons(v.dtype, heads, value_heads, dim_k, dim_v, form, use_qk_l2norm, parts):
+        raise ValueError("launch_fused_forward: " + "; ".join(reasons))
+    if parts == 1:
+        _launch(q, k, v, g, beta, a, chunk_indices, chunk_offsets, order, h0, ht, o, scale, use_qk_l2norm, form, g_cum,
+                a_round, factors, states)
+        return o
+    if v.stride(1) != dim_v:
+        raise ValueError(f"launch_fused_forward: parts > 1 reads v's value heads as parts of {dim_v // parts} "
+                         f"channels: v's head stride must be V = {dim_v}, got {v.stride(1)}")
+    ht_parts = split_columns(ht, parts)
+    _launch(q, k, v, g, beta, a, chunk_indices, chunk_offsets, order, split_columns(h0, parts), ht_parts, o, scale,
+            use_qk_l2norm, form, g_cum, a_round, factors, states, parts)
+    join_columns(ht_parts, parts, ht)
     return o
 
 
@@ -365,22 +398,27 @@ def states_reasons(states: torch.Tensor, chunks: int, dim_k: int, value_heads: i
 
 
 def _launch(q, k, v, g, beta, a, chunk_indices, chunk_offsets, order, h0, ht, o, scale: float, use_qk_l2norm: bool,
-            form: str, g_cum, a_round, factors, states=None):
+            form: str, g_cum, a_round, factors, states=None, parts: int = 1):
     """The kernel's launch on arguments `launch_fused_forward` checked (or that its caller made and
     checked as it does: `dsfuse.gdn.cutedsl.forward`, which checks an eager call's inputs once for
     its launches; ``a`` may then be None in a prepared form): no checks here. ``states``: as
-    `launch_fused_forward`'s, or None (a prepared form then compiled without saving)."""
+    `launch_fused_forward`'s, or None (a prepared form then compiled without saving). ``parts``
+    (`COLUMN_PARTS`): ``h0`` and ``ht`` ``[N, parts HV, K, V / parts]`` (`split_columns`), v with
+    head stride V (its parts' view)."""
     heads, dim_k = k.shape[1:]
     value_heads, dim_v = v.shape[1:]
     gated = g_cum is not None
     arch = _cd.arch_of(k.device)
     save = states is not None
-    fn = CACHE.get((k.dtype, heads, value_heads, dim_k, dim_v, use_qk_l2norm, form, gated, save, arch),
+    fn = CACHE.get((k.dtype, heads, value_heads, dim_k, dim_v, use_qk_l2norm, form, gated, save, parts, arch),
                    lambda: compile_fused_forward(k.dtype, heads, value_heads, dim_k, dim_v, use_qk_l2norm, arch,
-                                                 form=form, gated=gated, save=save))
+                                                 form=form, gated=gated, save=save, parts=parts))
     if chunk_offsets.shape[0] <= 1 or order.shape[0] == 0:
         return
     if form in PREPARED_FORMS:
+        if parts > 1:  # head parts * hv + p: channels [p V / parts, ..) of head hv (`COLUMN_PARTS`)
+            value_heads, dim_v = value_heads * parts, dim_v // parts
+            v, o = v.view(v.shape[0], value_heads, dim_v), o.view(o.shape[0], value_heads, dim_v)
         rows = (states.view(-1, value_heads, dim_v) if save  # [NC * K, HV, V]: chunk c's rows from c K
                 else o.new_empty((0, value_heads, dim_v)))
         fn(q, k, v, a_round, factors, chunk_indices, chunk_offsets, order, h0, ht, o, rows, float(scale))
@@ -388,13 +426,25 @@ def _launch(q, k, v, g, beta, a, chunk_indices, chunk_offsets, order, h0, ht, o,
         fn(q, k, v, g, beta, a, chunk_indices, chunk_offsets, order, h0, ht, o, g_cum if gated else g, float(scale))
 
 
+def split_columns(h: torch.Tensor, parts: int) -> torch.Tensor:
+    """States ``[N, HV, K, V]`` as a ``parts`` launch reads them, ``[N, parts HV, K, V / parts]`` (a
+    copy; `COLUMN_PARTS`)."""
+    return h.unflatten(-1, (parts, -1)).transpose(2, 3).flatten(1, 2).contiguous()
+
+
+def join_columns(h: torch.Tensor, parts: int, out: torch.Tensor) -> torch.Tensor:
+    """`split_columns`' inverse, into ``out`` ``[N, HV, K, V]``."""
+    return out.copy_(h.unflatten(1, (-1, parts)).transpose(2, 3).flatten(-2))
+
+
 def fused_forward(q, k, v, g, beta, scale=None, initial_state=None, cu_seqlens=None, use_qk_l2norm=False,
-                  form="cuda_core", gated=False, states=None):
+                  form="cuda_core", gated=False, states=None, parts=1):
     """``(o, final_state, a)`` of packed ``[T, ...]`` inputs (no batch dim): the UT inverse, then the
     fused kernel (``gated``, a per-head form only: the gating inverse and the kernel reading its gated
     ``A``, as `chunk_gdn` launches them; the ``head_ws`` form always, with the preparing
     inverse). Tokens in no document get ``o = 0``; ``a`` is what a backward would keep (ungated
-    unless ``gated``). ``states``: as `launch_fused_forward`'s (a prepared form's saved states)."""
+    unless ``gated``). ``states``, ``parts``: as `launch_fused_forward`'s (a prepared form's saved
+    states; `COLUMN_PARTS`)."""
     from dsfuse.gdn.cutedsl.ut_inverse import launch_ut_inverse
     from dsfuse.gdn.reference import prepare_chunk_indices, prepare_chunk_offsets
 
@@ -422,25 +472,27 @@ def fused_forward(q, k, v, g, beta, scale=None, initial_state=None, cu_seqlens=N
     o = torch.zeros(tokens, value_heads, dim_v, device=dev, dtype=v.dtype)
     order = torch.tensor(document_order(bounds), device=dev, dtype=torch.int32)
     launch_fused_forward(q, k, v, g, beta, a, ci, co, order, h0, ht, o, dim_k**-0.5 if scale is None else scale,
-                         use_qk_l2norm=use_qk_l2norm, form=form, g_cum=g_cum, states=states, **prepared)
+                         use_qk_l2norm=use_qk_l2norm, form=form, g_cum=g_cum, states=states, parts=parts, **prepared)
     return o, ht, a
 
 
 def _aot_specs() -> list[_cd.CuteAotSpec]:
     """The model's specialisation: H = 16, HV = 48, K = V = 128, bf16, with and without the L2 norm, every
     form; the per-head forms also as `chunk_gdn` launches them, reading the gated A; ``head_rs`` also
-    saving the states for a backward."""
+    saving the states for a backward, and ``head_ws`` in halves (`COLUMN_PARTS`) as `chunk_gdn`
+    launches it for one document, saving them."""
     suffix = {"cuda_core": "", "tensor_core": "_tc", "head": "_head", "head_wgmma": "_head_wgmma", "head_ws": "_head_ws",
               "head_rs": "_head_rs"}
-    variants = [(form, gated, False) for form in FORMS
+    variants = [(form, gated, False, 1) for form in FORMS
                 for gated in ((True,) if form in PREPARED_FORMS else (False, True) if form in HEAD_FORMS else (False,))]
-    variants.append(("head_rs", True, True))
+    variants += [("head_rs", True, True, 1), ("head_ws", True, True, 2)]
     return [_cd.CuteAotSpec(f"gdn_fused_forward{suffix[form]}{'_gated' if gated else ''}{'_states' if save else ''}"
-                            f"_bf16{'_l2' if l2 else ''}",
-                            lambda arch, dump_dir=None, l2=l2, form=form, gated=gated, save=save: compile_fused_forward(
-                                torch.bfloat16, 16, 48, 128, 128, l2, arch, form=form, gated=gated, save=save,
-                                keep_ptx=True, dump_dir=dump_dir), archs=ARCHS.get(form, ("sm_90a", "sm_100a")))
-            for form, gated, save in variants for l2 in (True, False)]
+                            f"{f'_parts{parts}' if parts > 1 else ''}_bf16{'_l2' if l2 else ''}",
+                            lambda arch, dump_dir=None, l2=l2, form=form, gated=gated, save=save, parts=parts:
+                            compile_fused_forward(torch.bfloat16, 16, 48, 128, 128, l2, arch, form=form, gated=gated,
+                                                  save=save, parts=parts, keep_ptx=True, dump_dir=dump_dir),
+                            archs=ARCHS.get(form, ("sm_90a", "sm_100a")))
+            for form, gated, save, parts in variants for l2 in (True, False)]
 
 
 AOT_SPECS = _aot_specs()

@@ -102,10 +102,11 @@ class FusedForwardWS(chunk.ChainKernel):
 
     threads = THREADS
 
-    def __init__(self, *args, save: bool = False):
+    def __init__(self, *args, save: bool = False, parts: int = 1):
         super().__init__(*args)
         self.block_v = self.dim_v
         self.save = save
+        self.parts = parts  # value heads walked as `parts` heads of V / parts channels each (`COLUMN_PARTS`)
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mA: cute.Tensor, mF: cute.Tensor,
@@ -150,7 +151,8 @@ class FusedForwardWS(chunk.ChainKernel):
         commits them as a group): zeros past the chunk's rows."""
         start = mChunks[i_c, 1]
         chunk.start_prepared_rows(u, TEAM, tuple(t[None, None, stage] for t in stages), sources, start,
-                                  mChunks[i_c, 2] - start, i_c * len(FACTORS), len(FACTORS), i_h, i_hv)
+                                  mChunks[i_c, 2] - start, i_c * len(FACTORS), len(FACTORS), i_h, i_hv,
+                                  i_hv // self.parts)
 
     @cute.jit
     def _state_team(self, u: Int32, stages, tiles, sources, mChunks: cute.Tensor, mH0: cute.Tensor, mHt: cute.Tensor,

@@ -108,7 +108,7 @@ class StateBackward:
         factors into ``stage`` (the caller commits them as a group): zeros past the chunk's rows."""
         start = mChunks[i_c, 1]
         chunk.start_prepared_rows(u, THREADS, tuple(t[None, None, stage] for t in stages), sources, start,
-                                  mChunks[i_c, 2] - start, i_c * len(FACTORS), len(FACTORS), i_h, i_hv)
+                                  mChunks[i_c, 2] - start, i_c * len(FACTORS), len(FACTORS), i_h, i_hv, i_hv)
 
     @cute.jit
     def _gated_qk(self, u: Int32, mma_cc, cCC: cute.Tensor, sQ: cute.Tensor, sK: cute.Tensor, sF: cute.Tensor,
