@@ -700,8 +700,8 @@ def test_a_sole_documents_pieces_and_halves_follow_their_rules():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("heads", [(16, 48), (16, 32), (2, 4)])
-@pytest.mark.parametrize("lengths", [[16421], [9000, 7000]])
+@pytest.mark.parametrize(("heads", "lengths"), [((16, 48), [16421]), ((16, 32), [16421]), ((2, 4), [16421]),
+                                                ((16, 32), [9000, 7000]), ((2, 4), [9000, 7000])])
 def test_halved_chains_and_pieces_give_the_same_bits(heads, lengths, monkeypatch):
     """`chunk_gdn` on the CuTe DSL backend, bf16, L2 norm, an initial state: each value head's chain
     walked by two CTAs of 64 channels (`column_parts`, the rule at 132 SMs) and a sole document's
@@ -761,7 +761,7 @@ def test_halved_chains_and_pieces_give_the_same_bits(heads, lengths, monkeypatch
     torch.cuda.synchronize()
     assert all(torch.equal(a, b) for a, b in zip(static, plain[:2])), "graph replay"
     halved = forward.column_parts("head_rs", hv, 128, len(lengths), 132) == 2
-    assert halved or len(lengths) == 1, "a case here takes the halves, the pieces or both"
+    assert halved or len(lengths) == 1, "every case here takes the halves, the pieces or both"
 
 
 CHUNK_TAIL = 64 + 7
