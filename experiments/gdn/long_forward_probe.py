@@ -5,13 +5,14 @@ alone and together, in a CUDA Graph and eagerly.
         [--samples 8]
 
 For each one-document case of the config (forward, its value heads, L2 norm on): `chunk_gdn`'s
-forward on the CuTe DSL backend without autograd, in four variants set through
-`dsfuse.gdn.cutedsl.forward` (the same bits in all four: checked before timing): ``plain`` (whole
+forward on the CuTe DSL backend without autograd, in the variants set through
+`dsfuse.gdn.cutedsl.forward` (the same bits in all: checked before timing): ``plain`` (whole
 chains, the inverse then the chain), ``halves`` (`column_parts`' rule), ``pieces`` (the chain in
-pieces after their chunks' inverse, `pieces`; eagerly too, through ``Overlap(eager=True)``) and
-``both``. Each timed replayed from a CUDA Graph and called eagerly, the L2 evicted before each
-sample (`dsfuse.bench.harness.Timer`). Writes ``samples.csv`` (case, variant, clock, sample, us)
-and ``env.json`` under OUT_DIR and prints the medians.
+pieces after their chunks' inverse, `pieces`; eagerly too, through ``Overlap(eager=True)``),
+``both``, and ``default`` (the module's settings as they are). Each timed replayed from a CUDA
+Graph and called eagerly, the L2 evicted before each sample (`dsfuse.bench.harness.Timer`). Writes
+``samples.csv`` (case, variant, clock, sample, us) and ``env.json`` under OUT_DIR and prints the
+medians.
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ FLUSH_BYTES = 256 << 20
 def variants(forward):
     whole = lambda *args: 1  # noqa: E731
     return {"plain": (whole, forward.Overlap(0)), "halves": (forward.column_parts, forward.Overlap(0)),
-            "pieces": (whole, forward.Overlap(eager=True)), "both": (forward.column_parts, forward.Overlap(eager=True))}
+            "pieces": (whole, forward.Overlap(eager=True)), "both": (forward.column_parts, forward.Overlap(eager=True)),
+            "default": (forward.column_parts, forward.OVERLAP)}
 
 
 def case_rows(case, timer: Timer, samples: int, device: torch.device) -> list[dict]:

@@ -17,10 +17,13 @@ In a CUDA Graph capture the launches overlap where the GPU has room (`stages`, `
 inverse of the longest documents first, then their chains on side streams while the inverse of the
 others runs, so the longest chain, which sets the forward's time when the value heads are few,
 starts early. A call of one document runs its chain in pieces instead (`pieces`), each after its
-own chunks' inverse, the next piece's inverse beside it. Where the chains are few, each value
-head's chain is walked by two CTAs, each half of its channels (`column_parts`). Every chunk is
-computed as in one pair of launches (the same bits); only the start times and the CTAs change. An
-eager call keeps the one pair (`Overlap.eager`), its chains' halves included.
+own chunks' inverse, the next piece's inverse beside it, in eager calls too (on the H200 that took
+an eager forward of one document of 32,768 tokens about as low as its CUDA Graph replay:
+`experiments/gdn/raw/column-split/20261204-201445-h200-long-forward-probe`). Where the chains are
+few, each value head's chain is walked by two CTAs, each half of its channels (`column_parts`).
+Every chunk is computed as in one pair of launches (the same bits); only the start times and the
+CTAs change. An eager call of several documents keeps the one pair (`Overlap.eager`); ``Overlap(0)``
+turns the pieces off too.
 
 What the fused kernel does not do, and so this forward does not: split long documents
 (`dsfuse.gdn.split`, whose segments need a separate state pass; ``segment_chunks`` is accepted and
@@ -328,7 +331,7 @@ class FusedForward:
             main.wait_stream(side)
             join_state(h_out)
 
-        if overlap.leads and len(cuts) > 2:
+        if OVERLAP.leads and len(cuts) > 2:  # eagerly too: its host work is the pieces' few launches
             calls = [("ut_inverse and fused, in pieces", in_pieces)]
         elif len(plan) <= 1 or parts > 1:
             calls = [("ut_inverse", inverse), ("fused", fused)]
