@@ -111,6 +111,29 @@ def test_every_mode_with_the_reference_backend(tmp_path):
     assert dk.data_ptr() - dq.data_ptr() == dq.shape[1] * dq.element_size()
 
 
+@pytest.mark.parametrize("mode", ["fwd", "fwd+bwd", "layer"])
+def test_the_reference_in_pieces_of_heads_is_the_whole_one(mode, monkeypatch):
+    """`dsfuse.bench.gdn.reference` in pieces of whole qk heads (`reference_head_groups`, forced here
+    by a small `REFERENCE_PIECE`) gives the one-piece reference's outputs, every head in its place,
+    to float64's rounding; the groups cover every qk head once, at least one a piece."""
+    assert gdn.reference_head_groups(131072, 16, 48) == [(h, h + 5) for h in range(0, 15, 5)] + [(15, 16)]
+    assert gdn.reference_head_groups(32768, 16, 48) == [(0, 16)]
+    assert gdn.reference_head_groups(1 << 22, 2, 4) == [(0, 1), (1, 2)]
+    config = _tiny_config(backend="reference") | dict(
+        l2norm=[True], model_overrides={"num_k_heads": 2, "num_v_heads": 4, "head_dim": 16, "hidden_size": 8})
+    case = next(c for c in gdn.cases(config) if c.mode == mode)
+    p = case.params
+    inputs = gdn.make_inputs(case, torch.device("cpu"), seed=0)
+    whole = gdn.reference(case, inputs)
+    monkeypatch.setattr(gdn, "REFERENCE_PIECE", 1)
+    assert gdn.reference_head_groups(p["tokens"], p["heads"], p["value_heads"]) == [(0, 1), (1, 2)]
+    pieces = gdn.reference(case, inputs)
+    assert len(pieces) == len(whole)
+    for a, b in zip(pieces, whole):
+        assert a.shape == b.shape and a.dtype == torch.float64
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.parametrize("mode", ["fwd", "bwd", "fwd+bwd", "ckpt"])
 def test_contiguous_form_equals_split_views(mode):
     """`_build`'s contiguous form (the controls' best case: separate contiguous q, k, v as the leaves)

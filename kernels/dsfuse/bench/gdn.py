@@ -353,22 +353,50 @@ def weight_parts(d_weight: torch.Tensor, heads: int, value_heads: int) -> tuple[
     return d_weight.split([heads * d, heads * d, value_heads * d], 0)
 
 
+REFERENCE_PIECE = 1 << 21
+"""The most tokens x value heads the FP64 reference takes at once (`reference_head_groups`): 32,768
+tokens at 64 value heads. One document of 131,072 tokens at 48 took more than an H200's memory for
+its backward in one piece (`experiments/gdn/raw/long/20261204-201013-h200`)."""
+
+
+def reference_head_groups(tokens: int, heads: int, value_heads: int) -> list[tuple[int, int]]:
+    """The qk heads ``[h0, h1)`` of each piece of the FP64 reference: whole qk heads with their value
+    heads (their gradients sum over them), as many as keep tokens x value heads within
+    `REFERENCE_PIECE`, at least one. Every head's recurrence is its own, so the pieces' outputs,
+    put side by side, are the whole reference's."""
+    group = value_heads // heads
+    per = max(1, REFERENCE_PIECE // max(1, tokens * group))
+    return [(h0, min(heads, h0 + per)) for h0 in range(0, heads, per)]
+
+
 def reference(case: Case, inputs: dict) -> tuple[torch.Tensor, ...]:
-    """The FP64 chunked reference on the same bf16 inputs (the layer step: on the same bf16 row)."""
+    """The FP64 chunked reference on the same bf16 inputs (the layer step: on the same bf16 row), in
+    pieces of whole qk heads (`reference_head_groups`) where the tokens are many."""
     from dsfuse.gdn import chunk_gdn_reference
     from dsfuse.gdn.reference_backward import chunk_gdn_backward_reference
 
     p = case.params
     h, hv = p["heads"], p["value_heads"]
+    group = hv // h
     with torch.no_grad():
         row = F.linear(inputs["hidden"], inputs["weight"]) if case.mode == "layer" else inputs["row"]
         q, k, v = split_views(row, h, hv)
-        args = dict(q=q, k=k, v=v, g=inputs["g"], beta=inputs["beta"], initial_state=inputs["initial_state"],
-                    cu_seqlens=inputs["cu_seqlens"], use_qk_l2norm_in_kernel=p["l2norm"], compute_dtype=torch.float64)
-        o, ht = chunk_gdn_reference(**args, output_final_state=True)
+        pieces = []
+        for h0, h1 in reference_head_groups(q.shape[1], h, hv):
+            qk, vh = slice(h0, h1), slice(h0 * group, h1 * group)  # qk heads, their value heads
+            args = dict(q=q[:, :, qk], k=k[:, :, qk], v=v[:, :, vh], g=inputs["g"][..., vh],
+                        beta=inputs["beta"][..., vh], initial_state=inputs["initial_state"][:, vh],
+                        cu_seqlens=inputs["cu_seqlens"], use_qk_l2norm_in_kernel=p["l2norm"],
+                        compute_dtype=torch.float64)
+            got = chunk_gdn_reference(**args, output_final_state=True)
+            if case.mode != "fwd":
+                got += chunk_gdn_backward_reference(**args, do=inputs["do"][:, :, vh], dht=inputs["dht"][:, vh])
+            pieces.append(got)
+        # o, dq, dk, dv, dg, dbeta: heads on dim 2; ht, dh0: on dim 1
+        o, ht, *grads = (torch.cat(parts, 1 if i in (1, 7) else 2) for i, parts in enumerate(zip(*pieces)))
         if case.mode == "fwd":
             return o, ht
-        dq, dk, dv, dg, dbeta, dh0 = chunk_gdn_backward_reference(**args, do=inputs["do"], dht=inputs["dht"])
+        dq, dk, dv, dg, dbeta, dh0 = grads
         if case.mode != "layer":
             return o, ht, dq, dk, dv, dg, dbeta, dh0
         d_row = torch.cat([dq.flatten(2), dk.flatten(2), dv.flatten(2)], -1)[0]  # [T, W] fp64
