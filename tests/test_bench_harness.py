@@ -513,3 +513,13 @@ def test_each_process_releases_its_cache_before_the_other_makes_its_reference(mo
     harness._run_case(experiment, case, providers, settings, timer, torch.device("cpu"), [], [], apart=Apart())
     assert events == ["here.check_before", "release", "apart.check_before", "here.build", "release", "apart.build",
                       "apart.check_after"]
+
+
+def test_a_probe_without_a_gpu_says_so(tmp_path, capsys, monkeypatch):
+    """`harness.start_probe` parses a probe's command line, and without a CUDA GPU exits (2) saying
+    what it needs, before it writes anything."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as stop:
+        harness.start_probe("A probe.\n\nMore.", "cfg.yaml", 3, "gdn", [str(tmp_path / "out"), "--samples", "2"])
+    assert stop.value.code == 2 and "needs a CUDA GPU" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()

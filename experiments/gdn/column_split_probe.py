@@ -22,16 +22,20 @@ Before timing: the halves' ``o``, final state and saved states against ``head_rs
 
 from __future__ import annotations
 
-import argparse
 import sys
-from pathlib import Path
 
 import torch
 from dsfuse.bench import gdn
-from dsfuse.bench.harness import Timer, bits, graph_part_rows, start_run, write_csv, write_part_medians
+from dsfuse.bench.harness import (
+    Timer,
+    bits,
+    graph_part_rows,
+    start_probe,
+    write_csv,
+    write_part_medians,
+)
 
 DEFAULT_CONFIG = "experiments/gdn/configs/h200-long-cutedsl.yaml"
-FLUSH_BYTES = 256 << 20
 PARTS = 2  # value channels 128 = 2 x 64
 
 
@@ -105,14 +109,7 @@ def case_rows(case, timer: Timer, samples: int, device: torch.device) -> tuple[l
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("out", type=Path)
-    ap.add_argument("--config", default=DEFAULT_CONFIG)
-    ap.add_argument("--samples", type=int, default=6)
-    args = ap.parse_args(argv)
-    device = torch.device("cuda")
-    config = start_run(args.out, args.config, device, op="gdn")
-    timer = Timer(device, FLUSH_BYTES)
+    args, device, config, timer = start_probe(__doc__, DEFAULT_CONFIG, 6, "gdn", argv)
     rows, bit_rows = [], []
     for case in gdn.cases(config | {"modes": ["fwd"]}):
         got, got_bits = case_rows(case, timer, args.samples, device)

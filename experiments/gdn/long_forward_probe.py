@@ -17,16 +17,13 @@ medians.
 
 from __future__ import annotations
 
-import argparse
 import sys
-from pathlib import Path
 
 import torch
 from dsfuse.bench import gdn
-from dsfuse.bench.harness import Timer, capture_graph, start_run, write_csv
+from dsfuse.bench.harness import Timer, capture_graph, start_probe, write_csv
 
 DEFAULT_CONFIG = "experiments/gdn/configs/h200-long-cutedsl.yaml"
-FLUSH_BYTES = 256 << 20
 
 
 def variants(forward):
@@ -72,14 +69,7 @@ def case_rows(case, timer: Timer, samples: int, device: torch.device) -> list[di
 def main(argv=None) -> int:
     import pandas as pd
 
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("out", type=Path)
-    ap.add_argument("--config", default=DEFAULT_CONFIG)
-    ap.add_argument("--samples", type=int, default=8)
-    args = ap.parse_args(argv)
-    device = torch.device("cuda")
-    config = start_run(args.out, args.config, device, op="gdn")
-    timer = Timer(device, FLUSH_BYTES)
+    args, device, config, timer = start_probe(__doc__, DEFAULT_CONFIG, 8, "gdn", argv)
     rows = []
     for case in gdn.cases(config | {"modes": ["fwd"], "document_counts": [1]}):
         rows += case_rows(case, timer, args.samples, device)

@@ -317,6 +317,27 @@ def start_run(out: Path, config: str | Path, device: torch.device, op: str | Non
     return load_config(cli_path(config))
 
 
+def start_probe(doc: str, default_config: str, samples: int, op: str, argv: list[str] | None = None,
+                flush_bytes: int = 256 << 20) -> tuple:
+    """A GPU probe's start: its command line (``OUT``, ``--config``, ``--samples``; ``doc``'s first
+    line the description), then `start_run` on the GPU; returns ``(args, device, config, timer)``
+    (a `Timer` overwriting ``flush_bytes`` of L2). Without a CUDA GPU it says so and exits (2)."""
+    import argparse
+    import sys
+
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("out", type=Path, help="output folder (created)")
+    parser.add_argument("--config", default=default_config, help=f"experiment config (default {default_config})")
+    parser.add_argument("--samples", type=int, default=samples, help=f"timed samples per part (default {samples})")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print(f"{parser.prog} needs a CUDA GPU: run it on the GPU machine.", file=sys.stderr)
+        raise SystemExit(2)
+    device = torch.device("cuda")
+    config = start_run(args.out, args.config, device, op=op)
+    return args, device, config, Timer(device, flush_bytes)
+
+
 def checked_graph_samples(fn: Callable[[], Any], outputs: Outputs, expected: Outputs, timer: Timer, what: str, *,
                           rtol: float = 2**-8, n: int = 20) -> list[float]:
     """For launch-constant sweeps: poison ``outputs`` with NaN, run ``fn`` once and require a
