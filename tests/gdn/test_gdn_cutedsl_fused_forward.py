@@ -150,9 +150,11 @@ def test_refuses_what_it_cannot_compile():
                                                   "gdn_fused_forward_head_rs_gated_bf16",
                                                   "gdn_fused_forward_head_rs_gated_states_bf16_l2",
                                                   "gdn_fused_forward_head_rs_gated_states_bf16",
+                                                  "gdn_fused_forward_head_ws_gated_parts2_bf16_l2",
+                                                  "gdn_fused_forward_head_ws_gated_parts2_bf16",
                                                   "gdn_fused_forward_head_ws_gated_states_parts2_bf16_l2",
                                                   "gdn_fused_forward_head_ws_gated_states_parts2_bf16"]
-    assert [s.archs for s in module.AOT_SPECS][-12:] == [("sm_90a",)] * 12  # wgmma: Hopper's instruction
+    assert [s.archs for s in module.AOT_SPECS][-14:] == [("sm_90a",)] * 14  # wgmma: Hopper's instruction
     with pytest.raises(ValueError, match="saves the states in the forms"):
         module.compile_fused_forward(torch.bfloat16, 16, 48, 128, 128, True, "sm_90a", form="head", gated=True,
                                      save=True)
@@ -233,7 +235,7 @@ def test_the_role_split_form_meets_at_named_barriers(tmp_path):
                    "arrive 5"]
     output_chunk = ["sync 3", "arrive 4", "fence", "sync 2", "sync 5", "arrive 6", "sync 2"]
     specs = [spec for spec in module.AOT_SPECS if "_head_ws" in spec.name]
-    assert len(specs) == 4  # whole value heads, and halves (`COLUMN_PARTS`: V = 64 a CTA, n halved)
+    assert len(specs) == 6  # whole value heads, and halves (`COLUMN_PARTS`: V = 64 a CTA, n halved)
     for spec in specs:
         ptx = cute_spec_ptx(spec, "sm_90a", tmp_path)
         shapes = collections.Counter(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", ptx))
@@ -706,15 +708,18 @@ def test_halved_chains_and_pieces_give_the_same_bits(heads, lengths, monkeypatch
     """`chunk_gdn` on the CuTe DSL backend, bf16, L2 norm, an initial state: each value head's chain
     walked by two CTAs of 64 channels (`column_parts`, the rule at 132 SMs) and a sole document's
     chain in pieces after their chunks' inverse (`pieces`; 16,421 tokens: 257 chunks, the last one
-    partial), each alone and both, against whole chains in one launch: o, the final states and every
-    gradient (the backward reads the states the halves save) bitwise, eagerly with autograd; then
-    the forward replayed from a CUDA Graph (the pieces' side stream forked and joined in the
-    capture), its outputs poisoned with NaN before the replay."""
+    partial; also cut in two and in three pieces), each alone and both, against whole chains in one
+    launch: o, the final states and every gradient, dh0 included (the backward reads the states the
+    halves save), bitwise, eagerly with autograd, each variant's chain launches counted (so a path
+    that did not run cannot pass); then the forward alone replayed from CUDA Graphs, with and
+    without the halves, its outputs poisoned with NaN before each replay."""
     cutedsl_or_skip()
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the prepared forms (wgmma) run on sm_90 only")
+    import collections
+
     from dsfuse.gdn import chunk_gdn
-    from dsfuse.gdn.cutedsl import forward
+    from dsfuse.gdn.cutedsl import forward, fused_fwd
 
     monkeypatch.setattr(forward, "_sms", lambda device: 132)
     h, hv = heads
@@ -727,41 +732,65 @@ def test_halved_chains_and_pieces_give_the_same_bits(heads, lengths, monkeypatch
     do = torch.randn(1, cu[-1], hv, 128, generator=gen, device="cuda").to(torch.bfloat16)
     dht = torch.randn(len(lengths), hv, 128, 128, generator=gen, device="cuda") * 0.1
     cu_t = torch.tensor(cu, dtype=torch.int32)  # on the host: read while a CUDA Graph is captured
+    launches = []  # the parts of each chain launch
+    launch = fused_fwd._launch
 
-    def forward_pass(*inputs):
-        return chunk_gdn(*(x[None] for x in inputs), initial_state=h0, output_final_state=True, cu_seqlens=cu_t,
-                         use_qk_l2norm_in_kernel=True, backend="cutedsl")
+    def counted(*args, **kwargs):
+        launches.append(args[19] if len(args) > 19 else kwargs.get("parts", 1))
+        return launch(*args, **kwargs)
+
+    monkeypatch.setattr(fused_fwd, "_launch", counted)
+
+    def forward_pass(*inputs, initial_state=h0):
+        return chunk_gdn(*(x[None] for x in inputs), initial_state=initial_state, output_final_state=True,
+                         cu_seqlens=cu_t, use_qk_l2norm_in_kernel=True, backend="cutedsl")
 
     def step():
-        inputs = [x.detach().requires_grad_() for x in (q, k, v, g, beta)]
-        o, ht = forward_pass(*inputs)
+        inputs = [x.detach().requires_grad_() for x in (q, k, v, g, beta, h0)]
+        o, ht = forward_pass(*inputs[:-1], initial_state=inputs[-1])
         torch.autograd.backward((o, ht), (do, dht))
         return [o.detach(), ht.detach()] + [x.grad for x in inputs]
 
     whole = lambda *args: 1  # noqa: E731
+    rule, sole, chunks = forward.column_parts, len(lengths) == 1, -(-cu[-1] // 64)
+    halved = rule("head_rs", hv, 128, len(lengths), 132) == 2
+    assert halved or sole, "every case here takes the halves, the pieces or both"
+    variants = [("plain", False, False, None), ("halves", True, False, None), ("pieces", False, True, None),
+                ("both", True, True, None)]
+    if sole:
+        variants += [("two pieces", False, True, (200, 64)), ("three pieces", True, True, (16, 200, 64))]
     runs = {}
-    for name, parts, overlap in (("plain", whole, forward.Overlap(0)), ("halves", forward.column_parts, forward.Overlap(0)),
-                                 ("pieces", whole, forward.Overlap(eager=True)),
-                                 ("both", forward.column_parts, forward.Overlap(eager=True))):
-        monkeypatch.setattr(forward, "column_parts", parts)
+    for name, use_halves, eager, cut in variants:
+        overlap = forward.Overlap(eager=True) if eager else forward.Overlap(0)
+        monkeypatch.setattr(forward, "column_parts", rule if use_halves else whole)
         monkeypatch.setattr(forward, "OVERLAP", overlap)
+        monkeypatch.setattr(forward, "PIECES", cut or (16, 32, 64))
+        monkeypatch.setattr(forward, "_piece_offsets", collections.OrderedDict())
+        stages = 1 if sole else len(forward.stages(cu, hv, 132, overlap))
+        count = len(forward.pieces(chunks)) - 1 if sole and eager else stages
+        parts = 2 if use_halves and halved and stages == 1 else 1
+        assert count == {"pieces": 6, "two pieces": 2, "three pieces": 3}.get(name, count) or not sole
+        launches.clear()
         runs[name] = step()
+        assert launches == [parts] * count, f"{name}: chain launches (their parts) {launches}, not {count} x {parts}"
     plain = runs.pop("plain")
     assert not any(x.isnan().any() for x in plain)
     for name, got in runs.items():
         differ = [i for i, (a, b) in enumerate(zip(got, plain)) if not torch.equal(a, b)]
-        assert not differ, f"{name}: outputs {differ} (o, ht, dq, dk, dv, dg, dbeta) changed"
+        assert not differ, f"{name}: outputs {differ} (o, ht, dq, dk, dv, dg, dbeta, dh0) changed"
     monkeypatch.setattr(forward, "OVERLAP", forward.Overlap())
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static = forward_pass(q, k, v, g, beta)
-    for x in static:
-        x.fill_(float("nan"))
-    graph.replay()
-    torch.cuda.synchronize()
-    assert all(torch.equal(a, b) for a, b in zip(static, plain[:2])), "graph replay"
-    halved = forward.column_parts("head_rs", hv, 128, len(lengths), 132) == 2
-    assert halved or len(lengths) == 1, "every case here takes the halves, the pieces or both"
+    monkeypatch.setattr(forward, "PIECES", (16, 32, 64))
+    for parts in (rule, whole):
+        monkeypatch.setattr(forward, "column_parts", parts)
+        forward_pass(q, k, v, g, beta)  # the pieces' offsets on the GPU before the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static = forward_pass(q, k, v, g, beta)
+        for x in static:
+            x.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert all(torch.equal(a, b) for a, b in zip(static, plain[:2])), f"graph replay ({parts})"
 
 
 CHUNK_TAIL = 64 + 7

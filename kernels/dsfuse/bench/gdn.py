@@ -381,7 +381,7 @@ def reference(case: Case, inputs: dict) -> tuple[torch.Tensor, ...]:
     with torch.no_grad():
         row = F.linear(inputs["hidden"], inputs["weight"]) if case.mode == "layer" else inputs["row"]
         q, k, v = split_views(row, h, hv)
-        pieces = []
+        outputs, head_dims = None, (2, 1, 2, 2, 2, 2, 2, 1)  # o, dq, dk, dv, dg, dbeta: heads on dim 2; ht, dh0: 1
         for h0, h1 in reference_head_groups(q.shape[1], h, hv):
             qk, vh = slice(h0, h1), slice(h0 * group, h1 * group)  # qk heads, their value heads
             args = dict(q=q[:, :, qk], k=k[:, :, qk], v=v[:, :, vh], g=inputs["g"][..., vh],
@@ -391,9 +391,14 @@ def reference(case: Case, inputs: dict) -> tuple[torch.Tensor, ...]:
             got = chunk_gdn_reference(**args, output_final_state=True)
             if case.mode != "fwd":
                 got += chunk_gdn_backward_reference(**args, do=inputs["do"][:, :, vh], dht=inputs["dht"][:, vh])
-            pieces.append(got)
-        # o, dq, dk, dv, dg, dbeta: heads on dim 2; ht, dh0: on dim 1
-        o, ht, *grads = (torch.cat(parts, 1 if i in (1, 7) else 2) for i, parts in enumerate(zip(*pieces)))
+            if outputs is None:  # whole-size outputs, each piece copied into its heads as it is made
+                outputs = [t.new_empty(t.shape[:dim] + (t.shape[dim] // (h1 - h0) * h,) + t.shape[dim + 1:])
+                           for t, dim in zip(got, head_dims)]
+            for t, out, dim in zip(got, outputs, head_dims):
+                per = t.shape[dim] // (h1 - h0)  # 1 a qk head (dq, dk) or its value heads
+                out.narrow(dim, h0 * per, t.shape[dim]).copy_(t)
+            del got
+        o, ht, *grads = outputs
         if case.mode == "fwd":
             return o, ht
         dq, dk, dv, dg, dbeta, dh0 = grads

@@ -1,12 +1,12 @@
 """The CuTe DSL backend's forward as `chunk_gdn` runs it: the UT inverse, then the fused per-head kernel.
 
-Two launches per call (`dsfuse.gdn.schedule.forward` runs them): ``ut_inverse`` writes, for every
-chunk, the gated ``A = A0 * Gamma`` (fp32) and the chunk-local cumulative gate ``g_cum``
-(`dsfuse.gdn.cutedsl.ut_inverse`, its gating form; on sm_90a its preparing form, which also writes
+Two launches per call (`dsfuse.gdn.schedule.forward` runs them; more in stages or pieces, below):
+``ut_inverse`` writes, for every chunk, the gated ``A = A0 * Gamma`` (fp32) and the chunk-local
+cumulative gate ``g_cum`` (`dsfuse.gdn.cutedsl.ut_inverse`, its gating form; on sm_90a its preparing form, which also writes
 ``round(A)`` in the input dtype and the rows' factors for the fused kernel); ``fused`` reads them
 and walks each (document, value head) chain with the state on chip (``gated``: on sm_90a the role-split
 ``head_rs`` form of `dsfuse.gdn.cutedsl.fused_fwd_rs` at V = 128 (``head_ws`` of
-`dsfuse.gdn.cutedsl.fused_fwd_ws` at other V), the ``head`` form of
+`dsfuse.gdn.cutedsl.fused_fwd_ws` at other V and on halves of V = 128, `column_parts`), the ``head`` form of
 `dsfuse.gdn.cutedsl.fused_fwd_head` elsewhere). Its outputs are `dsfuse.gdn.schedule.ForwardOutputs`:
 where the backend's fused backward serves the call (`dsfuse.gdn.cutedsl.backward.serves`), ``A`` is
 the buffer that backward reads (the chain kernel saves the states into it); elsewhere ``A`` and
@@ -19,8 +19,9 @@ others runs, so the longest chain, which sets the forward's time when the value 
 starts early. A call of one document runs its chain in pieces instead (`pieces`), each after its
 own chunks' inverse, the next piece's inverse beside it, in eager calls too (on the H200 that took
 an eager forward of one document of 32,768 tokens about as low as its CUDA Graph replay:
-`experiments/gdn/raw/column-split/20261204-201445-h200-long-forward-probe`). Where the chains are
-few, each value head's chain is walked by two CTAs, each half of its channels (`column_parts`).
+`experiments/gdn/raw/column-split/20261204-201625-h200-long-forward-probe`). Where the chains are
+few and no stage leads, each value head's chain is walked by two CTAs, each half of its channels
+(`column_parts`: then on the ``head_ws`` form at 64 channels, not ``head_rs``).
 Every chunk is computed as in one pair of launches (the same bits); only the start times and the
 CTAs change. An eager call of several documents keeps the one pair (`Overlap.eager`); ``Overlap(0)``
 turns the pieces off too.
@@ -33,6 +34,7 @@ serve the ``stages`` call; ``auto`` takes the Triton stages for a ``cp_group`` c
 
 from __future__ import annotations
 
+import collections
 import functools
 import itertools
 from dataclasses import dataclass
@@ -66,7 +68,9 @@ class Overlap:
     ``eager``: overlap in calls outside a CUDA Graph capture too; off by default, because on the H200
     at (16, 32) the overlapped eager call was slower than the plain one (GDN page, step 19; not
     profiled: likely the host's time for the extra launches and their checks, which an eager GPU
-    waits for). The default is the best of those measured at the experiment's shapes on the H200."""
+    waits for). The default is the best of those measured at the experiment's shapes on the H200.
+    A sole document's chain pieces (`pieces`) are not stages: they run in eager calls too whatever
+    ``eager`` says, and ``leads = 0`` (``Overlap(0)``) turns them off with the stages."""
 
     leads: int = 3
     share: float = 1.0
@@ -141,12 +145,29 @@ def pieces(chunks: int) -> list[int]:
         cuts.append(cuts[-1] + size)
 
 
-@functools.lru_cache(maxsize=16)
+_piece_offsets: collections.OrderedDict = collections.OrderedDict()
+
+
 def _pieces(chunks: int, device: torch.device) -> tuple[list[int], torch.Tensor]:
-    """`pieces` and the same offsets on ``device`` (int32), made once (an eager call makes them, so that a
-    CUDA Graph captured after it copies nothing from the host)."""
+    """`pieces` and the same offsets on ``device`` (int32), kept as the chunk tables are
+    (`dsfuse.gdn.schedule.chunk_table`: the same number of entries, least recently used first out,
+    so a CUDA Graph captured after a call with these documents finds them, and one captured first
+    is refused with the same clear error)."""
+    key = (chunks, str(device))
+    if key in _piece_offsets:
+        _piece_offsets.move_to_end(key)
+        return _piece_offsets[key]
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("gdn: this document's chain pieces are not on the GPU yet, and they cannot be copied "
+                           "while a CUDA Graph is captured; call chunk_gdn once with the same cu_seqlens (or B, T) "
+                           "before capturing")
     cuts = pieces(chunks)
-    return cuts, torch.tensor(cuts, dtype=torch.int32, device=device)
+    found = _piece_offsets[key] = cuts, torch.tensor(cuts, dtype=torch.int32).to(device)
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()  # the copy done: any stream may read it
+    if len(_piece_offsets) > schedule.TABLE_CACHE_SIZE:
+        _piece_offsets.popitem(last=False)
+    return found
 
 
 def column_parts(form: str, value_heads: int, dim_v: int, documents: int, sms: int) -> int:
@@ -286,7 +307,12 @@ class FusedForward:
                                bool(prepared), keep_a)
 
         sms = _sms(v.device)
-        parts = column_parts(form, heads_v, dim_v, table.num_seqs, sms) if v_.stride(1) == dim_v else 1
+        capturing = torch.cuda.is_current_stream_capturing()
+        overlap = OVERLAP if OVERLAP.eager or capturing else Overlap(0)
+        plan = _stages(tuple(bounds), heads_v, sms, overlap) if n else []
+        # halves where no stage leads (the stages' chains share the SMs with the inverse instead)
+        parts = (column_parts(form, heads_v, dim_v, table.num_seqs, sms)
+                 if v_.stride(1) == dim_v and len(plan) <= 1 else 1)
 
         def chain(offsets, order, h_in, h_out):  # one launch of the chains of documents `order`
             fused_fwd._launch(q_, k_, v_, g_, beta_, a, table.indices, offsets, order, h_in, h_out, o, scale,
@@ -296,9 +322,10 @@ class FusedForward:
         def split_state():  # the states as the chains read and write them (`fused_fwd.COLUMN_PARTS`)
             if parts == 1:
                 return h0, final_state
-            return fused_fwd.split_columns(h0, parts), new((table.num_seqs, parts * heads_v, dim_k, dim_v // parts))
+            return (fused_fwd.split_columns(h0, parts),
+                    new((table.num_seqs, parts * heads_v, dim_k, dim_v // parts), dtype=torch.float32))
 
-        def join_state(h_out):
+        def join_state(h_out):  # every document's final state: parts > 1 runs one stage of all documents
             if parts > 1:
                 fused_fwd.join_columns(h_out, parts, final_state)
 
@@ -310,18 +337,16 @@ class FusedForward:
             chain(table.offsets, table.order[first:end], h_in, h_out)
             join_state(h_out)
 
-        capturing = torch.cuda.is_current_stream_capturing()
-        overlap = OVERLAP if OVERLAP.eager or capturing else Overlap(0)
         if v.device.type == "cuda" and not capturing and OVERLAP.leads:
             _side_streams(v.device, OVERLAP.leads)  # made outside any capture, for one to come
             _piece_stream(v.device)
-        cuts, cut_offsets = _pieces(table.indices.shape[0], v.device) if table.num_seqs == 1 and n else ([], None)
-        plan = _stages(tuple(bounds), heads_v, sms, overlap) if n else []
+        sole = table.num_seqs == 1 and n and OVERLAP.leads and v.device.type == "cuda"
+        cuts, cut_offsets = _pieces(table.indices.shape[0], v.device) if sole else ([], None)
 
         def in_pieces():  # a sole document: each piece's chain after its chunks' inverse (`pieces`)
             main, side = torch.cuda.current_stream(v.device), _piece_stream(v.device)
             h_in, h_out = split_state()
-            between = [new(h_out.shape) for _ in range(min(2, len(cuts) - 2))]
+            between = [torch.empty_like(h_out) for _ in range(min(2, len(cuts) - 2))]
             for j, (c0, c1) in enumerate(itertools.pairwise(cuts)):
                 inverse(c0, c1)
                 side.wait_stream(main)
@@ -331,9 +356,9 @@ class FusedForward:
             main.wait_stream(side)
             join_state(h_out)
 
-        if OVERLAP.leads and len(cuts) > 2:  # eagerly too: its host work is the pieces' few launches
+        if len(cuts) > 2:  # eagerly too: its host work is the pieces' few launches
             calls = [("ut_inverse and fused, in pieces", in_pieces)]
-        elif len(plan) <= 1 or parts > 1:
+        elif len(plan) <= 1:
             calls = [("ut_inverse", inverse), ("fused", fused)]
         else:
             sides = _side_streams(v.device, overlap.leads)[:len(plan) - 1]

@@ -57,7 +57,7 @@ warpgroup instructions, `dsfuse.gdn.cutedsl.wgmma`: sm_90a only), ``head_ws`` (i
 a team for the state's chain and one for the output, `dsfuse.gdn.cutedsl.fused_fwd_ws`: sm_90a only),
 ``head_rs`` (``head_ws`` with the state kept transposed, every product of the state's chain taking its
 A operand from registers, `dsfuse.gdn.cutedsl.fused_fwd_rs`: sm_90a only)."""
-HEAD_FORMS = ("head", "head_wgmma", "head_ws", "head_rs")  # one CTA per document and value head, 16-byte row copies
+HEAD_FORMS = ("head", "head_wgmma", "head_ws", "head_rs")  # a CTA per document and value head (or part), 16-byte rows
 PREPARED_FORMS = ("head_ws", "head_rs")  # reading the preparing inverse's round(A) and factors (gated only)
 ARCHS = {"head_wgmma": ("sm_90a",), "head_ws": ("sm_90a",), "head_rs": ("sm_90a",)}  # the forms an architecture lacks the instructions of
 COLUMN_PARTS = (1, 2)
@@ -220,7 +220,7 @@ class _FusedForward(chunk.ChainKernel):
             mHt[i_n, i_hv, kk, v_col] = sS[kk, col]
 
 
-CACHE = _cd.KernelCache()  # (dtype, H, HV, K, V, l2norm, form, gated, save, arch) -> compiled function
+CACHE = _cd.KernelCache()  # (dtype, H, HV, K, V, l2norm, form, gated, save, parts, arch) -> compiled function
 
 
 def _fake_tensors(dtype: torch.dtype, heads: int, value_heads: int, dim_k: int, dim_v: int,
@@ -377,7 +377,7 @@ def launch_fused_forward(q, k, v, g, beta, a, chunk_indices, chunk_offsets, orde
     if v.stride(1) != dim_v:
         raise ValueError(f"launch_fused_forward: parts > 1 reads v's value heads as parts of {dim_v // parts} "
                          f"channels: v's head stride must be V = {dim_v}, got {v.stride(1)}")
-    ht_parts = split_columns(ht, parts)
+    ht_parts = split_columns(ht, parts)  # (not new_empty: the documents not launched keep their ht)
     _launch(q, k, v, g, beta, a, chunk_indices, chunk_offsets, order, split_columns(h0, parts), ht_parts, o, scale,
             use_qk_l2norm, form, g_cum, a_round, factors, states, parts)
     join_columns(ht_parts, parts, ht)
@@ -480,12 +480,12 @@ def _aot_specs() -> list[_cd.CuteAotSpec]:
     """The model's specialisation: H = 16, HV = 48, K = V = 128, bf16, with and without the L2 norm, every
     form; the per-head forms also as `chunk_gdn` launches them, reading the gated A; ``head_rs`` also
     saving the states for a backward, and ``head_ws`` in halves (`COLUMN_PARTS`) as `chunk_gdn`
-    launches it for one document, saving them."""
+    launches it for one document, with and without saving them."""
     suffix = {"cuda_core": "", "tensor_core": "_tc", "head": "_head", "head_wgmma": "_head_wgmma", "head_ws": "_head_ws",
               "head_rs": "_head_rs"}
     variants = [(form, gated, False, 1) for form in FORMS
                 for gated in ((True,) if form in PREPARED_FORMS else (False, True) if form in HEAD_FORMS else (False,))]
-    variants += [("head_rs", True, True, 1), ("head_ws", True, True, 2)]
+    variants += [("head_rs", True, True, 1), ("head_ws", True, False, 2), ("head_ws", True, True, 2)]
     return [_cd.CuteAotSpec(f"gdn_fused_forward{suffix[form]}{'_gated' if gated else ''}{'_states' if save else ''}"
                             f"{f'_parts{parts}' if parts > 1 else ''}_bf16{'_l2' if l2 else ''}",
                             lambda arch, dump_dir=None, l2=l2, form=form, gated=gated, save=save, parts=parts:
