@@ -1,5 +1,5 @@
 """Gated DeltaNet on the GPU: would splitting each chain's value channels between CTAs shorten the
-forward's chain at few long documents? A question asked before any kernel is changed.
+forward's chain at few long documents? The question asked before the kernels took ``parts``.
 
     python experiments/gdn/column_split_probe.py OUT_DIR [--config experiments/gdn/configs/h200-long-cutedsl.yaml]
         [--samples 6]
@@ -10,7 +10,8 @@ of 64 channels each, twice the CTAs for the same chunk count. The existing ``hea
 (V = 64 or 128) can run that today on a view: ``v``, ``o`` and the saved states ``[.., HV, 128]`` are
 ``[.., 2 HV, 64]`` without a copy (head ``2 hv + p`` is channels ``64 p ..``); the per-head inputs
 (``round(A)``, the factors, the gates) are repeated per half (a copy, outside the timing: a kernel
-that took the split would index them by ``hv`` instead), and the initial and final states permuted.
+that took the split would index them by ``hv`` instead, as `dsfuse.gdn.cutedsl.fused_fwd.COLUMN_PARTS`
+now does), and the initial and final states permuted.
 
 For each case of the config (its document counts and value heads, L2 norm on): the preparing UT
 inverse alone, then the chain kernel as `chunk_gdn` runs it (``head_rs``, V = 128) and the two
