@@ -148,11 +148,14 @@ def pieces(chunks: int) -> list[int]:
 _piece_offsets: collections.OrderedDict = collections.OrderedDict()
 
 
-def _pieces(chunks: int, device: torch.device) -> tuple[list[int], torch.Tensor]:
+def _pieces(chunks: int, device: torch.device) -> tuple[list[int], torch.Tensor | None]:
     """`pieces` and the same offsets on ``device`` (int32), kept as the chunk tables are
     (`dsfuse.gdn.schedule.chunk_table`: the same number of entries, least recently used first out,
     so a CUDA Graph captured after a call with these documents finds them, and one captured first
-    is refused with the same clear error)."""
+    is refused with the same clear error). A document left whole needs no offsets: ``None``, no copy."""
+    cuts = pieces(chunks)
+    if len(cuts) <= 2:
+        return cuts, None
     key = (chunks, str(device))
     if key in _piece_offsets:
         _piece_offsets.move_to_end(key)
@@ -161,7 +164,6 @@ def _pieces(chunks: int, device: torch.device) -> tuple[list[int], torch.Tensor]
         raise RuntimeError("gdn: this document's chain pieces are not on the GPU yet, and they cannot be copied "
                            "while a CUDA Graph is captured; call chunk_gdn once with the same cu_seqlens (or B, T) "
                            "before capturing")
-    cuts = pieces(chunks)
     found = _piece_offsets[key] = cuts, torch.tensor(cuts, dtype=torch.int32).to(device)
     if device.type == "cuda":
         torch.cuda.current_stream(device).synchronize()  # the copy done: any stream may read it
