@@ -681,6 +681,30 @@ def test_the_overlapped_forward_gives_the_same_bits(l2, heads, monkeypatch):
     assert len(forward.stages(cu, hv, 1000, forward.Overlap(1))) > 1  # an overlap ran in every case
 
 
+def test_the_halves_layout_is_the_views_of_v_and_o():
+    """`dsfuse.gdn.cutedsl.fused_fwd.split_columns` puts channels ``[64 p, 64 p + 64)`` of head ``hv``
+    at head ``2 hv + p``, as ``[T, HV, 128]`` viewed as ``[T, 2 HV, 64]`` does for v and o (so a
+    state and the rows its chain reads agree); `join_columns` gives the states back exactly; the
+    halves are refused where the form or V cannot take them."""
+    cutedsl_or_skip()
+    from dsfuse.gdn.cutedsl import fused_fwd
+
+    h = torch.randn(3, 4, 8, 128)
+    split = fused_fwd.split_columns(h, 2)
+    assert split.shape == (3, 8, 8, 64) and split.is_contiguous()
+    rows = torch.randn(5, 4, 128)
+    for hv, p in itertools.product(range(4), range(2)):
+        assert torch.equal(split[:, 2 * hv + p], h[:, hv, :, 64 * p:64 * p + 64])
+        assert torch.equal(rows.view(5, 8, 64)[:, 2 * hv + p], rows[:, hv, 64 * p:64 * p + 64])
+    out = torch.full_like(h, float("nan"))
+    assert torch.equal(fused_fwd.join_columns(split, 2, out), h) and torch.equal(out, h)
+    assert fused_fwd.shape_reasons(torch.bfloat16, 16, 48, 128, 128, "head_ws", True, 2) == []
+    assert "walks whole value heads" in fused_fwd.shape_reasons(torch.bfloat16, 16, 48, 128, 128, "head_rs", True, 2)[0]
+    assert "not 32" in " ".join(fused_fwd.shape_reasons(torch.bfloat16, 16, 48, 128, 64, "head_ws", True, 2))
+    with pytest.raises(ValueError, match="column parts"):
+        fused_fwd.shape_reasons(torch.bfloat16, 16, 48, 128, 128, "head_ws", True, 4)
+
+
 def test_a_sole_documents_pieces_and_halves_follow_their_rules():
     """`dsfuse.gdn.cutedsl.forward.pieces`: a document of fewer than four of the last piece's chunks
     whole; longer, pieces of 16, 32, then 64 chunks to its end (a short last one). `column_parts`:
