@@ -15,7 +15,8 @@ run again in the backward, same results.
 
 GPU (NCCL, the stages of every fused backend: the ``backend`` fixture): one rank bitwise equal to the call without ``cp_group`` (on one
 GPU); two ranks (needs two GPUs) against one GPU and against the float64 recurrence with the
-op's contract tolerances, bitwise repeatable, packed q/k/v views.
+op's contract tolerances, bitwise repeatable, packed q/k/v views; the same with the long-document
+split inside each rank's share.
 """
 
 from __future__ import annotations
@@ -285,6 +286,44 @@ def test_gpu_two_ranks(backend, tmp_path):
         # the two-rank result against one GPU: bf16 rounding of differently chunked shares
         _compare(joined, one_gpu, 8e-3, f"{case['name']} 2 ranks vs 1 GPU")
         oracle = worker.single(case | dict(compute=torch.float64, backend="reference", packed=False), "cuda")
+        for name, want in oracle.items():
+            if want is not None:
+                assert_rel_rms(joined[name], want, CONTRACT[name], f"{case['name']} 2 ranks vs float64 {name}")
+
+
+@pytest.mark.gpu
+@pytest.mark.serves("stages")  # the backends whose state passes split long documents
+@pytest.mark.parametrize("world", [1, 2])
+def test_gpu_split_documents_across_ranks(backend, world, tmp_path):
+    """The long-document split (segments of 8 chunks for documents over 16) inside each rank's share,
+    on GPUs: a document of 3,600 tokens (57 chunks) crosses the two ranks' edge at 2,048 and is cut
+    on both, the documents around it stay whole. One rank: bitwise the call without ``cp_group`` under
+    the same split. Two ranks (two GPUs): against one GPU without the split (bf16, as
+    `test_gpu_two_ranks`) and against the float64 recurrence within the op's tolerances. Every rank:
+    bitwise run to run, and it ran the split's forward and reverse passes."""
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} GPUs (device kind nvidia-h200-x2)")
+    case_list = gpu_cases(backend, bounds=[0, 300, 3900, 4096], split=(8, 16))
+    case_list = [dict(c, name=c["name"] + "-split") for c in case_list]
+    _spawn(world, tmp_path, case_list, backend="nccl")
+    from test_gdn_backward import CONTRACT  # the op's tolerances against float64
+
+    for case in case_list:
+        joined, records = worker.assemble(tmp_path, case, world)
+        _check_records(records, case, world)
+        for rank, rec in enumerate(records):
+            assert {"state", "reverse"} <= set(rec["split_passes"]), (case["name"], rank, rec["split_passes"])
+        if world == 1:
+            with worker.split_rule(case["split"]) as passes:
+                want = worker.single(case, "cuda")
+            assert {"state", "reverse"} <= set(passes), passes
+            for name, w in want.items():
+                if w is not None:
+                    assert_bitwise(joined[name], w, f"{case['name']} {name}")
+            continue
+        _compare(joined, worker.single(dict(case, split=None), "cuda"), 8e-3, f"{case['name']} 2 ranks vs 1 GPU")
+        oracle = worker.single(case | dict(compute=torch.float64, backend="reference", packed=False, split=None),
+                               "cuda")
         for name, want in oracle.items():
             if want is not None:
                 assert_rel_rms(joined[name], want, CONTRACT[name], f"{case['name']} 2 ranks vs float64 {name}")
