@@ -58,6 +58,19 @@ def test_target_rows_state_each_goal_and_verdict():
     assert rows[2][2:] == ["wall/hot", "<= 12 us", "n/a", "n/a%", "8", "not measured"]
 
 
+def test_case_goal_judges_a_provider_against_itself_at_another_case():
+    med = _med([("one", "dsfuse", "graph", "evicted", 14.5, 0), ("five", "dsfuse", "graph", "evicted", 10.0, 0),
+                ("five", "dsfuse", "eager", "evicted", 12.0, 0), ("one", "dsfuse", "eager", "evicted", 14.5, 0),
+                ("five", "other", "graph", "evicted", 1.0, 0)])
+    goal = dict(case="five", factor=1.25)
+    targets = [dict(case="one", provider="dsfuse", max_of_case=goal),
+               dict(case="one", provider="dsfuse", clock="eager", max_of_case=goal),
+               dict(case="one", provider="dsfuse", max_of_case=dict(case="ten", factor=1.25))]
+    rows = _rows(tables.markdown(tables.target_table(targets, med, pd.DataFrame(), {})))
+    assert [r[3] for r in rows] == ["<= 1.25x five", "<= 1.25x five", "<= 1.25x ten"]
+    assert [r[-1] for r in rows] == ["1.45x five MISSED", "1.21x five met", "n/ax ten MISSED"]
+
+
 def test_fastest_goal_without_a_ratio():
     goal, verdict = tables.fastest_goal(dict(case="c", provider="dsfuse", max_of_fastest=1.0), 5.0, pd.DataFrame())
     assert goal == ">= 1.00x the fastest valid control (latency <= 1.00x)" and verdict == "n/ax n/a MISSED"

@@ -1,7 +1,7 @@
 """Prose never states a target other than the one the tables judge.
 
 Each op's targets are set once, in ``experiments/<op>/configs/<gpu>.yaml`` (``max_us``,
-``min_of_copy``, ``min_speedup``, ``max_of_fastest``); the host-time targets in
+``min_of_copy``, ``min_speedup``, ``max_of_fastest``, ``max_of_case``); the host-time targets in
 each op's bench module (``HOST_TARGETS``: multiples of ``torch.add``) and `dsfuse.bench.tables`
 (``HOST_CUTEDSL_TARGET_US``). The generated tables judge
 those, and the op pages quote them through ``docs/macros.py`` (``target``, ``target_us``,
@@ -49,6 +49,8 @@ def allowed(op: str | None) -> dict[str, set[float]]:
                 values["%"].add(round(100 * t["min_of_copy"]))
             for factor in t.get("min_speedup", {}).values():
                 values["x"].add(float(factor))
+            if "max_of_case" in t:
+                values["x"].add(float(t["max_of_case"]["factor"]))
             if "max_of_fastest" in t:
                 values["%"].add(round(100 * (1 - t["max_of_fastest"])))
                 values["x"].add(round(1 / t["max_of_fastest"], 2))

@@ -97,6 +97,8 @@ def target_goals(t: dict, us: float, frac: float, med: pd.DataFrame, ratios: pd.
     goals += [speedup_goal(t, other, factor, us, med) for other, factor in t.get("min_speedup", {}).items()]
     if "max_of_fastest" in t:
         goals.append(fastest_goal(t, us, ratios))
+    if "max_of_case" in t:
+        goals.append(case_goal(t, us, med))
     return goals
 
 
@@ -128,6 +130,16 @@ def fastest_goal(t: dict, us: float, ratios: pd.DataFrame) -> tuple[str, str]:
     need = 1 / t["max_of_fastest"]
     return (f">= {need:.2f}x the fastest valid control (latency <= {t['max_of_fastest']:.2f}x)",
             f"{fmt(ratio, 2)}x {control} " + _met(ratio >= need))
+
+
+def case_goal(t: dict, us: float, med: pd.DataFrame) -> tuple[str, str]:
+    """Latency at most ``factor`` times the same provider's at another case of the run (same clock
+    and regime): ``max_of_case: {case: T32768_n5_l2_fwd, factor: 1.25}``, e.g. one document's step
+    against five documents' of the same token count."""
+    other, factor = t["max_of_case"]["case"], t["max_of_case"]["factor"]
+    ref = medians_of(med, other, t["provider"], *target_where(t))
+    over = us / float(ref["us"].iloc[0]) if not ref.empty else NA
+    return f"<= {factor}x {other}", f"{fmt(over, 2)}x {other} " + _met(over <= factor)
 
 
 def ratios_of(ratios: pd.DataFrame, t: dict) -> pd.DataFrame:
