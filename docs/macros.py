@@ -429,6 +429,17 @@ def define_env(env):
         return _x(_raw_median(top.pop("run"), top) / _raw_median(bottom.pop("run"), bottom))
 
     @env.macro
+    def raw_ratio_judged(top: dict, bottom: dict, at_least: float | None = None, at_most: float | None = None) -> str:
+        """`raw_median_ratio` with its verdict against a goal, judged on the unrounded ratio:
+        ``1.12x (met)`` or ``0.92x (**missed**)`` (``at_least``: the ratio's floor; ``at_most``: its ceiling)."""
+        if (at_least is None) == (at_most is None):
+            raise ValueError("raw_ratio_judged: give one of at_least and at_most")
+        top, bottom = dict(top), dict(bottom)
+        ratio = _raw_median(top.pop("run"), top) / _raw_median(bottom.pop("run"), bottom)
+        ok = ratio >= at_least if at_least is not None else ratio <= at_most
+        return f"{_x(ratio)} ({'met' if ok else '**missed**'})"
+
+    @env.macro
     def raw_time_to_lose(top: dict, bottom: dict, speedup: float = 1.10) -> str:
         """How much of ``top``'s median time (given as for `raw_median_ratio`) it would still have to
         lose to be ``speedup`` times as fast as ``bottom``'s: a whole percentage, "under 1 %", or "none"."""

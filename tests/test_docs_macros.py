@@ -43,6 +43,18 @@ def test_time_to_lose_is_the_share_of_the_candidates_median_above_the_margin(mac
     assert macros["raw_median_ratio"](dsfuse, control) == "0.83x"
 
 
+def test_a_judged_ratio_is_judged_unrounded(macros):
+    dsfuse, control = dict(run="raw/run", provider="dsfuse"), dict(run="raw/run", provider="control")
+    # 120.5 / 100 = 1.205: shown as 1.21x (rounded half to even by the format: 1.20x or 1.21x), judged exactly
+    shown = macros["raw_median_ratio"](control, dsfuse)
+    assert macros["raw_ratio_judged"](control, dsfuse, at_least=1.205) == f"{shown} (met)"
+    assert macros["raw_ratio_judged"](control, dsfuse, at_least=1.2051) == f"{shown} (**missed**)"
+    assert macros["raw_ratio_judged"](dsfuse, control, at_most=0.83) == "0.83x (met)"  # 100 / 120.5 = 0.82988
+    assert macros["raw_ratio_judged"](dsfuse, control, at_most=0.8298) == "0.83x (**missed**)"
+    with pytest.raises(ValueError, match="one of"):
+        macros["raw_ratio_judged"](dsfuse, control)
+
+
 def test_a_figure_the_data_lacks_raises(macros):
     with pytest.raises(ValueError, match="no row"):
         macros["raw_time_to_lose"](dict(run="raw/run", provider="nobody"), dict(run="raw/run", provider="control"))
