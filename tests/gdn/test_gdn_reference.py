@@ -426,6 +426,94 @@ def test_chunk_maps_composed_by_a_tree_are_the_walk(gates):
         compose_maps(t[:0], b[:0])
 
 
+def _chunked_steps(tokens: int, size: int, beta: torch.Tensor, g: torch.Tensor, *, keys_rank: int | None = None,
+                   l2: bool = True, seed: int = 5):
+    """One document's chunked stage inputs in float64, one qk head and ``beta.shape[-1]`` value heads of
+    K = V = 16: ``(k, w, u, g_cum, h0)`` in chunks; keys in a ``keys_rank``-dimensional subspace if given."""
+    gen = torch.Generator().manual_seed(seed)
+    hv = beta.shape[-1]
+    q, k = (torch.randn(1, tokens, 1, 16, generator=gen, dtype=F64) for _ in range(2))
+    if keys_rank:
+        k = torch.randn(1, tokens, 1, keys_rank, generator=gen, dtype=F64) @ torch.randn(keys_rank, 16, generator=gen,
+                                                                                             dtype=F64)
+    v = torch.randn(1, tokens, hv, 16, generator=gen, dtype=F64)
+    st = chunk_gdn_stages(q, k, v, g, beta, scale=0.25, use_qk_l2norm_in_kernel=l2, cu_seqlens=[0, tokens],
+                          chunk_size=size, compute_dtype=F64)
+    ci = st.chunk_indices
+    kc, vc, bc, gc = (to_chunks(x, ci, size) for x in (st.k, v[0], beta[0].double(), g[0].double()))
+    g_cum = chunk_local_cumsum(gc)
+    w, u = wy_representation(ut_transform(kc, bc, g_cum), kc, vc, bc, g_cum)
+    return kc, w, u, g_cum, torch.randn(1, hv, 16, 16, generator=gen, dtype=F64), ci
+
+
+def test_a_chunk_transition_is_at_most_its_decay_with_unit_keys():
+    """The warm-up cut's premise (`dsfuse.gdn.chunk_maps.warmup_starts`): with the L2 norm on and
+    0 <= beta <= 2, each chunk's transition ``T`` (`chunk_affine_maps`) has spectral norm at most
+    ``exp(G_last)``, whatever the keys; with beta above 2 or keys not normalised, not."""
+    from dsfuse.gdn.chunk_maps import chunk_affine_maps
+
+    tokens, size = 160, 16
+    gen = torch.Generator().manual_seed(2)
+    beta = torch.rand(1, tokens, 3, generator=gen, dtype=F64) * 2
+    beta[0, ::7] = 2.0  # the edge, and zero
+    beta[0, 3::11] = 0.0
+    g = -torch.rand(1, tokens, 3, generator=gen, dtype=F64) * torch.tensor([1e-3, 1e-1, 1.0], dtype=F64)
+
+    def excess(**kw):  # the largest ||T|| / exp(G_last) over every chunk and head
+        k, w, u, g_cum = _chunked_steps(tokens, size, kw.pop("beta", beta), g, **kw)[:4]
+        t, _ = chunk_affine_maps(k, w, u, g_cum)
+        return float((torch.linalg.matrix_norm(t, ord=2) / g_cum[..., -1].exp()).max())
+
+    for rank in (None, 3):
+        assert excess(keys_rank=rank) <= 1 + 1e-12
+    assert excess(beta=beta * 1.5 + 0.1) > 1 + 1e-3  # beta above 2 reverses some direction by more than 1
+    assert excess(l2=False) > 1 + 1e-3  # keys of norm about 4: no bound
+
+
+@pytest.mark.parametrize("keys_rank", [None, 3])
+def test_a_warm_up_cut_by_the_bound_misses_the_state_by_at_most_the_bound(keys_rank):
+    """`warmup_starts`: each segment's warm-up is the shortest run of chunks before it that decays by
+    at most the bound (or the document's start); a float64 walk from zero over it misses the true
+    state by at most ``exp(its decay) ||S_w||`` (the state at its start), and from the document's
+    start with its initial state not at all. A loose bound (1e-2) so that the cut is visible."""
+    from dsfuse.gdn.chunk_maps import warmup_starts
+
+    tokens, size = 640, 16
+    gen = torch.Generator().manual_seed(4)
+    beta = torch.rand(1, tokens, 3, generator=gen, dtype=F64)
+    g = -torch.rand(1, tokens, 3, generator=gen, dtype=F64) * torch.tensor([2e-3, 3e-2, 0.3], dtype=F64)
+    k, w, u, g_cum, h0, ci = _chunked_steps(tokens, size, beta, g, keys_rank=keys_rank)
+    h = chunk_state_pass(k, w, u, g_cum, ci, 1, h0)[0]  # [NC, HV, K, V]: the true state at each chunk's start
+    decay = g_cum[..., -1]
+    starts, log_bound = [3, 10, 17, 25, 39], math.log(1e-2)
+    first = warmup_starts(decay, starts, log_bound)
+    assert first.shape == (len(starts), 3)
+    cut = 0
+    for i, s in enumerate(starts):
+        for j in range(3):
+            wj = int(first[i, j])
+            run = float(decay[wj:s, j].sum())
+            if wj > 0:  # the shortest qualifying run: one chunk fewer decays by more than the bound
+                assert run <= log_bound and float(decay[wj + 1:s, j].sum()) > log_bound, (s, j, wj)
+            else:
+                assert float(decay[1:s, j].sum()) > log_bound, (s, j)  # no shorter run qualifies
+            start = h0[0, j] if wj == 0 else torch.zeros_like(h0[0, j])
+            sl = slice(wj, s)
+            got = chunk_state_pass(k[sl, j:j + 1], w[sl, j:j + 1], u[sl, j:j + 1], g_cum[sl, j:j + 1],
+                                   ci[sl], 1, start[None, None])[2][0, 0]
+            miss = float((got - h[s, j]).norm())
+            if wj == 0:
+                assert miss <= 1e-12 * float(h[s, j].norm()), (s, j, miss)
+            else:
+                cut += 1
+                assert miss <= math.exp(run) * float(h[wj, j].norm()) * (1 + 1e-9), (s, j, miss)
+                assert miss > 0
+    assert cut >= 5  # the slower heads' long runs and the fast head's short ones both occur
+    assert (first[:, 2] > 0).all() and (first[:, 0] == 0).any()
+    with pytest.raises(ValueError, match="at most 0"):
+        warmup_starts(-decay, starts)
+
+
 # ----------------------------------------------------------------------------- helpers and errors
 
 

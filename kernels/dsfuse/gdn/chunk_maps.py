@@ -1,7 +1,9 @@
 """Each chunk's step of the chunked state pass as an affine map of the state, and a run of chunks'
 maps composed by a fixed binary tree instead of a walk: the algebra of the long-document split's
-cheaper maps (`experiments/gdn/notes/long-document-split.md`, "Next: maps without a walk"), in plain
-PyTorch, as the oracle a kernel would be checked against. Nothing here serves a call.
+cheaper maps (`experiments/gdn/notes/long-document-split.md`, "Next: maps without a walk"); and
+where a segment's warm-up may be cut because a bound proves the rest below a given size ("Next: a
+warm-up cut where a bound proves the rest negligible"). In plain PyTorch, as the oracle a kernel
+would be checked against. Nothing here serves a call.
 
 Layouts as `dsfuse.gdn.reference`'s stages: ``[NC, HV, C, ...]`` chunks, ``g_cum`` the chunk-local
 cumulative gate (padding holding the last token's value).
@@ -9,7 +11,12 @@ cumulative gate (padding holding the last token's value).
 
 from __future__ import annotations
 
+import math
+
 import torch
+
+LOG_BOUND = math.log(2.0**-24)
+"""The warm-up's cut (`warmup_starts`): the dropped part at most ``2^-24`` of the state's norm."""
 
 
 def chunk_affine_maps(k: torch.Tensor, w: torch.Tensor, u: torch.Tensor, g_cum: torch.Tensor):
@@ -40,3 +47,26 @@ def compose_maps(t: torch.Tensor, b: torch.Tensor):
         joined_t, joined_b = then_t @ first_t, then_t @ first_b + then_b
         t, b = torch.cat([joined_t, t[even:]]), torch.cat([joined_b, b[even:]])
     return t[0], b[0]
+
+
+def warmup_starts(chunk_decay: torch.Tensor, starts: list[int], log_bound: float = LOG_BOUND) -> torch.Tensor:
+    """Where each segment's warm-up starts, per value head: for a segment starting at chunk ``s`` of a
+    document (``starts``, chunk indices from the document's first chunk), the largest ``w < s`` whose
+    chunks ``[w, s)`` decay by at most ``log_bound`` in all (``chunk_decay[w:s].sum() <= log_bound``),
+    or 0 (the document's start, whose true initial state drops nothing) where no run is long enough.
+    ``chunk_decay`` ``[NC, HV]``: each chunk's summed log decay (``g_cum[..., -1]``, <= 0). Returns
+    ``[len(starts), HV]`` (int64).
+
+    Why the cut is safe: per token the state's transition is ``e^g (I - beta k k^T)``; with
+    ``||k|| <= 1`` (the L2 norm) and ``0 <= beta <= 2`` its norm is at most ``e^g``, so a walk from
+    zero over ``[w, s)`` misses the true state at ``s`` by ``P S_w``, ``||P S_w|| <= e^{sum} ||S_w||``.
+    Without the L2 norm there is no such bound."""
+    if (chunk_decay > 0).any():
+        raise ValueError("warmup_starts: a chunk's log decay is at most 0")
+    prefix = torch.cat([chunk_decay.new_zeros(1, chunk_decay.shape[1]), chunk_decay.cumsum(0)])  # [NC + 1, HV]
+    out = []
+    for s in starts:
+        # prefix[s] - prefix[w] <= log_bound  <=>  prefix[w] >= prefix[s] - log_bound; prefix falls with w
+        ok = prefix[:s] >= prefix[s] - log_bound  # [s, HV]: true for w up to the last that qualifies
+        out.append(torch.where(ok.any(0), ok.sum(0) - 1, torch.zeros_like(ok.sum(0))))
+    return torch.stack(out) if out else chunk_decay.new_zeros(0, chunk_decay.shape[1], dtype=torch.int64)
