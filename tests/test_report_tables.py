@@ -246,3 +246,23 @@ def test_a_gpu_run_of_auto_without_the_cutedsl_backend_is_flagged():
     assert report.backend_lines(run({"nvidia-cutlass-dsl": "4.8.1"}), "gdn") == []
     assert report.backend_lines(run({}), "gdn") == []
     assert report.backend_lines(run({"nvidia-cutlass-dsl": None}, gpu=None), "gdn") == []
+
+
+def test_shown_files_are_the_runs_own_table_and_plots(tmp_path):
+    import json
+    from pathlib import Path
+
+    from dsfuse.bench.report import shown_files
+
+    raw = tmp_path / "experiments" / "gdn" / "raw"
+    main, apart = raw / "20260101-000000-h200", raw / "long" / "20260101-000001-h200"
+    for run in (main, apart):
+        run.mkdir(parents=True)
+        (run / "env.json").write_text(json.dumps({"gpu_name": "NVIDIA H200"}))
+    res, plots = tmp_path / "results", tmp_path / "experiments" / "gdn" / "plots"
+    written = [res / "h200" / "gdn.md", res / "h200" / "gdn_long.md", res / "h200" / "gdn_runs.md",
+               res / "b200" / "gdn_long.md", plots / "h200" / "gdn_fwd.png", plots / "h200" / "long" / "gdn_fwd.png",
+               plots / "b200" / "long" / "gdn_fwd.png", res / "gdn_all_gpus.md"]
+    assert shown_files("gdn", main, written) == (res / "h200" / "gdn.md", [plots / "h200" / "gdn_fwd.png"])
+    assert shown_files("gdn", apart, written) == (res / "h200" / "gdn_long.md", [plots / "h200" / "long" / "gdn_fwd.png"])
+    assert isinstance(shown_files("gdn", main, written)[0], Path)

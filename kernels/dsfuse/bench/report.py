@@ -269,6 +269,18 @@ def render(op: str, raw_root: Path, results_dir: Path, plots_dir: Path, smoke: b
     return written
 
 
+def shown_files(op: str, run_dir: Path, written: list[Path]) -> tuple[Path, list[Path]]:
+    """Of the files `render` wrote (``written``), the tables and the plots of the run ``run_dir``: the
+    op's own (``<op>.md``) for a run of the op's raw folder, ``<op>_<sub>.md`` and the plots under
+    ``<sub>/`` for a run of a config kept apart (``raw_subdir``: ``experiments/<op>/raw/<sub>/<run>``)."""
+    sub = None if Path(run_dir).parent.name == "raw" else Path(run_dir).parent.name
+    gpu = run_gpu(Path(run_dir))
+    table = next(p for p in written if p.name == (f"{op}_{sub}.md" if sub else f"{op}.md") and p.parent.name == gpu)
+    plots = [p for p in written if p.suffix == ".png" and p.parent.name == (sub or gpu)
+             and (p.parent.parent.name == gpu if sub else True)]
+    return table, plots
+
+
 def apart_folders(raw_root: Path) -> list[str]:
     """The subfolders of ``raw_root`` holding runs of a config kept apart (their ``config.yaml`` names
     the folder as its ``raw_subdir``), by name."""
