@@ -692,10 +692,11 @@ def test_the_halves_layout_is_the_views_of_v_and_o():
     h = torch.randn(3, 4, 8, 128)
     split = fused_fwd.split_columns(h, 2)
     assert split.shape == (3, 8, 8, 64) and split.is_contiguous()
-    rows = torch.randn(5, 4, 128)
     for hv, p in itertools.product(range(4), range(2)):
         assert torch.equal(split[:, 2 * hv + p], h[:, hv, :, 64 * p:64 * p + 64])
-        assert torch.equal(rows.view(5, 8, 64)[:, 2 * hv + p], rows[:, hv, 64 * p:64 * p + 64])
+    # the same as each of the state's K rows read as v's and o's are: [.., HV, 128] viewed as [.., 2 HV, 64]
+    as_rows = h.permute(0, 2, 1, 3).reshape(3, 8, 4 * 128).view(3, 8, 8, 64).permute(0, 2, 1, 3)
+    assert torch.equal(split, as_rows)
     out = torch.full_like(h, float("nan"))
     assert torch.equal(fused_fwd.join_columns(split, 2, out), h) and torch.equal(out, h)
     assert fused_fwd.shape_reasons(torch.bfloat16, 16, 48, 128, 128, "head_ws", True, 2) == []
@@ -703,6 +704,34 @@ def test_the_halves_layout_is_the_views_of_v_and_o():
     assert "not 32" in " ".join(fused_fwd.shape_reasons(torch.bfloat16, 16, 48, 128, 64, "head_ws", True, 2))
     with pytest.raises(ValueError, match="column parts"):
         fused_fwd.shape_reasons(torch.bfloat16, 16, 48, 128, 128, "head_ws", True, 4)
+
+
+def test_the_halves_follow_a_captures_plan_and_the_pieces_their_cuts(monkeypatch):
+    """`chain_parts` reads the plan a CUDA Graph capture would run (`OVERLAP`), not the eager call's,
+    so that an eager call compiles what a later capture launches: two documents whose capture leads
+    with a stage walk whole chains, under ``Overlap(0)`` halves; a sole document halves. The pieces'
+    offsets are kept by their cuts: a changed `PIECES` gives its own (on the CPU: no capture)."""
+    cutedsl_or_skip()
+    import collections
+
+    from dsfuse.gdn.cutedsl import forward
+
+    two = [0, 9000, 16000]
+    monkeypatch.setattr(forward, "OVERLAP", forward.Overlap())
+    assert len(forward.stages(two, 32, 132)) == 2
+    assert forward.chain_parts("head_rs", two, 32, 128, 132) == 1
+    assert forward.chain_parts("head_rs", [0, 32768], 48, 128, 132) == 2
+    assert forward.chain_parts("head_rs", [0, 32768], 48, 64, 132) == 1  # V = 64: head_ws already
+    monkeypatch.setattr(forward, "OVERLAP", forward.Overlap(0))
+    assert forward.chain_parts("head_rs", two, 32, 128, 132) == 2
+    monkeypatch.setattr(forward, "_piece_offsets", collections.OrderedDict())
+    cpu = torch.device("cpu")
+    assert forward._pieces(257, cpu)[0] == [0, 16, 48, 112, 176, 240, 257]
+    monkeypatch.setattr(forward, "PIECES", (16, 200, 64))
+    cuts, offsets = forward._pieces(257, cpu)
+    assert cuts == [0, 16, 216, 257] and offsets.tolist() == cuts
+    monkeypatch.setattr(forward, "PIECES", (16, 32, 64))
+    assert forward._pieces(257, cpu)[1].tolist() == [0, 16, 48, 112, 176, 240, 257]
 
 
 def test_a_sole_documents_pieces_and_halves_follow_their_rules():
@@ -735,8 +764,10 @@ def test_halved_chains_and_pieces_give_the_same_bits(heads, lengths, monkeypatch
     partial; also cut in two and in three pieces), each alone and both, against whole chains in one
     launch: o, the final states and every gradient, dh0 included (the backward reads the states the
     halves save), bitwise, eagerly with autograd, each variant's chain launches counted (so a path
-    that did not run cannot pass); then the forward alone replayed from CUDA Graphs, with and
-    without the halves, its outputs poisoned with NaN before each replay."""
+    that did not run cannot pass); then the forward alone captured in CUDA Graphs, with the default
+    overlap (pieces for a sole document, stages for several) and with ``Overlap(0)`` (one launch,
+    halves alone), with and without the halves, each capture's chain launches counted, each
+    replayed with its outputs poisoned with NaN."""
     cutedsl_or_skip()
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the prepared forms (wgmma) run on sm_90 only")
@@ -802,19 +833,25 @@ def test_halved_chains_and_pieces_give_the_same_bits(heads, lengths, monkeypatch
     for name, got in runs.items():
         differ = [i for i, (a, b) in enumerate(zip(got, plain)) if not torch.equal(a, b)]
         assert not differ, f"{name}: outputs {differ} (o, ht, dq, dk, dv, dg, dbeta, dh0) changed"
-    monkeypatch.setattr(forward, "OVERLAP", forward.Overlap())
     monkeypatch.setattr(forward, "PIECES", (16, 32, 64))
-    for parts in (rule, whole):
-        monkeypatch.setattr(forward, "column_parts", parts)
-        forward_pass(q, k, v, g, beta)  # the pieces' offsets on the GPU before the capture
+    for overlap, use_halves in itertools.product((forward.Overlap(), forward.Overlap(0)), (True, False)):
+        monkeypatch.setattr(forward, "OVERLAP", overlap)
+        monkeypatch.setattr(forward, "column_parts", rule if use_halves else whole)
+        forward_pass(q, k, v, g, beta)  # eager: compiles what the capture launches, the pieces' offsets on the GPU
+        stages = 1 if sole else len(forward.stages(cu, hv, 132, overlap))
+        count = len(forward.pieces(chunks)) - 1 if sole and overlap.leads else stages
+        parts = 2 if use_halves and halved and stages == 1 else 1
+        launches.clear()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             static = forward_pass(q, k, v, g, beta)
+        what = f"captured with {overlap}, halves {use_halves}"
+        assert launches == [parts] * count, f"{what}: chain launches (their parts) {launches}, not {count} x {parts}"
         for x in static:
             x.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
-        assert all(torch.equal(a, b) for a, b in zip(static, plain[:2])), f"graph replay ({parts})"
+        assert all(torch.equal(a, b) for a, b in zip(static, plain[:2])), f"{what}: graph replay"
 
 
 CHUNK_TAIL = 64 + 7

@@ -20,8 +20,9 @@ starts early. A call of one document runs its chain in pieces instead (`pieces`)
 own chunks' inverse, the next piece's inverse beside it, in eager calls too (on the H200 that took
 an eager forward of one document of 32,768 tokens about as low as its CUDA Graph replay:
 `experiments/gdn/raw/column-split/20261204-201625-h200-long-forward-probe`). Where the chains are
-few and no stage leads, each value head's chain is walked by two CTAs, each half of its channels
-(`column_parts`: then on the ``head_ws`` form at 64 channels, not ``head_rs``).
+few and no stage of a capture's plan leads, each value head's chain is walked by two CTAs, each half
+of its channels (`chain_parts`, `column_parts`: then on the ``head_ws`` form at 64 channels, not
+``head_rs``; eager calls follow the capture's plan, so they compile what a capture launches).
 Every chunk is computed as in one pair of launches (the same bits); only the start times and the
 CTAs change. An eager call of several documents keeps the one pair (`Overlap.eager`); ``Overlap(0)``
 turns the pieces off too.
@@ -156,7 +157,7 @@ def _pieces(chunks: int, device: torch.device) -> tuple[list[int], torch.Tensor 
     cuts = pieces(chunks)
     if len(cuts) <= 2:
         return cuts, None
-    key = (chunks, str(device))
+    key = (tuple(cuts), str(device))  # the cuts themselves: `PIECES` may change between calls
     if key in _piece_offsets:
         _piece_offsets.move_to_end(key)
         return _piece_offsets[key]
@@ -178,6 +179,16 @@ def column_parts(form: str, value_heads: int, dim_v: int, documents: int, sms: i
     and twice its chains (value heads x documents) fit the SMs at once; else one. The same bits
     either way (GPU tests), so the rule may read the SM count."""
     return 2 if form == "head_rs" and dim_v == 128 and 2 * value_heads * documents <= sms else 1
+
+
+def chain_parts(form: str, bounds: list[int], value_heads: int, dim_v: int, sms: int) -> int:
+    """`column_parts` where no stage of a CUDA Graph capture's plan (`stages` under `OVERLAP`) leads
+    (lead stages' chains share the SMs with the inverse instead), else 1. Read from the capture's
+    plan in eager calls too, whose own plan may differ (`Overlap.eager`), so that an eager call
+    compiles the kernels a capture after it launches."""
+    if len(_stages(tuple(bounds), value_heads, sms, OVERLAP)) > 1:
+        return 1
+    return column_parts(form, value_heads, dim_v, len(bounds) - 1, sms)
 
 
 @functools.lru_cache(maxsize=64)
@@ -312,9 +323,7 @@ class FusedForward:
         capturing = torch.cuda.is_current_stream_capturing()
         overlap = OVERLAP if OVERLAP.eager or capturing else Overlap(0)
         plan = _stages(tuple(bounds), heads_v, sms, overlap) if n else []
-        # halves where no stage leads (the stages' chains share the SMs with the inverse instead)
-        parts = (column_parts(form, heads_v, dim_v, table.num_seqs, sms)
-                 if v_.stride(1) == dim_v and len(plan) <= 1 else 1)
+        parts = chain_parts(form, bounds, heads_v, dim_v, sms) if v_.stride(1) == dim_v and n else 1
 
         def chain(offsets, order, h_in, h_out):  # one launch of the chains of documents `order`
             fused_fwd._launch(q_, k_, v_, g_, beta_, a, table.indices, offsets, order, h_in, h_out, o, scale,
