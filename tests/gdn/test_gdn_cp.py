@@ -304,7 +304,7 @@ def test_gpu_split_documents_across_ranks(backend, world, tmp_path):
     if torch.cuda.device_count() < world:
         pytest.skip(f"needs {world} GPUs (device kind nvidia-h200-x2)")
     case_list = gpu_cases(backend, bounds=[0, 300, 3900, 4096], split=(8, 16))
-    case_list = [dict(c, name=c["name"] + "-split") for c in case_list]
+    case_list = [dict(c, name=c["name"] + "-segments") for c in case_list]
     _spawn(world, tmp_path, case_list, backend="nccl")
     from test_gdn_backward import CONTRACT  # the op's tolerances against float64
 
