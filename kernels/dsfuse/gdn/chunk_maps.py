@@ -58,7 +58,8 @@ def warmup_starts(chunk_decay: torch.Tensor, starts: list[int], log_bound: float
     ``[len(starts), HV]`` (int64).
 
     Why the cut is safe: per token the state's transition is ``e^g (I - beta k k^T)``; with
-    ``||k|| <= 1`` (the L2 norm) and ``0 <= beta <= 2`` its norm is at most ``e^g``, so a walk from
+    ``0 <= beta ||k||^2 <= 2`` (the L2 norm, even with its keys rounded to bf16, and beta a sigmoid) its
+    norm is at most ``e^g``, so a walk from
     zero over ``[w, s)`` misses the true state at ``s`` by ``P S_w``, ``||P S_w|| <= e^{sum} ||S_w||``.
     Without the L2 norm there is no such bound."""
     if (chunk_decay > 0).any():
