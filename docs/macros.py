@@ -422,11 +422,14 @@ def define_env(env):
             raise ValueError(f"{path}: no line {nth} starting with {label!r}")
         return rows[nth]
 
+    def _raw_ratio(top: dict, bottom: dict) -> float:
+        top, bottom = dict(top), dict(bottom)
+        return _raw_median(top.pop("run"), top) / _raw_median(bottom.pop("run"), bottom)
+
     @env.macro
     def raw_median_ratio(top: dict, bottom: dict) -> str:
         """The ratio of two such medians, each given as ``dict(run=<raw folder>, <column>=<value>, ..)``."""
-        top, bottom = dict(top), dict(bottom)
-        return _x(_raw_median(top.pop("run"), top) / _raw_median(bottom.pop("run"), bottom))
+        return _x(_raw_ratio(top, bottom))
 
     @env.macro
     def raw_ratio_judged(top: dict, bottom: dict, at_least: float | None = None, at_most: float | None = None) -> str:
@@ -434,8 +437,7 @@ def define_env(env):
         ``1.12x (met)`` or ``0.92x (**missed**)`` (``at_least``: the ratio's floor; ``at_most``: its ceiling)."""
         if (at_least is None) == (at_most is None):
             raise ValueError("raw_ratio_judged: give one of at_least and at_most")
-        top, bottom = dict(top), dict(bottom)
-        ratio = _raw_median(top.pop("run"), top) / _raw_median(bottom.pop("run"), bottom)
+        ratio = _raw_ratio(top, bottom)
         ok = ratio >= at_least if at_least is not None else ratio <= at_most
         return f"{_x(ratio)} ({'met' if ok else '**missed**'})"
 

@@ -41,3 +41,19 @@ def test_tf32_rounds_to_nearest_ties_to_even(module):
     x = torch.tensor([1 + ulp / 2, 1 + 3 * ulp / 2, 1 + ulp / 2 + 2.0**-20, -(1 + 3 * ulp / 2), 1 + ulp], dtype=torch.float32)
     want = torch.tensor([1.0, 1 + 2 * ulp, 1 + ulp, -(1 + 2 * ulp), 1 + ulp], dtype=torch.float32)
     assert torch.equal(module.tf32(x), want)
+
+
+def test_the_scripts_walk_is_the_reference_state_pass(module):
+    """The script's walk (which takes an emulated product) is `chunk_state_pass`'s final state."""
+    from dsfuse.gdn.reference import chunk_state_pass, prepare_chunk_indices
+
+    gen = torch.Generator().manual_seed(0)
+    nc, hv, c, k_dim = 3, 2, 8, 4
+    k, w = (torch.randn(nc, hv, c, k_dim, generator=gen, dtype=torch.float64) for _ in range(2))
+    u = torch.randn(nc, hv, c, k_dim, generator=gen, dtype=torch.float64)
+    g_cum = -torch.rand(nc, hv, c, generator=gen, dtype=torch.float64).cumsum(-1)
+    h0 = torch.randn(1, hv, k_dim, k_dim, generator=gen, dtype=torch.float64)
+    ci = prepare_chunk_indices([0, nc * c], c)
+    want = chunk_state_pass(k, w, u, g_cum, ci, 1, h0)[2][0]
+    got = module.walk(k, w, u, g_cum, h0[0], module.PRODUCTS["fp32"])
+    assert torch.allclose(got, want, rtol=1e-12, atol=1e-12)

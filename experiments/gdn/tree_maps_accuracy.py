@@ -33,6 +33,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT / "kernels"), str(ROOT / "tests"), str(ROOT / "tests" / "gdn")]
 
 from dsfuse.gdn import chunk_gdn_stages  # noqa: E402
+from dsfuse.gdn.chunk_maps import chunk_affine_maps, compose_maps  # noqa: E402
 from dsfuse.gdn.reference import chunk_local_cumsum, to_chunks, ut_transform, wy_representation  # noqa: E402
 from helpers import model_like_gates  # noqa: E402
 
@@ -58,21 +59,12 @@ PRODUCTS = {  # how a product a @ b takes its fp32 operands (fp32 accumulation t
 }
 
 
-def tree(k_dec, w, u, g_last, mm):
-    """`dsfuse.gdn.chunk_maps.chunk_affine_maps` then `compose_maps`, every product by ``mm``."""
-    eye = torch.eye(K, dtype=F32)
-    t = g_last.exp()[..., None, None] * eye - mm(k_dec.transpose(-1, -2), w)
-    b = mm(k_dec.transpose(-1, -2), u)
-    while t.shape[0] > 1:
-        even = t.shape[0] // 2 * 2
-        t1, b1, t2, b2 = t[0:even:2], b[0:even:2], t[1:even:2], b[1:even:2]
-        t, b = torch.cat([mm(t2, t1), t[even:]]), torch.cat([mm(t2, b1) + b2, b[even:]])
-    return t[0], b[0]
-
-
-def walk(k_dec, w, u, g_last, h, mm):
-    """`dsfuse.gdn.reference.chunk_state_pass` over one segment from ``h``, every product by ``mm``."""
-    for c in range(k_dec.shape[0]):
+def walk(k, w, u, g_cum, h, mm):
+    """`dsfuse.gdn.reference.chunk_state_pass`'s final state over one segment from ``h`` (its chunks
+    ``[NC, HV, C, ..]``), every product by ``mm`` (which that function does not take)."""
+    g_last = g_cum[..., -1]
+    k_dec = k * (g_last[..., None] - g_cum).exp()[..., None]
+    for c in range(k.shape[0]):
         v_new = u[c] - mm(w[c], h)
         h = g_last[c].exp()[:, None, None] * h + mm(k_dec[c].transpose(-1, -2), v_new)
     return h
@@ -93,13 +85,11 @@ def rows(chunks: int, gates: str, keys: str, heads: int, seed: int = 3) -> list[
     kc, vc, bc, gc = (to_chunks(x, ci, C) for x in (st.k, v[0].double(), beta[0].double(), g[0].double()))
     g_cum = chunk_local_cumsum(gc)
     w, u = wy_representation(ut_transform(kc, bc, g_cum), kc, vc, bc, g_cum)
-    g_last = g_cum[..., -1]
-    k_dec = kc * (g_last[..., None] - g_cum).exp()[..., None]
     first, second = slice(0, chunks), slice(chunks, 2 * chunks)
     f64 = lambda a, b: a @ b  # noqa: E731
     zero = torch.zeros(heads, K, K, dtype=F64)
-    s_in = walk(k_dec[first], w[first], u[first], g_last[first], zero, f64)  # the first segment's true state
-    inputs = [x[second] for x in (k_dec, w, u, g_last)]
+    s_in = walk(kc[first], w[first], u[first], g_cum[first], zero, f64)  # the first segment's true state
+    inputs = [x[second] for x in (kc, w, u, g_cum)]
     e64 = walk(*inputs, zero, f64)
     s64 = walk(*inputs, s_in, f64)
     m64 = walk(inputs[0], inputs[1], torch.zeros_like(inputs[2]), inputs[3], torch.eye(K, dtype=F64).expand(heads, K, K), f64)
@@ -113,10 +103,10 @@ def rows(chunks: int, gates: str, keys: str, heads: int, seed: int = 3) -> list[
         found[f"e_{name}"] = rel(walk(*in32, zero.float(), mm), e64)
         found[f"s_{name}"] = rel(walk(*in32, s_in.float(), mm), s64)
     for name, mm in PRODUCTS.items():
-        m, e = tree(*in32, mm)
+        m, e = compose_maps(*chunk_affine_maps(*in32, mm=mm), mm=mm)
         found[f"e_tree_{name}"] = rel(e, e64)
         found[f"s_tree_{name}"] = rel(m.double() @ s_in + e.double(), s64)  # the merge in float64
-    decay = (-g_last[second].sum(0)).tolist()  # the segment's total log decay per head
+    decay = (-g_cum[second][..., -1].sum(0)).tolist()  # the segment's total log decay per head
     return [dict(chunks=chunks, gates=gates, keys=keys, head=h, segment_log_decay=decay[h],
                  m_norm=float(m64[h].norm()), e_norm=float(e64[h].norm()), s_in_norm=float(s_in[h].norm()),
                  **{key: vals[h] for key, vals in found.items()}) for h in range(heads)]

@@ -1,8 +1,7 @@
 """How long the bounded warm-ups of the long-document design would be (`dsfuse.gdn.chunk_maps.warmup_starts`,
 `notes/long-document-split.md`, "Next: a warm-up cut where a bound proves the rest negligible") for
-the experiment's gates: drawn as `dsfuse.bench.gdn.make_inputs` draws them (the model's
-initialisation: ``A_log = log U(1, 16)``, ``softplus(dt_bias) = dt``, ``dt`` log-uniform in
-[1e-3, 1e-1], projections ``N(0, 1)``), on the CPU, so not the GPU runs' draws. One document of
+the experiment's gates: `dsfuse.bench.gdn.model_gates`, as `make_inputs` draws them (the model's
+initialisation), on the CPU, so not the GPU runs' draws. One document of
 ``T`` tokens cut into segments of 128 chunks (`dsfuse.gdn.split.RULE`'s), the cut at ``2^-24``.
 
 For each (tokens, value heads, seed, segment, value head) it writes the warm-up's length in chunks
@@ -14,7 +13,6 @@ and whether it reaches the document's start (then it walks from the true initial
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from pathlib import Path
 
@@ -24,24 +22,25 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT / "kernels")]
 
-from dsfuse.gdn import gdn_gates  # noqa: E402
+from dsfuse.bench.gdn import model_gates  # noqa: E402
 from dsfuse.gdn.chunk_maps import LOG_BOUND, warmup_starts  # noqa: E402
-from dsfuse.gdn.split import RULE  # noqa: E402
+from dsfuse.gdn.split import RULE, segment_offsets  # noqa: E402
 
 CHUNK = 64
 
 
+def segment_warmups(tokens: int, value_heads: int, seed: int):
+    """``(decay, starts, first, a_log, dt)``: each chunk's log decay ``[NC, HV]``, the segments'
+    first chunks after the document's first segment (`dsfuse.gdn.split.RULE`), their warm-ups'
+    first chunks ``[S, HV]`` (`warmup_starts`), and the gates' parameters."""
+    g, _, a_log, dt = model_gates(tokens, value_heads, torch.Generator().manual_seed(seed), torch.device("cpu"))
+    decay = g[0].double().view(-1, CHUNK, value_heads).sum(1)
+    starts = segment_offsets([0, decay.shape[0]], RULE)[0][1:-1]
+    return decay, starts, warmup_starts(decay, starts, LOG_BOUND), a_log, dt
+
+
 def rows(tokens: int, value_heads: int, seed: int) -> list[dict]:
-    gen = torch.Generator().manual_seed(seed)
-    a_log = (torch.rand(value_heads, generator=gen) * 15 + 1).log()
-    dt = (torch.rand(value_heads, generator=gen) * (math.log(1e-1) - math.log(1e-3)) + math.log(1e-3)).exp()
-    dt_bias = dt + torch.log(-torch.expm1(-dt))
-    a, b = (torch.randn(1, tokens, value_heads, generator=gen) for _ in range(2))
-    g = gdn_gates(a, b, a_log, dt_bias)[0][0].double()  # [T, HV]
-    decay = g.view(-1, CHUNK, value_heads).sum(1)  # [NC, HV]: each chunk's log decay
-    segment = RULE.segment
-    starts = list(range(segment, decay.shape[0], segment))
-    first = warmup_starts(decay, starts, LOG_BOUND)
+    decay, starts, first, a_log, dt = segment_warmups(tokens, value_heads, seed)
     return [dict(tokens=tokens, value_heads=value_heads, seed=seed, segment=i + 1, head=j,
                  dt=float(dt[j]), a=float(a_log[j].exp()), warmup_chunks=s - int(first[i, j]),
                  from_start=int(first[i, j]) == 0)

@@ -512,6 +512,8 @@ def test_a_warm_up_cut_by_the_bound_misses_the_state_by_at_most_the_bound(keys_r
     assert (first[:, 2] > 0).all() and (first[:, 0] == 0).any()
     with pytest.raises(ValueError, match="at most 0"):
         warmup_starts(-decay, starts)
+    with pytest.raises(ValueError, match="segment starts"):
+        warmup_starts(decay, [-1])
 
 
 # ----------------------------------------------------------------------------- helpers and errors

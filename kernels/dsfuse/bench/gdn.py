@@ -266,9 +266,6 @@ def make_inputs(case: Case, device: torch.device, seed: int) -> dict:
     def randn(*shape):
         return torch.randn(shape, generator=gen, device=device)
 
-    def uniform(lo, hi, *shape):
-        return torch.rand(shape, generator=gen, device=device) * (hi - lo) + lo
-
     qk_scale = 1.0 if p["l2norm"] else d**-0.5
     width = (2 * h + hv) * d
     inputs: dict = {}
@@ -280,16 +277,27 @@ def make_inputs(case: Case, device: torch.device, seed: int) -> dict:
         row = randn(t, width)
         row[:, : 2 * h * d] *= qk_scale
         inputs["row"] = row.to(dtype)
-    from dsfuse.gdn import gdn_gates
-
-    a_log = uniform(1.0, 16.0, hv).log()
-    dt = uniform(math.log(1e-3), math.log(1e-1), hv).exp()
-    dt_bias = dt + torch.log(-torch.expm1(-dt))  # softplus(dt_bias) = dt
-    g, beta = gdn_gates(randn(1, t, hv), randn(1, t, hv), a_log, dt_bias)
+    g, beta, _, _ = model_gates(t, hv, gen, device)
     inputs.update(g=g.float(), beta=beta.to(dtype), initial_state=randn(n, hv, d, d) * 0.1,
                   do=randn(1, t, hv, d).to(dtype), dht=randn(n, hv, d, d) * 0.1,
                   cu_seqlens=torch.tensor(p["bounds"], dtype=torch.int32))  # on the host: read without a sync
     return inputs
+
+
+def model_gates(tokens: int, value_heads: int, gen: torch.Generator, device: torch.device):
+    """The gates as the experiment draws them (`make_inputs`), from the model's initialisation:
+    ``A_log = log U(1, 16)``, ``softplus(dt_bias) = dt`` with ``dt`` log-uniform in [1e-3, 1e-1], the
+    projections ``a``, ``b`` standard normal. ``(g, beta, A_log, dt)``, g and beta ``[1, tokens, HV]``."""
+    from dsfuse.gdn import gdn_gates
+
+    def uniform(lo, hi, n):
+        return torch.rand(n, generator=gen, device=device) * (hi - lo) + lo
+
+    a_log = uniform(1.0, 16.0, value_heads).log()
+    dt = uniform(math.log(1e-3), math.log(1e-1), value_heads).exp()
+    dt_bias = dt + torch.log(-torch.expm1(-dt))  # softplus(dt_bias) = dt
+    a, b = (torch.randn((1, tokens, value_heads), generator=gen, device=device) for _ in range(2))
+    return (*gdn_gates(a, b, a_log, dt_bias), a_log, dt)
 
 
 def split_views(row: torch.Tensor, heads: int, value_heads: int) -> tuple[torch.Tensor, ...]:

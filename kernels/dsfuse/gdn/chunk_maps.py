@@ -19,8 +19,9 @@ LOG_BOUND = math.log(2.0**-24)
 """The warm-up's cut (`warmup_starts`): the dropped part at most ``2^-24`` of the state's norm."""
 
 
-def chunk_affine_maps(k: torch.Tensor, w: torch.Tensor, u: torch.Tensor, g_cum: torch.Tensor):
-    """Each chunk's step of `chunk_state_pass` as an affine map of the state, ``h_next = T h + B``::
+def chunk_affine_maps(k: torch.Tensor, w: torch.Tensor, u: torch.Tensor, g_cum: torch.Tensor, mm=torch.matmul):
+    """Each chunk's step of `chunk_state_pass` as an affine map of the state, ``h_next = T h + B``
+    (every product by ``mm``: a kernel's rounding of its operands may be emulated there)::
 
         T = exp(G_last) I - (k * exp(G_last - G))^T w      # [NC, HV, K, K]
         B = (k * exp(G_last - G))^T u                       # [NC, HV, K, V]: the step from h = 0
@@ -30,21 +31,22 @@ def chunk_affine_maps(k: torch.Tensor, w: torch.Tensor, u: torch.Tensor, g_cum: 
     g_last = g_cum[..., -1]  # [NC, HV]
     k_decayed = k * (g_last[..., None] - g_cum).exp()[..., None]  # [NC, HV, C, K]
     eye = torch.eye(k.shape[-1], dtype=k.dtype, device=k.device)
-    t = g_last.exp()[..., None, None] * eye - k_decayed.transpose(-1, -2) @ w
-    return t, k_decayed.transpose(-1, -2) @ u
+    t = g_last.exp()[..., None, None] * eye - mm(k_decayed.transpose(-1, -2), w)
+    return t, mm(k_decayed.transpose(-1, -2), u)
 
 
-def compose_maps(t: torch.Tensor, b: torch.Tensor):
+def compose_maps(t: torch.Tensor, b: torch.Tensor, mm=torch.matmul):
     """``(M, E)`` of a run of chunk maps ``t`` ``[n, ..., K, K]``, ``b`` ``[n, ..., K, V]`` in chunk order
     (``h_out = M h_in + E``), composed by a fixed binary tree: at each level neighbours ``(0, 1),
     (2, 3), ...`` are joined, ``(T2, B2) o (T1, B1) = (T2 T1, T2 B1 + B2)``, and an odd last one
-    moves up unchanged. The tree, so the order of every rounding, depends on ``n`` alone."""
+    moves up unchanged. The tree, so the order of every rounding, depends on ``n`` alone. Every
+    product by ``mm``."""
     if t.shape[0] == 0:
         raise ValueError("compose_maps: expected at least one chunk")
     while t.shape[0] > 1:
         even = t.shape[0] // 2 * 2
         first_t, first_b, then_t, then_b = t[0:even:2], b[0:even:2], t[1:even:2], b[1:even:2]
-        joined_t, joined_b = then_t @ first_t, then_t @ first_b + then_b
+        joined_t, joined_b = mm(then_t, first_t), mm(then_t, first_b) + then_b
         t, b = torch.cat([joined_t, t[even:]]), torch.cat([joined_b, b[even:]])
     return t[0], b[0]
 
@@ -57,13 +59,15 @@ def warmup_starts(chunk_decay: torch.Tensor, starts: list[int], log_bound: float
     ``chunk_decay`` ``[NC, HV]``: each chunk's summed log decay (``g_cum[..., -1]``, <= 0). Returns
     ``[len(starts), HV]`` (int64).
 
-    Why the cut is safe: per token the state's transition is ``e^g (I - beta k k^T)``; with
-    ``0 <= beta ||k||^2 <= 2`` (the L2 norm, even with its keys rounded to bf16, and beta a sigmoid) its
-    norm is at most ``e^g``, so a walk from
-    zero over ``[w, s)`` misses the true state at ``s`` by ``P S_w``, ``||P S_w|| <= e^{sum} ||S_w||``.
-    Without the L2 norm there is no such bound."""
+    Why the cut is safe: per token the state's transition is ``e^g (I - beta k k^T)``, symmetric
+    with eigenvalues ``e^g`` and ``e^g (1 - beta ||k||^2)``; with ``0 <= beta ||k||^2 <= 2`` (the L2
+    norm, even with its keys rounded to bf16, and beta a sigmoid) its norm is at most ``e^g``. So a
+    walk from zero over ``[w, s)`` misses the true state at ``s`` by ``P S_w``, with
+    ``||P S_w|| <= e^{sum} ||S_w||``. Without the L2 norm there is no such bound."""
     if (chunk_decay > 0).any():
         raise ValueError("warmup_starts: a chunk's log decay is at most 0")
+    if any(not 0 <= s <= chunk_decay.shape[0] for s in starts):
+        raise ValueError(f"warmup_starts: segment starts are chunks 0 to {chunk_decay.shape[0]}, got {starts}")
     prefix = torch.cat([chunk_decay.new_zeros(1, chunk_decay.shape[1]), chunk_decay.cumsum(0)])  # [NC + 1, HV]
     out = []
     for s in starts:
