@@ -20,6 +20,7 @@ LAYOUTS = {
     "one_seq_T150": (150, [0, 150]),
     "docs_1_45_0_130": (176, [0, 1, 46, 46, 176]),
     "docs_1_45_0_130_tail4": (180, [0, 1, 46, 46, 176]),
+    "docs_130_1_200_tail9": (340, [0, 130, 131, 331]),  # two documents a split cuts, one between them
 }
 
 

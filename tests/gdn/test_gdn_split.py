@@ -8,7 +8,8 @@ import torch
 from dsfuse.gdn import schedule
 from dsfuse.gdn.schedule import Gradients
 from dsfuse.gdn import split as split_mod
-from dsfuse.gdn.split import RULE, Segments, SplitRule, segment_offsets, split_for, split_state_pass
+from dsfuse.gdn.split import (RULE, Segments, SplitRule, segment_offsets, split_for, split_state_backward,
+                              split_state_pass)
 from helpers import assert_bitwise, assert_rel_rms
 from test_gdn_stages_state_output import DTYPES, Prepared, assert_tail_zero, make_inputs
 
@@ -53,6 +54,163 @@ def test_segments_are_cached_per_documents_and_segment_size():
     assert segs.offsets.tolist() == [0, 2, 4, 5, 5, 6, 8, 10] and segs.offsets.dtype == torch.int32
     assert segs.firsts.tolist() == [0, 3, 4, 5] and segs.first_docs.tolist() == [0, 1, 2, 3]
     assert segs.lasts.tolist() == [2, 3, 4, 6] and segs.last_docs.tolist() == [0, 1, 2, 3]
+
+
+def test_each_pass_runs_only_the_segments_whose_results_are_read():
+    """`split.pass_rows`: documents of 4, 1, 2 and 3 segments. Every segment's per-chunk outputs are
+    written by exactly one pass, forward and in reverse; ``E`` runs where a later segment reads it,
+    ``M`` only in the middle, ``D`` where an earlier segment reads it; ``3n - 4`` forward segment
+    passes and ``2n - 2`` reverse ones for a document of ``n > 1`` segments, one each for a whole one."""
+    segs = Segments.of([0, 4, 5, 7, 10], 1, torch.device("cpu"))
+    rows = {name: [tuple(r) for r in t.tolist()] for name, t in segs.rows.items()}
+    assert all(t.dtype == torch.int32 and t.shape[1:] == (2,) for t in segs.rows.values())
+    assert rows["e"] == [(0, 1), (1, 0), (2, 0), (5, 1), (7, 1), (8, 0)]
+    assert rows["m"] == [(1, 0), (2, 0), (8, 0)]
+    assert rows["final"] == [(j, 1) for j in (1, 2, 3, 4, 6, 8, 9)]
+    assert rows["d"] == [(1, 0), (2, 0), (3, 1), (6, 1), (8, 0), (9, 1)]
+    assert rows["final_backward"] == [(j, 1) for j in (0, 1, 2, 4, 5, 7, 8)]
+    for passes in (("e", "final"), ("d", "final_backward")):
+        writers = sorted(j for name in passes for j, w in rows[name] if w)
+        assert writers == list(range(len(segs.docs))), passes
+    for doc, n in enumerate((4, 1, 2, 3)):
+        runs = {name: sum(segs.docs[j] == doc for j, _ in found) for name, found in rows.items()}
+        assert runs["e"] + runs["m"] + runs["final"] == (3 * n - 4 if n > 1 else 1)
+        assert runs["d"] + runs["final_backward"] == (2 * n - 2 if n > 1 else 1)
+
+
+@pytest.mark.parametrize("dtype", ["bf16"])
+def test_segment_rows_run_the_sequences_listed_and_write_where_asked(dtype, device, launchers):
+    """A state pass (forward and reverse) with ``rows``: the sequences listed, in any order, give the
+    bits of the pass over every sequence; one whose flag is 0 writes its final state (its initial-state
+    gradient) but not its h and v_new (dh and dv_new); a sequence not listed is neither read nor
+    written. Documents of 1, 45, 0 and 130 tokens and a tail; rows (3, writes 0), (1, writes 1)."""
+    stages = launchers["stages"]
+    inputs = make_inputs("docs_1_45_0_130_tail4", (2, 6), l2=True, with_h0=True, gates="model", dtype=DTYPES[dtype],
+                         seed=2)
+    p = Prepared(inputs, True, device, DTYPES[dtype])
+    rows = torch.tensor([[3, 0], [1, 1]], dtype=torch.int32, device=device)
+    cu, ci = inputs["cu_seqlens"], p.chunk_indices.cpu()
+    chunks_of = {d: (ci[:, 0] == d).nonzero().flatten().tolist() for d in range(4)}
+    gen = torch.Generator().manual_seed(6)
+    do, dv_local = (torch.randn(p.u.shape, generator=gen).to(p.dtype).to(device) for _ in range(2))
+    dht = torch.randn(p.h0.shape, generator=gen).to(device)
+
+    def filled(*tensors):
+        return [torch.full_like(t, 7.0) for t in tensors]
+
+    def both(run):  # (every sequence, the rows)
+        return run(None), run(rows)
+
+    def forward(r):
+        h, v_new, ht = filled(*p.state_outputs(final=True))
+        stages.forward.state(p.k, p.w, p.u, p.g_cum, p.chunk_indices, p.chunk_offsets, p.h0, h, v_new, ht,
+                             use_qk_l2norm=True, rows=r)
+        return h, v_new, ht
+
+    def backward(r):
+        dh, dv_new, dh0 = filled(*p.state_outputs(final=False)[:2], p.h0)
+        stages.backward.state_backward(p.q, p.k, p.w, do, dv_local, p.g_cum, p.chunk_indices, p.chunk_offsets, dht,
+                                       dh, dv_new, dh0, p.scale, use_qk_l2norm=True, rows=r)
+        return dh, dv_new, dh0
+
+    for (states, tokens, ends), (r_states, r_tokens, r_ends) in (both(forward), both(backward)):
+        assert_bitwise(r_ends[[3, 1]], ends[[3, 1]], "final state / dh0 of the listed sequences")
+        assert_bitwise(r_ends[[0, 2]], torch.full_like(ends[[0, 2]], 7.0), "the sequences not listed")
+        assert_bitwise(r_states[chunks_of[1]], states[chunks_of[1]], "h / dh where the flag is 1")
+        assert_bitwise(r_tokens[cu[1]:cu[2]], tokens[cu[1]:cu[2]], "v_new / dv_new where the flag is 1")
+        unwritten = chunks_of[0] + chunks_of[3]
+        assert_bitwise(r_states[unwritten], torch.full_like(states[unwritten], 7.0), "h / dh elsewhere")
+        for a, b in ((cu[0], cu[1]), (cu[3], cu[4])):
+            assert_bitwise(r_tokens[a:b], torch.full_like(tokens[a:b], 7.0), "v_new / dv_new elsewhere")
+    assert_tail_zero(both(forward)[1][1], p.tail, "v_new")  # the tail row still writes the tokens in no chunk
+
+
+def _every_segment_passes(stages, p, segment_chunks, do, dv_local, dht):
+    """The split as it ran before its passes were spared (the oracle of the test below): ``E``, ``M``
+    (a zero ``u`` read) and the final pass over every segment, ``D`` and the final reverse pass over
+    every segment, the same merges. ``(h, v_new, final state, M, dh, dv_new, dh0)``."""
+    fwd, bwd = stages.forward, stages.backward
+    segs = Segments.of(p.chunk_offsets.tolist(), segment_chunks, torch.device(p.device))
+    n, (hv, dk), dv = len(segs.docs), p.w.shape[1:], p.u.shape[-1]
+    l2 = {"use_qk_l2norm": True}
+    h0 = torch.zeros(n, hv, dk, dv, device=p.device)
+    h0[segs.firsts] = p.h0[segs.first_docs]
+    e, m, ht = (torch.empty(n, hv, dk, d, device=p.device) for d in (dv, dk, dv))
+    fwd.state(p.k, p.w, p.u, p.g_cum, p.chunk_indices, segs.offsets, h0, None, None, e, **l2)
+    eye = torch.eye(dk, device=p.device).expand(n, hv, dk, dk).contiguous()
+    fwd.state(p.k, p.w, torch.zeros_like(p.w), p.g_cum, p.chunk_indices, segs.offsets, eye, None, None, m, **l2)
+    s_in = h0.clone()
+    for j in range(1, n):
+        if not segs.first[j]:
+            carried = e[j - 1].double()
+            if not segs.first[j - 1]:
+                carried = carried + m[j - 1].double() @ s_in[j - 1].double()
+            s_in[j] = carried.float()
+    h, v_new, _ = p.state_outputs(final=False)
+    fwd.state(p.k, p.w, p.u, p.g_cum, p.chunk_indices, segs.offsets, s_in, h, v_new, ht, **l2)
+    d_out = torch.zeros(n, hv, dk, dv, device=p.device)
+    d_out[segs.lasts] = dht[segs.last_docs]
+    d_in, seg_dh0 = torch.empty_like(d_out), torch.empty_like(d_out)
+    dh, dv_new = torch.empty_like(h), torch.empty_like(v_new)
+    args = (p.q, p.k, p.w, do, dv_local, p.g_cum, p.chunk_indices, segs.offsets)
+    bwd.state_backward(*args, d_out, dh, dv_new, d_in, p.scale, **l2)
+    for j in range(n - 2, -1, -1):
+        if not segs.last[j]:
+            d_out[j] = d_in[j + 1]
+            d_in[j] = (d_in[j].double() + m[j].double().transpose(-1, -2) @ d_out[j].double()).float()
+    bwd.state_backward(*args, d_out, dh, dv_new, seg_dh0, p.scale, **l2)
+    return h, v_new, ht[segs.lasts], m, dh, dv_new, seg_dh0[segs.firsts]
+
+
+SPARED_CASES = [(1, "fp32"), (2, "bf16"), (SplitRule(1, above=3), "bf16")]
+
+
+@pytest.mark.parametrize(("segment_chunks", "dtype"), SPARED_CASES, ids=["1-fp32", "2-bf16", "1-above3-bf16"])
+def test_the_spared_passes_give_the_bits_of_every_segments_passes(segment_chunks, dtype, device, launchers):
+    """`split_state_pass` and `split_state_backward` (a launch per pass over `pass_rows`' segments,
+    the maps' pass reading no ``u``) give bitwise what the passes over every segment give: h, v_new,
+    the final states, the middle segments' maps, dh, dv_new and dh0; two documents cut (segments
+    of one chunk: 3 and 4, so one and two middle ones; of two: 2 each, no middle one; by
+    ``SplitRule(1, above=3)``: only the second), one whole between them, a tail. And the launches
+    are the ones `pass_rows` names, the maps' with ``u`` None."""
+    stages = launchers["stages"]
+    inputs = make_inputs("docs_130_1_200_tail9", (2, 6), l2=True, with_h0=True, gates="model", dtype=DTYPES[dtype],
+                         seed=7)
+    p = Prepared(inputs, True, device, DTYPES[dtype])
+    gen = torch.Generator().manual_seed(8)
+    do, dv_local = (torch.randn(p.u.shape, generator=gen).to(p.dtype).to(device) for _ in range(2))
+    dht = torch.randn(p.h0.shape, generator=gen).to(device)
+    offsets = p.chunk_offsets.tolist()
+    segs = Segments.of(offsets, segment_chunks, torch.device(device))
+    launched = []
+
+    def state(*args, rows=None, **kwargs):
+        launched.append(("state", args[2] is None, None if rows is None else rows.tolist()))
+        return stages.forward.state(*args, rows=rows, **kwargs)
+
+    def state_backward(*args, rows=None, **kwargs):
+        launched.append(("state_backward", False, None if rows is None else rows.tolist()))
+        return stages.backward.state_backward(*args, rows=rows, **kwargs)
+
+    h, v_new, ht = p.state_outputs(final=True)
+    maps = {}
+    split_state_pass(state, p.k, p.w, p.u, p.g_cum, p.chunk_indices, offsets, segment_chunks, p.h0, h, v_new, ht,
+                     use_qk_l2norm=True, maps=maps)
+    dh, dv_new, dh0 = torch.empty_like(h), torch.empty_like(v_new), torch.empty_like(p.h0)
+    split_state_backward(state_backward, p.q, p.k, p.w, do, dv_local, p.g_cum, p.chunk_indices, offsets,
+                         segment_chunks, maps["m"], dht, dh, dv_new, dh0, p.scale, use_qk_l2norm=True)
+    expected = [("state", True, segs.rows["m"].tolist())] if segs.rows["m"].numel() else []  # on a side stream on CUDA
+    expected += [("state", False, segs.rows["e"].tolist()), ("state", False, segs.rows["final"].tolist()),
+                 ("state_backward", False, segs.rows["d"].tolist()),
+                 ("state_backward", False, segs.rows["final_backward"].tolist())]
+    assert launched == expected
+    middle = [j for j, _ in segs.rows["m"].tolist()]
+    oracle = _every_segment_passes(stages, p, segment_chunks, do, dv_local, dht)
+    for name, a, b in zip(("h", "v_new", "final state", "M", "dh", "dv_new", "dh0"),
+                          (h, v_new, ht, maps["m"][middle], dh, dv_new, dh0),
+                          oracle[:3] + (oracle[3][middle],) + oracle[4:]):
+        assert_bitwise(a, b, f"{name} against every segment's passes")
+    assert len(middle) == {1: 3, 2: 0}.get(segment_chunks, 2)
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES), ids=list(DTYPES))

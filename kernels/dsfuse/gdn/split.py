@@ -11,29 +11,37 @@ at its start to the state at its end as ``S_out = M S_in + E`` (`dsfuse.gdn.cp`'
 
 Forward (`split_state_pass`):
 
-1. ``E``: the state pass over the segments, from the document's initial state for its first segment
-   and from zero for the others (their final states; no ``h`` or ``v_new`` written);
-2. ``M``: the same pass with ``u = 0`` from the identity, a ``[K, K]`` state (`segment_maps`; only
-   the maps written);
+1. ``E``: the state pass over every segment but a document's last, from the document's initial
+   state for its first segment and from zero for the others (their final states). A first segment
+   starts from its true state, so this pass is its final one: it writes its ``h`` and ``v_new``; the
+   others write nothing per chunk;
+2. ``M``: the same pass with ``u = 0`` from the identity, a ``[K, K]`` state, over the middle
+   segments only (`segment_maps`; only the maps written): a first segment's ``E`` already holds its
+   initial state, and a last segment's maps feed no later segment. On a GPU it runs beside ``E`` on
+   a side stream (`MAPS_BESIDE`), their chains sharing the SMs;
 3. the merge in segment order, in fp64, each step rounded once to fp32: ``S_in`` of every segment;
-4. the state pass over the segments from ``S_in``: ``h``, ``v_new`` and, from each document's last
-   segment, its final state.
+4. the state pass over every segment but a split document's first, from ``S_in``: ``h``, ``v_new``
+   and, from each document's last segment, its final state.
 
 Backward (`split_state_backward`), mirrored: ``dS_in = D + M^T dS_out`` per segment:
 
-1. ``D``: the reverse state pass over the segments, from the final state's gradient for each
-   document's last segment and from zero for the others (their initial-state gradients);
+1. ``D``: the reverse state pass over every segment but a document's first, from the final state's
+   gradient for its last segment (then its final reverse pass: it writes ``dh`` and ``dv_new``) and
+   from zero for the others (their initial-state gradients);
 2. the merge in reverse segment order, in fp64, each step rounded once to fp32: ``dS_out`` of every
    segment (a segment's ``dS_out`` is the next one's ``dS_in``);
-3. the reverse state pass over the segments from ``dS_out``: ``dh``, ``dv_new`` and, from each
-   document's first segment, its initial state's gradient.
+3. the reverse state pass over every segment but a split document's last, from ``dS_out``: ``dh``,
+   ``dv_new`` and, from each document's first segment, its initial state's gradient.
 
 With the true ``S_in`` and ``dS_out`` of every segment, a segment's passes are exactly the
-document's, chunk for chunk. Three passes instead of one forward (two in reverse), each with ``segments x HV``
-independent chains. Deterministic: fixed segments (from the lengths and the rule alone, not the SM
-count or grad mode) and a fixed merge order. The segment tables are cached on the device like the chunk table
-(`Segments.of`), so a call can be captured in a CUDA Graph after a first call with the same
-documents."""
+document's, chunk for chunk. A document of ``n > 1`` segments takes ``3n - 4`` segment passes
+forward (``n - 1`` for ``E``, ``n - 2`` maps, ``n - 1`` from ``S_in``) and ``2n - 2`` in reverse,
+in at most three launches and two, each of independent chains (`pass_rows` lists which segments
+each pass runs and which of them write). Deterministic: fixed segments (from the lengths and the rule
+alone, not the SM count or grad mode) and a fixed merge order; every segment's outputs are computed
+from the same state by the same kernel whichever pass writes them. The segment tables are cached on
+the device like the chunk table (`Segments.of`), so a call can be captured in a CUDA Graph after a
+first call with the same documents."""
 
 from __future__ import annotations
 
@@ -110,8 +118,9 @@ _cache: OrderedDict[tuple, Segments] = OrderedDict()
 class Segments:
     """The segments of a call on the device: chunk ``offsets`` ``[S + 1]`` (int32), each segment's
     document (``docs``, python ints), which segments open and close their document (``first``,
-    ``last``, python bools), and as index tensors the opening segments and their documents
-    (``firsts``, ``first_docs``) and the closing ones (``lasts``, ``last_docs``)."""
+    ``last``, python bools), as index tensors the opening segments and their documents (``firsts``,
+    ``first_docs``) and the closing ones (``lasts``, ``last_docs``), and the rows of each pass
+    (`pass_rows`: int32 ``[P, 2]``, a segment and whether the pass writes its per-chunk outputs)."""
 
     offsets: torch.Tensor
     docs: list[int]
@@ -121,6 +130,7 @@ class Segments:
     first_docs: torch.Tensor
     lasts: torch.Tensor
     last_docs: torch.Tensor
+    rows: dict[str, torch.Tensor]
 
     @classmethod
     def of(cls, chunk_offsets: list[int], segment_chunks: int | SplitRule, device: torch.device) -> Segments:
@@ -141,12 +151,13 @@ class Segments:
         last = [j + 1 == n or docs[j + 1] != docs[j] for j in range(n)]
         opening, closing = [j for j in range(n) if first[j]], [j for j in range(n) if last[j]]
 
-        def on_device(values):
-            return torch.tensor(values, dtype=torch.long, device=device)
+        def on_device(values, dtype=torch.long):
+            return torch.tensor(values, dtype=dtype, device=device)
 
+        rows = {name: on_device(found, torch.int32).view(-1, 2) for name, found in pass_rows(first, last).items()}
         segs = cls(torch.tensor(bounds, dtype=torch.int32, device=device), docs, first, last,
                    on_device(opening), on_device([docs[j] for j in opening]),
-                   on_device(closing), on_device([docs[j] for j in closing]))
+                   on_device(closing), on_device([docs[j] for j in closing]), rows)
         if device.type == "cuda":
             torch.cuda.current_stream(device).synchronize()
         _cache[key] = segs
@@ -155,16 +166,68 @@ class Segments:
         return segs
 
 
-def segment_maps(state: Callable, k, w, g_cum, chunk_indices, segs: Segments, *, use_qk_l2norm: bool) -> torch.Tensor:
-    """``M`` fp32 ``[S, HV, K, K]``: each segment's linear map of its initial state to its final
-    state, the state pass with ``u = 0`` from the identity."""
+def pass_rows(first: list[bool], last: list[bool]) -> dict[str, list[tuple[int, int]]]:
+    """``(segment, writes)`` of each pass of the split, from which segments open (``first``) and close
+    (``last``) their document. A document's first segment starts from its true initial state and its
+    last from the true final-state gradient, so their first pass is their last one:
+
+    * ``"e"``: every segment but a document's last, from the document's initial state (its first) or
+      zero; a first segment writes ``h`` and ``v_new`` (its final pass), the others only ``E``;
+    * ``"m"``: the middle segments (neither first nor last), the map ``M`` alone (a first segment's
+      ``E`` holds its initial state; a last segment's maps feed no later one);
+    * ``"final"``: every segment but a split document's first, from the merged initial state;
+    * ``"d"``: every segment but a document's first, from the final state's gradient (its last) or
+      zero; a last segment writes ``dh`` and ``dv_new`` (its final reverse pass), the others only ``D``;
+    * ``"final_backward"``: every segment but a split document's last, from the merged gradient.
+
+    A whole document (first and last) runs only in the final passes. At ``n`` segments a document
+    takes ``3n - 4`` forward segment passes and ``2n - 2`` reverse ones."""
+    n = len(first)
+    mid = [not first[j] and not last[j] for j in range(n)]
+    return {
+        "e": [(j, int(first[j])) for j in range(n) if not last[j]],
+        "m": [(j, 0) for j in range(n) if mid[j]],
+        "final": [(j, 1) for j in range(n) if last[j] or not first[j]],
+        "d": [(j, int(last[j])) for j in range(n) if not first[j]],
+        "final_backward": [(j, 1) for j in range(n) if first[j] or not last[j]],
+    }
+
+
+# Whether the forward's map pass runs beside its E pass on a side stream (CUDA only), their chains
+# sharing the SMs, rather than after it. The same bits either way (independent passes).
+MAPS_BESIDE = True
+
+
+@functools.cache
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    """The map pass's side stream, one per device, made at the first split call (an eager one:
+    `Segments.of` refuses a first call under a CUDA Graph capture)."""
+    return torch.cuda.Stream(device)
+
+
+def segment_maps(state: Callable, k, w, g_cum, chunk_indices, segs: Segments, *, use_qk_l2norm: bool,
+                 stream: torch.cuda.Stream | None = None) -> torch.Tensor:
+    """``M`` fp32 ``[S, HV, K, K]``: each middle segment's linear map of its initial state to its final
+    state (`pass_rows` ``"m"``; the other segments' entries are not written), the state pass with
+    ``u = 0`` (no zero tensor read) from the identity. ``stream``: the pass launched there, after the
+    current stream's work so far (the caller waits for it before reading ``M``)."""
     segments, heads_v, dim_k = len(segs.docs), w.shape[1], w.shape[2]
     dev = w.device
-    eye = torch.eye(dim_k, device=dev).expand(segments, heads_v, dim_k, dim_k).contiguous()
     m = torch.empty(segments, heads_v, dim_k, dim_k, device=dev)
-    u0 = torch.zeros(w.shape[0], heads_v, dim_k, dtype=w.dtype, device=dev)
-    # only the maps: no per-chunk states or v_new (0.8 and 0.4 GB at 32,768 tokens and HV = 48)
-    state(k, w, u0, g_cum, chunk_indices, segs.offsets, eye, None, None, m, use_qk_l2norm=use_qk_l2norm)
+    rows = segs.rows["m"]
+    if not rows.shape[0]:
+        return m
+    eye = torch.eye(dim_k, device=dev).expand(segments, heads_v, dim_k, dim_k).contiguous()
+    if stream is None:
+        state(k, w, None, g_cum, chunk_indices, segs.offsets, eye, None, None, m, use_qk_l2norm=use_qk_l2norm,
+              rows=rows)
+        return m
+    stream.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(stream):
+        state(k, w, None, g_cum, chunk_indices, segs.offsets, eye, None, None, m, use_qk_l2norm=use_qk_l2norm,
+              rows=rows)
+    for t in (eye, m):  # allocated on the current stream, used on the side one
+        t.record_stream(stream)
     return m
 
 
@@ -184,8 +247,12 @@ def split_state_pass(state: Callable, k, w, u, g_cum, chunk_indices, offsets: li
     if initial_state is not None:
         h0[segs.firsts] = initial_state[segs.first_docs].float()
     e = new((segments, heads_v, dim_k, dim_v), dtype=torch.float32)
-    state(k, w, u, g_cum, chunk_indices, segs.offsets, h0, None, None, e, **l2)  # E alone: h, v_new come last
-    m = segment_maps(state, k, w, g_cum, chunk_indices, segs, **l2)
+    side = _side_stream(u.device) if MAPS_BESIDE and u.device.type == "cuda" else None
+    m = segment_maps(state, k, w, g_cum, chunk_indices, segs, stream=side, **l2)  # beside E, on CUDA
+    if segs.rows["e"].shape[0]:  # E; a document's first segment also its h and v_new
+        state(k, w, u, g_cum, chunk_indices, segs.offsets, h0, h, v_new, e, rows=segs.rows["e"], **l2)
+    if side is not None:
+        torch.cuda.current_stream(u.device).wait_stream(side)
     if maps is not None:
         maps["m"] = m
 
@@ -198,7 +265,7 @@ def split_state_pass(state: Callable, k, w, u, g_cum, chunk_indices, offsets: li
             s_in[j] = carried.float()
 
     ht = None if final_state is None else new((segments, heads_v, dim_k, dim_v), dtype=torch.float32)
-    state(k, w, u, g_cum, chunk_indices, segs.offsets, s_in, h, v_new, ht, **l2)
+    state(k, w, u, g_cum, chunk_indices, segs.offsets, s_in, h, v_new, ht, rows=segs.rows["final"], **l2)
     if final_state is not None:
         final_state.copy_(ht[segs.lasts])
 
@@ -218,15 +285,18 @@ def split_state_backward(state_backward: Callable, q, k, w, do, dv_local, g_cum,
     if dht is not None:
         d_out[segs.lasts] = dht[segs.last_docs].float()
     d_in = torch.empty_like(d_out)
-    state_backward(q, k, w, do, dv_local, g_cum, chunk_indices, segs.offsets, d_out, dh, dv_new, d_in, scale, **l2)
+    if segs.rows["d"].shape[0]:  # D; a document's last segment also its dh and dv_new
+        state_backward(q, k, w, do, dv_local, g_cum, chunk_indices, segs.offsets, d_out, dh, dv_new, d_in, scale,
+                       rows=segs.rows["d"], **l2)
 
     for j in range(segments - 2, -1, -1):  # in reverse segment order; a document's last segment keeps its dht
         if not segs.last[j]:
             d_out[j] = d_in[j + 1]
-            d_in[j] = (d_in[j].double() + m[j].double().transpose(-1, -2) @ d_out[j].double()).float()
+            if not segs.first[j]:  # a first segment's dS_in is the final pass's dh0
+                d_in[j] = (d_in[j].double() + m[j].double().transpose(-1, -2) @ d_out[j].double()).float()
 
     seg_dh0 = None if dh0 is None else torch.empty_like(d_out)
     state_backward(q, k, w, do, dv_local, g_cum, chunk_indices, segs.offsets, d_out, dh, dv_new, seg_dh0, scale,
-                   **l2)
+                   rows=segs.rows["final_backward"], **l2)
     if dh0 is not None:
         dh0.copy_(seg_dh0[segs.firsts])

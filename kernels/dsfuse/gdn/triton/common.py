@@ -382,7 +382,9 @@ def model_tensors() -> SimpleNamespace:
     ``f32_hk2`` fp32 ``[T, 48, 128]``; ``beta``, ``dbeta`` bf16 and ``g``, ``g_cum``, ``dg``,
     ``dg_in`` fp32 ``[T, 48]`` (head stride 1); ``A`` fp32 ``[T, 48, 64]``; ``h``, ``dh`` bf16
     ``[NC, 48, 128, 128]``; ``state`` fp32 ``[N, 48, 128, 128]``; ``chunk_indices`` int32
-    ``[NC, 3]``, ``chunk_offsets`` int32 ``[N + 1]``; ``scale`` ``128 ** -0.5``."""
+    ``[NC, 3]``, ``chunk_offsets`` int32 ``[N + 1]``; ``segment_rows`` int32 ``[3, 2]`` (a split pass's
+    rows, `dsfuse.gdn.split.pass_rows`: the document in 4 segments, a pass over 3); ``scale``
+    ``128 ** -0.5``."""
     T, H, HV, K = 32768, 16, 48, 128
     NC, N = T // CHUNK, 1
     bf16 = {"device": "meta", "dtype": torch.bfloat16}
@@ -393,7 +395,8 @@ def model_tensors() -> SimpleNamespace:
                         dq_row=grad_row[:, :H], dk_row=grad_row[:, H:2 * H],
                         A=torch.empty(T, HV, CHUNK, **f32), state=torch.empty(N, HV, K, K, **f32),
                         chunk_indices=torch.empty(NC, 3, device="meta", dtype=torch.int32),
-                        chunk_offsets=torch.empty(N + 1, device="meta", dtype=torch.int32), scale=K**-0.5)
+                        chunk_offsets=torch.empty(N + 1, device="meta", dtype=torch.int32),
+                        segment_rows=torch.empty(3, 2, device="meta", dtype=torch.int32), scale=K**-0.5)
     for name in ("w", "u", "v_new", "o", "do", "dv_local", "dv", "dw"):
         setattr(x, name, torch.empty(T, HV, K, **bf16))
     for name in ("f32_hk", "f32_hk2"):

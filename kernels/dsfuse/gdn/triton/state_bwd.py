@@ -63,10 +63,14 @@ none) are not written.
 No atomics: every element is written by one program, in a fixed order; fixed launch
 constants, so two launches give the same bits. Grids, one axis each, value block fastest,
 then value head: ``NC * HV * (V // BV)`` programs (then chunk) for ``dv_local``,
-``N * HV * (V // BV)`` (then document) for the state pass.
+``N * HV * (V // BV)`` (then document) for the state pass (``P * ..`` for ``rows`` of ``P``
+sequences: the split's passes over some of its segments, each writing ``dh`` and ``dv_new`` or not
+by a masked store, `dsfuse.gdn.split.pass_rows`).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -168,12 +172,13 @@ def launch_dv_local(
 
 @triton.jit
 def _state_backward_step(b_dh1, b_dh2, i_c, q_ptr, k_ptr, w_ptr, do_ptr, dvl_ptr, g_ptr, ci_ptr, dh_ptr, dvn_ptr,
-                         scale, s_qt, s_qh, s_kt, s_kh, s_wt, s_wh, s_dot, s_doh, s_lt, s_lh, s_gt, s_gh, s_vt, s_vh,
+                         write, scale, s_qt, s_qh, s_kt, s_kh, s_wt, s_wh, s_dot, s_doh, s_lt, s_lh, s_gt, s_gh, s_vt, s_vh,
                          i_hv, i_h, o_k, o_v, o_i, o_kv, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                          BK: tl.constexpr, USE_QK_L2NORM: tl.constexpr, DOT_PRECISION: tl.constexpr,
                          EMULATE_BF16: tl.constexpr):
-    """One chunk of the reverse pass: store ``dh[c]`` and ``dv_new``, return the state gradient at
-    the chunk's start (``b_dh2`` is carried unused when ``K == BK``)."""
+    """One chunk of the reverse pass: store ``dh[c]`` and ``dv_new`` (where ``write``: True, or a
+    segment row's flag), return the state gradient at the chunk's start (``b_dh2`` is carried unused
+    when ``K == BK``)."""
     dtype = q_ptr.dtype.element_ty
     i_c64, eos, o_t, m_t = common.chunk_tokens(ci_ptr, i_c, o_i)  # o_t: [BT] int64 token offsets
 
@@ -181,7 +186,7 @@ def _state_backward_step(b_dh1, b_dh2, i_c, q_ptr, k_ptr, w_ptr, do_ptr, dvl_ptr
     p_dh = dh_ptr + (i_c64 * HV + i_hv) * (K * V) + o_kv
     p_k = common.rows(k_ptr, s_kt, s_kh, o_t, i_h, o_k)
     b_dhc = common.round_to(b_dh1, dtype, EMULATE_BF16)
-    tl.store(p_dh, b_dhc)
+    tl.store(p_dh, b_dhc, mask=write)
     b_k = tl.load(p_k, mask=m_t[:, None], other=0.0)  # [BT, BK]
     b_kh = common.dot(b_k, b_dhc, None, DOT_PRECISION, EMULATE_BF16)  # [BT, BV]
     if USE_QK_L2NORM:
@@ -189,7 +194,7 @@ def _state_backward_step(b_dh1, b_dh2, i_c, q_ptr, k_ptr, w_ptr, do_ptr, dvl_ptr
         b_ss = tl.sum(b_kf * b_kf, axis=1)  # [BT]
     if K > BK:
         b_dhc = common.round_to(b_dh2, dtype, EMULATE_BF16)
-        tl.store(p_dh + BK * V, b_dhc)
+        tl.store(p_dh + BK * V, b_dhc, mask=write)
         b_k = tl.load(p_k + BK, mask=m_t[:, None], other=0.0)
         b_kh = common.dot(b_k, b_dhc, b_kh, DOT_PRECISION, EMULATE_BF16)
         if USE_QK_L2NORM:
@@ -201,7 +206,7 @@ def _state_backward_step(b_dh1, b_dh2, i_c, q_ptr, k_ptr, w_ptr, do_ptr, dvl_ptr
     if USE_QK_L2NORM:
         b_rk = b_rk * tl.rsqrt(b_ss + common.L2NORM_EPS)
     b_dv = common.load_rows(dvl_ptr, s_lt, s_lh, o_t, m_t, i_hv, o_v).to(tl.float32) + b_kh * b_rk[:, None]  # [BT, BV]
-    common.store_rows(dvn_ptr, s_vt, s_vh, o_t, m_t, i_hv, o_v, b_dv, EMULATE_BF16)
+    common.store_rows(dvn_ptr, s_vt, s_vh, o_t, m_t & write, i_hv, o_v, b_dv, EMULATE_BF16)
 
     # dH = exp(G_last) dH + q^T (scale exp(G) do) - w^T dv_new; q, w transposed from memory
     p_q = common.cols(q_ptr, s_qt, s_qh, o_t, i_h, o_k)
@@ -233,7 +238,7 @@ def _state_backward_step(b_dh1, b_dh2, i_c, q_ptr, k_ptr, w_ptr, do_ptr, dvl_ptr
 
 @triton.jit(do_not_specialize=["N"])
 def _state_backward_kernel(
-    q_ptr, k_ptr, w_ptr, do_ptr, dvl_ptr, g_ptr, ci_ptr, co_ptr, dht_ptr,  # dvl: dv_local (s_l)
+    q_ptr, k_ptr, w_ptr, do_ptr, dvl_ptr, g_ptr, ci_ptr, co_ptr, sg_ptr, dht_ptr,  # dvl: dv_local (s_l); sg: rows or None
     dh_ptr, dvn_ptr, dh0_ptr,  # out: dh, dv_new (s_v); dh0 may be None (not written)
     scale,  # fp32
     N,  # sequences
@@ -244,8 +249,14 @@ def _state_backward_kernel(
     PIPELINED: tl.constexpr, NUM_STAGES_LOOP: tl.constexpr,  # common.sequential_pass's loop
 ):
     tl.static_assert(S.K == BK or S.K == 2 * BK)
-    # i_n in [0, N); o_k: rows of the first K block, the second's are BK + o_k
-    i_n, i_hv, i_h, o_k, o_v, o_i = common.value_block_program(S.HV, S.GROUP, S.V, BV, BK, S.BT)
+    # i_x: the program's row, the sequence i_n in [0, N); o_k: rows of the first K block, the second's are BK + o_k
+    i_x, i_hv, i_h, o_k, o_v, o_i = common.value_block_program(S.HV, S.GROUP, S.V, BV, BK, S.BT)
+    if sg_ptr is not None:  # rows of (sequence, writes dh and dv_new)
+        i_n = tl.load(sg_ptr + 2 * i_x)
+        write = tl.load(sg_ptr + 2 * i_x + 1) != 0
+    else:
+        i_n = i_x
+        write = True
     o_kv = o_k[:, None] * S.V + o_v[None, :]  # [BK, BV] offsets in a [K, V] state
 
     # b_dh = [b_dh1; b_dh2]: the state gradient's K rows in (up to) two fp32 blocks; dht as
@@ -267,13 +278,13 @@ def _state_backward_kernel(
     if PIPELINED:  # a for loop the compiler software-pipelines (loads of the previous chunk early)
         for j in tl.range(0, i_c + 1 - i_c0, num_stages=NUM_STAGES_LOOP):
             b_dh1, b_dh2 = _state_backward_step(b_dh1, b_dh2, i_c - j, q_ptr, k_ptr, w_ptr, do_ptr, dvl_ptr, g_ptr, ci_ptr, dh_ptr,
-                                                  dvn_ptr, scale, s_qt, s_qh, s_kt, s_kh, s_wt, s_wh, s_dot, s_doh,
+                                                  dvn_ptr, write, scale, s_qt, s_qh, s_kt, s_kh, s_wt, s_wh, s_dot, s_doh,
                                                   s_lt, s_lh, s_gt, s_gh, s_vt, s_vh, i_hv, i_h, o_k, o_v, o_i, o_kv,
                                                   S.HV, S.K, S.V, BK, S.USE_QK_L2NORM, S.DOT_PRECISION, S.EMULATE_BF16)
     else:  # the interpreter cannot take runtime bounds in a for loop
         while i_c >= i_c0:
             b_dh1, b_dh2 = _state_backward_step(b_dh1, b_dh2, i_c, q_ptr, k_ptr, w_ptr, do_ptr, dvl_ptr, g_ptr, ci_ptr, dh_ptr,
-                                                  dvn_ptr, scale, s_qt, s_qh, s_kt, s_kh, s_wt, s_wh, s_dot, s_doh,
+                                                  dvn_ptr, write, scale, s_qt, s_qh, s_kt, s_kh, s_wt, s_wh, s_dot, s_doh,
                                                   s_lt, s_lh, s_gt, s_gh, s_vt, s_vh, i_hv, i_h, o_k, o_v, o_i, o_kv,
                                                   S.HV, S.K, S.V, BK, S.USE_QK_L2NORM, S.DOT_PRECISION, S.EMULATE_BF16)
             i_c -= 1
@@ -311,6 +322,7 @@ def launch_state_backward(
     scale: float,
     *,
     use_qk_l2norm: bool = False,
+    rows: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Run the reverse state pass into ``dh``, ``dv_new`` and (if given) ``dh0``; returns them.
 
@@ -320,16 +332,19 @@ def launch_state_backward(
     ``dht`` fp32 ``[N, HV, K, V]`` or None (zeros); ``dh`` ``[NC, HV, K, V]`` (input dtype,
     the gradient of the state after each chunk); ``dh0`` fp32 ``[N, HV, K, V]`` or None.
     States and ``dh`` contiguous. ``use_qk_l2norm`` normalises q and k in the kernel.
-    Arguments are validated by the public API.
+    Arguments are validated by the public API. ``rows``: int32 ``[P, 2]`` contiguous, or None (every
+    sequence, each writing ``dh`` and ``dv_new``): the sequences to run, each with whether it writes
+    ``dh`` and ``dv_new`` (0 or 1); the states of the others are neither read nor written (the
+    split's passes over some of its segments).
     """
     H, K = q.shape[1], q.shape[2]
     HV, V = do.shape[1], do.shape[2]
     N, BV, loop = common.sequential_pass(CONFIGS, q.device, chunk_offsets, V)
-    programs = common.value_block_programs(N, HV, V, BV, "chunk_offsets")
+    programs = common.value_block_programs(N if rows is None else rows.shape[0], HV, V, BV, "chunk_offsets")
     if programs == 0:
         return dh, dv_new, dh0
     _state_backward_kernel[(programs,)](
-        q, k, w, do, dv_local, g_cum, chunk_indices, chunk_offsets, dht, dh, dv_new, dh0,
+        q, k, w, do, dv_local, g_cum, chunk_indices, chunk_offsets, rows, dht, dh, dv_new, dh0,
         float(scale), N,
         *common.token_head_strides(q, k, w, do, dv_local, g_cum, dv_new),
         S=common.stage(H, HV, K, V, q.dtype, use_qk_l2norm), BK=block_k(K), BV=BV, **loop,
@@ -341,11 +356,16 @@ def launch_state_backward(
 
 # The model's specialisations (common.model_tensors: K = V = 128, H = 16, HV = 48, bf16, q and k head views
 # of the packed q/k/v row): dv_local with and without the in-kernel L2 norm; the state pass also with and
-# without dht/dh0, in each family's launch setting (Blackwell's named _2w).
+# without dht/dh0, in each family's launch setting (Blackwell's named _2w), and the long-document split's
+# passes over some of its segments ("_rows", `dsfuse.gdn.split.pass_rows`).
+_SEGMENT_ROWS = common.model_tensors().segment_rows
 AOT_SPECS = common.record_variants(
     "gdn_dv_local{l2}_bf16", launch_dv_local,
     lambda x, _: (x.q, x.k, x.do, x.g_cum, x.chunk_indices, x.scale, x.dv_local),
 ) + common.record_variants(
     "gdn_state_bwd{l2}{states}_bf16{family}", launch_state_backward, lambda x, state: (
         x.q, x.k, x.w, x.do, x.dv_local, x.g_cum, x.chunk_indices, x.chunk_offsets, state, x.dh, x.dv, state, x.scale),
-    states=True, per_family=True)
+    states=True, per_family=True) + common.record_variants(
+    "gdn_state_bwd_rows{l2}_bf16{family}", functools.partial(launch_state_backward, rows=_SEGMENT_ROWS),
+    lambda x, _: (x.q, x.k, x.w, x.do, x.dv_local, x.g_cum, x.chunk_indices, x.chunk_offsets, x.state, x.dh, x.dv,
+                  x.state, x.scale), per_family=True)

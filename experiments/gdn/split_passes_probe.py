@@ -1,0 +1,102 @@
+"""Gated DeltaNet on the GPU: the Triton stages' split of long documents with its passes spared
+against the same split over every segment, paired, in a CUDA Graph and eagerly.
+
+    python experiments/gdn/split_passes_probe.py OUT_DIR [--config experiments/gdn/configs/h200-long.yaml]
+        [--samples 8]
+
+For each one-document case of the config (forward and forward + backward, its value heads, L2 norm
+on): `chunk_gdn` on the Triton backend (split by `dsfuse.gdn.split.RULE`) in three variants:
+``spared`` (as shipped: `dsfuse.gdn.split.pass_rows`, ``E`` over every segment but the last, the
+maps over the middle ones beside it on a side stream, the final passes over what the merge leaves,
+the first and last segments' outputs written by their first pass), ``spared_in_turn`` (the same
+with the map pass after ``E``: `dsfuse.gdn.split.MAPS_BESIDE` off) and ``every`` (every pass over
+every segment, the maps after ``E``: the split as it ran before, except that its map pass reads no
+``u``). All give the same bits (checked before timing: o, the final state and every gradient).
+Rounds alternate the variants (``--samples`` per variant and round, two rounds), the L2 evicted
+before each sample (`dsfuse.bench.harness.Timer`).
+Writes ``samples.csv`` (case, variant, clock, round, sample, us), ``memory.csv`` (the peak memory a
+call allocates above its inputs, per case and variant) and ``env.json`` under OUT_DIR and prints
+the medians.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+
+import torch
+from dsfuse.bench import gdn
+from dsfuse.bench.harness import Timer, capture_graph, start_probe, write_csv
+
+DEFAULT_CONFIG = "experiments/gdn/configs/h200-long.yaml"
+ROUNDS = 2
+
+
+def every_segment(first: list[bool], last: list[bool]) -> dict[str, list[tuple[int, int]]]:
+    """`pass_rows` without sparing: every pass over every segment, only the final passes writing."""
+    every = range(len(first))
+    return {"e": [(j, 0) for j in every], "m": [(j, 0) for j in every], "final": [(j, 1) for j in every],
+            "d": [(j, 0) for j in every], "final_backward": [(j, 1) for j in every]}
+
+
+def case_rows(case, timer: Timer, samples: int, device: torch.device) -> tuple[list[dict], list[dict]]:
+    from dsfuse.gdn import split
+
+    inputs = gdn.make_inputs(case, device, seed=0)
+    build = gdn._build(gdn.split_views, functools.partial(gdn.dsfuse_gdn, backend="triton"))
+    variants = {"spared": (split.pass_rows, True), "spared_in_turn": (split.pass_rows, False),
+                "every": (every_segment, False)}
+    shipped = split.pass_rows, split.MAPS_BESIDE
+    rows, memory, first = [], [], None
+    try:
+        for round_ in range(ROUNDS):
+            for name, (rule, beside) in variants.items():
+                split.pass_rows, split.MAPS_BESIDE = rule, beside
+                split._cache.clear()  # the pass rows are made with the segment tables
+                run = build(case, inputs)
+                torch.cuda.synchronize(device)
+                base = torch.cuda.memory_allocated(device)
+                torch.cuda.reset_peak_memory_stats(device)
+                got = [t.detach().clone() for t in run()]
+                torch.cuda.synchronize(device)
+                if round_ == 0:
+                    memory.append(dict(case=case.name, variant=name,
+                                       peak_mib=(torch.cuda.max_memory_allocated(device) - base) / 2**20))
+                if first is None:
+                    first = got
+                elif not all(torch.equal(a, b) for a, b in zip(got, first)):
+                    raise AssertionError(f"{case.name}: {name} changed the bits")
+                graph, _ = capture_graph(run, device)
+                for clock, fn in (("graph", graph.replay), ("eager", run)):
+                    rows += [dict(case=case.name, variant=name, clock=clock, round=round_, sample=i, us=us)
+                             for i, us in enumerate(timer.samples(fn, "evicted", samples, 1))]
+                del graph, got, run
+                torch.cuda.empty_cache()
+    finally:
+        split.pass_rows, split.MAPS_BESIDE = shipped
+        split._cache.clear()
+    return rows, memory
+
+
+def main(argv=None) -> int:
+    import pandas as pd
+
+    args, device, config, timer = start_probe(__doc__, DEFAULT_CONFIG, 8, "gdn", argv)
+    rows, memory = [], []
+    for case in gdn.cases(config | {"modes": ["fwd", "fwd+bwd"], "document_counts": [1]}):
+        found = case_rows(case, timer, args.samples, device)
+        rows += found[0]
+        memory += found[1]
+        write_csv(args.out / "samples.csv", rows)  # after every case: a run cut short keeps what it finished
+        write_csv(args.out / "memory.csv", memory)
+    table = pd.DataFrame(rows).groupby(["case", "clock", "variant"], sort=False)["us"].median().unstack("variant")
+    for name in ("spared_in_turn", "every"):
+        table[f"{name} / spared"] = table[name] / table["spared"]
+    print(f"median us, L2 evicted ({args.samples} samples x {ROUNDS} rounds per variant)")
+    print(table.round(3).to_string())
+    print(pd.DataFrame(memory).round(1).to_string(index=False))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
