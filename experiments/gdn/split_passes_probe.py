@@ -9,9 +9,9 @@ on): `chunk_gdn` on the Triton backend (split by `dsfuse.gdn.split.RULE`) in thr
 ``spared`` (as shipped: `dsfuse.gdn.split.pass_rows`, ``E`` over every segment but the last, the
 maps over the middle ones beside it on a side stream, the final passes over what the merge leaves,
 the first and last segments' outputs written by their first pass), ``spared_in_turn`` (the same
-with the map pass after ``E``: `dsfuse.gdn.split.MAPS_BESIDE` off) and ``every`` (every pass over
-every segment, the maps after ``E``: the split as it ran before, except that its map pass reads no
-``u``). All give the same bits (checked before timing: o, the final state and every gradient).
+with the map pass before ``E`` on the one stream: `dsfuse.gdn.split.MAPS_BESIDE` off) and ``every``
+(every pass over every segment, the maps and ``E`` in turn: the split as it ran before, except that
+its map pass reads no ``u`` and comes first). All give the same bits (checked before timing: o, the final state and every gradient).
 Rounds alternate the variants (``--samples`` per variant and round, two rounds), the L2 evicted
 before each sample (`dsfuse.bench.harness.Timer`).
 Writes ``samples.csv`` (case, variant, clock, round, sample, us), ``memory.csv`` (the peak memory a

@@ -130,7 +130,7 @@ def _every_segment_passes(stages, p, segment_chunks, do, dv_local, dht):
     (a zero ``u`` read) and the final pass over every segment, ``D`` and the final reverse pass over
     every segment, the same merges. ``(h, v_new, final state, M, dh, dv_new, dh0)``."""
     fwd, bwd = stages.forward, stages.backward
-    segs = Segments.of(p.chunk_offsets.tolist(), segment_chunks, torch.device(p.device))
+    segs = Segments.of(p.chunk_offsets.tolist(), segment_chunks, p.u.device)
     n, (hv, dk), dv = len(segs.docs), p.w.shape[1:], p.u.shape[-1]
     l2 = {"use_qk_l2norm": True}
     h0 = torch.zeros(n, hv, dk, dv, device=p.device)
@@ -162,26 +162,30 @@ def _every_segment_passes(stages, p, segment_chunks, do, dv_local, dht):
     return h, v_new, ht[segs.lasts], m, dh, dv_new, seg_dh0[segs.firsts]
 
 
-SPARED_CASES = [(1, "fp32"), (2, "bf16"), (SplitRule(1, above=3), "bf16")]
+# (segment chunks, dtype, layout, middle segments): two documents of 3 and 4 chunks with one between
+# (segments of one chunk: 3 and 4, so one and two middle ones; of two: 2 each, no middle one; by
+# SplitRule(1, above=3): only the second), and documents of 1, 1, 0 and 3 chunks (an empty one)
+SPARED_CASES = [(1, "fp32", "docs_130_1_200_tail9", 3), (2, "bf16", "docs_130_1_200_tail9", 0),
+                (SplitRule(1, above=3), "bf16", "docs_130_1_200_tail9", 2), (1, "bf16", "docs_1_45_0_130_tail4", 1)]
 
 
-@pytest.mark.parametrize(("segment_chunks", "dtype"), SPARED_CASES, ids=["1-fp32", "2-bf16", "1-above3-bf16"])
-def test_the_spared_passes_give_the_bits_of_every_segments_passes(segment_chunks, dtype, device, launchers):
+@pytest.mark.parametrize(("segment_chunks", "dtype", "layout", "middles"), SPARED_CASES,
+                         ids=["1-fp32", "2-bf16", "1-above3-bf16", "1-bf16-empty-doc"])
+def test_the_spared_passes_give_the_bits_of_every_segments_passes(segment_chunks, dtype, layout, middles, device,
+                                                                  launchers):
     """`split_state_pass` and `split_state_backward` (a launch per pass over `pass_rows`' segments,
     the maps' pass reading no ``u``) give bitwise what the passes over every segment give: h, v_new,
-    the final states, the middle segments' maps, dh, dv_new and dh0; two documents cut (segments
-    of one chunk: 3 and 4, so one and two middle ones; of two: 2 each, no middle one; by
-    ``SplitRule(1, above=3)``: only the second), one whole between them, a tail. And the launches
-    are the ones `pass_rows` names, the maps' with ``u`` None."""
+    the final states, the middle segments' maps, dh, dv_new and dh0 (documents cut into 2, 3 and 4
+    segments, whole ones, an empty one, a tail). And the launches are the ones `pass_rows` names,
+    the maps' with ``u`` None (none where no segment is a middle one)."""
     stages = launchers["stages"]
-    inputs = make_inputs("docs_130_1_200_tail9", (2, 6), l2=True, with_h0=True, gates="model", dtype=DTYPES[dtype],
-                         seed=7)
+    inputs = make_inputs(layout, (2, 6), l2=True, with_h0=True, gates="model", dtype=DTYPES[dtype], seed=7)
     p = Prepared(inputs, True, device, DTYPES[dtype])
     gen = torch.Generator().manual_seed(8)
     do, dv_local = (torch.randn(p.u.shape, generator=gen).to(p.dtype).to(device) for _ in range(2))
     dht = torch.randn(p.h0.shape, generator=gen).to(device)
     offsets = p.chunk_offsets.tolist()
-    segs = Segments.of(offsets, segment_chunks, torch.device(device))
+    segs = Segments.of(offsets, segment_chunks, p.u.device)  # the tables the passes use
     launched = []
 
     def state(*args, rows=None, **kwargs):
@@ -210,7 +214,7 @@ def test_the_spared_passes_give_the_bits_of_every_segments_passes(segment_chunks
                           (h, v_new, ht, maps["m"][middle], dh, dv_new, dh0),
                           oracle[:3] + (oracle[3][middle],) + oracle[4:]):
         assert_bitwise(a, b, f"{name} against every segment's passes")
-    assert len(middle) == {1: 3, 2: 0}.get(segment_chunks, 2)
+    assert len(middle) == middles
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES), ids=list(DTYPES))
@@ -316,14 +320,21 @@ def test_split_backward_makes_its_own_maps_when_run_alone(device, forward_stages
     assert_bitwise(alone_grads.dh0, grads.dh0, "dh0 with the maps made by the reverse pass")
 
 
+# (layout, segment chunks, a rule whose segments were not made before): a middle segment (the map pass
+# on the side stream), two (no map pass: nothing on the side stream to join), three
+GRAPH_CASES = [("docs_1_45_0_130_tail4", 1, 2), ("docs_130_1_200_tail9", 2, 3),
+               ("docs_130_1_200_tail9", 1, SplitRule(1, above=2))]
+
+
 @pytest.mark.gpu
-def test_a_split_forward_and_backward_replay_from_a_cuda_graph(forward_stages, backward_stages):
+@pytest.mark.parametrize(("layout", "segments", "unmade"), GRAPH_CASES, ids=["one-middle", "no-middle", "three-middles"])
+def test_a_split_forward_and_backward_replay_from_a_cuda_graph(layout, segments, unmade, forward_stages,
+                                                               backward_stages):
     """After a first eager call (which puts the segment tables on the GPU), a split forward and
-    backward captured in a CUDA Graph replay bitwise equal to the eager call; a first call under
-    capture is refused by name."""
+    backward captured in a CUDA Graph replay bitwise equal to the eager call, with the map pass on
+    its side stream or without one; a first call under capture is refused by name."""
     dev = torch.device("cuda")
-    inputs = make_inputs("docs_1_45_0_130_tail4", (2, 6), l2=True, with_h0=True, gates="model", dtype=torch.bfloat16,
-                         seed=8)
+    inputs = make_inputs(layout, (2, 6), l2=True, with_h0=True, gates="model", dtype=torch.bfloat16, seed=8)
     args = [inputs[name].to(torch.float32 if name == "g" else torch.bfloat16).to(dev)  # the data bf16, g fp32
             for name in ("q", "k", "v", "g", "beta")]
     kwargs = {"scale": inputs["q"].shape[-1] ** -0.5, "initial_state": inputs["initial_state"].to(dev),
@@ -336,18 +347,19 @@ def test_a_split_forward_and_backward_replay_from_a_cuda_graph(forward_stages, b
                                   segment_chunks=segments, **kwargs)
         return (fwd.o, fwd.final_state, *grads)
 
-    eager = step(1)
+    eager = step(segments)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        captured = step(1)
+        captured = step(segments)
     graph.replay()
     torch.cuda.synchronize()
     for name, a, b in zip(("o", "final_state", *Gradients._fields), captured, eager):
         assert_bitwise(a, b, f"{name}: graph replay against eager")
+    split_mod._cache.clear()  # whatever other tests of this process made: `unmade`'s segments are not there
     with pytest.raises(RuntimeError, match="segments are not on the GPU yet"):
         with torch.cuda.graph(torch.cuda.CUDAGraph()):
-            step(2)  # cuts the 3-chunk document: segments not made before (3 would cut none: no split)
+            step(unmade)  # cuts a document into segments not made before
 
 
 def _chunk_gdn_case(device, dtype=torch.float32):

@@ -18,7 +18,7 @@ Forward (`split_state_pass`):
 2. ``M``: the same pass with ``u = 0`` from the identity, a ``[K, K]`` state, over the middle
    segments only (`segment_maps`; only the maps written): a first segment's ``E`` already holds its
    initial state, and a last segment's maps feed no later segment. On a GPU it runs beside ``E`` on
-   a side stream (`MAPS_BESIDE`), their chains sharing the SMs;
+   a side stream (`MAPS_BESIDE`), their chains sharing the SMs; elsewhere before it;
 3. the merge in segment order, in fp64, each step rounded once to fp32: ``S_in`` of every segment;
 4. the state pass over every segment but a split document's first, from ``S_in``: ``h``, ``v_new``
    and, from each document's last segment, its final state.
@@ -159,6 +159,7 @@ class Segments:
                    on_device(opening), on_device([docs[j] for j in opening]),
                    on_device(closing), on_device([docs[j] for j in closing]), rows)
         if device.type == "cuda":
+            _side_stream(device)  # made here, outside any capture, for the split passes to come
             torch.cuda.current_stream(device).synchronize()
         _cache[key] = segs
         if len(_cache) > CACHE_SIZE:
@@ -193,15 +194,17 @@ def pass_rows(first: list[bool], last: list[bool]) -> dict[str, list[tuple[int, 
     }
 
 
-# Whether the forward's map pass runs beside its E pass on a side stream (CUDA only), their chains
-# sharing the SMs, rather than after it. The same bits either way (independent passes).
+# Whether the forward's map pass runs beside its E pass on a side stream (CUDA only, where some
+# segment needs a map), their chains sharing the SMs, rather than before it on the same stream. The
+# same bits either way (independent passes).
 MAPS_BESIDE = True
 
 
 @functools.cache
 def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    """The map pass's side stream, one per device, made at the first split call (an eager one:
-    `Segments.of` refuses a first call under a CUDA Graph capture)."""
+    """The map pass's side stream, one per device (one of PyTorch's pooled streams, as the CuTe DSL
+    forward's side streams are: other work drawing the same one only waits longer). `Segments.of`
+    makes it with a device's first segment tables, where a CUDA Graph capture is refused."""
     return torch.cuda.Stream(device)
 
 
@@ -226,8 +229,7 @@ def segment_maps(state: Callable, k, w, g_cum, chunk_indices, segs: Segments, *,
     with torch.cuda.stream(stream):
         state(k, w, None, g_cum, chunk_indices, segs.offsets, eye, None, None, m, use_qk_l2norm=use_qk_l2norm,
               rows=rows)
-    for t in (eye, m):  # allocated on the current stream, used on the side one
-        t.record_stream(stream)
+    eye.record_stream(stream)  # allocated on the current stream, read on the side one
     return m
 
 
@@ -247,7 +249,8 @@ def split_state_pass(state: Callable, k, w, u, g_cum, chunk_indices, offsets: li
     if initial_state is not None:
         h0[segs.firsts] = initial_state[segs.first_docs].float()
     e = new((segments, heads_v, dim_k, dim_v), dtype=torch.float32)
-    side = _side_stream(u.device) if MAPS_BESIDE and u.device.type == "cuda" else None
+    beside = MAPS_BESIDE and u.device.type == "cuda" and segs.rows["m"].shape[0]  # a launch to join
+    side = _side_stream(u.device) if beside else None
     m = segment_maps(state, k, w, g_cum, chunk_indices, segs, stream=side, **l2)  # beside E, on CUDA
     if segs.rows["e"].shape[0]:  # E; a document's first segment also its h and v_new
         state(k, w, u, g_cum, chunk_indices, segs.offsets, h0, h, v_new, e, rows=segs.rows["e"], **l2)

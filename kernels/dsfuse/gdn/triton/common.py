@@ -383,8 +383,8 @@ def model_tensors() -> SimpleNamespace:
     ``dg_in`` fp32 ``[T, 48]`` (head stride 1); ``A`` fp32 ``[T, 48, 64]``; ``h``, ``dh`` bf16
     ``[NC, 48, 128, 128]``; ``state`` fp32 ``[N, 48, 128, 128]``; ``chunk_indices`` int32
     ``[NC, 3]``, ``chunk_offsets`` int32 ``[N + 1]``; ``segment_rows`` int32 ``[3, 2]`` (a split pass's
-    rows, `dsfuse.gdn.split.pass_rows`: the document in 4 segments, a pass over 3); ``scale``
-    ``128 ** -0.5``."""
+    rows, `dsfuse.gdn.split.pass_rows`: the type a compiled kernel sees; the document's 4 segments
+    of `dsfuse.gdn.split.RULE` are not spelled out in ``chunk_offsets``); ``scale`` ``128 ** -0.5``."""
     T, H, HV, K = 32768, 16, 48, 128
     NC, N = T // CHUNK, 1
     bf16 = {"device": "meta", "dtype": torch.bfloat16}

@@ -204,14 +204,15 @@ def launch_state_pass(
 # the packed q/k/v row): with and without the in-kernel L2 norm, with and without initial/final state, in
 # each family's launch setting (Blackwell's named _2w); and the long-document split's passes over some
 # of its segments (`dsfuse.gdn.split.pass_rows`): "_rows" (E, and the pass from the merged states: h and
-# v_new where a row says so) and "_maps" (u = 0, the maps alone).
+# v_new where a row says so; with the segments' final states, "_states", or without) and "_maps"
+# (u = 0, the maps alone).
 _SEGMENT_ROWS = common.model_tensors().segment_rows
 AOT_SPECS = common.record_variants(
     "gdn_state_pass{l2}{states}_bf16{family}", launch_state_pass, lambda x, state: (
         x.k, x.w, x.u, x.g_cum, x.chunk_indices, x.chunk_offsets, state, x.h, x.v_new, state),
     states=True, per_family=True) + common.record_variants(
-    "gdn_state_pass_rows{l2}_bf16{family}", functools.partial(launch_state_pass, rows=_SEGMENT_ROWS), lambda x, _: (
-        x.k, x.w, x.u, x.g_cum, x.chunk_indices, x.chunk_offsets, x.state, x.h, x.v_new, x.state),
-    per_family=True) + common.record_variants(
+    "gdn_state_pass_rows{l2}{states}_bf16{family}", functools.partial(launch_state_pass, rows=_SEGMENT_ROWS),
+    lambda x, state: (x.k, x.w, x.u, x.g_cum, x.chunk_indices, x.chunk_offsets, x.state, x.h, x.v_new, state),
+    states=True, per_family=True) + common.record_variants(
     "gdn_state_pass_maps{l2}_bf16{family}", functools.partial(launch_state_pass, rows=_SEGMENT_ROWS), lambda x, _: (
         x.k, x.w, None, x.g_cum, x.chunk_indices, x.chunk_offsets, x.state, None, None, x.state), per_family=True)

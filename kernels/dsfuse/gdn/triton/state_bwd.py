@@ -357,7 +357,7 @@ def launch_state_backward(
 # The model's specialisations (common.model_tensors: K = V = 128, H = 16, HV = 48, bf16, q and k head views
 # of the packed q/k/v row): dv_local with and without the in-kernel L2 norm; the state pass also with and
 # without dht/dh0, in each family's launch setting (Blackwell's named _2w), and the long-document split's
-# passes over some of its segments ("_rows", `dsfuse.gdn.split.pass_rows`).
+# passes over some of its segments ("_rows", `dsfuse.gdn.split.pass_rows`: with dht, with dh0 or not).
 _SEGMENT_ROWS = common.model_tensors().segment_rows
 AOT_SPECS = common.record_variants(
     "gdn_dv_local{l2}_bf16", launch_dv_local,
@@ -366,6 +366,6 @@ AOT_SPECS = common.record_variants(
     "gdn_state_bwd{l2}{states}_bf16{family}", launch_state_backward, lambda x, state: (
         x.q, x.k, x.w, x.do, x.dv_local, x.g_cum, x.chunk_indices, x.chunk_offsets, state, x.dh, x.dv, state, x.scale),
     states=True, per_family=True) + common.record_variants(
-    "gdn_state_bwd_rows{l2}_bf16{family}", functools.partial(launch_state_backward, rows=_SEGMENT_ROWS),
-    lambda x, _: (x.q, x.k, x.w, x.do, x.dv_local, x.g_cum, x.chunk_indices, x.chunk_offsets, x.state, x.dh, x.dv,
-                  x.state, x.scale), per_family=True)
+    "gdn_state_bwd_rows{l2}{states}_bf16{family}", functools.partial(launch_state_backward, rows=_SEGMENT_ROWS),
+    lambda x, state: (x.q, x.k, x.w, x.do, x.dv_local, x.g_cum, x.chunk_indices, x.chunk_offsets, x.state, x.dh, x.dv,
+                      state, x.scale), states=True, per_family=True)
