@@ -346,6 +346,38 @@ def test_graph_part_rows_time_each_part_from_its_own_graph(monkeypatch, tmp_path
     assert "11.0" in out and "21.0" in out
 
 
+def test_variant_rows_check_the_bits_then_time_graph_and_eager(monkeypatch):
+    """A probe's variant: its outputs cloned and required bitwise equal to the first variant's (a
+    differing one is refused before any timing), then its graph replays and eager calls timed in the
+    evicted regime, one row per sample with the caller's columns."""
+    from dsfuse.bench import harness
+
+    timed = []
+
+    class Graph:
+        def __init__(self, fn):
+            self.replay = lambda: ("replayed", fn())
+
+    class FakeTimer:
+        def samples(self, fn, regime, n, reps):
+            timed.append((fn(), regime, n, reps))
+            return [float(10 * len(timed) + i) for i in range(n)]
+
+    monkeypatch.setattr(harness, "capture_graph", lambda fn, device: (Graph(fn), None))
+    out = torch.tensor([1.0, -0.0])
+    got, rows = harness.variant_rows(lambda: (out,), None, "v0", FakeTimer(), 2, None, case="c", variant="v0")
+    assert torch.equal(got[0], out) and got[0] is not out
+    assert timed == [(("replayed", (out,)), "evicted", 2, 1), ((out,), "evicted", 2, 1)]
+    assert rows == [{"case": "c", "variant": "v0", "clock": clock, "sample": i, "us": us}
+                    for clock, i, us in (("graph", 0, 10.0), ("graph", 1, 11.0), ("eager", 0, 20.0), ("eager", 1, 21.0))]
+    same, _ = harness.variant_rows(lambda: (out.clone(),), got, "v1", FakeTimer(), 1, None)
+    assert torch.equal(same[0], out)
+    timed.clear()
+    with pytest.raises(AssertionError, match="v2 changed the bits"):
+        harness.variant_rows(lambda: (torch.tensor([1.0, 0.0]),), got, "v2", FakeTimer(), 1, None)  # +0 against -0
+    assert timed == []
+
+
 class _FakeAllocator:
     """Stand-ins for the ``torch.cuda`` memory counters: ``live`` bytes held by `_Block`s (freed when the
     last reference goes), ``peak`` since the last reset; each call is logged with the bytes live then."""

@@ -21,7 +21,7 @@ import sys
 
 import torch
 from dsfuse.bench import gdn
-from dsfuse.bench.harness import Timer, capture_graph, start_probe, write_csv
+from dsfuse.bench.harness import Timer, start_probe, variant_rows, write_csv
 
 DEFAULT_CONFIG = "experiments/gdn/configs/h200-long-cutedsl.yaml"
 
@@ -51,16 +51,10 @@ def case_rows(case, timer: Timer, samples: int, device: torch.device) -> list[di
         for name, (parts, overlap) in variants(forward).items():
             forward.column_parts, forward.OVERLAP = parts, overlap
             with torch.no_grad():
-                got = [t.clone() for t in run()]
-                if first is None:
-                    first = got
-                elif not all(torch.equal(a, b) for a, b in zip(got, first)):
-                    raise AssertionError(f"{case.name}: {name} changed the bits")
-                graph, _ = capture_graph(run, device)
-                for clock, fn in (("graph", graph.replay), ("eager", run)):
-                    rows += [dict(case=case.name, variant=name, clock=clock, sample=i, us=us)
-                             for i, us in enumerate(timer.samples(fn, "evicted", samples, 1))]
-                del graph
+                got, found = variant_rows(run, first, f"{case.name}: {name}", timer, samples, device,
+                                          case=case.name, variant=name)
+            first = got if first is None else first
+            rows += found
     finally:
         forward.column_parts, forward.OVERLAP = saved
     return rows

@@ -26,7 +26,7 @@ import sys
 
 import torch
 from dsfuse.bench import gdn
-from dsfuse.bench.harness import Timer, capture_graph, start_probe, write_csv
+from dsfuse.bench.harness import Timer, start_probe, variant_rows, write_csv
 
 DEFAULT_CONFIG = "experiments/gdn/configs/h200-long.yaml"
 ROUNDS = 2
@@ -54,23 +54,19 @@ def case_rows(case, timer: Timer, samples: int, device: torch.device) -> tuple[l
                 split.pass_rows, split.MAPS_BESIDE = rule, beside
                 split._cache.clear()  # the pass rows are made with the segment tables
                 run = build(case, inputs)
-                torch.cuda.synchronize(device)
-                base = torch.cuda.memory_allocated(device)
-                torch.cuda.reset_peak_memory_stats(device)
-                got = [t.detach().clone() for t in run()]
-                torch.cuda.synchronize(device)
-                if round_ == 0:
+                if round_ == 0:  # the peak a call allocates above its inputs, from a first call of its own
+                    torch.cuda.synchronize(device)
+                    base = torch.cuda.memory_allocated(device)
+                    torch.cuda.reset_peak_memory_stats(device)
+                    run()
+                    torch.cuda.synchronize(device)
                     memory.append(dict(case=case.name, variant=name,
                                        peak_mib=(torch.cuda.max_memory_allocated(device) - base) / 2**20))
-                if first is None:
-                    first = got
-                elif not all(torch.equal(a, b) for a, b in zip(got, first)):
-                    raise AssertionError(f"{case.name}: {name} changed the bits")
-                graph, _ = capture_graph(run, device)
-                for clock, fn in (("graph", graph.replay), ("eager", run)):
-                    rows += [dict(case=case.name, variant=name, clock=clock, round=round_, sample=i, us=us)
-                             for i, us in enumerate(timer.samples(fn, "evicted", samples, 1))]
-                del graph, got, run
+                got, found = variant_rows(run, first, f"{case.name}: {name}", timer, samples, device,
+                                          case=case.name, variant=name, round=round_)
+                first = got if first is None else first
+                rows += found
+                del got, run
                 torch.cuda.empty_cache()
     finally:
         split.pass_rows, split.MAPS_BESIDE = shipped

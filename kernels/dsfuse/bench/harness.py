@@ -297,6 +297,21 @@ def graph_part_rows(parts: list[tuple[str, Callable[[], Any]]], timer: Timer, sa
     return rows
 
 
+def variant_rows(run: Callable[[], Outputs], first: Outputs | None, what: str, timer: Timer, samples: int,
+                 device: torch.device, **row) -> tuple[list[torch.Tensor], list[dict]]:
+    """A probe's variant of one computation: ``run()``'s outputs (cloned), required bitwise equal to
+    ``first`` where given (AssertionError naming ``what``), then ``samples`` of ``run`` replayed from a
+    CUDA Graph and called eagerly, the L2 overwritten before each (the evicted regime). Returns
+    ``(outputs, rows)``: rows of ``row``'s columns, ``clock``, ``sample`` and ``us``."""
+    got = [t.detach().clone() for t in run()]
+    if first is not None and not all(torch.equal(bits(a), bits(b)) for a, b in zip(got, first, strict=True)):
+        raise AssertionError(f"{what} changed the bits")  # bit patterns: -0.0 against +0.0, NaN payloads
+    graph, _ = capture_graph(run, device)
+    rows = [row | {"clock": clock, "sample": i, "us": us} for clock, fn in (("graph", graph.replay), ("eager", run))
+            for i, us in enumerate(timer.samples(fn, "evicted", samples, 1))]
+    return got, rows
+
+
 def write_part_medians(out: Path, rows: list[dict], samples: int) -> None:
     """Write a probe's rows (`graph_part_rows`) to ``out/samples.csv`` and print their medians by case and part."""
     import pandas as pd
