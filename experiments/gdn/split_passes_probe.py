@@ -10,33 +10,28 @@ on): `chunk_gdn` on the Triton backend (split by `dsfuse.gdn.split.RULE`) in thr
 maps over the middle ones beside it on a side stream, the final passes over what the merge leaves,
 the first and last segments' outputs written by their first pass), ``spared_in_turn`` (the same
 with the map pass before ``E`` on the one stream: `dsfuse.gdn.split.MAPS_BESIDE` off) and ``every``
-(every pass over every segment, the maps and ``E`` in turn: the split as it ran before, except that
-its map pass reads no ``u`` and comes first). All give the same bits (checked before timing: o, the final state and every gradient).
-Rounds alternate the variants (``--samples`` per variant and round, two rounds), the L2 evicted
-before each sample (`dsfuse.bench.harness.Timer`).
-Writes ``samples.csv`` (case, variant, clock, round, sample, us), ``memory.csv`` (the peak memory a
-call allocates above its inputs, per case and variant) and ``env.json`` under OUT_DIR and prints
-the medians.
+(`dsfuse.gdn.split.every_segment`: every pass over every segment, the maps and ``E`` in turn: the
+split as it ran before, except that its map pass reads no ``u`` and comes first). All give the same
+bits (checked before timing, `dsfuse.bench.harness.variant_rows`: o, the final state and every
+gradient). Rounds alternate the variants (``--samples`` per variant and round, two rounds), the L2
+evicted before each sample (`dsfuse.bench.harness.Timer`).
+Writes ``samples.csv`` (case, variant, round, clock, sample, us), ``memory.csv`` (the peak memory a
+call allocates above its inputs, `dsfuse.bench.harness.peak_memory_row`, its ``provider`` column the
+variant) and ``env.json`` under OUT_DIR and prints the medians.
 """
 
 from __future__ import annotations
 
 import functools
 import sys
+from types import SimpleNamespace
 
 import torch
 from dsfuse.bench import gdn
-from dsfuse.bench.harness import Timer, start_probe, variant_rows, write_csv
+from dsfuse.bench.harness import Timer, peak_memory_row, start_probe, variant_rows, write_csv
 
 DEFAULT_CONFIG = "experiments/gdn/configs/h200-long.yaml"
 ROUNDS = 2
-
-
-def every_segment(first: list[bool], last: list[bool]) -> dict[str, list[tuple[int, int]]]:
-    """`pass_rows` without sparing: every pass over every segment, only the final passes writing."""
-    every = range(len(first))
-    return {"e": [(j, 0) for j in every], "m": [(j, 0) for j in every], "final": [(j, 1) for j in every],
-            "d": [(j, 0) for j in every], "final_backward": [(j, 1) for j in every]}
 
 
 def case_rows(case, timer: Timer, samples: int, device: torch.device) -> tuple[list[dict], list[dict]]:
@@ -45,7 +40,7 @@ def case_rows(case, timer: Timer, samples: int, device: torch.device) -> tuple[l
     inputs = gdn.make_inputs(case, device, seed=0)
     build = gdn._build(gdn.split_views, functools.partial(gdn.dsfuse_gdn, backend="triton"))
     variants = {"spared": (split.pass_rows, True), "spared_in_turn": (split.pass_rows, False),
-                "every": (every_segment, False)}
+                "every": (split.every_segment, False)}
     shipped = split.pass_rows, split.MAPS_BESIDE
     rows, memory, first = [], [], None
     try:
@@ -54,14 +49,8 @@ def case_rows(case, timer: Timer, samples: int, device: torch.device) -> tuple[l
                 split.pass_rows, split.MAPS_BESIDE = rule, beside
                 split._cache.clear()  # the pass rows are made with the segment tables
                 run = build(case, inputs)
-                if round_ == 0:  # the peak a call allocates above its inputs, from a first call of its own
-                    torch.cuda.synchronize(device)
-                    base = torch.cuda.memory_allocated(device)
-                    torch.cuda.reset_peak_memory_stats(device)
-                    run()
-                    torch.cuda.synchronize(device)
-                    memory.append(dict(case=case.name, variant=name,
-                                       peak_mib=(torch.cuda.max_memory_allocated(device) - base) / 2**20))
+                if round_ == 0 and (peak := peak_memory_row(case, SimpleNamespace(name=name), run, device)):
+                    memory.append(peak)  # the peak a call allocates above its inputs, from a call of its own
                 got, found = variant_rows(run, first, f"{case.name}: {name}", timer, samples, device,
                                           case=case.name, variant=name, round=round_)
                 first = got if first is None else first

@@ -4,7 +4,8 @@ forward's q, k, v and gates with the extra tensors a stage reads, and strided vi
 Sizes: K = 32, V = 64 (K != V, so a transposed state cannot pass). Layouts, batch 1: one sequence
 of T = 150 (not a multiple of 64); packed documents of 1, 45, 0 and 130 tokens (T = 176, every
 token in a document, as the public API requires), and the same followed by 4 tokens in no document
-(T = 180: the forward stages leave them at zero).
+(T = 180: the forward stages leave them at zero); documents of 130, 1 and 200 tokens (3, 1 and 4
+chunks) followed by 9 tokens in no document (T = 340: two documents a split cuts, one between them).
 """
 
 from __future__ import annotations

@@ -78,16 +78,15 @@ def test_each_pass_runs_only_the_segments_whose_results_are_read():
         assert runs["d"] + runs["final_backward"] == (2 * n - 2 if n > 1 else 1)
 
 
-@pytest.mark.parametrize("dtype", ["bf16"])
-def test_segment_rows_run_the_sequences_listed_and_write_where_asked(dtype, device, launchers):
+def test_segment_rows_run_the_sequences_listed_and_write_where_asked(device, forward_stages, backward_stages):
     """A state pass (forward and reverse) with ``rows``: the sequences listed, in any order, give the
     bits of the pass over every sequence; one whose flag is 0 writes its final state (its initial-state
     gradient) but not its h and v_new (dh and dv_new); a sequence not listed is neither read nor
-    written. Documents of 1, 45, 0 and 130 tokens and a tail; rows (3, writes 0), (1, writes 1)."""
-    stages = launchers["stages"]
-    inputs = make_inputs("docs_1_45_0_130_tail4", (2, 6), l2=True, with_h0=True, gates="model", dtype=DTYPES[dtype],
+    written. Documents of 1, 45, 0 and 130 tokens and a tail (bf16); rows (3, writes 0), (1, writes 1).
+    And the forward pass with ``u`` None: the bits of a zero ``u`` (a ``[K, K]`` state)."""
+    inputs = make_inputs("docs_1_45_0_130_tail4", (2, 6), l2=True, with_h0=True, gates="model", dtype=torch.bfloat16,
                          seed=2)
-    p = Prepared(inputs, True, device, DTYPES[dtype])
+    p = Prepared(inputs, True, device, torch.bfloat16)
     rows = torch.tensor([[3, 0], [1, 1]], dtype=torch.int32, device=device)
     cu, ci = inputs["cu_seqlens"], p.chunk_indices.cpu()
     chunks_of = {d: (ci[:, 0] == d).nonzero().flatten().tolist() for d in range(4)}
@@ -98,22 +97,21 @@ def test_segment_rows_run_the_sequences_listed_and_write_where_asked(dtype, devi
     def filled(*tensors):
         return [torch.full_like(t, 7.0) for t in tensors]
 
-    def both(run):  # (every sequence, the rows)
-        return run(None), run(rows)
-
     def forward(r):
         h, v_new, ht = filled(*p.state_outputs(final=True))
-        stages.forward.state(p.k, p.w, p.u, p.g_cum, p.chunk_indices, p.chunk_offsets, p.h0, h, v_new, ht,
+        forward_stages.state(p.k, p.w, p.u, p.g_cum, p.chunk_indices, p.chunk_offsets, p.h0, h, v_new, ht,
                              use_qk_l2norm=True, rows=r)
         return h, v_new, ht
 
     def backward(r):
         dh, dv_new, dh0 = filled(*p.state_outputs(final=False)[:2], p.h0)
-        stages.backward.state_backward(p.q, p.k, p.w, do, dv_local, p.g_cum, p.chunk_indices, p.chunk_offsets, dht,
+        backward_stages.state_backward(p.q, p.k, p.w, do, dv_local, p.g_cum, p.chunk_indices, p.chunk_offsets, dht,
                                        dh, dv_new, dh0, p.scale, use_qk_l2norm=True, rows=r)
         return dh, dv_new, dh0
 
-    for (states, tokens, ends), (r_states, r_tokens, r_ends) in (both(forward), both(backward)):
+    listed = forward(rows)
+    assert_tail_zero(listed[1], p.tail, "v_new")  # the tail row still writes the tokens in no chunk
+    for (states, tokens, ends), (r_states, r_tokens, r_ends) in ((forward(None), listed), (backward(None), backward(rows))):
         assert_bitwise(r_ends[[3, 1]], ends[[3, 1]], "final state / dh0 of the listed sequences")
         assert_bitwise(r_ends[[0, 2]], torch.full_like(ends[[0, 2]], 7.0), "the sequences not listed")
         assert_bitwise(r_states[chunks_of[1]], states[chunks_of[1]], "h / dh where the flag is 1")
@@ -122,44 +120,15 @@ def test_segment_rows_run_the_sequences_listed_and_write_where_asked(dtype, devi
         assert_bitwise(r_states[unwritten], torch.full_like(states[unwritten], 7.0), "h / dh elsewhere")
         for a, b in ((cu[0], cu[1]), (cu[3], cu[4])):
             assert_bitwise(r_tokens[a:b], torch.full_like(tokens[a:b], 7.0), "v_new / dv_new elsewhere")
-    assert_tail_zero(both(forward)[1][1], p.tail, "v_new")  # the tail row still writes the tokens in no chunk
 
-
-def _every_segment_passes(stages, p, segment_chunks, do, dv_local, dht):
-    """The split as it ran before its passes were spared (the oracle of the test below): ``E``, ``M``
-    (a zero ``u`` read) and the final pass over every segment, ``D`` and the final reverse pass over
-    every segment, the same merges. ``(h, v_new, final state, M, dh, dv_new, dh0)``."""
-    fwd, bwd = stages.forward, stages.backward
-    segs = Segments.of(p.chunk_offsets.tolist(), segment_chunks, p.u.device)
-    n, (hv, dk), dv = len(segs.docs), p.w.shape[1:], p.u.shape[-1]
-    l2 = {"use_qk_l2norm": True}
-    h0 = torch.zeros(n, hv, dk, dv, device=p.device)
-    h0[segs.firsts] = p.h0[segs.first_docs]
-    e, m, ht = (torch.empty(n, hv, dk, d, device=p.device) for d in (dv, dk, dv))
-    fwd.state(p.k, p.w, p.u, p.g_cum, p.chunk_indices, segs.offsets, h0, None, None, e, **l2)
-    eye = torch.eye(dk, device=p.device).expand(n, hv, dk, dk).contiguous()
-    fwd.state(p.k, p.w, torch.zeros_like(p.w), p.g_cum, p.chunk_indices, segs.offsets, eye, None, None, m, **l2)
-    s_in = h0.clone()
-    for j in range(1, n):
-        if not segs.first[j]:
-            carried = e[j - 1].double()
-            if not segs.first[j - 1]:
-                carried = carried + m[j - 1].double() @ s_in[j - 1].double()
-            s_in[j] = carried.float()
-    h, v_new, _ = p.state_outputs(final=False)
-    fwd.state(p.k, p.w, p.u, p.g_cum, p.chunk_indices, segs.offsets, s_in, h, v_new, ht, **l2)
-    d_out = torch.zeros(n, hv, dk, dv, device=p.device)
-    d_out[segs.lasts] = dht[segs.last_docs]
-    d_in, seg_dh0 = torch.empty_like(d_out), torch.empty_like(d_out)
-    dh, dv_new = torch.empty_like(h), torch.empty_like(v_new)
-    args = (p.q, p.k, p.w, do, dv_local, p.g_cum, p.chunk_indices, segs.offsets)
-    bwd.state_backward(*args, d_out, dh, dv_new, d_in, p.scale, **l2)
-    for j in range(n - 2, -1, -1):
-        if not segs.last[j]:
-            d_out[j] = d_in[j + 1]
-            d_in[j] = (d_in[j].double() + m[j].double().transpose(-1, -2) @ d_out[j].double()).float()
-    bwd.state_backward(*args, d_out, dh, dv_new, seg_dh0, p.scale, **l2)
-    return h, v_new, ht[segs.lasts], m, dh, dv_new, seg_dh0[segs.firsts]
+    dk = p.w.shape[-1]
+    h0 = torch.randn(p.num_seqs, p.w.shape[1], dk, dk, generator=gen).to(device)
+    maps = [torch.empty_like(h0) for _ in range(2)]
+    for u, ht in zip((None, torch.zeros_like(p.w)), maps):
+        forward_stages.state(p.k, p.w, u, p.g_cum, p.chunk_indices, p.chunk_offsets, h0, None, None, ht,
+                             use_qk_l2norm=True)
+    assert_bitwise(maps[0], maps[1], "u None against a zero u")
+    assert not torch.equal(maps[0].cpu(), h0.cpu())  # the pass moved the state
 
 
 # (segment chunks, dtype, layout, middle segments): two documents of 3 and 4 chunks with one between
@@ -172,49 +141,59 @@ SPARED_CASES = [(1, "fp32", "docs_130_1_200_tail9", 3), (2, "bf16", "docs_130_1_
 @pytest.mark.parametrize(("segment_chunks", "dtype", "layout", "middles"), SPARED_CASES,
                          ids=["1-fp32", "2-bf16", "1-above3-bf16", "1-bf16-empty-doc"])
 def test_the_spared_passes_give_the_bits_of_every_segments_passes(segment_chunks, dtype, layout, middles, device,
-                                                                  launchers):
+                                                                  forward_stages, backward_stages, monkeypatch):
     """`split_state_pass` and `split_state_backward` (a launch per pass over `pass_rows`' segments,
-    the maps' pass reading no ``u``) give bitwise what the passes over every segment give: h, v_new,
-    the final states, the middle segments' maps, dh, dv_new and dh0 (documents cut into 2, 3 and 4
+    the maps' pass reading no ``u``) give bitwise what the same split with every pass over every
+    segment gives (`split.every_segment`, the split before its passes were spared): h, v_new, the
+    final states, the middle segments' maps, dh, dv_new and dh0 (documents cut into 2, 3 and 4
     segments, whole ones, an empty one, a tail). And the launches are the ones `pass_rows` names,
     the maps' with ``u`` None (none where no segment is a middle one)."""
-    stages = launchers["stages"]
     inputs = make_inputs(layout, (2, 6), l2=True, with_h0=True, gates="model", dtype=DTYPES[dtype], seed=7)
     p = Prepared(inputs, True, device, DTYPES[dtype])
     gen = torch.Generator().manual_seed(8)
     do, dv_local = (torch.randn(p.u.shape, generator=gen).to(p.dtype).to(device) for _ in range(2))
     dht = torch.randn(p.h0.shape, generator=gen).to(device)
     offsets = p.chunk_offsets.tolist()
-    segs = Segments.of(offsets, segment_chunks, p.u.device)  # the tables the passes use
     launched = []
 
     def state(*args, rows=None, **kwargs):
-        launched.append(("state", args[2] is None, None if rows is None else rows.tolist()))
-        return stages.forward.state(*args, rows=rows, **kwargs)
+        launched.append(("state", args[2] is None, rows.tolist()))
+        return forward_stages.state(*args, rows=rows, **kwargs)
 
     def state_backward(*args, rows=None, **kwargs):
-        launched.append(("state_backward", False, None if rows is None else rows.tolist()))
-        return stages.backward.state_backward(*args, rows=rows, **kwargs)
+        launched.append(("state_backward", False, rows.tolist()))
+        return backward_stages.state_backward(*args, rows=rows, **kwargs)
 
-    h, v_new, ht = p.state_outputs(final=True)
-    maps = {}
-    split_state_pass(state, p.k, p.w, p.u, p.g_cum, p.chunk_indices, offsets, segment_chunks, p.h0, h, v_new, ht,
-                     use_qk_l2norm=True, maps=maps)
-    dh, dv_new, dh0 = torch.empty_like(h), torch.empty_like(v_new), torch.empty_like(p.h0)
-    split_state_backward(state_backward, p.q, p.k, p.w, do, dv_local, p.g_cum, p.chunk_indices, offsets,
-                         segment_chunks, maps["m"], dht, dh, dv_new, dh0, p.scale, use_qk_l2norm=True)
+    def run():  # (h, v_new, final states, M, dh, dv_new, dh0) in the documents' tokens
+        h, v_new, ht = p.state_outputs(final=True)
+        maps = {}
+        split_state_pass(state, p.k, p.w, p.u, p.g_cum, p.chunk_indices, offsets, segment_chunks, p.h0, h, v_new,
+                         ht, use_qk_l2norm=True, maps=maps)
+        dh, dv_new, dh0 = torch.empty_like(h), torch.empty_like(v_new), torch.empty_like(p.h0)
+        split_state_backward(state_backward, p.q, p.k, p.w, do, dv_local, p.g_cum, p.chunk_indices, offsets,
+                             segment_chunks, maps["m"], dht, dh, dv_new, dh0, p.scale, use_qk_l2norm=True)
+        return h, v_new[: p.tail], ht, maps["m"], dh, dv_new[: p.tail], dh0
+
+    split_mod._cache.clear()  # the pass rows are made with the segment tables
+    spared = run()
+    segs = Segments.of(offsets, segment_chunks, p.u.device)  # the tables the passes used
     expected = [("state", True, segs.rows["m"].tolist())] if segs.rows["m"].numel() else []  # on a side stream on CUDA
     expected += [("state", False, segs.rows["e"].tolist()), ("state", False, segs.rows["final"].tolist()),
                  ("state_backward", False, segs.rows["d"].tolist()),
                  ("state_backward", False, segs.rows["final_backward"].tolist())]
     assert launched == expected
     middle = [j for j, _ in segs.rows["m"].tolist()]
-    oracle = _every_segment_passes(stages, p, segment_chunks, do, dv_local, dht)
-    for name, a, b in zip(("h", "v_new", "final state", "M", "dh", "dv_new", "dh0"),
-                          (h, v_new, ht, maps["m"][middle], dh, dv_new, dh0),
-                          oracle[:3] + (oracle[3][middle],) + oracle[4:]):
-        assert_bitwise(a, b, f"{name} against every segment's passes")
     assert len(middle) == middles
+    monkeypatch.setattr(split_mod, "pass_rows", split_mod.every_segment)
+    split_mod._cache.clear()
+    try:
+        every = run()
+    finally:
+        split_mod._cache.clear()  # no table of every segment's rows left behind
+    for name, a, b in zip(("h", "v_new", "final state", "M", "dh", "dv_new", "dh0"), spared, every):
+        if name == "M":
+            a, b = a[middle], b[middle]  # the only maps the spared split makes
+        assert_bitwise(a, b, f"{name} against every segment's passes")
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES), ids=list(DTYPES))
@@ -320,19 +299,18 @@ def test_split_backward_makes_its_own_maps_when_run_alone(device, forward_stages
     assert_bitwise(alone_grads.dh0, grads.dh0, "dh0 with the maps made by the reverse pass")
 
 
-# (layout, segment chunks, a rule whose segments were not made before): a middle segment (the map pass
-# on the side stream), two (no map pass: nothing on the side stream to join), three
-GRAPH_CASES = [("docs_1_45_0_130_tail4", 1, 2), ("docs_130_1_200_tail9", 2, 3),
-               ("docs_130_1_200_tail9", 1, SplitRule(1, above=2))]
+# (layout, segment chunks): a middle segment (the map pass on the side stream), none (no map pass:
+# nothing on the side stream to join), three
+GRAPH_CASES = [("docs_1_45_0_130_tail4", 1), ("docs_130_1_200_tail9", 2), ("docs_130_1_200_tail9", 1)]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(("layout", "segments", "unmade"), GRAPH_CASES, ids=["one-middle", "no-middle", "three-middles"])
-def test_a_split_forward_and_backward_replay_from_a_cuda_graph(layout, segments, unmade, forward_stages,
-                                                               backward_stages):
+@pytest.mark.parametrize(("layout", "segments"), GRAPH_CASES, ids=["one-middle", "no-middle", "three-middles"])
+def test_a_split_forward_and_backward_replay_from_a_cuda_graph(layout, segments, forward_stages, backward_stages):
     """After a first eager call (which puts the segment tables on the GPU), a split forward and
     backward captured in a CUDA Graph replay bitwise equal to the eager call, with the map pass on
-    its side stream or without one; a first call under capture is refused by name."""
+    its side stream or without one; a call under capture whose segments are not on the GPU is
+    refused by name."""
     dev = torch.device("cuda")
     inputs = make_inputs(layout, (2, 6), l2=True, with_h0=True, gates="model", dtype=torch.bfloat16, seed=8)
     args = [inputs[name].to(torch.float32 if name == "g" else torch.bfloat16).to(dev)  # the data bf16, g fp32
@@ -356,10 +334,10 @@ def test_a_split_forward_and_backward_replay_from_a_cuda_graph(layout, segments,
     torch.cuda.synchronize()
     for name, a, b in zip(("o", "final_state", *Gradients._fields), captured, eager):
         assert_bitwise(a, b, f"{name}: graph replay against eager")
-    split_mod._cache.clear()  # whatever other tests of this process made: `unmade`'s segments are not there
+    split_mod._cache.clear()  # the segment tables gone, as before a first call
     with pytest.raises(RuntimeError, match="segments are not on the GPU yet"):
         with torch.cuda.graph(torch.cuda.CUDAGraph()):
-            step(unmade)  # cuts a document into segments not made before
+            step(segments)
 
 
 def _chunk_gdn_case(device, dtype=torch.float32):

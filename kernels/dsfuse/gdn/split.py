@@ -39,12 +39,15 @@ forward (``n - 1`` for ``E``, ``n - 2`` maps, ``n - 1`` from ``S_in``) and ``2n 
 in at most three launches and two, each of independent chains (`pass_rows` lists which segments
 each pass runs and which of them write). Deterministic: fixed segments (from the lengths and the rule
 alone, not the SM count or grad mode) and a fixed merge order; every segment's outputs are computed
-from the same state by the same kernel whichever pass writes them. The segment tables are cached on
+from the same state by the same kernel whichever pass writes them (bitwise what the passes over every
+segment give, `every_segment`: checked in the interpreter; on a GPU the passes are compiled variants
+of one kernel, checked by the same test's GPU cases). The segment tables are cached on
 the device like the chunk table (`Segments.of`), so a call can be captured in a CUDA Graph after a
 first call with the same documents."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 from collections import OrderedDict
@@ -194,6 +197,14 @@ def pass_rows(first: list[bool], last: list[bool]) -> dict[str, list[tuple[int, 
     }
 
 
+def every_segment(first: list[bool], last: list[bool]) -> dict[str, list[tuple[int, int]]]:
+    """`pass_rows` without sparing: every pass over every segment, only the final passes writing (the
+    split as it ran before; the tests' reference and the GPU probe's baseline, put in its place)."""
+    every = range(len(first))
+    return {"e": [(j, 0) for j in every], "m": [(j, 0) for j in every], "final": [(j, 1) for j in every],
+            "d": [(j, 0) for j in every], "final_backward": [(j, 1) for j in every]}
+
+
 # Whether the forward's map pass runs beside its E pass on a side stream (CUDA only, where some
 # segment needs a map), their chains sharing the SMs, rather than before it on the same stream. The
 # same bits either way (independent passes).
@@ -221,15 +232,12 @@ def segment_maps(state: Callable, k, w, g_cum, chunk_indices, segs: Segments, *,
     if not rows.shape[0]:
         return m
     eye = torch.eye(dim_k, device=dev).expand(segments, heads_v, dim_k, dim_k).contiguous()
-    if stream is None:
+    if stream is not None:
+        stream.wait_stream(torch.cuda.current_stream(dev))
+        eye.record_stream(stream)  # allocated on the current stream, read on the side one
+    with contextlib.nullcontext() if stream is None else torch.cuda.stream(stream):
         state(k, w, None, g_cum, chunk_indices, segs.offsets, eye, None, None, m, use_qk_l2norm=use_qk_l2norm,
               rows=rows)
-        return m
-    stream.wait_stream(torch.cuda.current_stream(dev))
-    with torch.cuda.stream(stream):
-        state(k, w, None, g_cum, chunk_indices, segs.offsets, eye, None, None, m, use_qk_l2norm=use_qk_l2norm,
-              rows=rows)
-    eye.record_stream(stream)  # allocated on the current stream, read on the side one
     return m
 
 
