@@ -7,8 +7,9 @@
 # then: export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages
 # FlashQLA (the GDN experiment's flashqla control) goes to its own folder, /tmp/site-qla, because its
 # TileLang pins apache-tvm-ffi below 0.1.13 and the cutedsl extra wants 0.1.15 or later; two calls too:
-#   bash scripts/gpu_install_carry.sh qla-a   # carry .carry/flashqla-a (TileLang, tvm-ffi 0.1.12, torch-c-dlpack-ext)
-#   bash scripts/gpu_install_carry.sh qla-b   # carry .carry/flashqla-b (flash-qla, z3-solver; add TileLang's ml-dtypes,
+#   bash scripts/gpu_install_carry.sh qla-a   # carry .carry/flashqla-a (the TileLang wheel)
+#   bash scripts/gpu_install_carry.sh qla-b   # carry .carry/flashqla-b (flash-qla, z3-solver, apache-tvm-ffi 0.1.12,
+#     torch-c-dlpack-ext: scripts/prepare_carry.sh moves the last two out of a; add TileLang's ml-dtypes,
 #     cloudpickle and psutil wheels there if the GPU machine lacks them: pip download --no-deps --only-binary=:all:
 #     --python-version 3.12 --platform manylinux_2_28_x86_64 -d .carry/flashqla-b ml-dtypes cloudpickle psutil)
 # then run the GDN experiment with PYTHONPATH=/tmp/site-qla (not beside /tmp/site, whose tvm-ffi is newer).
