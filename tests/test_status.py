@@ -5,6 +5,8 @@ import json
 import shutil
 from pathlib import Path
 
+import pytest
+
 from dsfuse.bench import experiments, status
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,3 +40,14 @@ def test_every_op_has_a_row_and_a_changed_result_shows(tmp_path):
     assert text.startswith("x\n") and text.endswith("y\n") and "old" not in text
     line = next(ln for ln in text.splitlines() if ln.startswith("| [Text RoPE]") and "H200" in ln)
     assert "changed since" in line and "0 of 1 met; missed: c (dsfuse)" in line
+
+
+def test_an_op_with_pages_of_its_own_is_named_by_its_section(tmp_path):
+    (tmp_path / "mkdocs.yml").write_text(
+        "nav:\n  - Home: index.md\n  - Ops:\n      - Text RoPE: ops/text_rope.md\n"
+        "      - Gated DeltaNet:\n          - Overview: ops/gdn.md\n          - A record: ops/gdn_long.md\n")
+    assert status.title(tmp_path, "text_rope") == "Text RoPE"
+    assert status.title(tmp_path, "gdn") == "Gated DeltaNet"
+    with pytest.raises(LookupError, match="gdn_long: no page ops/gdn_long.md"):
+        status.title(tmp_path, "gdn_long")  # a page of the section, not its op's page
+    assert status.title(ROOT, "gdn") == "Gated DeltaNet"

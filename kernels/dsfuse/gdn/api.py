@@ -120,6 +120,16 @@ def chunk_gdn(
     forward on Hopper at K = V = 128 keeps instead what its fused backward reads (the rounded gated
     ``A``, the rows' factors and the rounded state at every chunk's start).
 
+    Long documents: the Triton stages cut a document of more than 16,384 tokens (256 chunks) into
+    segments of 8,192 tokens, run the segments' state passes side by side and merge their state
+    maps in fp64 in a fixed order (`dsfuse.gdn.split.RULE`, forward and backward). The rule reads
+    the documents' lengths alone, so a call gives the same bits on every GPU of a family and with or
+    without autograd; a split document's outputs differ from an unsplit pass in their last bits
+    (within the contract), and the documents left whole keep the bits they have in any other call.
+    The ``cutedsl`` forward does not split: where few chains leave SMs idle it walks each of them on
+    two CTAs of 64 value channels, and the chain of a sole document of 256 chunks or more in pieces,
+    each launched once the inverse has made its chunks: the same bits as one whole chain.
+
     Args:
         q: ``[B, T, H, K]`` queries (bf16/fp16/fp32 fused; any token and head strides, unit
             channel stride: e.g. head views of a packed row).
