@@ -1,5 +1,5 @@
 """The ungated UT inverse of every chunk and value head, in CuTe DSL: the first step of the fused
-CuTe DSL forward (the GDN page's plan), run by `dsfuse.gdn.cutedsl.forward` for `chunk_gdn`.
+CuTe DSL forward (its record: docs/ops/gdn_forward.md), run by `dsfuse.gdn.cutedsl.forward` for `chunk_gdn`.
 
 For chunk ``c`` (tokens ``start .. end`` of one document, at most ``CHUNK = 64``) and value head
 ``hv`` (qk head ``hv // (HV // H)``)::

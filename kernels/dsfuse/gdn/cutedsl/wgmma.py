@@ -1,5 +1,5 @@
 """Warpgroup tensor-core products (``wgmma``, sm_90a only) of shared-memory tiles, the second step of
-the per-head forward's plan on the GDN page: ``C (+)= A B^T`` for bf16/fp16 ``A`` ``(M, K)`` and ``B``
+the per-head forward's plan (docs/ops/gdn_forward.md): ``C (+)= A B^T`` for bf16/fp16 ``A`` ``(M, K)`` and ``B``
 ``(N, K)`` with fp32 accumulators in registers, each operand read by the tensor cores straight from
 shared memory (a descriptor, no ``ldmatrix`` into every warp's registers).
 
