@@ -16,7 +16,7 @@ mkdir -p .carry/wheels-a .carry/wheels-anchors
 mv -f .carry/wheels/fla_core-*.whl .carry/wheels/liger_kernel-*.whl .carry/wheels-anchors/
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d .carry/wheels-a "apache-tvm-ffi>=0.1.15"
-if [ -d .carry/flashqla-a ]; then
-  mv -f .carry/flashqla-a/apache_tvm_ffi-*.whl .carry/flashqla-a/torch_c_dlpack_ext-*.whl .carry/flashqla-b/ 2>/dev/null || true
-fi
+shopt -s nullglob  # none left in a (moved already, or FLASHQLA=0): nothing to move
+moved=(.carry/flashqla-a/apache_tvm_ffi-*.whl .carry/flashqla-a/torch_c_dlpack_ext-*.whl)
+[ ${#moved[@]} -eq 0 ] || mv -f "${moved[@]}" .carry/flashqla-b/
 du -sh .carry/*

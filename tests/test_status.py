@@ -51,3 +51,9 @@ def test_an_op_with_pages_of_its_own_is_named_by_its_section(tmp_path):
     with pytest.raises(LookupError, match="gdn_long: no page ops/gdn_long.md"):
         status.title(tmp_path, "gdn_long")  # a page of the section, not its op's page
     assert status.title(ROOT, "gdn") == "Gated DeltaNet"
+
+
+def test_a_section_may_list_its_op_page_without_a_name(tmp_path):
+    (tmp_path / "mkdocs.yml").write_text(
+        "nav:\n  - Ops:\n      - Gated DeltaNet:\n          - ops/gdn.md\n          - A record: ops/gdn_long.md\n")
+    assert status.title(tmp_path, "gdn") == "Gated DeltaNet"

@@ -31,7 +31,8 @@ def title(root: Path, op: str) -> str:
     for section in nav:
         for entry in section.get("Ops", []) if isinstance(section, dict) else []:
             (name, page), = entry.items()
-            first = next(iter(page[0].values())) if isinstance(page, list) and page else page
+            first = page[0] if isinstance(page, list) and page else page  # a section: its first entry
+            first = next(iter(first.values())) if isinstance(first, dict) else first  # "Name: page" or "page"
             if first == f"ops/{op}.md":
                 return name
     raise LookupError(f"{op}: no page ops/{op}.md in the Ops section of mkdocs.yml")

@@ -126,9 +126,11 @@ def chunk_gdn(
     the documents' lengths alone, so a call gives the same bits on every GPU of a family and with or
     without autograd; a split document's outputs differ from an unsplit pass in their last bits
     (within the contract), and the documents left whole keep the bits they have in any other call.
-    The ``cutedsl`` forward does not split. Where its ``head_rs`` kernel serves (sm_90a, V = 128),
-    twice its chains (value heads x documents) fit the SMs at once and its overlap plans no lead
-    stage (``dsfuse.gdn.cutedsl.forward.chain_parts``), it walks each chain on two CTAs of 64 value
+    The ``cutedsl`` forward and its fused backward do not split: each document is one chain (where
+    the fused backward does not serve, the Triton backward that runs instead splits by the rule).
+    Where the forward's ``head_rs`` kernel serves (sm_90a, V = 128), twice its chains (value heads
+    x documents) fit the SMs at once and its overlap plans no lead stage
+    (``dsfuse.gdn.cutedsl.forward.chain_parts``), it walks each chain on two CTAs of 64 value
     channels; the chain of a sole document of 256 chunks or more runs in pieces, each launched once
     the inverse has made its chunks. Both give the same bits as one whole chain.
 

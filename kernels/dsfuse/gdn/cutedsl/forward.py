@@ -67,9 +67,9 @@ class Overlap:
     chains (one CTA an SM: value heads x lead documents) on at most ``share`` of the SMs, the rest
     left to the inverse of the later stages. ``Overlap(0)``: one stage, the inverse then the chains.
     ``eager``: overlap in calls outside a CUDA Graph capture too; off by default, because on the H200
-    at (16, 32) the overlapped eager call was slower than the plain one (docs/ops/gdn_forward.md, step 19; not
-    profiled: likely the host's time for the extra launches and their checks, which an eager GPU
-    waits for). The default is the best of those measured at the experiment's shapes on the H200.
+    at (16, 32) the overlapped eager call was slower than the plain one (docs/ops/gdn_forward.md,
+    step 19; not profiled: likely the host's time for the extra launches and their checks, which an
+    eager GPU waits for). The default is the best of those measured at the experiment's shapes on the H200.
     A sole document's chain pieces (`pieces`) are not stages: they run in eager calls too whatever
     ``eager`` says, and ``leads = 0`` (``Overlap(0)``) turns them off with the stages."""
 

@@ -1,7 +1,7 @@
 """The fused chunked forward of the Gated DeltaNet in CuTe DSL, first form: one CTA walks one chain
 (document, value head, tile of ``BV`` value channels) chunk by chunk with the fp32 state on chip;
 ``w``, ``u``, ``v_new`` and the per-chunk states never reach memory. Not yet reachable from
-`chunk_gdn`: the second green step of the fused forward of docs/ops/gdn_forward.md (the inverse, then
+`chunk_gdn`: step 2 of the fused forward's record, docs/ops/gdn_forward.md (the inverse, then
 this kernel, then its tensor-core, warp-specialised form).
 
 Per chunk (``C = 64`` tokens, ``G`` the chunk-local cumulative gate, ``Gamma_ij = exp(G_i - G_j)``
@@ -49,7 +49,7 @@ ROWS = THREADS // BV  # 4 thread rows: a thread holds CHUNK / ROWS rows of a [C,
 
 
 FORMS = ("cuda_core", "tensor_core", "head", "head_wgmma", "head_ws", "head_rs")
-"""The fused forward's forms, each a green step of docs/ops/gdn_forward.md: ``cuda_core`` (this
+"""The fused forward's forms, each a step of its record (docs/ops/gdn_forward.md): ``cuda_core`` (this
 module's fp32 kernel, the reference-grade one), ``tensor_core`` (`dsfuse.gdn.cutedsl.fused_fwd_tc`:
 the same CTAs, products on ``mma.sync``), ``head`` (`dsfuse.gdn.cutedsl.fused_fwd_head`: one CTA per
 document and value head, results in registers), ``head_wgmma`` (the same kernel with its products on

@@ -1,5 +1,5 @@
-"""The fused chunked forward with one CTA per (document, value head), all value channels: the fourth
-step of the fused forward (docs/ops/gdn_forward.md). Same chains and formulas as the tensor-core form
+"""The fused chunked forward with one CTA per (document, value head), all value channels: step 5
+of the fused forward's record (docs/ops/gdn_forward.md). Same chains and formulas as the tensor-core form
 (`dsfuse.gdn.cutedsl.fused_fwd_tc`), with what that form repeats per 32 value channels done once per
 value head, and the products' results kept in registers. Its sums and roundings differ in three
 places: the state update accumulates ``K^T round(Vd)`` onto ``exp(G_last) S`` inside the product, and

@@ -1,6 +1,6 @@
-"""The fused chunked forward on tensor cores (bf16 / fp16 inputs): the third step of the fused forward
-in docs/ops/gdn_forward.md. Same chains, formulas and outputs as `dsfuse.gdn.cutedsl.fused_fwd` (one CTA
-per document, value head and ``BV = 32`` value channels, the fp32 state in shared memory), with every
+"""The fused chunked forward on tensor cores (bf16 / fp16 inputs): step 4 of the fused forward's record
+(docs/ops/gdn_forward.md). Same chains, formulas and outputs as `dsfuse.gdn.cutedsl.fused_fwd` (one
+CTA per document, value head and ``BV = 32`` value channels, the fp32 state in shared memory), with every
 product on ``mma.sync`` through `dsfuse.gdn.cutedsl.mma`: operands rounded once to the input dtype
 (as the Triton stages round them), fp32 accumulation, the elementwise work (gates, decays, masks, the
 state update's sum) in fp32. Not pipelined and not warp-specialised yet: the loads, the products

@@ -1,5 +1,6 @@
-"""The ungated UT inverse of every chunk and value head, in CuTe DSL: the first step of the fused
-CuTe DSL forward (its record: docs/ops/gdn_forward.md), run by `dsfuse.gdn.cutedsl.forward` for `chunk_gdn`.
+"""The ungated UT inverse of every chunk and value head, in CuTe DSL: step 1 of the fused
+CuTe DSL forward's record (docs/ops/gdn_forward.md), run by `dsfuse.gdn.cutedsl.forward` for
+`chunk_gdn`.
 
 For chunk ``c`` (tokens ``start .. end`` of one document, at most ``CHUNK = 64``) and value head
 ``hv`` (qk head ``hv // (HV // H)``)::

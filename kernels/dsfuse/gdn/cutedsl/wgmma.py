@@ -1,7 +1,7 @@
-"""Warpgroup tensor-core products (``wgmma``, sm_90a only) of shared-memory tiles, the second step of
-the per-head forward's plan (docs/ops/gdn_forward.md): ``C (+)= A B^T`` for bf16/fp16 ``A`` ``(M, K)`` and ``B``
-``(N, K)`` with fp32 accumulators in registers, each operand read by the tensor cores straight from
-shared memory (a descriptor, no ``ldmatrix`` into every warp's registers).
+"""Warpgroup tensor-core products (``wgmma``, sm_90a only) of shared-memory tiles, step 10 of
+the fused forward's record (docs/ops/gdn_forward.md): ``C (+)= A B^T`` for bf16/fp16 ``A`` ``(M, K)``
+and ``B`` ``(N, K)`` with fp32 accumulators in registers, each operand read by the tensor cores
+straight from shared memory (a descriptor, no ``ldmatrix`` into every warp's registers).
 
 Tiles are the canonical 128-byte-swizzled layouts the instruction reads: `tile` gives a ``[rows,
 cols]`` 16-bit tile stored row-major in 8-row atoms 64 wide, its 16-byte chunks permuted by row (the
