@@ -510,11 +510,14 @@ def test_start_run_writes_env_and_reads_the_config(tmp_path, monkeypatch):
 
 
 def test_each_process_releases_its_cache_before_the_other_makes_its_reference(monkeypatch):
-    """`_run_case` gives its allocator's cache back before the own process's checks and before its build
-    (each makes a float64 reference, too large for two caches at 131,072 tokens)."""
+    """`_run_case` gives its allocator's cache back before the own process's checks, its timing
+    reference and its build (each process makes a float64 reference, too large for two caches at
+    131,072 tokens), and both processes make their timing references before either builds its
+    runners and graphs (at 131,072 tokens and (16, 32) the run's runners and graphs took 67 GiB while
+    the other process's reference needed more than the rest: `experiments/gdn/raw/long/20261205-023630-h200`)."""
     events = []
     monkeypatch.setattr(harness, "release_cached_memory", lambda device: events.append("release"))
-    for step in ("check_before", "build"):
+    for step in ("check_before", "prepare", "build"):
         real = getattr(harness.CaseRun, step)
         monkeypatch.setattr(harness.CaseRun, step,
                             lambda self, _real=real, _step=step: events.append(f"here.{_step}") or _real(self))
@@ -525,6 +528,9 @@ def test_each_process_releases_its_cache_before_the_other_makes_its_reference(mo
         def check_before(self, case_name):
             events.append("apart.check_before")
             return []
+
+        def prepare(self):
+            events.append("apart.prepare")
 
         def build(self):
             events.append("apart.build")
@@ -543,8 +549,27 @@ def test_each_process_releases_its_cache_before_the_other_makes_its_reference(mo
     settings = harness.RunSettings(blocks=1, samples=1, clocks=["wall"], regimes=["hot"])
     timer = harness.Timer(torch.device("cpu"), settings.flush_bytes)
     harness._run_case(experiment, case, providers, settings, timer, torch.device("cpu"), [], [], apart=Apart())
-    assert events == ["here.check_before", "release", "apart.check_before", "here.build", "release", "apart.build",
-                      "apart.check_after"]
+    assert events == ["here.check_before", "release", "apart.check_before", "here.prepare", "release",
+                      "apart.prepare", "here.build", "release", "apart.build", "apart.check_after"]
+
+
+def test_a_case_is_built_on_its_prepared_inputs_only():
+    """`CaseRun.build` runs on the inputs and reference `prepare` made (it refuses to run before), and
+    the checks after timing let go of both."""
+    experiment = _fake_experiment()
+    case = experiment.cases({})[0]
+    settings = harness.RunSettings(blocks=1, samples=1, clocks=["wall"], regimes=["hot"])
+    timer = harness.Timer(torch.device("cpu"), settings.flush_bytes)
+    run = harness.CaseRun(experiment, case, experiment.providers({})[:1], settings, timer, torch.device("cpu"))
+    run.check_before()
+    with pytest.raises(RuntimeError, match="call prepare first"):
+        run.build()
+    run.prepare()
+    assert run.inputs is not None and run.expected is not None
+    failed, timed = run.build()
+    assert not failed and timed == [experiment.providers({})[0].name]
+    assert all(row["status"] == "pass" for row in run.check_after())
+    assert run.inputs is None and run.expected is None
 
 
 def test_a_probe_without_a_gpu_says_so(tmp_path, capsys, monkeypatch):

@@ -543,7 +543,7 @@ class CaseRun:
         self.statics: dict[str, tuple] = {}
         self.runners: dict[str, Callable[[], Any]] = {}
         self.reps: dict[tuple[str, str], int] = {}
-        self.expected = None
+        self.inputs, self.expected = None, None  # `prepare`'s
         self.memory_rows: list[dict] = []  # `peak_memory_row` of each runner, made in `build`
 
     def check_before(self) -> list[dict]:
@@ -564,13 +564,18 @@ class CaseRun:
                 self.runnable.append(provider)
         return rows
 
+    def prepare(self) -> None:
+        """The timing inputs (seed 2) and their reference, kept for `build` and the checks after timing."""
+        self.inputs = self.experiment.make_inputs(self.case, self.device, seed=2)
+        self.expected = self.experiment.reference(self.case, self.inputs)
+
     def build(self) -> tuple[list[dict], list[str]]:
-        """The timing inputs (seed 2), each runnable provider's runner, its extra peak memory (one eager
+        """On `prepare`'s inputs: each runnable provider's runner, its extra peak memory (one eager
         call, before any capture: `memory`), its graph (captured once), one warm-up call each;
         ``(validation rows of what failed, names of the providers to time)``."""
-        rows = []
-        inputs = self.experiment.make_inputs(self.case, self.device, seed=2)
-        self.expected = self.experiment.reference(self.case, inputs)
+        rows, inputs = [], self.inputs
+        if inputs is None:
+            raise RuntimeError("CaseRun.build: call prepare first (it makes the timing inputs and their reference)")
         for provider in self.runnable:
             runner, error = _try(lambda: provider.build(self.case, inputs))
             if runner is None:
@@ -626,7 +631,7 @@ class CaseRun:
                     outputs, error = _try(produce)
                 result = compare(outputs, self.expected, provider, self.case) if outputs is not None else None
                 rows.append(validation_row(self.case, provider, stage, result, error))
-        self.calls, self.statics, self.runners, self.expected = {}, {}, {}, None
+        self.calls, self.statics, self.runners, self.inputs, self.expected = {}, {}, {}, None, None
         return rows
 
 
@@ -650,7 +655,11 @@ def _run_case(experiment, case: Case, providers: list[Provider], settings: RunSe
     if apart is not None:  # what this process's allocator caches but no longer uses, back before the other's reference
         release_cached_memory(device)
         validation += apart.check_before(case.name)
-    built, local = here.build()  # the check set is freed before the timing set is made
+    here.prepare()  # the check set is freed before the timing set is made
+    if apart is not None:  # both references before either process's runners and graphs hold memory
+        release_cached_memory(device)
+        apart.prepare()
+    built, local = here.build()
     validation += built
     memory += here.memory()
     remote: list[str] = []

@@ -9,8 +9,10 @@ and `dsfuse.bench.harness.run_experiment` starts this module as a worker, with t
 the environment variable ``DSFUSE_OWN_PROCESS_PYTHONPATH`` (the parent's path where it is unset;
 the ``dsfuse`` package's own folder is added either way). The worker builds the same experiment and
 config, and the run's process drives it case by case: the checks before timing (the same seeds,
-its own reference), the runners with their extra peak memory (one call each, before the capture)
-and graphs, then, inside each block of the run, the samples of its providers at their place in the
+its own reference), the timing inputs and their reference (after the run's process has made its
+own, before either builds a runner: two float64 references and two sets of runners and graphs do
+not fit one GPU at 131,072 tokens), the runners with their extra peak memory (one call each,
+before the capture) and graphs, then, inside each block of the run, the samples of its providers at their place in the
 config's order, and the checks after timing. So these providers are timed interleaved with the
 others, on the same GPU, in the same paired blocks; the two processes never run at the same time
 (each waits for the other's answer). What differs: their inputs are another process's tensors (the
@@ -84,6 +86,9 @@ class OwnProcess:
     def check_before(self, case_name: str) -> list[dict]:
         return self._call("check_before", case_name)
 
+    def prepare(self) -> None:
+        return self._call("prepare")
+
     def build(self) -> tuple[list[dict], list[str]]:
         return self._call("build")
 
@@ -136,6 +141,10 @@ class _Worker:
         rows = self.case.check_before()
         self.harness.release_cached_memory(self.device)  # room for the run's process's next reference
         return rows
+
+    def prepare(self) -> None:
+        self.case.prepare()
+        self.harness.release_cached_memory(self.device)  # the reference's scratch, back before the run's runners
 
     def build(self):
         built = self.case.build()
