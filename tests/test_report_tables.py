@@ -55,7 +55,7 @@ def test_target_rows_state_each_goal_and_verdict():
                        "(latency <= 0.25x)",
                        "10.0", "90%", "8", "latency met, bandwidth MISSED, 3.00x eager met, 3.00x eager MISSED"]
     assert rows[1][2:] == ["eager/evicted", "<= 12 us", "20.0", "45%", "8", "latency MISSED"]
-    assert rows[2][2:] == ["wall/hot", "<= 12 us", "n/a", "n/a%", "8", "not measured"]
+    assert rows[2][2:] == ["wall/hot", "<= 12 us", "n/a", "n/a", "8", "not measured"]
 
 
 def test_case_goal_judges_a_provider_against_itself_at_another_case():
@@ -65,15 +65,28 @@ def test_case_goal_judges_a_provider_against_itself_at_another_case():
     goal = dict(case="five", factor=1.25)
     targets = [dict(case="one", provider="dsfuse", max_of_case=goal),
                dict(case="one", provider="dsfuse", clock="eager", max_of_case=goal),
-               dict(case="one", provider="dsfuse", max_of_case=dict(case="ten", factor=1.25))]
+               dict(case="one", provider="dsfuse", max_of_case=dict(case="ten", factor=1.25)),
+               dict(case="one", provider="dsfuse", min_speedup=dict(absent=1.1))]
     rows = _rows(tables.markdown(tables.target_table(targets, med, pd.DataFrame(), {})))
-    assert [r[3] for r in rows] == ["<= 1.25x five", "<= 1.25x five", "<= 1.25x ten"]
-    assert [r[-1] for r in rows] == ["1.45x five MISSED", "1.21x five met", "n/ax ten MISSED"]
+    assert [r[3] for r in rows] == ["<= 1.25x five", "<= 1.25x five", "<= 1.25x ten", ">= 1.1x absent"]
+    assert [r[-1] for r in rows] == ["1.45x five MISSED", "1.21x five met", "ten not measured", "absent not measured"]
+
+
+def test_a_case_goal_names_the_other_case_by_what_differs():
+    assert tables.case_label("T32768_n5_l2_fwd", "T32768_n1_l2_fwd") == "its n5 case"
+    assert tables.case_label("T131072_n5_hv32_l2_fwd+bwd", "T131072_n1_hv32_l2_fwd+bwd") == "its n5 case"
+    assert tables.case_label("T8_n5_l2_bwd", "T4_n1_l2_bwd") == "its T8_n5 case"
+    assert tables.case_label("five", "one") == "five"  # nothing in common: the name whole
+    assert tables.case_label("T8_n5", "T8_n5_l2") == "T8_n5"  # not the same parts
+    med = _med([("T8_n1_fwd", "dsfuse", "graph", "evicted", 12.0, 0), ("T8_n5_fwd", "dsfuse", "graph", "evicted", 10.0, 0)])
+    row = tables.target_row(dict(case="T8_n1_fwd", provider="dsfuse", max_of_case=dict(case="T8_n5_fwd", factor=1.25)),
+                            med, pd.DataFrame(), {})
+    assert row[3] == "<= 1.25x its n5 case" and row[-1] == "1.20x its n5 case met"
 
 
 def test_fastest_goal_without_a_ratio():
     goal, verdict = tables.fastest_goal(dict(case="c", provider="dsfuse", max_of_fastest=1.0), 5.0, pd.DataFrame())
-    assert goal == ">= 1.00x the fastest valid control (latency <= 1.00x)" and verdict == "n/ax n/a MISSED"
+    assert goal == ">= 1.00x the fastest valid control (latency <= 1.00x)" and verdict == "no valid control measured"
 
 
 def test_latency_table_has_a_column_per_present_regime_in_fixed_order():

@@ -40,6 +40,15 @@ def test_every_op_has_a_row_and_a_changed_result_shows(tmp_path):
     assert text.startswith("x\n") and text.endswith("y\n") and "old" not in text
     line = next(ln for ln in text.splitlines() if ln.startswith("| [Text RoPE]") and "H200" in ln)
     assert "changed since" in line and "0 of 1 met; missed: c (dsfuse)" in line
+    run["targets"] = [dict(case="a", provider="dsfuse", verdict="1.20x flashqla met"),
+                      dict(case="b", provider="dsfuse", verdict="1.20x flashqla met, its n5 case not measured"),
+                      dict(case="c", provider="dsfuse", verdict="not measured"),
+                      dict(case="d", provider="dsfuse", verdict="0.90x flashqla MISSED, its n5 case not measured")]
+    path.write_text(json.dumps(data))
+    status.write(root, OPS)
+    line = next(ln for ln in (root / "README.md").read_text().splitlines()
+                if ln.startswith("| [Text RoPE]") and "H200" in ln)
+    assert "1 of 4 met; missed: d (dsfuse); not measured: b (dsfuse), c (dsfuse)" in line
 
 
 def test_an_op_with_pages_of_its_own_is_named_by_its_section(tmp_path):

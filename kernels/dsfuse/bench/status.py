@@ -53,10 +53,12 @@ def _targets(run: dict) -> str:
     if not verdicts:
         return "none set"
     missed = [t for t in verdicts if "MISSED" in t["verdict"]]
-    text = f"{len(verdicts) - len(missed)} of {len(verdicts)} met"
-    if missed:
-        names = sorted({f"{t['case']} ({t['provider']})" for t in missed})
-        text += "; missed: " + ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    unmeasured = [t for t in verdicts if "not measured" in t["verdict"] and t not in missed]  # neither met nor missed
+    text = f"{len(verdicts) - len(missed) - len(unmeasured)} of {len(verdicts)} met"
+    for word, these in (("missed", missed), ("not measured", unmeasured)):
+        if these:
+            names = sorted({f"{t['case']} ({t['provider']})" for t in these})
+            text += f"; {word}: " + ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
     return text
 
 
