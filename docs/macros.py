@@ -130,16 +130,27 @@ class Figures:
         return _span([_x(v) for v in sorted(self._ratio(c, a, candidate)["ratio"] for c in cases for a in ats)])
 
     def met(self, case: str, at: str = GRAPH_EVICTED, provider: str = "dsfuse") -> str:
-        """The targets table's verdict for a case: ``met``, or ``**missed**`` where any goal was missed."""
-        return "**missed**" if any("MISSED" in t["verdict"] for t in self._targets(case, provider, at)) else "met"
+        """The targets table's verdict for a case: ``met``, ``**missed**`` where any goal was missed, or
+        ``not measured`` where none was missed and some could not be judged."""
+        from dsfuse.bench.tables import verdict_state
+
+        states = {verdict_state(t["verdict"]) for t in self._targets(case, provider, at)}
+        return "**missed**" if "missed" in states else "not measured" if "not measured" in states else "met"
 
     def met_in(self, cases: list[str], goal: str, other: str | None = None, provider: str = "dsfuse",
                at: str = GRAPH_EVICTED) -> str:
-        """One goal's verdict over ``cases``: ``met at all 6``, or ``met at 4 of 6 (missed: T1521_39x39, ...)``."""
-        missed = [c for c in cases if "MISSED" in self._goal_row(c, goal, provider, at, other)["verdict"]]
-        if not missed:
+        """One goal's verdict over ``cases``: ``met at all 6``, or ``met at 4 of 6 (missed: T1521_39x39, ...)``
+        (and ``not measured: ...`` for those it could not judge)."""
+        from dsfuse.bench.tables import verdict_state
+
+        state = {c: verdict_state(self._goal_row(c, goal, provider, at, other)["verdict"]) for c in cases}
+        missed = [c for c in cases if state[c] == "missed"]
+        unmeasured = [c for c in cases if state[c] == "not measured"]
+        if not missed and not unmeasured:
             return f"met at all {len(cases)}"
-        return f"met at {len(cases) - len(missed)} of {len(cases)} (**missed**: {', '.join(missed)})"
+        notes = [f"**missed**: {', '.join(missed)}"] if missed else []
+        notes += [f"not measured: {', '.join(unmeasured)}"] if unmeasured else []
+        return f"met at {len(cases) - len(missed) - len(unmeasured)} of {len(cases)} ({'; '.join(notes)})"
 
     # targets: as the op's config sets them (experiments/<op>/configs/<gpu>.yaml, copied into the run)
     # and the targets table judges them; prose quotes them from here and never retypes a target's number

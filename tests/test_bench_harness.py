@@ -513,8 +513,9 @@ def test_each_process_releases_its_cache_before_the_other_makes_its_reference(mo
     """`_run_case` gives its allocator's cache back before the own process's checks, its timing
     reference and its build (each process makes a float64 reference, too large for two caches at
     131,072 tokens), and both processes make their timing references before either builds its
-    runners and graphs (at 131,072 tokens and (16, 32) the run's runners and graphs took 67 GiB while
-    the other process's reference needed more than the rest: `experiments/gdn/raw/long/20261205-023630-h200`)."""
+    runners and graphs (at 131,072 tokens and (16, 32) the run's process held 67 GiB, its inputs,
+    float64 results, runners and graphs, while the other process's reference needed more than the
+    rest: `experiments/gdn/raw/long/20261205-023630-h200`)."""
     events = []
     monkeypatch.setattr(harness, "release_cached_memory", lambda device: events.append("release"))
     for step in ("check_before", "prepare", "build"):
@@ -570,6 +571,10 @@ def test_a_case_is_built_on_its_prepared_inputs_only():
     assert not failed and timed == [experiment.providers({})[0].name]
     assert all(row["status"] == "pass" for row in run.check_after())
     assert run.inputs is None and run.expected is None
+    idle = harness.CaseRun(experiment, case, [], settings, timer, torch.device("cpu"))
+    assert idle.check_before() == []
+    idle.prepare()  # no provider to time: no inputs, no reference
+    assert idle.inputs is None and idle.expected is None and idle.build() == ([], [])
 
 
 def test_a_probe_without_a_gpu_says_so(tmp_path, capsys, monkeypatch):

@@ -86,7 +86,10 @@ def test_a_case_goal_names_the_other_case_by_what_differs():
 
 def test_fastest_goal_without_a_ratio():
     goal, verdict = tables.fastest_goal(dict(case="c", provider="dsfuse", max_of_fastest=1.0), 5.0, pd.DataFrame())
-    assert goal == ">= 1.00x the fastest valid control (latency <= 1.00x)" and verdict == "no valid control measured"
+    assert goal == ">= 1.00x the fastest valid control (latency <= 1.00x)" and verdict == "fastest valid control not measured"
+    assert tables.verdict_state(verdict) == "not measured"
+    assert [tables.verdict_state(v) for v in ("1.2x a met", "0.9x a MISSED, b not measured", "latency met")] == [
+        "met", "missed", "met"]
 
 
 def test_latency_table_has_a_column_per_present_regime_in_fixed_order():

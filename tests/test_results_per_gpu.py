@@ -315,6 +315,14 @@ def test_prose_figures_are_the_tables_figures(tmp_path):
     assert figures.us("c_fwd") == "10.0 us" and figures.us("c_fwd", "eager") == "30.0 us"
     assert figures.ratio("c_fwd", spread=True) == "3.00x [1.50, 4.00]" and figures.control("c_fwd") == "`eager`"
     assert figures.run == "[`r1`](#run-r1)" and figures.met("c_fwd") == "met"
+    row = dict(provider="dsfuse", target="", goals={"max_of_case": {}})
+    at = "graph/evicted"
+    figures.fig["targets"] = [dict(row, case="a", verdict="1.10x its n5 case met", **{"clock/cache": at}),
+                              dict(row, case="b", verdict="its n5 case not measured", **{"clock/cache": at}),
+                              dict(row, case="c", verdict="1.50x its n5 case MISSED", **{"clock/cache": at})]
+    assert [figures.met(c) for c in "abc"] == ["met", "not measured", "**missed**"]
+    assert figures.met_in(list("abc"), "max_of_case") == "met at 1 of 3 (**missed**: c; not measured: b)"
+    assert figures.met_in(["a"], "max_of_case") == "met at all 1"
     with pytest.raises(KeyError):
         figures.us("no_such_case")
     with pytest.raises(FileNotFoundError):

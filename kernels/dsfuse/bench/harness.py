@@ -565,7 +565,10 @@ class CaseRun:
         return rows
 
     def prepare(self) -> None:
-        """The timing inputs (seed 2) and their reference, kept for `build` and the checks after timing."""
+        """The timing inputs (seed 2) and their reference, kept for `build` and the checks after timing;
+        nothing where no provider passed `check_before` (nothing to time)."""
+        if not self.runnable:
+            return
         self.inputs = self.experiment.make_inputs(self.case, self.device, seed=2)
         self.expected = self.experiment.reference(self.case, self.inputs)
 
@@ -574,6 +577,8 @@ class CaseRun:
         call, before any capture: `memory`), its graph (captured once), one warm-up call each;
         ``(validation rows of what failed, names of the providers to time)``."""
         rows, inputs = [], self.inputs
+        if not self.runnable:
+            return rows, []
         if inputs is None:
             raise RuntimeError("CaseRun.build: call prepare first (it makes the timing inputs and their reference)")
         for provider in self.runnable:

@@ -10,8 +10,8 @@ the environment variable ``DSFUSE_OWN_PROCESS_PYTHONPATH`` (the parent's path wh
 the ``dsfuse`` package's own folder is added either way). The worker builds the same experiment and
 config, and the run's process drives it case by case: the checks before timing (the same seeds,
 its own reference), the timing inputs and their reference (after the run's process has made its
-own, before either builds a runner: two float64 references and two sets of runners and graphs do
-not fit one GPU at 131,072 tokens), the runners with their extra peak memory (one call each,
+own, before either builds a runner: at 131,072 tokens one process's float64 reference does not fit
+beside the other's runners and graphs), the runners with their extra peak memory (one call each,
 before the capture) and graphs, then, inside each block of the run, the samples of its providers at their place in the
 config's order, and the checks after timing. So these providers are timed interleaved with the
 others, on the same GPU, in the same paired blocks; the two processes never run at the same time

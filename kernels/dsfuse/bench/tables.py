@@ -107,6 +107,14 @@ def _met(ok: bool) -> str:
     return "met" if ok else "MISSED"
 
 
+def verdict_state(verdict: str) -> str:
+    """A targets table verdict (one goal's or a row's, its goals joined) as ``missed`` (some goal
+    missed), ``not measured`` (none missed, some not measured) or ``met``."""
+    if "MISSED" in verdict:
+        return "missed"
+    return "not measured" if "not measured" in verdict else "met"
+
+
 def latency_goal(max_us: float, us: float) -> tuple[str, str]:
     return f"<= {max_us} us", "latency " + _met(us <= max_us)
 
@@ -132,7 +140,7 @@ def fastest_goal(t: dict, us: float, ratios: pd.DataFrame) -> tuple[str, str]:
     need = 1 / t["max_of_fastest"]
     goal = f">= {need:.2f}x the fastest valid control (latency <= {t['max_of_fastest']:.2f}x)"
     if sel.empty:
-        return goal, "no valid control measured"
+        return goal, "fastest valid control not measured"
     ratio = float(sel["control_us"].iloc[0] / us)
     return goal, f"{fmt(ratio, 2)}x {sel['control'].iloc[0]} " + _met(ratio >= need)
 
