@@ -95,7 +95,7 @@ def raw_file(run_dir: str | os.PathLike, name: str) -> Path:
     return gz if not path.exists() and gz.exists() else path
 
 
-COMPACT_BYTES = 32 * 1024  # raw CSVs and JUnit files at least this large are committed compressed (scripts/compact_raw.py)
+COMPACT_BYTES = 16 * 1024  # raw CSVs and JUnit files at least this large are committed compressed (scripts/compact_raw.py)
 
 
 def junit_files(run_dir: str | os.PathLike) -> list[Path]:
