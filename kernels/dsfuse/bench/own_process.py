@@ -12,8 +12,8 @@ config, and the run's process drives it case by case: the checks before timing (
 its own reference), the timing inputs and their reference (after the run's process has made its
 own, before either builds a runner: at 131,072 tokens one process's float64 reference does not fit
 beside the other's runners and graphs), the runners with their extra peak memory (one call each,
-before the capture) and graphs, then, inside each block of the run, the samples of its providers at their place in the
-config's order, and the checks after timing. So these providers are timed interleaved with the
+before the capture) and graphs, then, inside each block of the run, the samples of its providers
+at their place in the config's order, and the checks after timing. So these providers are timed interleaved with the
 others, on the same GPU, in the same paired blocks; the two processes never run at the same time
 (each waits for the other's answer). What differs: their inputs are another process's tensors (the
 same values), the L2 flush of the evicted regime is the worker's own buffer, and their peak memory
