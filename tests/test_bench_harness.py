@@ -125,6 +125,25 @@ def test_a_run_stopped_midway_keeps_its_finished_cases_and_says_so(tmp_path):
     assert not (done / harness.UNFINISHED).exists()
 
 
+def test_a_configs_cases_key_runs_only_the_cases_it_names(tmp_path):
+    """``cases`` keeps the named cases in the experiment's order; an unknown or empty selection is
+    refused before anything runs."""
+    fake = _fake_experiment()
+    three = [Case(f"c{i}_fwd", "fwd", {"n": 8}, bytes=64) for i in range(3)]
+    picky = types.SimpleNamespace(**(vars(fake) | {"cases": lambda config: three}))
+    config = {"timing": {"blocks": 1, "samples": 1}, "cases": ["c2_fwd", "c0_fwd"]}
+    assert [c.name for c in harness.selected_cases(picky, config)] == ["c0_fwd", "c2_fwd"]
+    run_dir = harness.run_experiment(picky, config, tmp_path, torch.device("cpu"), run_id="part")
+    assert list(pd.read_csv(run_dir / "cases.csv")["case"]) == ["copy", "c0_fwd", "c2_fwd"]
+    assert [c.name for c in harness.selected_cases(picky, {})] == ["c0_fwd", "c1_fwd", "c2_fwd"]
+    for bad in (["c9_fwd"], [], "c0_fwd"):
+        with pytest.raises(ValueError, match="cases"):
+            harness.selected_cases(picky, {"cases": bad})
+    with pytest.raises(ValueError, match="c9_fwd"):  # refused before the run's folder is made
+        harness.run_experiment(picky, config | {"cases": ["c9_fwd"]}, tmp_path, torch.device("cpu"), run_id="no")
+    assert not (tmp_path / "no").exists()
+
+
 def test_ratio_uses_fastest_valid_control_per_block():
     samples = pd.DataFrame(
         [dict(case="c", mode="fwd", provider=p, regime="hot", clock="graph", block=b, sample=0, us=us)

@@ -118,7 +118,7 @@ def raw_root(raw: Path, config: dict) -> Path:
     return raw / sub
 
 
-def run(op: str, config_path: str | None, smoke: bool | None) -> Path:
+def run(op: str, config_path: str | None, smoke: bool | None, cases: list[str] | None = None) -> Path:
     import torch
 
     smoke = select_mode(smoke)
@@ -128,6 +128,8 @@ def run(op: str, config_path: str | None, smoke: bool | None) -> Path:
     gpu_name = None if smoke else torch.cuda.get_device_name()
     chosen = cli_path(config_path) if config_path else config_for(op, gpu_name)
     config = load_config(chosen)
+    if cases:  # a part of the config: the run's config.yaml records which (`harness.selected_cases`)
+        config["cases"] = cases
     if not smoke:
         props = torch.cuda.get_device_properties(0)
         check_flush(config, int(getattr(props, "L2_cache_size", 0)), gpu_name)
@@ -200,6 +202,8 @@ def main(argv: list[str] | None = None) -> int:
                        help="render each op's tables and plots after its run (that GPU's files only)")
     p_run.add_argument("--config", help="config YAML (default: the op's configs/<gpu>.yaml for the GPU found, "
                                         "or smoke.yaml without GPU)")
+    p_run.add_argument("--cases", type=lambda s: [c for c in s.split(",") if c], metavar="NAME,NAME",
+                       help="run only these cases of the config (its run is a part of the config)")
     mode = p_run.add_mutually_exclusive_group()
     mode.add_argument("--smoke", dest="smoke", action="store_true", default=None, help="force a CPU smoke run")
     mode.add_argument("--gpu", dest="smoke", action="store_false", help="require the GPU run")
@@ -225,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     summary = []
     for op in ops:
-        run_dir = run(op, args.config, smoke)
+        run_dir = run(op, args.config, smoke, args.cases)
         if args.report:
             from dsfuse.bench.report import run_gpu
 

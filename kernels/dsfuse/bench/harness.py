@@ -16,6 +16,9 @@ a config, and writes ``<raw_root>/<run-id>/``:
   from one eager call before any graph capture (`peak_memory_row`).
 * ``config.yaml`` (the config as run) and ``env.json``.
 
+A config's ``cases`` key, where present, runs only the cases it names (`selected_cases`): a
+configuration too long for one GPU call runs as several runs, each naming its part.
+
 Method: providers are interleaved inside each block (rotated per block, so no
 provider always runs first), several samples each, several blocks. Clocks:
 ``graph`` (CUDA Graph replay, launch overhead removed) and ``eager`` (plain
@@ -459,6 +462,7 @@ def run_experiment(experiment, config: dict, raw_root: Path, device: torch.devic
     from dsfuse.bench import own_process
 
     settings = RunSettings.from_config(config, device)
+    cases = selected_cases(experiment, config)  # a bad selection is refused before a folder is made
     env = env_mod.collect(device, op=getattr(experiment, "OP", None))  # with the hash of the op's kernel sources
     apart = own_process.start(experiment, config, settings, device)
     if apart is not None:
@@ -470,15 +474,32 @@ def run_experiment(experiment, config: dict, raw_root: Path, device: torch.devic
     (run_dir / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
     (run_dir / "env.json").write_text(json.dumps(env, indent=2) + "\n")
     try:
-        _run_cases(experiment, config, settings, device, run_dir, apart)
+        _run_cases(experiment, config, cases, settings, device, run_dir, apart)
     finally:
         if apart is not None:
             apart.close()
     return run_dir
 
 
-def _run_cases(experiment, config: dict, settings: RunSettings, device: torch.device, run_dir: Path,
-               apart) -> None:
+def selected_cases(experiment, config: dict) -> list[Case]:
+    """The config's cases, or only those its ``cases`` key names (in the config's order): a
+    configuration too long for one GPU call runs in parts, each a run with its own subset. An
+    unknown name is an error, not a case silently left out."""
+    cases = experiment.cases(config)
+    names = config.get("cases")
+    if names is None:
+        return cases
+    if not isinstance(names, list) or not names or not all(isinstance(n, str) for n in names):
+        raise ValueError(f"cases: expected a non-empty list of case names, got {names!r}")
+    known = {case.name for case in cases}
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise ValueError(f"cases: {unknown} are not cases of this config; it has {sorted(known)}")
+    return [case for case in cases if case.name in set(names)]
+
+
+def _run_cases(experiment, config: dict, cases: list[Case], settings: RunSettings, device: torch.device,
+               run_dir: Path, apart) -> None:
     """The copy bandwidth, then every case, each written as soon as it is done."""
 
     timer = Timer(device, settings.flush_bytes)
@@ -487,7 +508,6 @@ def _run_cases(experiment, config: dict, settings: RunSettings, device: torch.de
     samples += copy_rows
     case_rows.append(dict(case="copy", mode="copy", bytes=copy_bytes, flops=0, params="{}"))
 
-    cases = experiment.cases(config)
     providers = experiment.providers(config)
     unfinished = run_dir / UNFINISHED  # until the last case is written: a run cut short says so
     unfinished.write_text(f"{len(cases)} cases in the config; cases.csv lists those finished\n")
