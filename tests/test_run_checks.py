@@ -148,3 +148,19 @@ def test_every_notebook_ends_its_run_with_the_check():
     for path in sorted((ROOT / "notebooks").glob("*.ipynb")):
         sources = [c.source for c in nbformat.read(path, as_version=4).cells if c.cell_type == "code"]
         assert any(f'require_passed("{path.stem}", run_dir)' in s for s in sources), path.name
+
+
+def test_cli_cases_are_refused_before_anything_runs(tmp_path, monkeypatch, capsys):
+    """``--cases`` selects the cases of one op's config: with two ops named, the parser refuses it;
+    an empty selection (``--cases ,``) is refused by the harness, not read as the whole config; no run
+    folder is made either way."""
+    from dsfuse.bench import __main__ as cli
+
+    made = []
+    monkeypatch.setattr(cli, "raw_root", lambda raw, config: made.append(raw) or tmp_path)
+    with pytest.raises(SystemExit) as stop:
+        cli.main(["run", "--smoke", "text_rope", "gdn", "--cases", "T1_fwd"])
+    assert stop.value.code == 2 and "exactly one op" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="non-empty list"):
+        cli.main(["run", "--smoke", "text_rope", "--cases", " , "])
+    assert not list(tmp_path.iterdir())

@@ -128,7 +128,7 @@ def run(op: str, config_path: str | None, smoke: bool | None, cases: list[str] |
     gpu_name = None if smoke else torch.cuda.get_device_name()
     chosen = cli_path(config_path) if config_path else config_for(op, gpu_name)
     config = load_config(chosen)
-    if cases:  # a part of the config: the run's config.yaml records which (`harness.selected_cases`)
+    if cases is not None:  # a part of the config: the run's config.yaml records which (`harness.selected_cases`)
         config["cases"] = cases
     if not smoke:
         props = torch.cuda.get_device_properties(0)
@@ -202,8 +202,9 @@ def main(argv: list[str] | None = None) -> int:
                        help="render each op's tables and plots after its run (that GPU's files only)")
     p_run.add_argument("--config", help="config YAML (default: the op's configs/<gpu>.yaml for the GPU found, "
                                         "or smoke.yaml without GPU)")
-    p_run.add_argument("--cases", type=lambda s: [c for c in s.split(",") if c], metavar="NAME,NAME",
-                       help="run only these cases of the config (its run is a part of the config)")
+    p_run.add_argument("--cases", type=lambda s: [c.strip() for c in s.split(",") if c.strip()],
+                       metavar="NAME,NAME", help="run only these cases of one op's config, in the config's "
+                                                 "order (the run is a part of the config)")
     mode = p_run.add_mutually_exclusive_group()
     mode.add_argument("--smoke", dest="smoke", action="store_true", default=None, help="force a CPU smoke run")
     mode.add_argument("--gpu", dest="smoke", action="store_false", help="require the GPU run")
@@ -221,6 +222,8 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown ops {unknown}; expected some of {known}")
     ops = args.ops or known
+    if args.command == "run" and args.cases is not None and len(ops) != 1:
+        parser.error("--cases names the cases of one op's config: name exactly one op")
     if args.command == "report":
         gpus = {this_gpu()} if args.this_gpu else (set(args.gpus) if args.gpus else None)
         for op in ops:

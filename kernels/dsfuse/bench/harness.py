@@ -486,11 +486,13 @@ def selected_cases(experiment, config: dict) -> list[Case]:
     configuration too long for one GPU call runs in parts, each a run with its own subset. An
     unknown name is an error, not a case silently left out."""
     cases = experiment.cases(config)
-    names = config.get("cases")
-    if names is None:
+    if "cases" not in config:
         return cases
+    names = config["cases"]
     if not isinstance(names, list) or not names or not all(isinstance(n, str) for n in names):
         raise ValueError(f"cases: expected a non-empty list of case names, got {names!r}")
+    if len(set(names)) != len(names):
+        raise ValueError(f"cases: {names} names a case twice")
     known = {case.name for case in cases}
     unknown = [n for n in names if n not in known]
     if unknown:
@@ -510,7 +512,7 @@ def _run_cases(experiment, config: dict, cases: list[Case], settings: RunSetting
 
     providers = experiment.providers(config)
     unfinished = run_dir / UNFINISHED  # until the last case is written: a run cut short says so
-    unfinished.write_text(f"{len(cases)} cases in the config; cases.csv lists those finished\n")
+    unfinished.write_text(f"{len(cases)} cases to run; cases.csv lists those finished\n")
     for case in tqdm(cases, desc=f"{experiment.OP} cases", unit="case"):
         case_rows.append(dict(case=case.name, mode=case.mode, bytes=case.bytes, flops=case.flops,
                               params=json.dumps(case.params, sort_keys=True)))

@@ -361,10 +361,10 @@ def header_lines(op: str, run_dir: Path, run: dict, copy_bw: dict[str, float], s
              f'<a id="{anchor(run["run_id"])}"></a>', "", f"### {gpu_title(run['env'])}", ""]
     if smoke:
         lines += [SMOKE_BANNER, ""]
-    if (run_dir / "UNFINISHED").exists():  # dsfuse.bench.harness.UNFINISHED: "<n> cases in the config; .."
+    if (run_dir / "UNFINISHED").exists():  # dsfuse.bench.harness.UNFINISHED: "<n> cases to run; .."
         total = ((run_dir / "UNFINISHED").read_text().split() or ["?"])[0]
         lines += [f"**This run stopped before its end** (a time limit or an error): only the cases below "
-                  f"finished, of {total} in its config.", ""]
+                  f"finished, of {total} it was to run.", ""]
     if state is not None:
         lines += state_lines(state)
     lines += backend_lines(run, op)
