@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import csv
 import datetime as dt
+import gc
 import json
 import os
 import time
@@ -667,6 +668,7 @@ def release_cached_memory(device: torch.device) -> None:
     that the other process of a run (`dsfuse.bench.own_process`) can use them: each process computes
     its own float64 reference, and at 131,072 tokens one process's cache alone holds most of the GPU."""
     if device.type == "cuda":
+        gc.collect()  # a CUDA Graph let go of in a reference cycle keeps its pool until collected
         torch.cuda.empty_cache()
 
 
@@ -706,7 +708,8 @@ def _run_case(experiment, case: Case, providers: list[Provider], settings: RunSe
                     rows += (apart if name in remote else here).samples(name, clock, regime, block)
 
     validation += here.check_after()
-    if apart is not None:
+    if apart is not None:  # this process's runners and graphs, let go of, back before the other's checks
+        release_cached_memory(device)
         validation += apart.check_after()
     return rows
 
