@@ -137,6 +137,7 @@ def test_a_configs_cases_key_runs_only_the_cases_it_names(tmp_path):
     run_dir = harness.run_experiment(picky, config, tmp_path, torch.device("cpu"), run_id="part")
     assert list(pd.read_csv(run_dir / "cases.csv")["case"]) == ["copy", "c0_fwd", "c2_fwd"]
     assert yaml.safe_load((run_dir / "config.yaml").read_text())["cases"] == ["c2_fwd", "c0_fwd"]  # the part, recorded
+    assert "2 cases (fwd) (a part of its config: c0_fwd, c2_fwd);" in report.measured(run_dir)  # the runs list
     assert [c.name for c in harness.selected_cases(picky, {})] == ["c0_fwd", "c1_fwd", "c2_fwd"]
     for bad in (["c9_fwd"], [], "c0_fwd", None, ["c0_fwd", "c0_fwd"]):  # None: a YAML `cases:` left empty
         with pytest.raises(ValueError, match="cases"):

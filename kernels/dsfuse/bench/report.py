@@ -662,8 +662,9 @@ def measured(run_dir: Path) -> str:
     timing = config.get("timing", {})
     providers = ", ".join(config.get("providers", [])) or "?"
     modes = ", ".join(dict.fromkeys(cases["mode"]))
-    return (f"{len(cases)} cases ({modes}); providers {providers}; {timing.get('blocks', '?')} blocks x "
-            f"{timing.get('samples', '?')} samples")
+    part = f" (a part of its config: {', '.join(cases['case'])})" if config.get("cases") else ""
+    return (f"{len(cases)} case{'' if len(cases) == 1 else 's'} ({modes}){part}; providers {providers}; "
+            f"{timing.get('blocks', '?')} blocks x {timing.get('samples', '?')} samples")
 
 
 def _junit_counts(run_dir: Path, op: str) -> str:
