@@ -246,6 +246,18 @@ def test_a_new_run_records_the_kernel_hash():
     assert env.collect(torch.device("cpu"), op="engram_gate")["kernel_sources"] == env.kernel_sources("engram_gate")
 
 
+def test_a_run_records_the_variables_that_change_how_it_runs(monkeypatch):
+    """env.json's ``variables``: the allocator's and launch settings set for the run, and only those."""
+    import torch
+
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    monkeypatch.delenv("CUDA_LAUNCH_BLOCKING", raising=False)
+    monkeypatch.setenv("HOME_OF_SOMETHING_ELSE", "x")
+    recorded = env.collect(torch.device("cpu"))["variables"]
+    assert recorded["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    assert "CUDA_LAUNCH_BLOCKING" not in recorded and "HOME_OF_SOMETHING_ELSE" not in recorded
+
+
 # the config chosen by the GPU found
 
 

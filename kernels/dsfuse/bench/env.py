@@ -61,6 +61,11 @@ def _driver() -> str | None:
         return None
 
 
+# environment variables that change how a run allocates, launches or chooses its kernels: env.json
+# records those set (a run that needed expandable segments to fit says so)
+RECORDED_VARIABLES = ("PYTORCH_CUDA_ALLOC_CONF", "CUDA_LAUNCH_BLOCKING", "TRITON_INTERPRET", "DSFUSE_REQUIRE_CUTEDSL")
+
+
 def collect(device: torch.device, op: str | None = None) -> dict:
     """The environment of a run on ``device``; with ``op``, also the hash of its kernel sources."""
     env = {
@@ -70,6 +75,7 @@ def collect(device: torch.device, op: str | None = None) -> dict:
         "packages": package_versions(),
         "torch_cuda": torch.version.cuda,
         "device": str(device),
+        "variables": {name: os.environ[name] for name in RECORDED_VARIABLES if name in os.environ},
     }
     # A copy of the tree sent to another machine may carry no .git, or a stale one: the
     # commit passed in DSFUSE_GIT_COMMIT wins over what git reports there.
