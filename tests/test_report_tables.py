@@ -83,6 +83,10 @@ def test_a_case_goal_names_the_other_case_by_what_differs():
     row = tables.target_row(dict(case="T8_n1_fwd", provider="dsfuse", max_of_case=dict(case="T8_n5_fwd", factor=1.25)),
                             med, pd.DataFrame(), {})
     assert row[3] == "<= 1.25x its n5 case" and row[-1] == "1.20x its n5 case met"
+    target = dict(case="T8_n1_fwd", provider="dsfuse", max_of_case=dict(case="T8_n5_fwd", factor=1.25))
+    same, other = med.assign(run="a"), med.assign(run=["a", "b"])  # the joined parts of a config
+    assert tables.target_row(target, same, pd.DataFrame(), {})[-1] == "1.20x its n5 case met"
+    assert tables.target_row(target, other, pd.DataFrame(), {})[-1] == "1.20x its n5 case across runs met"
 
 
 def test_fastest_goal_without_a_ratio():

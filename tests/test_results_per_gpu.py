@@ -141,6 +141,65 @@ def _tiny_run(run_dir: Path, env_extra: dict) -> None:
         targets=[dict(case="c_fwd", provider="dsfuse", max_of_fastest=0.5)])))
 
 
+def _part(run_dir: Path, times: dict[str, tuple[float, float]], sha: str = "a" * 64, config: dict | None = None,
+          part: bool = True) -> None:
+    """A run of ``times``' cases (``{case: (dsfuse us, eager us)}``, two paired blocks) of one config
+    whose target holds ``c_n1_fwd`` within 1.25x of ``c_n5_fwd``; ``part``: the config names them as its
+    ``cases`` (a run of a part of it)."""
+    run_dir.mkdir(parents=True)
+    samples = [dict(case="copy", mode="copy", provider="copy", regime="evicted", clock="graph", block=0, sample=0,
+                    us=2.0)]
+    samples += [dict(case=case, mode="fwd", provider=p, regime="evicted", clock="graph", block=b, sample=0, us=us)
+                for case, pair in times.items() for b in range(2) for p, us in zip(("dsfuse", "eager"), pair)]
+    pd.DataFrame(samples).to_csv(run_dir / "samples.csv", index=False)
+    pd.DataFrame([dict(case="copy", mode="copy", bytes=4_000_000, params="{}")]
+                 + [dict(case=case, mode="fwd", bytes=2_000_000, params="{}") for case in times]
+                 ).to_csv(run_dir / "cases.csv", index=False)
+    pd.DataFrame([dict(case=case, mode="fwd", provider=p, role=r, form="", check="bitwise", stage="before",
+                       status="pass", mismatches=0, max_abs_diff=0.0, error="")
+                  for case in times for p, r in (("dsfuse", "candidate"), ("eager", "control"))]
+                 ).to_csv(run_dir / "validation.csv", index=False)
+    (run_dir / "env.json").write_text(json.dumps(dict(gpu_name="NVIDIA B200", sm_count=148, driver="1.2",
+                                                      packages=dict(torch="2.x", triton="3.x"), date_utc="today",
+                                                      git_commit="f" * 40,
+                                                      kernel_sources=dict(sha256=sha, files=[]))))
+    body = config or dict(tokens=8, targets=[dict(case="c_n1_fwd", provider="dsfuse",
+                                                   max_of_case=dict(case="c_n5_fwd", factor=1.25))])
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(body | (dict(cases=list(times)) if part else {})))
+
+
+def test_a_config_run_in_parts_renders_the_newest_part_of_each_case(tmp_path):
+    """Where the newest run ran a part of its config, the tables join the runs of that config and
+    kernel source, each case from the newest run that measured it; runs of other kernels or another
+    config stay out; the runs list marks every run the tables read; a target across two runs says so."""
+    raw = tmp_path / "raw"
+    _part(raw / "20261201-000000-b200", {"c_n1_fwd": (10.0, 20.0)}, sha="b" * 64)  # other kernels
+    _part(raw / "20261201-010000-b200", {"c_n1_fwd": (30.0, 40.0)})  # measured again below
+    _part(raw / "20261201-020000-b200", {"c_n5_fwd": (10.0, 12.0)})
+    _part(raw / "20261201-030000-b200", {"c_n5_fwd": (1.0, 2.0)}, config=dict(tokens=16))  # another config
+    _part(raw / "20261201-040000-b200", {"c_n1_fwd": (12.0, 24.0)})
+    report.render("text_rope", raw, tmp_path / "results", tmp_path / "plots")
+    table = (tmp_path / "results" / "b200" / "text_rope.md").read_text()
+    cells = [[c.strip() for c in line.split("|")[1:-1]] for line in table.splitlines() if line.startswith("| c_n")]
+    assert "These tables join 2 runs" in table
+    assert cells[:2] == [["c_n5_fwd", "`20261201-020000-b200`"], ["c_n1_fwd", "`20261201-040000-b200`"]]
+    for gone in ("20261201-000000-b200", "20261201-010000-b200", "20261201-030000-b200"):
+        assert f'<a id="run-{gone}"></a>' not in table and gone not in table.split("\n", 1)[0]
+    ratios = {r[0]: r[5] for r in cells if len(r) > 5 and r[2] == "graph/evicted" and "[" in r[5]}
+    assert ratios == {"c_n1_fwd": "2.00 [2.00, 2.00]", "c_n5_fwd": "1.20 [1.20, 1.20]"}  # each within its own run
+    assert "1.20x its n5 case across runs met" in table  # 12 us over the other run's 10
+    runs = (tmp_path / "results" / "b200" / "text_rope_runs.md").read_text()
+    marked = [line for line in runs.splitlines() if "(tables above)" in line]
+    assert len(marked) == 2 and "20261201-040000-b200" in marked[0] and "20261201-020000-b200" in marked[1]
+    figures = json.loads((tmp_path / "results" / "b200" / "text_rope.json").read_text())
+    assert figures["tables"] == {"c_n5_fwd": "20261201-020000-b200", "c_n1_fwd": "20261201-040000-b200"}
+
+    _part(raw / "20261201-050000-b200", {"c_n1_fwd": (12.0, 24.0)}, part=False)  # a whole run: its own tables
+    report.render("text_rope", raw, tmp_path / "results", tmp_path / "plots")
+    table = (tmp_path / "results" / "b200" / "text_rope.md").read_text()
+    assert "These tables join" not in table and "its n5 case not measured" in table
+
+
 STALE = "the kernel source has changed since"
 
 

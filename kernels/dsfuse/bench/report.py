@@ -6,7 +6,8 @@ it ran on (`dsfuse.bench.env.gpu_key` of its env.json ``gpu_name``: ``NVIDIA H20
 
 * ``results/<gpu>/<op>.md``: the tables of that GPU's newest run, under the run's anchor
   (``<a id="run-<run-id>">``) with its date, commit, versions, a link to its raw folder and, where
-  the op's kernel source changed since the run, a mark saying so;
+  the op's kernel source changed since the run, a mark saying so; where that run ran a part of its
+  config (``cases``), the tables join the newest part of each case (`config_parts`);
 * ``results/<gpu>/<op>_runs.md``: every run of the op on that GPU (anchor, date, commit, what it
   measured, whether its kernels are still the current source), so any run can be cited;
 * ``results/<gpu>/<op>.json``: the figures of every run, by name, for the pages' prose
@@ -40,6 +41,7 @@ import importlib
 import importlib.util
 import json
 import math
+import textwrap
 from collections.abc import Callable
 from pathlib import Path
 
@@ -302,26 +304,33 @@ def render_gpu(op: str, gpu: str, runs: list[Path], results_dir: Path, plots_dir
     if runs:
         newest = runs[-1]
         run = load_run(newest)
-        med, ratios, copy_bw = summarize(run)
-        floors = bytes_floors(run["cases"], set(med["provider"]), max(copy_bw.values()))
+        parts = config_parts(runs)
+        joined = join_parts(parts)
+        med, ratios, floors = joined["med"], joined["ratios"], joined["floors"]
         plots = plot_modes(op, med, floors, plots_dir, smoke, gpu=gpu_title(run["env"]),
-                           validation=run["validation"], cases=run["cases"])
+                           validation=joined["validation"], cases=joined["cases"])
         state = source_state(op, run["env"])
-        lines = header_lines(op, newest, run, copy_bw, smoke, state)
+        if len(joined["runs"]) == 1:
+            lines = header_lines(op, newest, run, joined["copy_bw"][newest.name], smoke, state)
+        else:
+            lines = parts_header_lines(op, parts, joined, smoke, state)
         lines += ratio_section(ratios)
         lines += targets_section(run["config"].get("targets", []), med, ratios, floors)
         lines += latency_section(med)
         lines += plots_section(op, plots)
-        lines += junit_section(newest, op)
-        lines += [demote(line) for line in extra_section(op, newest)]
-        lines += checks_section(run["validation"])
-        index = runs_index(op, runs).split("\n")
+        for part in joined["runs"]:
+            lines += junit_section(part, op)
+        lines += parts_extra_lines(op, joined["runs"])
+        lines += checks_section(joined["validation"])
+        index = runs_index(op, runs, shown=joined["runs"]).split("\n")
         if stem != op:  # included inside a section of the op's page: every heading one level down
             lines, index = ([("#" + line if line.startswith("#") else line) for line in text] for text in (lines, index))
         written.append(_write(results_dir / f"{stem}.md", "\n".join(lines)))
         written += plots
         written.append(_write(results_dir / f"{stem}_runs.md", "\n".join(index)))
         figures.update(gpu_name=run["env"].get("gpu_name"), newest=newest.name)
+        if len(joined["runs"]) > 1:
+            figures["tables"] = {case: run_dir.name for case, run_dir in parts.items()}
         for run_dir in runs:
             figures["runs"][run_dir.name] = run_figures(op, run_dir)
     if host_runs:
@@ -334,6 +343,118 @@ def render_gpu(op: str, gpu: str, runs: list[Path], results_dir: Path, plots_dir
     if not smoke or runs:
         written.append(_write(results_dir / f"{stem}.json", dump_figures(figures) + "\n"))
     return written
+
+
+# -- a config run in parts: the tables of its newest runs, joined --------------------------
+
+
+def run_cases(run_dir: Path) -> list[str]:
+    """The cases a run measured (its cases.csv but the copy), in its order."""
+    cases = pd.read_csv(raw_file(run_dir, "cases.csv"), keep_default_na=False)
+    return [case for case in cases["case"] if case != "copy"]
+
+
+def part_key(run_dir: Path) -> tuple[str, str | None]:
+    """What the runs of one config's parts share: the config but its ``cases``, and the kernel source
+    they measured (env.json's ``kernel_sources`` hash, else the commit of a clean tree; None where
+    neither tells)."""
+    config = dict(yaml.safe_load((Path(run_dir) / "config.yaml").read_text()) or {})
+    config.pop("cases", None)
+    e = _env(run_dir)
+    kernels = (e.get("kernel_sources") or {}).get("sha256")
+    if kernels is None and e.get("git_commit") and not e.get("git_dirty"):
+        kernels = "commit " + e["git_commit"]
+    return json.dumps(config, sort_keys=True, default=str), kernels
+
+
+def config_parts(runs: list[Path]) -> dict[str, Path]:
+    """Which run each case of the tables comes from. Where the newest of ``runs`` (oldest first) ran a
+    part of its config (config.yaml's ``cases``: `dsfuse.bench.harness.selected_cases`), every case
+    that a run of the same config and kernel source (`part_key`) measured, each from the newest such
+    run that measured it; otherwise the newest run's cases. In the order the runs measured them."""
+    newest = runs[-1]
+    key = part_key(newest)
+    config = yaml.safe_load((newest / "config.yaml").read_text()) or {}
+    if not config.get("cases") or key[1] is None:
+        return {case: newest for case in run_cases(newest)}
+    found: dict[str, Path] = {}
+    for run_dir in reversed(runs):
+        if part_key(run_dir) == key:
+            for case in run_cases(run_dir):
+                found.setdefault(case, run_dir)
+    return dict(sorted(found.items(), key=lambda item: (item[1].name, run_cases(item[1]).index(item[0]))))
+
+
+def join_parts(parts: dict[str, Path]) -> dict:
+    """The runs of ``parts`` (oldest first), each summarized on its own and kept to the cases it gives:
+    ``med`` and ``ratios`` (with a ``run`` column: a ratio is always within one run), ``floors`` (at
+    each run's own copy ceiling), ``validation``, ``cases``, and ``copy_bw`` by run."""
+    runs = sorted(set(parts.values()), key=lambda r: r.name)
+    meds, ratio_frames, validations, case_frames = [], [], [], []
+    floors: dict[tuple[str, str], float] = {}
+    copy_bw: dict[str, dict[str, float]] = {}
+    for run_dir in runs:
+        run = load_run(run_dir)
+        mine = [case for case, source in parts.items() if source == run_dir]
+        med, ratios, copy_bw[run_dir.name] = summarize(run)
+        med = med[med["case"].isin(mine)].assign(run=run_dir.name)
+        meds.append(med)
+        if not ratios.empty:
+            ratio_frames.append(ratios[ratios["case"].isin(mine)].assign(run=run_dir.name))
+        validations.append(run["validation"][run["validation"]["case"].isin(mine)])
+        cases = run["cases"][run["cases"]["case"].isin(mine)]
+        case_frames.append(cases)
+        floors |= bytes_floors(cases, set(med["provider"]), max(copy_bw[run_dir.name].values()))
+    return dict(runs=runs, med=pd.concat(meds, ignore_index=True),
+                ratios=pd.concat(ratio_frames, ignore_index=True) if ratio_frames else pd.DataFrame(),
+                validation=pd.concat(validations, ignore_index=True), cases=pd.concat(case_frames, ignore_index=True),
+                floors=floors, copy_bw=copy_bw)
+
+
+PARTS_INTRO = ("**These tables join {n} runs**, each a part of one config (config.yaml the same but for its "
+               "`cases`) that measured the same kernel source: each case's figures come from the newest of them "
+               "that measured it. A ratio against a control is always within one run (its paired blocks); a "
+               "target that compares two cases may compare two runs, and its verdict then says 'across runs'.")
+
+
+def parts_header_lines(op: str, parts: dict[str, Path], joined: dict, smoke: bool, state: dict) -> list[str]:
+    """`header_lines` of joined parts: every part's anchor, which run each case comes from, a row of the
+    run table and a copy bandwidth per run."""
+    runs = joined["runs"]
+    lines = [f"<!-- generated by `python -m dsfuse.bench report {op}` from "
+             f"{', '.join(relative(r) for r in runs)}; do not edit -->", ""]
+    lines += [f'<a id="{anchor(r.name)}"></a>' for r in runs]
+    lines += ["", f"### {gpu_title(_env(runs[-1]))}", ""]
+    if smoke:
+        lines += [SMOKE_BANNER, ""]
+    lines += [PARTS_INTRO.format(n=len(runs)), ""]
+    stopped = [r for r in runs if (r / "UNFINISHED").exists()]
+    if stopped:
+        lines += [f"**A part stopped before its end** ({', '.join(f'`{r.name}`' for r in stopped)}): only the "
+                  "cases below finished there.", ""]
+    lines += state_lines(state)
+    lines += backend_lines(load_run(runs[-1]), op)
+    where = pd.DataFrame([[case, f"`{run_dir.name}`"] for case, run_dir in parts.items()], columns=["case", "run"])
+    table = pd.concat([run_table(r.name, _env(r), r) for r in runs], ignore_index=True)
+    rates = "; ".join(f"`{r.name}`: " + ", ".join(f"{clock} {bw:.2f} TB/s" for clock, bw in
+                                                    sorted(joined["copy_bw"][r.name].items())) for r in runs)
+    return lines + [markdown(where, disable_numparse=True), "", markdown(table, disable_numparse=True), "",
+                    f"Same-run device-to-device copy bandwidth (bytes read + written), per run: {rates}; each run's "
+                    "fastest is the ceiling for its own cases' 'of copy' and 'floor us'.", ""]
+
+
+def parts_extra_lines(op: str, runs: list[Path]) -> list[str]:
+    """The op's own sections (`extra_section`) of each run the tables join, under a heading per run
+    where there are several."""
+    if len(runs) == 1:
+        return [demote(line) for line in extra_section(op, runs[0])]
+    lines = []
+    for run_dir in runs:
+        extra = extra_section(op, run_dir)
+        if extra:
+            lines += [f"#### The op's own tables of `{run_dir.name}`", ""]
+            lines += [("##" + line if line.startswith("### ") else line) for line in extra]
+    return lines
 
 
 def demote(line: str) -> str:
@@ -689,14 +810,16 @@ def gpu_tests_cell(run_dir: Path, op: str) -> str:
     return stored
 
 
-def runs_index(op: str, runs: list[Path]) -> str:
-    """Every run of ``op`` on one GPU, newest first, each under its anchor (the newest links to its tables)."""
+def runs_index(op: str, runs: list[Path], shown: list[Path] | None = None) -> str:
+    """Every run of ``op`` on one GPU, newest first, each under its anchor (those the tables render,
+    ``shown``, by default the newest, link to them)."""
     env = _env(runs[-1])
+    shown = set(shown or runs[-1:])
     rows = []
     for run_dir in reversed(runs):
         e = _env(run_dir)
         state = source_state(op, e)["state"]
-        name = (f"[`{run_dir.name}`](#{anchor(run_dir.name)}) (tables above)" if run_dir == runs[-1]
+        name = (f"[`{run_dir.name}`](#{anchor(run_dir.name)}) (tables above)" if run_dir in shown
                 else f'<a id="{anchor(run_dir.name)}"></a>`{run_dir.name}`')
         rows.append([name, commit_link(e.get("git_commit")),
                      {"current": "current", "changed": "changed since", "unknown": "unknown"}[state],
@@ -707,7 +830,8 @@ def runs_index(op: str, runs: list[Path]) -> str:
         f"<!-- generated by `python -m dsfuse.bench report {op}` from {relative(runs[-1].parent)}; do not edit -->",
         "", f"#### Every {gpu_title(env)} run of this op", "",
         "Each raw run, newest first, under its anchor on this page (cite a run by it, with the raw folder and "
-        "the commit); the tables above render the newest. 'kernel source': whether the op's kernel files are "
+        "the commit); the tables above render the newest (or, where it ran a part of its config, the newest part of each "
+        "case: those marked). 'kernel source': whether the op's kernel files are "
         "still those the run measured.", "",
         markdown(table), ""])
 
@@ -828,6 +952,7 @@ ROLE_STYLE = {  # bar colour per provider role (candidate: dsfuse; control: the 
 }
 FAILED_HATCH = "////"
 PLOT_WIDTH_IN, PLOT_DPI = 6.9, 150  # the site's content column at 1400 px (688 px), drawn at 1.5x
+PANEL_TITLE_CHAR_IN = 0.068  # a panel title's mean character width at 9 pt (titles wrap to their panel and half its gaps)
 
 
 def op_title(op: str) -> str:
@@ -866,7 +991,7 @@ def shape_parts(case: str, params: dict) -> list[tuple[str, str]]:
         if {"streams", "dim"} <= set(p):
             parts += [("width", f"S = {p['streams']}, D = {p['dim']}" + (f", emb {p['emb']}" if "emb" in p else ""))]
     elif {"tokens", "value_heads"} <= set(p):  # a packed row of documents (GDN)
-        parts = [("tokens", f"T = {p['tokens']}" + (f" in {p['documents']} documents" if "documents" in p else "")),
+        parts = [("tokens", f"T = {p['tokens']}" + (f" in {p['documents']} document{'' if p['documents'] == 1 else 's'}" if "documents" in p else "")),
                  ("heads", f"H = {p.get('heads')}, HV = {p['value_heads']}, K = V = {p.get('head_dim')}")]
         if "l2norm" in p:
             parts.append(("l2norm", "L2 norm " + ("on" if p["l2norm"] else "off")))
@@ -935,9 +1060,17 @@ def _plot(op: str, mode: str, grp: pd.DataFrame, clock: str, regime: str, plots_
     if smoke:
         title_lines.insert(0, "SMOKE RUN (CPU interpreter, tiny shapes): these numbers measure nothing")
     label_in = 0.08 * max(len(p) for p in providers) + 0.3
-    axes_in, gap_in = 0.24 * len(providers) + 0.1, 0.55  # a panel's plot area; between rows: ticks, next title
+    panel_in = 1.2 * (0.97 * PLOT_WIDTH_IN - min(label_in, 0.4 * PLOT_WIDTH_IN)) / (ncols + 0.25 * (ncols - 1))
+    own_titles = {}
+    for case in cases:  # each panel's own parts, wrapped to its width (never inside "HV = 48")
+        own = [text for part in shapes[case] if part not in common for _, text in [part]] or \
+            [text for _, text in shapes[case]]
+        own_titles[case] = textwrap.fill(", ".join(own).replace(" = ", "\u00a0=\u00a0"), break_long_words=False,
+                                         width=int(panel_in / PANEL_TITLE_CHAR_IN)).replace("\u00a0", " ")
+    extra_in = 0.16 * (max(t.count("\n") for t in own_titles.values()))  # panel titles wrapped to fit their column
+    axes_in, gap_in = 0.24 * len(providers) + 0.1, 0.55 + extra_in  # a panel's plot area; between rows: ticks, title
     legend_rows = 2
-    top_in, bottom_in = 0.22 * len(title_lines) + 0.36, 0.3 + 0.18 * legend_rows
+    top_in, bottom_in = 0.22 * len(title_lines) + 0.36 + extra_in, 0.3 + 0.18 * legend_rows
     height = nrows * axes_in + (nrows - 1) * gap_in + top_in + bottom_in
     fig, axes = plt.subplots(nrows, ncols, sharey=True, squeeze=False, dpi=PLOT_DPI, figsize=(PLOT_WIDTH_IN, height))
     us = grp.set_index(["case", "provider"])["us"]
@@ -963,8 +1096,7 @@ def _plot(op: str, mode: str, grp: pd.DataFrame, clock: str, regime: str, plots_
         ax.tick_params(axis="x", labelsize=8)
         ax.grid(axis="x", color="#e6e6e6", linewidth=0.6)
         ax.set_axisbelow(True)
-        own = [text for part in shapes[case] if part not in common for _, text in [part]]
-        ax.set_title(", ".join(own) or ", ".join(text for _, text in shapes[case]), fontsize=9)
+        ax.set_title(own_titles[case], fontsize=9)
     for ax in axes.flat[len(cases):]:
         ax.set_visible(False)
     for row in axes:
