@@ -192,7 +192,9 @@ def test_a_config_run_in_parts_renders_the_newest_part_of_each_case(tmp_path):
     marked = [line for line in runs.splitlines() if "(tables above)" in line]
     assert len(marked) == 2 and "20261201-040000-b200" in marked[0] and "20261201-020000-b200" in marked[1]
     figures = json.loads((tmp_path / "results" / "b200" / "text_rope.json").read_text())
-    assert figures["tables"] == {"c_n5_fwd": "20261201-020000-b200", "c_n1_fwd": "20261201-040000-b200"}
+    assert figures["joined"]["cases"] == {"c_n5_fwd": "20261201-020000-b200", "c_n1_fwd": "20261201-040000-b200"}
+    assert [t["verdict"] for t in figures["joined"]["targets"]] == ["1.20x its n5 case across runs met"]
+    assert [t["verdict"] for t in figures["runs"]["20261201-040000-b200"]["targets"]] == ["its n5 case not measured"]
 
     _part(raw / "20261201-050000-b200", {"c_n1_fwd": (12.0, 24.0)}, part=False)  # a whole run: its own tables
     report.render("text_rope", raw, tmp_path / "results", tmp_path / "plots")

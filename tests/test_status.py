@@ -27,7 +27,7 @@ def test_every_op_has_a_row_and_a_changed_result_shows(tmp_path):
     shutil.copy(ROOT / "mkdocs.yml", root / "mkdocs.yml")
     (root / "README.md").write_text(f"x\n{status.START}\nold\n{status.END}\ny\n")
     rows = status.rows(root, OPS, status.site_link)
-    assert {r[0].split("]")[0].lstrip("[") for r in rows} == {status.title(ROOT, op) for op in OPS}
+    assert {r[0].split("]")[0].lstrip("[").split(",")[0] for r in rows} == {status.title(ROOT, op) for op in OPS}
     path = root / "results" / "h200" / "text_rope.json"
     data = json.loads(path.read_text())
     run = data["runs"][data["newest"]]
@@ -66,3 +66,26 @@ def test_a_section_may_list_its_op_page_without_a_name(tmp_path):
     (tmp_path / "mkdocs.yml").write_text(
         "nav:\n  - Ops:\n      - Gated DeltaNet:\n          - ops/gdn.md\n          - A record: ops/gdn_long.md\n")
     assert status.title(tmp_path, "gdn") == "Gated DeltaNet"
+
+
+def test_a_config_kept_apart_has_its_own_rows_and_parts_are_judged_joined(tmp_path):
+    """A config kept apart (``results/<gpu>/<op>_<sub>.json``) gets a row under the op's name and
+    its own; where its tables join the parts of a config, the row counts the parts and judges the
+    joined targets, not the newest part's alone. Its run links into the op's page where the page
+    includes its tables (GDN's long documents), else to the results file."""
+    root = tmp_path / "repo"
+    shutil.copytree(ROOT / "results", root / "results")
+    shutil.copy(ROOT / "mkdocs.yml", root / "mkdocs.yml")
+    data = json.loads((root / "results" / "h200" / "text_rope.json").read_text())
+    newest = data["newest"]
+    data["runs"][newest]["targets"] = [dict(case="c", provider="dsfuse", verdict="c5 not measured")]
+    data["joined"] = dict(cases={"c": newest, "c5": "20261101-000000-h200"},
+                          targets=[dict(case="c", provider="dsfuse", verdict="1.10x c5 across runs met")])
+    (root / "results" / "h200" / "text_rope_extra.json").write_text(json.dumps(data))
+    rows = status.rows(root, OPS, status.site_link)
+    row = next(r for r in rows if r[0].startswith("[Text RoPE, extra]"))
+    assert "and 1 earlier part of its config" in row[3] and row[6] == "1 of 1 met"
+    assert "/blob/main/results/h200/text_rope_extra.md#run-" in row[3]  # not on the op's page
+    long = next(r for r in rows if r[0].startswith("[Gated DeltaNet, long]"))
+    assert "(ops/gdn.md#run-" in long[3]  # the GDN page includes the long documents' tables
+    assert [r[0] for r in rows if r[0].startswith("[Text RoPE")][0].startswith("[Text RoPE]")  # the op's own first

@@ -329,8 +329,11 @@ def render_gpu(op: str, gpu: str, runs: list[Path], results_dir: Path, plots_dir
         written += plots
         written.append(_write(results_dir / f"{stem}_runs.md", "\n".join(index)))
         figures.update(gpu_name=run["env"].get("gpu_name"), newest=newest.name)
-        if len(joined["runs"]) > 1:
-            figures["tables"] = {case: run_dir.name for case, run_dir in parts.items()}
+        if len(joined["runs"]) > 1:  # the joined parts' tables: which run each case is from, the targets judged there
+            verdicts = target_table(run["config"].get("targets", []), med, ratios, floors).to_dict("records")
+            figures["joined"] = dict(cases={case: run_dir.name for case, run_dir in parts.items()},
+                                     targets=[dict(row, goals=goal) for row, goal in
+                                              zip(verdicts, run["config"].get("targets", []))])
         for run_dir in runs:
             figures["runs"][run_dir.name] = run_figures(op, run_dir)
     if host_runs:

@@ -6,7 +6,8 @@ the README's block is what the data says, so the README, the home page and the o
 come from the same ``results/<gpu>/<op>.json``) cannot disagree. Per op: the fused backends and the
 order ``auto`` tries them in per GPU family; per GPU with results: the newest run (its anchor on the
 op's page), its commit, whether the kernel source changed since, its targets met out of set (the
-missed ones named) and where its GPU test evidence is.
+missed ones named) and where its GPU test evidence is; then a row per config kept apart and GPU
+(``results/<gpu>/<op>_<sub>.json``), where a config run in parts is judged on its joined tables.
 """
 
 from __future__ import annotations
@@ -77,23 +78,45 @@ def _gpu_tests(root: Path, op: str, run_id: str, link) -> str:
 HEADERS = ["op", "fused backends", "GPU", "newest run", "commit", "kernel source", "targets", "GPU tests"]
 
 
+def kept_apart(root: Path, op: str, ops: list[str]) -> list[str]:
+    """The configs of ``op`` kept apart that have results (``results/<gpu>/<op>_<sub>.json``), by name."""
+    subs = {path.stem.removeprefix(f"{op}_") for path in (root / "results").glob(f"*/{op}_*.json")}
+    return sorted(sub for sub in subs if f"{op}_{sub}" not in ops)
+
+
+def _row(root: Path, op: str, name: str, path: Path, link, stem: str) -> list[str]:
+    """The row of one GPU's results file: its newest run, or where its tables join the parts of a
+    config (``joined``: `dsfuse.bench.report.config_parts`), the newest part and the joined targets."""
+    data = json.loads(path.read_text())
+    gpu, run_id = path.parent.name, data["newest"]
+    run = data["runs"][run_id]
+    newest = f"[`{run_id}`]({link(op, gpu, run_id, stem)})"
+    targets = run
+    if "joined" in data:
+        parts = len(set(data["joined"]["cases"].values()))
+        newest += f" and {parts - 1} earlier part{'s' if parts > 2 else ''} of its config"
+        targets = data["joined"]
+    return [name, _backends(op), data.get("gpu_name", gpu), newest, f"`{(run['commit'] or '?')[:7]}`",
+            run.get("kernel_source", "unknown"), _targets(targets), _gpu_tests(root, op, run_id, link)]
+
+
 def rows(root: Path, ops: list[str], link) -> list[list[str]]:
-    """One row per (op, GPU with results); an op without results has one row saying so.
-    ``link(op, gpu, run_id)`` is the address of the op's page (``gpu`` and ``run_id`` None), of a
-    run's anchor, or (``gpu="gpu-tests"``) of the op's GPU test logs."""
+    """One row per (op, GPU with results), then one per (config kept apart, GPU) under the op's name
+    and the config's (``raw/<sub>/``: e.g. GDN's long documents); an op without results has one row
+    saying so. ``link(op, gpu, run_id, stem)`` is the address of the op's page (``gpu`` and ``run_id``
+    None), of a run's anchor in the tables of ``stem`` (the op's, or ``<op>_<sub>``), or
+    (``gpu="gpu-tests"``) of the op's GPU test logs."""
     out = []
     for op in ops:
-        name = f"[{title(root, op)}]({link(op, None, None)})"
+        name = f"[{title(root, op)}]({link(op, None, None, op)})"
         results = sorted((root / "results").glob(f"*/{op}.json"))
         if not results:
             out.append([name, _backends(op), "none", "no GPU run yet", "", "", "", ""])
-        for path in results:
-            data = json.loads(path.read_text())
-            gpu, run_id = path.parent.name, data["newest"]
-            run = data["runs"][run_id]
-            out.append([name, _backends(op), data.get("gpu_name", gpu), f"[`{run_id}`]({link(op, gpu, run_id)})",
-                        f"`{run['commit']}`", run.get("kernel_source", "unknown"), _targets(run),
-                        _gpu_tests(root, op, run_id, link)])
+        out += [_row(root, op, name, path, link, op) for path in results]
+        for sub in kept_apart(root, op, ops):
+            apart = f"[{title(root, op)}, {sub.replace('_', ' ')}]({link(op, None, None, op)})"
+            out += [_row(root, op, apart, path, link, f"{op}_{sub}")
+                    for path in sorted((root / "results").glob(f"*/{op}_{sub}.json"))]
     return out
 
 
@@ -101,18 +124,30 @@ def render(root: Path, ops: list[str], link) -> str:
     return tabulate(rows(root, ops, link), headers=HEADERS, tablefmt="github") + "\n"
 
 
-def site_link(op: str, gpu: str | None, run_id: str | None) -> str:
-    if gpu == "gpu-tests":  # outside the site: the repository's folder
-        from dsfuse.bench.paths import raw_url
+def site_link(op: str, gpu: str | None, run_id: str | None, stem: str | None = None) -> str:
+    """On the site: the op's page, a run's anchor on it (the tables the op's page includes: its own and
+    its long documents'), else the results file on the repository."""
+    from dsfuse.bench.paths import raw_url
 
+    if gpu == "gpu-tests":  # outside the site: the repository's folder
         return raw_url(f"experiments/{op}/raw/gpu-tests")
+    if run_id and stem not in (None, op) and not on_op_page(op, stem):
+        return raw_url(f"results/{gpu}/{stem}.md").replace("/tree/", "/blob/") + f"#run-{run_id}"
     return f"ops/{op}.md" + (f"#run-{run_id}" if run_id else "")
 
 
-def readme_link(op: str, gpu: str | None, run_id: str | None) -> str:
+def on_op_page(op: str, stem: str) -> bool:
+    """Whether the op's page (``docs/ops/<op>.md``) includes the tables of ``stem`` (every GPU's)."""
+    from dsfuse.bench.paths import repo_root
+
+    page = repo_root() / "docs" / "ops" / f"{op}.md"
+    return page.is_file() and f'--8<-- "results/{stem}_all_gpus.md"' in page.read_text()
+
+
+def readme_link(op: str, gpu: str | None, run_id: str | None, stem: str | None = None) -> str:
     if gpu == "gpu-tests":
         return f"experiments/{op}/raw/gpu-tests/"
-    return f"results/{gpu}/{op}.md#run-{run_id}" if run_id else f"docs/ops/{op}.md"
+    return f"results/{gpu}/{stem or op}.md#run-{run_id}" if run_id else f"docs/ops/{op}.md"
 
 
 def readme_block(root: Path, ops: list[str]) -> str:
