@@ -141,14 +141,14 @@ def _tiny_run(run_dir: Path, env_extra: dict) -> None:
         targets=[dict(case="c_fwd", provider="dsfuse", max_of_fastest=0.5)])))
 
 
-def _part(run_dir: Path, times: dict[str, tuple[float, float]], sha: str = "a" * 64, config: dict | None = None,
-          part: bool = True) -> None:
+def _part(run_dir: Path, times: dict[str, tuple[float, float]], sha: str | None = "a" * 64, config: dict | None = None,
+          part: bool = True, copy_us: float = 2.0, env_extra: dict | None = None) -> None:
     """A run of ``times``' cases (``{case: (dsfuse us, eager us)}``, two paired blocks) of one config
     whose target holds ``c_n1_fwd`` within 1.25x of ``c_n5_fwd``; ``part``: the config names them as its
     ``cases`` (a run of a part of it)."""
     run_dir.mkdir(parents=True)
     samples = [dict(case="copy", mode="copy", provider="copy", regime="evicted", clock="graph", block=0, sample=0,
-                    us=2.0)]
+                    us=copy_us)]
     samples += [dict(case=case, mode="fwd", provider=p, regime="evicted", clock="graph", block=b, sample=0, us=us)
                 for case, pair in times.items() for b in range(2) for p, us in zip(("dsfuse", "eager"), pair)]
     pd.DataFrame(samples).to_csv(run_dir / "samples.csv", index=False)
@@ -157,12 +157,14 @@ def _part(run_dir: Path, times: dict[str, tuple[float, float]], sha: str = "a" *
                  ).to_csv(run_dir / "cases.csv", index=False)
     pd.DataFrame([dict(case=case, mode="fwd", provider=p, role=r, form="", check="bitwise", stage="before",
                        status="pass", mismatches=0, max_abs_diff=0.0, error="")
-                  for case in times for p, r in (("dsfuse", "candidate"), ("eager", "control"))]
-                 ).to_csv(run_dir / "validation.csv", index=False)
-    (run_dir / "env.json").write_text(json.dumps(dict(gpu_name="NVIDIA B200", sm_count=148, driver="1.2",
-                                                      packages=dict(torch="2.x", triton="3.x"), date_utc="today",
-                                                      git_commit="f" * 40,
-                                                      kernel_sources=dict(sha256=sha, files=[]))))
+                  for case in times for p, r in (("dsfuse", "candidate"), ("eager", "control"))],
+                 columns=["case", "mode", "provider", "role", "form", "check", "stage", "status", "mismatches",
+                          "max_abs_diff", "error"]).to_csv(run_dir / "validation.csv", index=False)
+    (run_dir / "env.json").write_text(json.dumps(dict(dict(gpu_name="NVIDIA B200", sm_count=148, driver="1.2",
+                                                           packages=dict(torch="2.x", triton="3.x"), date_utc="today",
+                                                           git_commit="f" * 40), **(env_extra or {}),
+                                                      **(dict(kernel_sources=dict(sha256=sha, files=[]))
+                                                         if sha else {}))))
     body = config or dict(tokens=8, targets=[dict(case="c_n1_fwd", provider="dsfuse",
                                                    max_of_case=dict(case="c_n5_fwd", factor=1.25))])
     (run_dir / "config.yaml").write_text(yaml.safe_dump(body | (dict(cases=list(times)) if part else {})))
@@ -181,7 +183,7 @@ def test_a_config_run_in_parts_renders_the_newest_part_of_each_case(tmp_path):
     report.render("text_rope", raw, tmp_path / "results", tmp_path / "plots")
     table = (tmp_path / "results" / "b200" / "text_rope.md").read_text()
     cells = [[c.strip() for c in line.split("|")[1:-1]] for line in table.splitlines() if line.startswith("| c_n")]
-    assert "These tables join 2 runs" in table
+    assert "These tables read 2 runs" in table
     assert cells[:2] == [["c_n5_fwd", "`20261201-020000-b200`"], ["c_n1_fwd", "`20261201-040000-b200`"]]
     for gone in ("20261201-000000-b200", "20261201-010000-b200", "20261201-030000-b200"):
         assert f'<a id="run-{gone}"></a>' not in table and gone not in table.split("\n", 1)[0]
@@ -199,7 +201,62 @@ def test_a_config_run_in_parts_renders_the_newest_part_of_each_case(tmp_path):
     _part(raw / "20261201-050000-b200", {"c_n1_fwd": (12.0, 24.0)}, part=False)  # a whole run: its own tables
     report.render("text_rope", raw, tmp_path / "results", tmp_path / "plots")
     table = (tmp_path / "results" / "b200" / "text_rope.md").read_text()
-    assert "These tables join" not in table and "its n5 case not measured" in table
+    assert "These tables read" not in table and "its n5 case not measured" in table
+
+
+def test_joined_parts_keep_each_run_to_its_cases_and_its_ceiling(tmp_path, monkeypatch):
+    """Each joined run is summarized at its own copy ceiling and gives the op's own tables only the
+    cases it gives (a case measured again by a newer part shows the newer figures alone); a part that
+    stopped names what it finished; parts of another environment stay out."""
+    raw = tmp_path / "raw"
+    _part(raw / "20261201-010000-b200", {"c_n1_fwd": (30.0, 40.0), "c_n5_fwd": (10.0, 12.0)}, copy_us=4.0)
+    _part(raw / "20261201-020000-b200", {"c_n5_fwd": (1.0, 2.0)}, env_extra=dict(driver="9.9"))  # another driver
+    _part(raw / "20261201-030000-b200", {"c_n1_fwd": (12.0, 24.0)})
+    (raw / "20261201-030000-b200" / "UNFINISHED").write_text("2 cases to run; 1 finished\n")
+    seen = []
+
+    def report_extra(run_dir, cases=None):
+        run = report.load_run(Path(run_dir), cases)
+        seen.append((Path(run_dir).name, sorted(set(run["samples"]["case"]))))
+        return ["### Extra", "", *sorted(set(run["cases"]["case"]) - {"copy"}), ""]
+
+    real = report.op_function
+    monkeypatch.setattr(report, "op_function", lambda op, name, required=True:
+                        report_extra if name == "report_extra" else real(op, name, required))
+    report.render("text_rope", raw, tmp_path / "results", tmp_path / "plots")
+    table = (tmp_path / "results" / "b200" / "text_rope.md").read_text()
+    assert seen == [("20261201-010000-b200", ["c_n5_fwd", "copy"]), ("20261201-030000-b200", ["c_n1_fwd", "copy"])]
+    assert "20261201-020000-b200" not in table
+    floors = {r[0]: r[8] for r in ([c.strip() for c in line.split("|")[1:-1]] for line in table.splitlines()
+                                   if line.startswith("| c_n")) if len(r) > 9 and "[" in r[5]}
+    assert floors == {"c_n1_fwd": "1", "c_n5_fwd": "2"}  # 2 MB at 4 TB/s (2 us copy), at 2 TB/s (4 us)
+    assert "**Run `20261201-030000-b200` stopped before its end** (a time limit or an error): of its part, only " \
+           "c_n1_fwd finished." in table
+
+
+def test_parts_without_a_kernel_hash_join_by_commit_only_where_the_tree_was_clean(tmp_path):
+    raw = tmp_path / "raw"
+    _part(raw / "20261201-010000-b200", {"c_n5_fwd": (10.0, 12.0)}, sha=None, env_extra=dict(git_dirty=False))
+    _part(raw / "20261201-020000-b200", {"c_n1_fwd": (12.0, 24.0)}, sha=None, env_extra=dict(git_dirty=False))
+    assert list(report.config_parts(report.runs_of(raw)).values()) == report.runs_of(raw)
+    for run in report.runs_of(raw):  # a tree of unknown state (a device run given its commit): the newest alone
+        data = json.loads((run / "env.json").read_text())
+        (run / "env.json").write_text(json.dumps(dict(data, git_dirty=None)))
+    assert report.config_parts(report.runs_of(raw)) == {"c_n1_fwd": raw / "20261201-020000-b200"}
+
+
+def test_a_run_that_timed_no_case_still_renders(tmp_path):
+    raw = tmp_path / "raw"
+    _part(raw / "20261201-010000-b200", {"c_n5_fwd": (10.0, 12.0)})
+    _part(raw / "20261201-020000-b200", {})  # its part's one case timed nothing (the copy alone)
+    config = yaml.safe_load((raw / "20261201-020000-b200" / "config.yaml").read_text())
+    (raw / "20261201-020000-b200" / "config.yaml").write_text(yaml.safe_dump(dict(config, cases=["c_n1_fwd"])))
+    report.render("text_rope", raw, tmp_path / "results", tmp_path / "plots")
+    assert "These tables read" in (tmp_path / "results" / "b200" / "text_rope.md").read_text()
+    _part(raw / "20261201-030000-b200", {}, part=False)
+    report.render("text_rope", raw, tmp_path / "results", tmp_path / "plots")
+    table = (tmp_path / "results" / "b200" / "text_rope.md").read_text()
+    assert "These tables read" not in table and "dsfuse against the fastest valid control" not in table
 
 
 STALE = "the kernel source has changed since"

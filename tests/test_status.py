@@ -27,7 +27,11 @@ def test_every_op_has_a_row_and_a_changed_result_shows(tmp_path):
     shutil.copy(ROOT / "mkdocs.yml", root / "mkdocs.yml")
     (root / "README.md").write_text(f"x\n{status.START}\nold\n{status.END}\ny\n")
     rows = status.rows(root, OPS, status.site_link)
-    assert {r[0].split("]")[0].lstrip("[").split(",")[0] for r in rows} == {status.title(ROOT, op) for op in OPS}
+    names = [r[0].split("]")[0].lstrip("[") for r in rows]
+    assert {n for n in names if "," not in n} == {status.title(ROOT, op) for op in OPS}  # each op's own row
+    apart = {n for n in names if "," in n}  # and one per config kept apart, under the op's name
+    assert apart == {f"{status.title(ROOT, 'gdn')}, {sub.replace('_', ' ')}" for sub in status.kept_apart(root, "gdn", OPS)}
+    assert {"long", "forward_controls"} <= set(status.kept_apart(root, "gdn", OPS))
     path = root / "results" / "h200" / "text_rope.json"
     data = json.loads(path.read_text())
     run = data["runs"][data["newest"]]
@@ -48,7 +52,7 @@ def test_every_op_has_a_row_and_a_changed_result_shows(tmp_path):
     status.write(root, OPS)
     line = next(ln for ln in (root / "README.md").read_text().splitlines()
                 if ln.startswith("| [Text RoPE]") and "H200" in ln)
-    assert "1 of 4 met; missed: d (dsfuse); not measured: b (dsfuse), c (dsfuse)" in line
+    assert "1 of 4 met; missed: d (dsfuse); not measured in these runs: b (dsfuse), c (dsfuse)" in line
 
 
 def test_an_op_with_pages_of_its_own_is_named_by_its_section(tmp_path):

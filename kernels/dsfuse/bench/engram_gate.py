@@ -181,7 +181,7 @@ def providers(config: dict) -> list[Provider]:
     return select_providers(table, config)
 
 
-def report_extra(run_dir: Path) -> list[str]:
+def report_extra(run_dir: Path, cases: list[str] | None = None) -> list[str]:
     """What the gate can do for the consumer, as an additive model: the fastest control's consumer
     minus that control's gate alone (the GEMMs, which dsfuse does not change) plus dsfuse's gate
     ('expected'), or plus a gate at its bytes floor ('at gate floor': about the most any gate
@@ -192,7 +192,7 @@ def report_extra(run_dir: Path) -> list[str]:
 
     from dsfuse.bench.report import _fmt, load_run, summarize
 
-    run = load_run(Path(run_dir))
+    run = load_run(Path(run_dir), cases)
     med, ratios, _ = summarize(run)
     if ratios.empty or not ratios["case"].str.startswith("consumer_").any():
         return []

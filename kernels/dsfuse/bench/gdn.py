@@ -664,7 +664,7 @@ def providers(config: dict) -> list[Provider]:
 # -- report -----------------------------------------------------------------------------------
 
 
-def report_extra(run_dir: Path) -> list[str]:
+def report_extra(run_dir: Path, cases: list[str] | None = None) -> list[str]:
     """Packed against split views per case (the concatenation's cost), each provider's extra peak memory
     per case (where the run has ``memory.csv``), and the FLOPs: achieved TFLOP/s per provider and, where
     the config names ``peak_tflops``, the FLOPs floor (graph clock, L2 evicted; the wall clock of a smoke
@@ -673,7 +673,7 @@ def report_extra(run_dir: Path) -> list[str]:
 
     from dsfuse.bench.report import _fmt, load_run, summarize, valid_providers
 
-    run = load_run(Path(run_dir))
+    run = load_run(Path(run_dir), cases)
     med, _, _ = summarize(run)
     if med.empty:
         return []

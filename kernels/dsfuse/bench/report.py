@@ -72,7 +72,7 @@ from dsfuse.bench.tables import fmt as _fmt  # noqa: E402, F401  (used by the op
 
 SMOKE_BANNER = "**SMOKE RUN on CPU (Triton interpreter, tiny shapes): these numbers measure nothing.**"
 TARGETS_INTRO = ("Each target as set for this op, the measured median (graph clock unless stated), the bytes "
-                 "floor at the run's copy bandwidth, and whether it was met.")
+                 "floor at the copy bandwidth of the case's run, and whether it was met.")
 RATIO_INTRO = ("ratio = the fastest valid control's median latency / dsfuse's median latency (> 1: dsfuse is "
                "faster); [min, max]: the same ratio per paired block.")
 
@@ -134,11 +134,12 @@ def tuning_by_gpu(tuning_dir: Path) -> dict[str, list[Path]]:
 MEMORY_COLUMNS = ["case", "mode", "provider", "peak_mib", "retained_mib"]  # memory.csv (harness.peak_memory_row)
 
 
-def load_run(run_dir: Path) -> dict:
+def load_run(run_dir: Path, cases: list[str] | None = None) -> dict:
     """A run folder's CSVs as DataFrames, its env.json and config.yaml; ``memory`` empty where the run has no
-    ``memory.csv`` (a CPU run, or one made before the harness measured memory)."""
+    ``memory.csv`` (a CPU run, or one made before the harness measured memory). ``cases``: only those
+    cases' rows (and the copy's), where a newer run of the same config gives the others."""
     memory = raw_file(run_dir, "memory.csv")
-    return dict(
+    run = dict(
         run_id=run_dir.name,
         samples=pd.read_csv(raw_file(run_dir, "samples.csv")),
         validation=pd.read_csv(raw_file(run_dir, "validation.csv"), keep_default_na=False),
@@ -147,6 +148,11 @@ def load_run(run_dir: Path) -> dict:
         env=json.loads((run_dir / "env.json").read_text()),
         config=yaml.safe_load((run_dir / "config.yaml").read_text()) or {},
     )
+    if cases is not None:
+        for name in ("samples", "validation", "cases", "memory"):
+            frame = run[name]
+            run[name] = frame[frame["case"].isin([*cases, "copy"])].reset_index(drop=True)
+    return run
 
 
 # -- medians, bandwidth, ratios --------------------------------------------------------------
@@ -305,12 +311,12 @@ def render_gpu(op: str, gpu: str, runs: list[Path], results_dir: Path, plots_dir
         newest = runs[-1]
         run = load_run(newest)
         parts = config_parts(runs)
-        joined = join_parts(parts)
+        joined = join_parts(parts, newest)
         med, ratios, floors = joined["med"], joined["ratios"], joined["floors"]
         plots = plot_modes(op, med, floors, plots_dir, smoke, gpu=gpu_title(run["env"]),
                            validation=joined["validation"], cases=joined["cases"])
         state = source_state(op, run["env"])
-        if len(joined["runs"]) == 1:
+        if joined["runs"] == [newest]:
             lines = header_lines(op, newest, run, joined["copy_bw"][newest.name], smoke, state)
         else:
             lines = parts_header_lines(op, parts, joined, smoke, state)
@@ -320,7 +326,10 @@ def render_gpu(op: str, gpu: str, runs: list[Path], results_dir: Path, plots_dir
         lines += plots_section(op, plots)
         for part in joined["runs"]:
             lines += junit_section(part, op)
-        lines += parts_extra_lines(op, joined["runs"])
+        if joined["runs"] == [newest]:
+            lines += [demote(line) for line in extra_section(op, newest)]
+        else:
+            lines += parts_extra_lines(op, parts, joined["runs"])
         lines += checks_section(joined["validation"])
         index = runs_index(op, runs, shown=joined["runs"]).split("\n")
         if stem != op:  # included inside a section of the op's page: every heading one level down
@@ -329,7 +338,7 @@ def render_gpu(op: str, gpu: str, runs: list[Path], results_dir: Path, plots_dir
         written += plots
         written.append(_write(results_dir / f"{stem}_runs.md", "\n".join(index)))
         figures.update(gpu_name=run["env"].get("gpu_name"), newest=newest.name)
-        if len(joined["runs"]) > 1:  # the joined parts' tables: which run each case is from, the targets judged there
+        if joined["runs"] != [newest]:  # the joined parts' tables: which run each case is from, the targets judged there
             verdicts = target_table(run["config"].get("targets", []), med, ratios, floors).to_dict("records")
             figures["joined"] = dict(cases={case: run_dir.name for case, run_dir in parts.items()},
                                      targets=[dict(row, goals=goal) for row, goal in
@@ -352,29 +361,32 @@ def render_gpu(op: str, gpu: str, runs: list[Path], results_dir: Path, plots_dir
 
 
 def run_cases(run_dir: Path) -> list[str]:
-    """The cases a run measured (its cases.csv but the copy), in its order."""
+    """The cases a run timed (its cases.csv but the copy, those with samples), in its order."""
     cases = pd.read_csv(raw_file(run_dir, "cases.csv"), keep_default_na=False)
-    return [case for case in cases["case"] if case != "copy"]
+    timed = set(pd.read_csv(raw_file(run_dir, "samples.csv"), usecols=["case"])["case"])
+    return [case for case in cases["case"] if case != "copy" and case in timed]
 
 
 def part_key(run_dir: Path) -> tuple[str, str | None]:
-    """What the runs of one config's parts share: the config but its ``cases``, and the kernel source
-    they measured (env.json's ``kernel_sources`` hash, else the commit of a clean tree; None where
-    neither tells)."""
+    """What the runs of one config's parts share: the config but its ``cases`` and the environment
+    that decides what ran (GPU, packages, driver, CUDA, the recorded variables), as one string; and
+    the kernel source they measured (env.json's ``kernel_sources`` hash, else the commit of a tree
+    recorded clean; None where neither tells)."""
     config = dict(yaml.safe_load((Path(run_dir) / "config.yaml").read_text()) or {})
     config.pop("cases", None)
     e = _env(run_dir)
+    setting = {k: e.get(k) for k in ("gpu_name", "packages", "driver", "torch_cuda", "variables")}
     kernels = (e.get("kernel_sources") or {}).get("sha256")
-    if kernels is None and e.get("git_commit") and not e.get("git_dirty"):
+    if kernels is None and e.get("git_commit") and e.get("git_dirty") is False:
         kernels = "commit " + e["git_commit"]
-    return json.dumps(config, sort_keys=True, default=str), kernels
+    return json.dumps(dict(config=config, env=setting), sort_keys=True, default=str), kernels
 
 
 def config_parts(runs: list[Path]) -> dict[str, Path]:
     """Which run each case of the tables comes from. Where the newest of ``runs`` (oldest first) ran a
     part of its config (config.yaml's ``cases``: `dsfuse.bench.harness.selected_cases`), every case
-    that a run of the same config and kernel source (`part_key`) measured, each from the newest such
-    run that measured it; otherwise the newest run's cases. In the order the runs measured them."""
+    that a run of the same config, environment and kernel source (`part_key`) timed, each from the
+    newest such run that timed it; otherwise the newest run's cases. In the order the runs timed them."""
     newest = runs[-1]
     key = part_key(newest)
     config = yaml.safe_load((newest / "config.yaml").read_text()) or {}
@@ -388,36 +400,42 @@ def config_parts(runs: list[Path]) -> dict[str, Path]:
     return dict(sorted(found.items(), key=lambda item: (item[1].name, run_cases(item[1]).index(item[0]))))
 
 
-def join_parts(parts: dict[str, Path]) -> dict:
-    """The runs of ``parts`` (oldest first), each summarized on its own and kept to the cases it gives:
-    ``med`` and ``ratios`` (with a ``run`` column: a ratio is always within one run), ``floors`` (at
-    each run's own copy ceiling), ``validation``, ``cases``, and ``copy_bw`` by run."""
+def join_parts(parts: dict[str, Path], newest: Path) -> dict:
+    """The runs of ``parts`` (oldest first; ``newest`` alone, all of it, where ``parts`` is empty),
+    each summarized on its own and kept to the cases it gives: ``med`` and ``ratios`` (with a ``run``
+    column: a ratio is always within one run), ``floors`` (at each run's own copy ceiling),
+    ``validation``, ``cases``, and ``copy_bw`` by run."""
+    if not parts:  # a run that timed no case: its tables as they are (the copy alone)
+        run = load_run(newest)
+        med, ratios, copy_bw = summarize(run)
+        return dict(runs=[newest], med=med.assign(run=newest.name), ratios=ratios, validation=run["validation"],
+                    cases=run["cases"], floors=bytes_floors(run["cases"], set(med["provider"]), max(copy_bw.values())),
+                    copy_bw={newest.name: copy_bw})
     runs = sorted(set(parts.values()), key=lambda r: r.name)
     meds, ratio_frames, validations, case_frames = [], [], [], []
     floors: dict[tuple[str, str], float] = {}
     copy_bw: dict[str, dict[str, float]] = {}
     for run_dir in runs:
-        run = load_run(run_dir)
-        mine = [case for case, source in parts.items() if source == run_dir]
+        run = load_run(run_dir, [case for case, source in parts.items() if source == run_dir])
         med, ratios, copy_bw[run_dir.name] = summarize(run)
-        med = med[med["case"].isin(mine)].assign(run=run_dir.name)
-        meds.append(med)
+        meds.append(med.assign(run=run_dir.name))
         if not ratios.empty:
-            ratio_frames.append(ratios[ratios["case"].isin(mine)].assign(run=run_dir.name))
-        validations.append(run["validation"][run["validation"]["case"].isin(mine)])
-        cases = run["cases"][run["cases"]["case"].isin(mine)]
-        case_frames.append(cases)
-        floors |= bytes_floors(cases, set(med["provider"]), max(copy_bw[run_dir.name].values()))
+            ratio_frames.append(ratios.assign(run=run_dir.name))
+        validations.append(run["validation"])
+        case_frames.append(run["cases"][run["cases"]["case"] != "copy"])
+        floors |= bytes_floors(case_frames[-1], set(med["provider"]), max(copy_bw[run_dir.name].values()))
     return dict(runs=runs, med=pd.concat(meds, ignore_index=True),
                 ratios=pd.concat(ratio_frames, ignore_index=True) if ratio_frames else pd.DataFrame(),
                 validation=pd.concat(validations, ignore_index=True), cases=pd.concat(case_frames, ignore_index=True),
                 floors=floors, copy_bw=copy_bw)
 
 
-PARTS_INTRO = ("**These tables join {n} runs**, each a part of one config (config.yaml the same but for its "
-               "`cases`) that measured the same kernel source: each case's figures come from the newest of them "
-               "that measured it. A ratio against a control is always within one run (its paired blocks); a "
-               "target that compares two cases may compare two runs, and its verdict then says 'across runs'.")
+PARTS_INTRO = ("**These tables read {n}** of one config (its config.yaml the same but for `cases`, the "
+               "part a run timed) in the same environment, that measured the same kernel source: each case's "
+               "figures come from the newest of them that timed it (the table below says which). A ratio "
+               "against a control is always within one run (its paired blocks), and each run's own copy "
+               "bandwidth is the ceiling for its cases' 'of copy' and 'floor us'; a target that compares two "
+               "cases may compare two runs, and its verdict then says 'across runs'.")
 
 
 def parts_header_lines(op: str, parts: dict[str, Path], joined: dict, smoke: bool, state: dict) -> list[str]:
@@ -430,13 +448,15 @@ def parts_header_lines(op: str, parts: dict[str, Path], joined: dict, smoke: boo
     lines += ["", f"### {gpu_title(_env(runs[-1]))}", ""]
     if smoke:
         lines += [SMOKE_BANNER, ""]
-    lines += [PARTS_INTRO.format(n=len(runs)), ""]
-    stopped = [r for r in runs if (r / "UNFINISHED").exists()]
-    if stopped:
-        lines += [f"**A part stopped before its end** ({', '.join(f'`{r.name}`' for r in stopped)}): only the "
-                  "cases below finished there.", ""]
-    lines += state_lines(state)
-    lines += backend_lines(load_run(runs[-1]), op)
+    lines += [PARTS_INTRO.format(n=f"{len(runs)} runs" if len(runs) > 1 else "1 run"), ""]
+    for r in runs:
+        if (r / "UNFINISHED").exists():
+            mine = ", ".join(case for case, source in parts.items() if source == r)
+            lines += [f"**Run `{r.name}` stopped before its end** (a time limit or an error): of its part, only "
+                      f"{mine} finished.", ""]
+    lines += [line.replace("since this run", "since these runs") for line in state_lines(state)]
+    for r in runs:
+        lines += [line.replace("in this run", f"in run `{r.name}`") for line in backend_lines(load_run(r), op)]
     where = pd.DataFrame([[case, f"`{run_dir.name}`"] for case, run_dir in parts.items()], columns=["case", "run"])
     table = pd.concat([run_table(r.name, _env(r), r) for r in runs], ignore_index=True)
     rates = "; ".join(f"`{r.name}`: " + ", ".join(f"{clock} {bw:.2f} TB/s" for clock, bw in
@@ -446,14 +466,12 @@ def parts_header_lines(op: str, parts: dict[str, Path], joined: dict, smoke: boo
                     "fastest is the ceiling for its own cases' 'of copy' and 'floor us'.", ""]
 
 
-def parts_extra_lines(op: str, runs: list[Path]) -> list[str]:
-    """The op's own sections (`extra_section`) of each run the tables join, under a heading per run
-    where there are several."""
-    if len(runs) == 1:
-        return [demote(line) for line in extra_section(op, runs[0])]
+def parts_extra_lines(op: str, parts: dict[str, Path], runs: list[Path]) -> list[str]:
+    """The op's own sections (`extra_section`) of each run the tables join, each kept to the cases it
+    gives, under a heading per run."""
     lines = []
     for run_dir in runs:
-        extra = extra_section(op, run_dir)
+        extra = extra_section(op, run_dir, [case for case, source in parts.items() if source == run_dir])
         if extra:
             lines += [f"#### The op's own tables of `{run_dir.name}`", ""]
             lines += [("##" + line if line.startswith("### ") else line) for line in extra]
@@ -685,10 +703,11 @@ def op_function(op: str, name: str, required: bool = True) -> Callable | None:
     return found
 
 
-def extra_section(op: str, run_dir: Path) -> list[str]:
-    """The op's own sections: ``report_extra(run_dir)`` of its bench module, where it has one."""
+def extra_section(op: str, run_dir: Path, cases: list[str] | None = None) -> list[str]:
+    """The op's own sections: ``report_extra(run_dir, cases)`` of its bench module, where it has one
+    (``cases``: only those cases' rows, as `load_run`)."""
     extra = op_function(op, "report_extra", required=False)
-    return extra(run_dir) if extra is not None else []
+    return extra(run_dir, cases) if extra is not None else []
 
 
 def checks_section(validation: pd.DataFrame) -> list[str]:
@@ -1007,7 +1026,9 @@ def plot_modes(op: str, med: pd.DataFrame, floors: dict[tuple[str, str], float],
                smoke: bool, gpu: str = "", validation: pd.DataFrame | None = None,
                cases: pd.DataFrame | None = None) -> list[Path]:
     """One figure per mode: CUDA Graph replay with L2 evicted where the run has it (the headline
-    regime), else the wall clock; one panel per case, each on its own linear axis from zero."""
+    regime), else the wall clock; one panel per case, each on its own linear axis from zero. Where
+    ``med`` joins several runs (its ``run`` column, `join_parts`), a figure whose cases come from more
+    than one says so."""
     clock, regime = ("graph", "evicted") if "graph" in set(med["clock"]) else ("wall", "hot")
     validation = validation if validation is not None else pd.DataFrame(
         columns=["case", "provider", "role", "stage", "status"])
@@ -1020,8 +1041,9 @@ def plot_modes(op: str, med: pd.DataFrame, floors: dict[tuple[str, str], float],
     for mode, grp in med[(med["clock"] == clock) & (med["regime"] == regime)].groupby("mode", sort=False):
         failed = {(case, p) for case, p in zip(grp["case"], grp["provider"])
                   if not validation.empty and p not in valid.get(case, set())}
+        runs = grp["run"].nunique() if "run" in grp else 1
         written.append(_plot(op, mode, grp, clock, regime, Path(plots_dir), smoke, floors, roles, failed,
-                             params, gpu))
+                             params, gpu, runs))
     return written
 
 
@@ -1041,7 +1063,8 @@ def _fmt_us(us: float) -> str:
 
 
 def _plot(op: str, mode: str, grp: pd.DataFrame, clock: str, regime: str, plots_dir: Path, smoke: bool,
-          floors: dict[tuple[str, str], float], roles: dict, failed: set, params: dict, gpu: str) -> Path:
+          floors: dict[tuple[str, str], float], roles: dict, failed: set, params: dict, gpu: str,
+          runs: int = 1) -> Path:
     from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
     from matplotlib.ticker import MaxNLocator
@@ -1060,6 +1083,8 @@ def _plot(op: str, mode: str, grp: pd.DataFrame, clock: str, regime: str, plots_
     regime_line = "; ".join(x for x in (regime_words(clock, regime), shared, "bars: median us, linear from 0") if x)
     title_lines = [head] + ([regime_line] if len(regime_line) <= 95 else
                             [regime_words(clock, regime) + "; bars: median us, linear from 0", shared])
+    if runs > 1:
+        title_lines.append(f"the cases from {runs} runs of one config, each timed against the controls in its own run")
     if smoke:
         title_lines.insert(0, "SMOKE RUN (CPU interpreter, tiny shapes): these numbers measure nothing")
     label_in = 0.08 * max(len(p) for p in providers) + 0.3
@@ -1113,7 +1138,8 @@ def _plot(op: str, mode: str, grp: pd.DataFrame, clock: str, regime: str, plots_
         handles.append(Patch(facecolor="white", edgecolor="#333333", hatch=FAILED_HATCH,
                              label="failed a check (not a baseline)"))
     if any(f is not None and not pd.isna(f) for (c, _), f in floors.items() if c in cases):
-        handles.append(Line2D([], [], color="black", linewidth=1.4, label="bytes floor at the run's copy bandwidth"))
+        handles.append(Line2D([], [], color="black", linewidth=1.4, label="bytes floor at the run's copy bandwidth" if runs == 1 else
+                              "bytes floor at its run's copy bandwidth"))
     fig.legend(handles=handles, loc="lower center", ncol=-(-len(handles) // legend_rows), fontsize=8,
                frameon=False, bbox_to_anchor=(0.5, 0.0))
     fig.subplots_adjust(left=min(label_in / PLOT_WIDTH_IN, 0.4), right=0.97, wspace=0.25, hspace=gap_in / axes_in,

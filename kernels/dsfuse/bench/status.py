@@ -57,16 +57,16 @@ def _targets(run: dict) -> str:
     missed = [t for t in verdicts if verdict_state(t["verdict"]) == "missed"]
     unmeasured = [t for t in verdicts if verdict_state(t["verdict"]) == "not measured"]  # neither met nor missed
     text = f"{len(verdicts) - len(missed) - len(unmeasured)} of {len(verdicts)} met"
-    for word, these in (("missed", missed), ("not measured", unmeasured)):
+    for word, these in (("missed", missed), ("not measured in these runs", unmeasured)):
         if these:
             names = sorted({f"{t['case']} ({t['provider']})" for t in these})
             text += f"; {word}: " + ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
     return text
 
 
-def _gpu_tests(root: Path, op: str, run_id: str, link) -> str:
-    run_dir = root / "experiments" / op / "raw" / run_id
-    sessions = junit_files(run_dir)
+def _gpu_tests(root: Path, op: str, run_dirs: list[Path], link) -> str:
+    """The GPU test sessions stored with the runs the row reads, else a link to the op's logs by commit."""
+    sessions = [path for run_dir in run_dirs for path in junit_files(run_dir)]
     if sessions:
         return f"{len(sessions)} session(s) with the run"
     logs = root / "experiments" / op / "raw" / "gpu-tests"
@@ -91,13 +91,14 @@ def _row(root: Path, op: str, name: str, path: Path, link, stem: str) -> list[st
     gpu, run_id = path.parent.name, data["newest"]
     run = data["runs"][run_id]
     newest = f"[`{run_id}`]({link(op, gpu, run_id, stem)})"
-    targets = run
+    targets, read = run, [run_id]
     if "joined" in data:
-        parts = len(set(data["joined"]["cases"].values()))
-        newest += f" and {parts - 1} earlier part{'s' if parts > 2 else ''} of its config"
+        read = sorted(set(data["joined"]["cases"].values()))
+        newest += f" and {len(read) - 1} earlier part{'s' if len(read) > 2 else ''} of its config"
         targets = data["joined"]
+    raw = root / "experiments" / op / "raw" / (stem.removeprefix(f"{op}_") if stem != op else "")
     return [name, _backends(op), data.get("gpu_name", gpu), newest, f"`{(run['commit'] or '?')[:7]}`",
-            run.get("kernel_source", "unknown"), _targets(targets), _gpu_tests(root, op, run_id, link)]
+            run.get("kernel_source", "unknown"), _targets(targets), _gpu_tests(root, op, [raw / r for r in read], link)]
 
 
 def rows(root: Path, ops: list[str], link) -> list[list[str]]:

@@ -182,8 +182,9 @@ def after_run(config: dict, run_dir: Path, device: torch.device) -> None:
         run_tower(config, run_dir)
 
 
-def report_extra(run_dir: Path) -> list[str]:
-    """Tables of the whole-tower run (`dsfuse.bench.vision_tower`), when the run has one."""
+def report_extra(run_dir: Path, cases: list[str] | None = None) -> list[str]:
+    """Tables of the whole-tower run (`dsfuse.bench.vision_tower`), when the run has one (a run's own,
+    whatever ``cases`` it gives)."""
     import pandas as pd
     from tabulate import tabulate
 
