@@ -75,4 +75,4 @@ def test_a_compacted_junit_file_summarises_as_the_plain_one(tmp_path):
     assert [p.name for p in run.iterdir()] == ["junit-gpu.xml.gz"]
     packed = (report.junit_section(run, "gdn"), report._junit_counts(run, "gdn"))
     assert packed == ([plain[0][0].replace("junit-gpu.xml", "junit-gpu.xml.gz"), ""], plain[1])
-    assert status._gpu_tests(tmp_path, "gdn", run.name, None) == "1 session(s) with the run"
+    assert status._gpu_tests(tmp_path, "gdn", [run], None) == "1 session(s) with the run"

@@ -456,7 +456,8 @@ def parts_header_lines(op: str, parts: dict[str, Path], joined: dict, smoke: boo
                       f"{mine} finished.", ""]
     lines += [line.replace("since this run", "since these runs") for line in state_lines(state)]
     for r in runs:
-        lines += [line.replace("in this run", f"in run `{r.name}`") for line in backend_lines(load_run(r), op)]
+        lines += [line.replace("of this run", f"of run `{r.name}`").replace("in this run", f"in run `{r.name}`")
+                  for line in backend_lines(load_run(r), op)]
     where = pd.DataFrame([[case, f"`{run_dir.name}`"] for case, run_dir in parts.items()], columns=["case", "run"])
     table = pd.concat([run_table(r.name, _env(r), r) for r in runs], ignore_index=True)
     rates = "; ".join(f"`{r.name}`: " + ", ".join(f"{clock} {bw:.2f} TB/s" for clock, bw in
