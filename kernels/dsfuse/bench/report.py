@@ -392,12 +392,12 @@ def config_parts(runs: list[Path]) -> dict[str, Path]:
     config = yaml.safe_load((newest / "config.yaml").read_text()) or {}
     if not config.get("cases") or key[1] is None:
         return {case: newest for case in run_cases(newest)}
+    timed = {run_dir: run_cases(run_dir) for run_dir in reversed(runs) if part_key(run_dir) == key}  # newest first
     found: dict[str, Path] = {}
-    for run_dir in reversed(runs):
-        if part_key(run_dir) == key:
-            for case in run_cases(run_dir):
-                found.setdefault(case, run_dir)
-    return dict(sorted(found.items(), key=lambda item: (item[1].name, run_cases(item[1]).index(item[0]))))
+    for run_dir, cases in timed.items():
+        for case in cases:
+            found.setdefault(case, run_dir)
+    return dict(sorted(found.items(), key=lambda item: (item[1].name, timed[item[1]].index(item[0]))))
 
 
 def join_parts(parts: dict[str, Path], newest: Path) -> dict:
@@ -433,8 +433,7 @@ def join_parts(parts: dict[str, Path], newest: Path) -> dict:
 PARTS_INTRO = ("**These tables read {n}** of one config (its config.yaml the same but for `cases`, the "
                "part a run timed) in the same environment, that measured the same kernel source: each case's "
                "figures come from the newest of them that timed it (the table below says which). A ratio "
-               "against a control is always within one run (its paired blocks), and each run's own copy "
-               "bandwidth is the ceiling for its cases' 'of copy' and 'floor us'; a target that compares two "
+               "against a control is always within one run (its paired blocks); a target that compares two "
                "cases may compare two runs, and its verdict then says 'across runs'.")
 
 
