@@ -119,26 +119,34 @@ def test_every_run_of_a_gpu_is_listed_under_its_anchor(tmp_path):
 # staleness
 
 
-def _tiny_run(run_dir: Path, env_extra: dict) -> None:
+def _write_run(run_dir: Path, blocks: dict[str, list[tuple[float, float]]], env_json: dict, config: dict,
+               copy_us: float = 2.0) -> None:
+    """A run folder of ``blocks``' cases (``{case: [(dsfuse us, eager us) per paired block]}``, mode
+    fwd, 2 MB each, every check passed) beside a copy of ``copy_us``, with ``env_json`` and ``config``."""
     run_dir.mkdir(parents=True)
     samples = [dict(case="copy", mode="copy", provider="copy", regime="evicted", clock="graph", block=0, sample=0,
-                    us=2.0)]
-    samples += [dict(case="c_fwd", mode="fwd", provider=p, regime="evicted", clock="graph", block=b, sample=0, us=us)
-                for b, times in enumerate([(10, 20), (10, 40), (20, 30)])
-                for p, us in zip(("dsfuse", "eager"), times)]
+                    us=copy_us)]
+    samples += [dict(case=case, mode="fwd", provider=p, regime="evicted", clock="graph", block=b, sample=0, us=us)
+                for case, pairs in blocks.items() for b, pair in enumerate(pairs)
+                for p, us in zip(("dsfuse", "eager"), pair)]
     pd.DataFrame(samples).to_csv(run_dir / "samples.csv", index=False)
-    pd.DataFrame([dict(case="copy", mode="copy", bytes=4_000_000, params="{}"),
-                  dict(case="c_fwd", mode="fwd", bytes=2_000_000, params="{}")]).to_csv(run_dir / "cases.csv",
-                                                                                          index=False)
-    pd.DataFrame([dict(case="c_fwd", mode="fwd", provider=p, role=r, form="", check="bitwise", stage="before",
+    pd.DataFrame([dict(case="copy", mode="copy", bytes=4_000_000, params="{}")]
+                 + [dict(case=case, mode="fwd", bytes=2_000_000, params="{}") for case in blocks]
+                 ).to_csv(run_dir / "cases.csv", index=False)
+    pd.DataFrame([dict(case=case, mode="fwd", provider=p, role=r, form="", check="bitwise", stage="before",
                        status="pass", mismatches=0, max_abs_diff=0.0, error="")
-                  for p, r in (("dsfuse", "candidate"), ("eager", "control"))]).to_csv(run_dir / "validation.csv",
-                                                                                        index=False)
+                  for case in blocks for p, r in (("dsfuse", "candidate"), ("eager", "control"))],
+                 columns=["case", "mode", "provider", "role", "form", "check", "stage", "status", "mismatches",
+                          "max_abs_diff", "error"]).to_csv(run_dir / "validation.csv", index=False)
     (run_dir / "env.json").write_text(json.dumps(dict(gpu_name="NVIDIA B200", sm_count=148, driver="1.2",
-                                                      packages=dict(torch="2.x", triton="3.x"),
-                                                      date_utc="today", **env_extra)))
-    (run_dir / "config.yaml").write_text(yaml.safe_dump(dict(
-        targets=[dict(case="c_fwd", provider="dsfuse", max_of_fastest=0.5)])))
+                                                      packages=dict(torch="2.x", triton="3.x"), date_utc="today")
+                                                 | env_json))
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(config))
+
+
+def _tiny_run(run_dir: Path, env_extra: dict) -> None:
+    _write_run(run_dir, {"c_fwd": [(10, 20), (10, 40), (20, 30)]}, env_extra,
+               dict(targets=[dict(case="c_fwd", provider="dsfuse", max_of_fastest=0.5)]))
 
 
 def _part(run_dir: Path, times: dict[str, tuple[float, float]], sha: str | None = "a" * 64, config: dict | None = None,
@@ -146,28 +154,12 @@ def _part(run_dir: Path, times: dict[str, tuple[float, float]], sha: str | None 
     """A run of ``times``' cases (``{case: (dsfuse us, eager us)}``, two paired blocks) of one config
     whose target holds ``c_n1_fwd`` within 1.25x of ``c_n5_fwd``; ``part``: the config names them as its
     ``cases`` (a run of a part of it)."""
-    run_dir.mkdir(parents=True)
-    samples = [dict(case="copy", mode="copy", provider="copy", regime="evicted", clock="graph", block=0, sample=0,
-                    us=copy_us)]
-    samples += [dict(case=case, mode="fwd", provider=p, regime="evicted", clock="graph", block=b, sample=0, us=us)
-                for case, pair in times.items() for b in range(2) for p, us in zip(("dsfuse", "eager"), pair)]
-    pd.DataFrame(samples).to_csv(run_dir / "samples.csv", index=False)
-    pd.DataFrame([dict(case="copy", mode="copy", bytes=4_000_000, params="{}")]
-                 + [dict(case=case, mode="fwd", bytes=2_000_000, params="{}") for case in times]
-                 ).to_csv(run_dir / "cases.csv", index=False)
-    pd.DataFrame([dict(case=case, mode="fwd", provider=p, role=r, form="", check="bitwise", stage="before",
-                       status="pass", mismatches=0, max_abs_diff=0.0, error="")
-                  for case in times for p, r in (("dsfuse", "candidate"), ("eager", "control"))],
-                 columns=["case", "mode", "provider", "role", "form", "check", "stage", "status", "mismatches",
-                          "max_abs_diff", "error"]).to_csv(run_dir / "validation.csv", index=False)
-    (run_dir / "env.json").write_text(json.dumps(dict(dict(gpu_name="NVIDIA B200", sm_count=148, driver="1.2",
-                                                           packages=dict(torch="2.x", triton="3.x"), date_utc="today",
-                                                           git_commit="f" * 40), **(env_extra or {}),
-                                                      **(dict(kernel_sources=dict(sha256=sha, files=[]))
-                                                         if sha else {}))))
     body = config or dict(tokens=8, targets=[dict(case="c_n1_fwd", provider="dsfuse",
                                                    max_of_case=dict(case="c_n5_fwd", factor=1.25))])
-    (run_dir / "config.yaml").write_text(yaml.safe_dump(body | (dict(cases=list(times)) if part else {})))
+    _write_run(run_dir, {case: [pair, pair] for case, pair in times.items()},
+               dict(git_commit="f" * 40, **(env_extra or {}), **(dict(kernel_sources=dict(sha256=sha, files=[]))
+                                                                  if sha else {})),
+               body | (dict(cases=list(times)) if part else {}), copy_us)
 
 
 def test_a_config_run_in_parts_renders_the_newest_part_of_each_case(tmp_path):
